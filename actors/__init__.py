@@ -1,0 +1,1 @@
+"""The Ray runtime: MasterActor, ExpertManager, PlacementService, transports."""

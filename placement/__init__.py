@@ -1,0 +1,1 @@
+"""Expert placement as pure math (numpy, cvxpy, pydantic; no torch, no ray)."""

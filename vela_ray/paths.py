@@ -1,0 +1,27 @@
+"""Where vela-ray finds shared data and keeps its caches.
+
+`../shared/data` beside the repository holds the reference data sets
+(override with VELA_DATA_DIR); built artefacts such as the tiny pre-trained
+model are cached under VELA_CACHE_DIR (default: ~/.cache/vela-ray).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    """The reference data directory (`../shared/data` beside the repository)."""
+    env = os.environ.get("VELA_DATA_DIR")
+    return Path(env) if env else REPO_ROOT.parent / "shared" / "data"
+
+
+def cache_dir() -> Path:
+    """The cache directory for built models and profiles (created on demand)."""
+    env = os.environ.get("VELA_CACHE_DIR")
+    path = Path(env) if env else Path.home() / ".cache" / "vela-ray"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
