@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Callable
 
 Handler = Callable[[argparse.Namespace], int]
@@ -45,6 +46,77 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 def _subcommand(fn: Callable[[argparse._SubParsersAction], None]):
     _SUBCOMMANDS.append(fn)
     return fn
+
+
+@_subcommand
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure expert access probabilities P[L, E] of a model on data")
+    p.add_argument("--model", required=True, type=Path, help="model directory (save_pretrained layout)")
+    p.add_argument("--data", required=True, type=Path, help="text file / directory, or Alpaca .json / .jsonl")
+    p.add_argument("--kind", choices=["text", "instruct"], help="data kind (default: instruct for .json/.jsonl)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
+    p.add_argument("--batches", type=int, help="profile only the first N batches (default: all data)")
+    p.add_argument("--out", required=True, type=Path, help="profile JSON to write")
+    p.add_argument("--npy", type=Path, help="also write P [L, E] as .npy (the input of `vela place`)")
+    p.add_argument("--plot", type=Path, help="directory for access-heatmap and confidence-CDF PNGs")
+    p.set_defaults(handler=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vela_ray import plots
+    from vela_ray.data import DataConfig, sequential_batches
+    from vela_ray.locality import profile_model
+
+    if not (args.model / "config.json").is_file():
+        raise ValueError(f"--model {args.model} is not a model directory (no config.json)")
+    kind = args.kind or ("instruct" if args.data.suffix in (".json", ".jsonl") else "text")
+    limit = args.batches * args.batch_size if args.batches else None
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dataset = DataConfig(kind=kind, path=args.data, seq_len=args.seq_len, limit=limit).build(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    profile = profile_model(model, sequential_batches(dataset, args.batch_size), progress=True,
+                            source=f"{args.model} on {args.data} ({kind}, seq_len {args.seq_len})")
+    profile.save(args.out, args.npy)
+    if args.plot:
+        plots.plot_access_heatmaps({args.data.name: profile.probs_array()}, args.plot / "access_heatmap.png",
+                                   profile.top_k)
+        plots.plot_confidence_cdf({args.data.name: profile}, 0, args.plot / "confidence_cdf.png")
+    logging.getLogger("vela_ray.cli").info("profiled %d tokens over %d MoE layers -> %s",
+                                           profile.tokens, profile.num_layers, args.out)
+    return 0
+
+
+@_subcommand
+def _add_build_tiny_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build-tiny-model", help="pre-train the tiny local Mixtral of the locality study (cached)")
+    p.add_argument("--corpus", type=Path, help="plain-text pre-training corpus (default: WikiText-2 valid)")
+    p.add_argument("--steps", type=int, help="pre-training steps")
+    p.add_argument("--layers", dest="num_layers", type=int, help="decoder layers")
+    p.add_argument("--hidden", dest="hidden_size", type=int, help="hidden size")
+    p.add_argument("--experts", dest="num_experts", type=int, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, help="experts per token")
+    p.add_argument("--vocab-size", type=int, help="BPE vocabulary size")
+    p.add_argument("--seed", type=int, help="random seed")
+    p.add_argument("--out", type=Path, help="build into this directory instead of the cache")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
+    p.set_defaults(handler=_run_build_tiny_model)
+
+
+def _run_build_tiny_model(args: argparse.Namespace) -> int:
+    from vela_ray.tiny_model import TinyModelConfig, build_tiny_model, tiny_model_path
+
+    fields = ("corpus", "steps", "num_layers", "hidden_size", "num_experts", "top_k", "vocab_size", "seed")
+    config = TinyModelConfig(**{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
+    if args.out:
+        build_tiny_model(config, args.out, num_threads=args.threads)
+        print(args.out)
+    else:
+        print(tiny_model_path(config, num_threads=args.threads))
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vela_ray.broker import ExpertBroker
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -56,6 +58,8 @@ def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
     Raises ValueError naming `owner` (the model class) for any other layout
     (biases, transposed or interleaved weights, non-gated experts).
     """
+    if isinstance(experts, ExpertBroker):
+        return experts.layout
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
     unsupported = {
@@ -119,3 +123,45 @@ def top_k_of(model: nn.Module) -> int:
     if not top_k:
         raise ValueError(f"{type(model).__name__}: config has no num_experts_per_tok")
     return int(top_k)
+
+
+def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """{(layer, expert): (gate_up [2I, D], down [D, I])} sliced from in-memory fused experts.
+
+    For building shards from a model already in memory (tests, single-process
+    runs); the runtime reads experts from the checkpoint instead (`vela_ray.loading`).
+    """
+    wanted = keys if keys is not None else [(b.index, e) for b in blocks for e in range(b.layout.num_experts)]
+    by_index = {b.index: b for b in blocks}
+    out = {}
+    for layer, expert in wanted:
+        experts = by_index[layer].block.experts
+        out[(layer, expert)] = (experts.gate_up_proj[expert].detach(), experts.down_proj[expert].detach())
+    return out
+
+
+def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
+    """Replace every MoE block's `experts` with an `ExpertBroker` sharing `dispatcher`.
+
+    Gradient checkpointing is refused: recomputing a block in backward would
+    dispatch its rows to the workers a second time and overwrite the graph they
+    keep for that backward.
+    """
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} has gradient checkpointing enabled; vela-ray's expert broker does not "
+            "support it (experts run remotely). Call model.gradient_checkpointing_disable()"
+        )
+    blocks = find_moe_blocks(model)
+    table_shape = tuple(dispatcher.expert_to_worker.shape)
+    if table_shape != (len(blocks), blocks[0].layout.num_experts):
+        raise ValueError(
+            f"placement table is {table_shape} but {type(model).__name__} has "
+            f"{len(blocks)} MoE layers x {blocks[0].layout.num_experts} experts"
+        )
+    brokers = []
+    for block in blocks:
+        broker = ExpertBroker(block.index, dispatcher, block.layout)
+        block.block.experts = broker
+        brokers.append(broker)
+    return brokers

@@ -1,0 +1,203 @@
+"""LoRA adapters in peft's format, keyed by logical expert.
+
+vela-ray trains two kinds of adapters:
+- backbone adapters (attention, shared experts, dense MLPs) with ordinary peft
+  `target_modules` on the master's stripped model;
+- expert adapters, one per logical (layer, expert), in `ExpertShard`s wherever
+  the placement put them.
+
+`export_adapter` writes both as ONE standard peft adapter directory for the
+original (unstripped) model, where experts are adapted through
+`target_parameters=["experts.gate_up_proj", "experts.down_proj"]`. peft stores
+those as fused matrices; for a parameter with E experts and rank r:
+
+    lora_A: [r*E, in]   expert e owns rows  e*r : (e+1)*r
+    lora_B: [out, r*E]  expert e owns columns e, e+E, e+2E, ...  (reshape(out, r, E)[:, :, e])
+
+`read_adapter` inverts this, so an adapter loads into any placement or worker count.
+The router (`gate`) and `lm_head` are never adapted (the paper: all linear layers but the gate).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora.layer import ParamWrapper
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from vela_ray.experts import ExpertKey, LoraSpec
+from vela_ray.modeling import find_moe_blocks
+
+logger = logging.getLogger(__name__)
+
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+_EXPERT_SLOTS = {"gate_up_proj": "gate_up", "down_proj": "down"}
+_ROUTER_NAMES = re.compile(r"(^gate$|_gate$|router)")
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def linear_targets(model: nn.Module) -> str:
+    """A regex over the module paths of every nn.Linear to adapt (all but lm_head and routers).
+
+    Exact paths (layer numbers as \\d+), and without the leaf names that peft's
+    transformers-v4 compatibility layer rewrites into *expert* targets for some
+    families (`gate_proj`/`up_proj`/`down_proj` in Qwen2-MoE and DeepSeek, whose
+    shared experts and dense MLPs use those names): with them, peft would adapt the
+    experts' gate_up_proj with a doubled rank and drop the shared experts, and an
+    exported adapter would not load. Those layers stay frozen (logged).
+    """
+    paths = [
+        path for path, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and not path.endswith("lm_head")
+        and not _ROUTER_NAMES.search(path.rsplit(".", 1)[-1])
+    ]
+    rewritten = _leaf_names_peft_rewrites(model, {p.rsplit(".", 1)[-1] for p in paths})
+    if rewritten:
+        logger.warning("%s: not adapting %s layers (peft maps these names onto experts for this family)",
+                       type(model).__name__, sorted(rewritten))
+    patterns = sorted({
+        re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(path))
+        for path in paths if path.rsplit(".", 1)[-1] not in rewritten
+    })
+    return "^(?:" + "|".join(patterns) + ")$"
+
+
+def _leaf_names_peft_rewrites(model: nn.Module, leaf_names: set[str]) -> set[str]:
+    """Which of `leaf_names` peft's v4->v5 conversion would turn into expert targets for `model`."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # older peft: no conversion layer
+        return set()
+    probe = LoraConfig(r=1, target_modules=sorted(leaf_names))
+    convert_peft_config_for_transformers(probe, model=model, conversions=None)
+    return leaf_names - set(probe.target_modules or ())
+
+
+def full_lora_config(model: nn.Module, lora: LoraSpec) -> LoraConfig:
+    """The peft config of the *original* model: linear layers + fused expert parameters."""
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=0.0,
+        target_modules=linear_targets(model),
+        target_parameters=list(EXPERT_PARAMETERS),
+    )
+
+
+def backbone_lora_config(full: LoraConfig) -> LoraConfig:
+    """The same config without the expert parameters, for the master's stripped model."""
+    kwargs = full.to_dict()
+    kwargs.pop("peft_type", None)
+    kwargs.pop("task_type", None)
+    kwargs["target_parameters"] = None
+    return LoraConfig(**{k: v for k, v in kwargs.items() if k in LoraConfig.__dataclass_fields__})
+
+
+def fuse_expert_factors(per_expert: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(A_e [r, in], B_e [out, r]) for e in 0..E-1] -> peft's fused (A [r*E, in], B [out, r*E])."""
+    lora_A = torch.cat([a for a, _ in per_expert], dim=0)
+    lora_B = torch.stack([b for _, b in per_expert], dim=-1)  # [out, r, E]
+    return lora_A, lora_B.reshape(lora_B.shape[0], -1)
+
+
+def split_expert_factors(lora_A: torch.Tensor, lora_B: torch.Tensor, num_experts: int):
+    """Inverse of `fuse_expert_factors`: [(A_e, B_e)] per expert."""
+    A_ErI = lora_A.reshape(num_experts, -1, lora_A.shape[-1])
+    B_OrE = lora_B.reshape(lora_B.shape[0], -1, num_experts)
+    return [(A_ErI[e].clone(), B_OrE[:, :, e].clone()) for e in range(num_experts)]
+
+
+def _expert_param_keys(config: PretrainedConfig, lora_config: LoraConfig) -> dict[tuple[int, str], str]:
+    """{(moe layer, "gate_up"|"down"): state-dict key prefix} from a meta-device peft skeleton."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+        layer_of = {b.experts_path: b.index for b in find_moe_blocks(skeleton)}
+        peft_skeleton = get_peft_model(skeleton, lora_config)
+    prefixes = {}
+    for name, module in peft_skeleton.named_modules():
+        if isinstance(module, ParamWrapper) and module.parameter_name in _EXPERT_SLOTS:
+            experts_path = re.sub(r"^base_model\.model\.|(\.base_layer)+$", "", name)
+            prefixes[(layer_of[experts_path], _EXPERT_SLOTS[module.parameter_name])] = name
+    return prefixes
+
+
+def export_adapter(
+    out_dir: str | Path,
+    config: PretrainedConfig,
+    lora_config: LoraConfig,
+    backbone_state: dict[str, torch.Tensor],
+    expert_state: dict[ExpertKey, dict[str, torch.Tensor]],
+) -> Path:
+    """Write a peft adapter directory for the original model; `PeftModel.from_pretrained` loads it.
+
+    backbone_state: `get_peft_model_state_dict` of the master's peft model.
+    expert_state: {(layer, expert): {"lora_A_gate_up", "lora_B_gate_up", "lora_A_down", "lora_B_down"}}.
+    Raises ValueError if any expert of any MoE layer has no adapter.
+    """
+    prefixes = _expert_param_keys(config, lora_config)
+    num_layers = 1 + max(layer for layer, _ in prefixes)
+    num_experts = _num_experts(config)
+    missing = [(l, e) for l in range(num_layers) for e in range(num_experts) if (l, e) not in expert_state]
+    if missing:
+        raise ValueError(
+            f"cannot export adapter: {len(missing)} experts have no LoRA state, e.g. {missing[:6]}; "
+            "every ExpertManager must report its experts before export"
+        )
+    state = {k: v.detach().cpu().contiguous() for k, v in backbone_state.items()}
+    for (layer, slot), prefix in prefixes.items():
+        per_expert = [(expert_state[(layer, e)][f"lora_A_{slot}"], expert_state[(layer, e)][f"lora_B_{slot}"])
+                      for e in range(num_experts)]
+        lora_A, lora_B = fuse_expert_factors(per_expert)
+        state[f"{prefix}.lora_A.weight"] = lora_A.detach().cpu().contiguous()
+        state[f"{prefix}.lora_B.weight"] = lora_B.detach().cpu().contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    lora_config.save_pretrained(str(out))
+    return out
+
+
+def read_adapter(adapter_dir: str | Path, config: PretrainedConfig):
+    """Read a peft adapter dir -> (LoraConfig, backbone_state, expert_state keyed by (layer, expert))."""
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / ADAPTER_FILE).is_file():
+        raise ValueError(f"{adapter_dir} is not a peft adapter directory (no {ADAPTER_FILE})")
+    lora_config = LoraConfig.from_pretrained(str(adapter_dir))
+    state = load_file(str(adapter_dir / ADAPTER_FILE))
+    prefixes = _expert_param_keys(config, lora_config)
+    num_experts = _num_experts(config)
+    expert_state: dict[ExpertKey, dict[str, torch.Tensor]] = {}
+    for (layer, slot), prefix in prefixes.items():
+        keys = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
+        if not all(k in state for k in keys):
+            raise ValueError(f"{adapter_dir}: adapter has no {slot} factors for MoE layer {layer} ({keys[0]})")
+        for e, (a, b) in enumerate(split_expert_factors(state.pop(keys[0]), state.pop(keys[1]), num_experts)):
+            expert_state.setdefault((layer, e), {})[f"lora_A_{slot}"] = a
+            expert_state[(layer, e)][f"lora_B_{slot}"] = b
+    return lora_config, state, expert_state
+
+
+def backbone_state_of(peft_model) -> dict[str, torch.Tensor]:
+    return get_peft_model_state_dict(peft_model)
+
+
+def _num_experts(config: PretrainedConfig) -> int:
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise ValueError(f"{type(config).__name__} names no expert count")
+
+
+def lora_spec_of(lora_config: LoraConfig) -> LoraSpec:
+    return LoraSpec(r=int(lora_config.r), alpha=float(lora_config.lora_alpha))
+
+
+def adapter_config_json(adapter_dir: str | Path) -> dict:
+    return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())

@@ -1,0 +1,147 @@
+"""ExpertBroker: stands in for a MoE block's `experts` and sends tokens to wherever experts live.
+
+Legend: T = tokens, D = hidden, K = top-k, R = routed rows (one per valid
+(token, k) pair), E = experts per layer, N = workers.
+
+Stages of `ExpertBroker.forward(hidden_TD, top_k_index_TK, top_k_weights_TK)`:
+  1. plan: group the (token, k) pairs by owning worker, then by expert, using the
+     placement table [L, E] -> worker (`ExpertDispatcher.plan`);
+  2. dispatch + gather through the transport inside `_RemoteExperts`, a custom
+     autograd Function: its backward sends d(outputs) to the owners and gathers
+     d(rows), so LoRA gradients accumulate on the workers;
+  3. combine on the master: out_TD = sum_k weight_TK * expert_out, in autograd, so
+     the router's inputs get their gradient as in the original module.
+
+The arithmetic equals the original experts module; only where it runs changes.
+Traffic is counted here, once, for every transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vela_ray.traffic import TrafficCounter
+from vela_ray.transport import ForwardRequest, Transport
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Where each routed row of one layer goes; rows are ordered by (worker, expert)."""
+
+    layer: int
+    token_idx_R: torch.Tensor  # [R] token of each row
+    k_pos_R: torch.Tensor  # [R] which of the token's top-k slots
+    expert_ids_R: torch.Tensor  # [R] expert within the layer
+    worker_rows: tuple[tuple[int, int, int], ...]  # (worker, start, end) for workers with rows
+
+
+class ExpertDispatcher:
+    """Shared by all brokers of a model: the placement table, the transport and the counters."""
+
+    def __init__(self, expert_to_worker: torch.Tensor, transport: Transport, counter: TrafficCounter | None = None):
+        table = torch.as_tensor(expert_to_worker, dtype=torch.long)
+        if table.dim() != 2:
+            raise ValueError(f"expert_to_worker must be [layers, experts], got shape {tuple(table.shape)}")
+        if table.numel() and (table.min() < 0 or table.max() >= transport.num_workers):
+            raise ValueError(
+                f"expert_to_worker names workers {table.min().item()}..{table.max().item()} "
+                f"but the transport has {transport.num_workers}"
+            )
+        self.expert_to_worker = table
+        self.transport = transport
+        num_layers = table.shape[0]
+        self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
+        self._keys = itertools.count()
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_to_worker.shape[1]
+
+    def plan(self, layer: int, top_k_index_TK: torch.Tensor) -> DispatchPlan:
+        top_k = top_k_index_TK.shape[1]
+        expert_P = top_k_index_TK.reshape(-1).to(torch.long).cpu()
+        pair_R = torch.nonzero(expert_P < self.num_experts).squeeze(1)  # ids >= E mark dropped slots
+        expert_R = expert_P[pair_R]
+        worker_R = self.expert_to_worker[layer][expert_R]
+        order = torch.argsort(worker_R * self.num_experts + expert_R, stable=True)
+        pair_R, expert_R, worker_R = pair_R[order], expert_R[order], worker_R[order]
+        counts = torch.bincount(worker_R, minlength=self.transport.num_workers).tolist()
+        ends = list(itertools.accumulate(counts))
+        worker_rows = tuple((w, ends[w] - c, ends[w]) for w, c in enumerate(counts) if c > 0)
+        return DispatchPlan(layer, pair_R // top_k, pair_R % top_k, expert_R, worker_rows)
+
+    def new_key(self, layer: int) -> tuple[int, int]:
+        return (next(self._keys), layer)
+
+    def _count(self, layer: int, direction, parts: dict[int, torch.Tensor]) -> None:
+        for worker, tensor in parts.items():
+            self.counter.record(layer, worker, direction, tensor.shape[0], tensor.numel() * tensor.element_size())
+
+    def forward(self, plan: DispatchPlan, rows_RD: torch.Tensor, key) -> torch.Tensor:
+        requests = {
+            w: ForwardRequest(plan.layer, plan.expert_ids_R[s:e], rows_RD[s:e], key) for w, s, e in plan.worker_rows
+        }
+        self._count(plan.layer, "dispatch", {w: r.rows for w, r in requests.items()})
+        outputs = self.transport.forward(requests)
+        self._count(plan.layer, "gather", outputs)
+        return _concat_in_plan_order(plan, outputs, rows_RD)
+
+    def backward(self, plan: DispatchPlan, grad_RD: torch.Tensor, key) -> torch.Tensor:
+        grads = {w: grad_RD[s:e].contiguous() for w, s, e in plan.worker_rows}
+        self._count(plan.layer, "grad_dispatch", grads)
+        grad_rows = self.transport.backward(key, grads)
+        self._count(plan.layer, "grad_gather", grad_rows)
+        return _concat_in_plan_order(plan, grad_rows, grad_RD)
+
+
+def _concat_in_plan_order(plan: DispatchPlan, parts: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not plan.worker_rows:
+        return like.new_zeros(like.shape)
+    return torch.cat([parts[w].to(like.device, like.dtype) for w, _, _ in plan.worker_rows])
+
+
+class _RemoteExperts(torch.autograd.Function):
+    """rows -> expert outputs, computed wherever the experts live; backward goes there too."""
+
+    @staticmethod
+    def forward(ctx, hidden_TD, grad_anchor, dispatcher: ExpertDispatcher, plan: DispatchPlan, key):
+        ctx.dispatcher, ctx.plan, ctx.key, ctx.num_tokens = dispatcher, plan, key, hidden_TD.shape[0]
+        rows_RD = hidden_TD.index_select(0, plan.token_idx_R.to(hidden_TD.device))
+        return dispatcher.forward(plan, rows_RD, key)
+
+    @staticmethod
+    def backward(ctx, grad_out_RD):
+        grad_rows_RD = ctx.dispatcher.backward(ctx.plan, grad_out_RD.contiguous(), ctx.key)
+        grad_TD = grad_rows_RD.new_zeros(ctx.num_tokens, grad_rows_RD.shape[1])
+        grad_TD.index_add_(0, ctx.plan.token_idx_R.to(grad_TD.device), grad_rows_RD)
+        return grad_TD, None, None, None, None
+
+
+class ExpertBroker(nn.Module):
+    """Drop-in replacement for a MoE block's `experts`: same call, experts elsewhere."""
+
+    def __init__(self, layer: int, dispatcher: ExpertDispatcher, layout=None):
+        super().__init__()
+        self.layer = layer
+        self.dispatcher = dispatcher
+        self.layout = layout  # modeling.ExpertsLayout of the experts this broker stands in for
+
+    def forward(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor):
+        plan = self.dispatcher.plan(self.layer, top_k_index_TK)
+        track_grad = torch.is_grad_enabled()
+        key = self.dispatcher.new_key(self.layer) if track_grad else None
+        # The anchor makes the Function's output require grad even when no input does
+        # (no backbone adapter upstream), so expert LoRA still gets its backward.
+        anchor = torch.zeros((), requires_grad=track_grad)
+        expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, plan, key)
+        token_idx_R = plan.token_idx_R.to(hidden_TD.device)
+        weights_R = top_k_weights_TK[token_idx_R, plan.k_pos_R.to(hidden_TD.device)]
+        weighted_RD = (expert_out_RD * weights_R[:, None]).to(hidden_TD.dtype)
+        return torch.zeros_like(hidden_TD).index_add(0, token_idx_R, weighted_RD)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, workers={self.dispatcher.transport.num_workers}"

@@ -1,0 +1,99 @@
+"""Optimizer pieces shared by the master and the expert hosts.
+
+The master steps the backbone adapters; every expert host steps its own
+experts' adapters (`ShardTrainer`). Together they must equal one AdamW over
+all adapters of the original model with global grad-norm clipping, so:
+- the learning rate of each step is computed once, on the master (`lr_at`), and sent;
+- the clip coefficient comes from the global norm sqrt(master^2 + sum of workers^2);
+- expert gradients start as zeros, not None, so an expert that saw no token in a step
+  still gets its AdamW update (weight decay, momentum), exactly as peft's fused matrix does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from vela_ray.experts import ExpertShard
+
+
+class OptimizerConfig(BaseModel):
+    """AdamW and schedule; defaults are the VELA paper's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(3e-5, gt=0, description="peak learning rate")
+    betas: tuple[float, float] = (0.8, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(3e-7, ge=0)
+    max_grad_norm: float | None = Field(1.0, description="global grad-norm clip; None disables")
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+
+
+def lr_at(cfg: OptimizerConfig, step: int, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based) of `total_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or total_steps <= cfg.warmup_steps:
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - progress)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """Sum of squared gradient entries (fp64 accumulate), the piece each side reports."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().pow(2).sum())
+    return total
+
+
+def clip_coefficient(total_sq_norm: float, max_norm: float | None) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor for the global norm."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (math.sqrt(total_sq_norm) + 1e-6))
+
+
+def apply_step(optimizer: torch.optim.Optimizer, lr: float, clip_coef: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if clip_coef != 1.0:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(clip_coef)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+
+
+class ShardTrainer:
+    """An ExpertShard with its own AdamW: what an ExpertManager runs per step."""
+
+    def __init__(self, shard: ExpertShard, cfg: OptimizerConfig):
+        self.shard = shard
+        self.params = list(shard.lora_parameters())
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer = make_adamw(self.params, cfg)
+
+    def grad_sq_norm(self) -> float:
+        return grad_sq_norm(self.params)
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        apply_step(self.optimizer, lr, clip_coef)
+        self.shard.release()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+        self.shard.release()

@@ -1,0 +1,273 @@
+"""A tiny pre-trained Mixtral-architecture MoE model, built locally on CPU (no model hub).
+
+The locality study and tests need a *pre-trained* MoE model: routing of a random
+model carries no locality. `build_tiny_model` trains a byte-level BPE tokenizer
+on a corpus (WikiText-2 by default), pre-trains a small `MixtralForCausalLM`
+(load-balancing aux loss on, AdamW, warmup + cosine) for a bounded number of
+steps, and saves model and tokenizer so that `AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` load them. `tiny_model_path(config)` caches
+the result under ``cache_dir()/tiny-mixtral-<hash of the build settings>`` and
+builds only if missing (into a temporary directory renamed into place, so a
+killed build never leaves a half model). ``vela build-tiny-model`` does the same
+from the command line. Usage::
+
+    model_dir = tiny_model_path()            # default build, ~3 minutes on 2 cores
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, MixtralConfig, PreTrainedTokenizerFast
+
+from vela_ray.data import TokenizedDataset, iterate_batches, pack_string, pack_text, sequential_batches
+from vela_ray.locality import profile_model, skew_per_layer
+from vela_ray.paths import cache_dir, data_dir
+
+log = logging.getLogger(__name__)
+
+BUILD_VERSION = 1  # bump when the build recipe changes, to invalidate cached models
+BUILD_INFO = "build_info.json"
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+
+
+def _default_corpus() -> Path:
+    return data_dir() / "wikitext-2" / "valid.txt"
+
+
+def default_skew_data() -> Path:
+    """The fine-tuning data the build reports router skew on (Tiny Shakespeare)."""
+    return data_dir() / "tinyshakespeare" / "input.txt"
+
+
+class TinyModelConfig(BaseModel):
+    """Settings of a tiny Mixtral build; all of them (and the corpus content) key the cache."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    corpus: Path = Field(default_factory=_default_corpus)
+    """Plain-text pre-training corpus (also trains the tokenizer)."""
+    max_corpus_chars: int | None = Field(default=None, ge=1000)
+    """Use only the first this many characters of the corpus."""
+    vocab_size: int = Field(default=4096, ge=300)
+    """Byte-level BPE vocabulary size (including 256 byte tokens and 3 special tokens)."""
+    num_layers: int = Field(default=4, ge=1)
+    hidden_size: int = Field(default=128, ge=8)
+    intermediate_size: int = Field(default=256, ge=8)
+    """Hidden size of each expert's gated MLP."""
+    num_heads: int = Field(default=4, ge=1)
+    num_kv_heads: int = Field(default=2, ge=1)
+    num_experts: int = Field(default=8, ge=2)
+    top_k: int = Field(default=2, ge=1)
+    router_aux_loss_coef: float = Field(default=0.01, ge=0.0)
+    """Weight of the load-balancing aux loss in the pre-training loss."""
+    seq_len: int = Field(default=128, ge=8)
+    batch_size: int = Field(default=16, ge=1)
+    steps: int = Field(default=500, ge=1)
+    """Optimizer steps of pre-training."""
+    learning_rate: float = Field(default=3e-3, gt=0.0)
+    """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
+    warmup_steps: int = Field(default=50, ge=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> TinyModelConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads}) "
+                             f"and num_heads by num_kv_heads ({self.num_kv_heads})")
+        return self
+
+    def digest(self) -> str:
+        """12 hex digits identifying the build: settings, corpus content and `BUILD_VERSION`."""
+        if not self.corpus.is_file():
+            raise ValueError(f"tiny-model corpus {self.corpus} is not a file")
+        settings = self.model_dump(mode="json", exclude={"corpus"})
+        corpus_sha = hashlib.sha256(self.corpus.read_bytes()).hexdigest()
+        key = json.dumps({"settings": settings, "corpus": corpus_sha, "version": BUILD_VERSION}, sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def mixtral_config(self, tokenizer: PreTrainedTokenizerFast) -> MixtralConfig:
+        return MixtralConfig(
+            vocab_size=len(tokenizer), hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, num_local_experts=self.num_experts,
+            num_experts_per_tok=self.top_k, max_position_embeddings=max(2 * self.seq_len, 256),
+            output_router_logits=True, router_aux_loss_coef=self.router_aux_loss_coef,
+            tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+
+
+# --- tokenizer -------------------------------------------------------------------------------
+
+
+def corpus_text(config: TinyModelConfig) -> str:
+    text = config.corpus.read_text(encoding="utf-8")
+    return text[:config.max_corpus_chars] if config.max_corpus_chars else text
+
+
+def train_tokenizer(text: str, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `text`, with <pad>, <s> (prepended by default) and </s>."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS.values()), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
+    bos = SPECIAL_TOKENS["bos_token"]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+
+
+# --- pre-training ------------------------------------------------------------------------------
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup to 1, then cosine decay to 0.1 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def pretrain(model: torch.nn.Module, dataset: TokenizedDataset, config: TinyModelConfig) -> list[float]:
+    """Train `model` in place for `config.steps` steps; returns the LM loss (without aux loss) per step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: _lr_factor(step, config.warmup_steps, config.steps))
+    batches = iterate_batches(dataset, config.batch_size, config.seed, num_steps=config.steps)
+    losses: list[float] = []
+    model.train()
+    with tqdm(batches, total=config.steps, desc="pre-train tiny mixtral", unit="step") as bar:
+        for batch in bar:
+            out = model(**batch)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(out.loss.detach() - config.router_aux_loss_coef * out.aux_loss.detach()))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", aux=f"{float(out.aux_loss):.3f}")
+    return losses
+
+
+def report_router_skew(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, data: Path,
+                       seq_len: int, max_batches: int = 16, batch_size: int = 16) -> dict:
+    """Profile the start of `data` and log per-layer skew (sum of squared access shares) and busiest-expert share."""
+    dataset = pack_text(tokenizer, data, seq_len, max_blocks=max_batches * batch_size)
+    profile = profile_model(model, sequential_batches(dataset, batch_size), source=str(data))
+    shares_LE = profile.probs_array() / profile.top_k
+    report = {
+        "data": str(data), "tokens": profile.tokens, "uniform": 1.0 / profile.num_experts,
+        "skew_per_layer": skew_per_layer(profile.probs_array(), profile.top_k).round(4).tolist(),
+        "busiest_expert_share": shares_LE.max(axis=1).round(4).tolist(),
+        "mean_router_confidence": np.round(profile.confidence_mean, 4).tolist(),
+    }
+    log.info("router skew on %s (%d tokens): per-layer sum p^2 %s (uniform %.3f), busiest expert share %s, "
+             "mean confidence %s", data.name, profile.tokens, report["skew_per_layer"], report["uniform"],
+             report["busiest_expert_share"], report["mean_router_confidence"])
+    return report
+
+
+def build_tiny_model(config: TinyModelConfig, out_dir: Path, skew_data: Path | None = None,
+                     num_threads: int | None = None) -> dict:
+    """Train tokenizer and model per `config` and save both to `out_dir`; returns the build info.
+
+    The build info (also written to ``out_dir/build_info.json``) holds the config,
+    seconds, parameter count, first/last losses and the router skew on `skew_data`
+    (default Tiny Shakespeare; skipped if the file is missing).
+    """
+    start = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    try:
+        torch.manual_seed(config.seed)
+        text = corpus_text(config)
+        tokenizer = train_tokenizer(text, config.vocab_size)
+        dataset = pack_string(tokenizer, text, config.seq_len, source=str(config.corpus))
+        model = AutoModelForCausalLM.from_config(config.mixtral_config(tokenizer), dtype=torch.float32)
+        losses = pretrain(model, dataset, config)
+        model.eval()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        skew_data = skew_data or default_skew_data()
+        skew = report_router_skew(model, tokenizer, skew_data, config.seq_len) if skew_data.is_file() else None
+    finally:
+        torch.set_num_threads(previous_threads)
+    window = max(1, min(20, len(losses) // 4))
+    info = {
+        "config": config.model_dump(mode="json"), "digest": config.digest(),
+        "seconds": round(time.perf_counter() - start, 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "corpus_tokens": dataset.num_tokens,
+        "loss_first": float(np.mean(losses[:window])), "loss_last": float(np.mean(losses[-window:])),
+        "losses": [round(x, 4) for x in losses], "router_skew": skew,
+    }
+    (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=1))
+    log.info("built tiny mixtral (%.1fM parameters) in %.0f s: loss %.3f -> %.3f, saved to %s",
+             info["parameters"] / 1e6, info["seconds"], info["loss_first"], info["loss_last"], out_dir)
+    return info
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_dead_staging(target: Path) -> None:
+    """Delete staging directories of `target` left by builds whose process is gone (killed builds)."""
+    for staging in target.parent.glob(f".{target.name}.building-*"):
+        pid = staging.name.rsplit(".building-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            log.info("removing %s left by an interrupted build", staging)
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def tiny_model_path(config: TinyModelConfig | None = None, build: bool = True,
+                    num_threads: int | None = None) -> Path:
+    """``cache_dir()/tiny-mixtral-<digest>``, built first if missing (and `build`; else ValueError)."""
+    config = config or TinyModelConfig()
+    target = cache_dir() / f"tiny-mixtral-{config.digest()}"
+    if (target / BUILD_INFO).is_file():
+        return target
+    if not build:
+        raise ValueError(f"tiny model {target} is not built; run `vela build-tiny-model`")
+    _remove_dead_staging(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-{os.getpid()}-", dir=target.parent))
+    try:
+        build_tiny_model(config, staging, num_threads=num_threads)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process finished the same build first; keep theirs
+            if not (target / BUILD_INFO).is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,75 @@
+"""Traffic counters: rows and bytes per (MoE layer, worker, direction), and per link tier.
+
+The broker records every transfer here as it happens, whatever the transport,
+so the counts are what was really moved:
+
+    dispatch       master -> worker   token rows (forward)
+    gather         worker -> master   expert outputs (forward)
+    grad_dispatch  master -> worker   d(outputs) (backward)
+    grad_gather    worker -> master   d(rows) (backward)
+
+Each worker sits on a link tier seen from the master: `same_process`
+(in-process shards), `same_node` or `cross_node`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+Direction = Literal["dispatch", "gather", "grad_dispatch", "grad_gather"]
+DIRECTIONS: tuple[Direction, ...] = ("dispatch", "gather", "grad_dispatch", "grad_gather")
+LinkTier = Literal["same_process", "same_node", "cross_node"]
+LINK_TIERS: tuple[LinkTier, ...] = ("same_process", "same_node", "cross_node")
+
+
+class TrafficSnapshot(BaseModel):
+    """Counts at one moment: `rows`/`bytes` are [num_layers][num_workers][4 directions]."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rows: list[list[list[int]]]
+    bytes: list[list[list[int]]]
+    worker_tiers: list[LinkTier]
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        per_worker = np.asarray(self.bytes, dtype=np.int64).sum(axis=(0, 2))
+        return {tier: int(per_worker[[t == tier for t in self.worker_tiers]].sum()) for tier in LINK_TIERS}
+
+    def bytes_by_worker(self) -> list[int]:
+        return np.asarray(self.bytes, dtype=np.int64).sum(axis=(0, 2)).tolist()
+
+    def total_bytes(self) -> int:
+        return int(np.asarray(self.bytes, dtype=np.int64).sum())
+
+    def __sub__(self, earlier: "TrafficSnapshot") -> "TrafficSnapshot":
+        return TrafficSnapshot(
+            rows=(np.asarray(self.rows) - np.asarray(earlier.rows)).tolist(),
+            bytes=(np.asarray(self.bytes) - np.asarray(earlier.bytes)).tolist(),
+            worker_tiers=self.worker_tiers,
+        )
+
+
+class TrafficCounter:
+    """Accumulates rows and bytes per (layer, worker, direction); cheap enough for the hot path."""
+
+    def __init__(self, num_layers: int, num_workers: int, worker_tiers: list[LinkTier] | None = None):
+        self.rows = np.zeros((num_layers, num_workers, len(DIRECTIONS)), dtype=np.int64)
+        self.bytes = np.zeros_like(self.rows)
+        self.worker_tiers: list[LinkTier] = list(worker_tiers or ["same_process"] * num_workers)
+        if len(self.worker_tiers) != num_workers:
+            raise ValueError(f"worker_tiers has {len(self.worker_tiers)} entries for {num_workers} workers")
+
+    def record(self, layer: int, worker: int, direction: Direction, rows: int, nbytes: int) -> None:
+        d = DIRECTIONS.index(direction)
+        self.rows[layer, worker, d] += rows
+        self.bytes[layer, worker, d] += nbytes
+
+    def snapshot(self) -> TrafficSnapshot:
+        return TrafficSnapshot(rows=self.rows.tolist(), bytes=self.bytes.tolist(), worker_tiers=self.worker_tiers)
+
+    def reset(self) -> None:
+        self.rows[:] = 0
+        self.bytes[:] = 0

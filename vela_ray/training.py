@@ -1,0 +1,158 @@
+"""One training step of the master, over any set of expert workers.
+
+`train_step` is the whole step: forward/backward over the micro-batches
+(experts run wherever the placement put them, through the brokers), global
+grad-norm clipping across master and workers, and the optimizer steps on
+both sides. The MasterActor calls the same function with Ray-backed workers;
+tests call it with `LocalWorkers`.
+
+`build_local` splits an in-memory model into a master-side peft model with
+brokers and in-process shards: the single-process form of vela-ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from peft import PeftModel, get_peft_model
+from torch import nn
+
+from vela_ray.adapters import backbone_lora_config, backbone_state_of, export_adapter, full_lora_config
+from vela_ray.broker import ExpertDispatcher
+from vela_ray.experts import ExpertKey, ExpertShard, LoraSpec
+from vela_ray.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+from vela_ray.transport import InProcessTransport, Transport
+
+Batch = dict[str, torch.Tensor]
+
+
+class ExpertWorkers(Protocol):
+    """Control plane to all expert workers (the data plane is the Transport)."""
+
+    def grad_sq_norm(self) -> float: ...  # summed over workers
+    def step(self, lr: float, clip_coef: float) -> None: ...
+    def zero_grad(self) -> None: ...
+    def lora_state(self) -> dict[ExpertKey, dict[str, torch.Tensor]]: ...
+    def load_lora_state(self, state: dict[ExpertKey, dict[str, torch.Tensor]]) -> None: ...
+
+
+class LocalWorkers:
+    """ExpertWorkers over in-process ShardTrainers."""
+
+    def __init__(self, trainers: list[ShardTrainer]):
+        self.trainers = trainers
+
+    def grad_sq_norm(self) -> float:
+        return sum(t.grad_sq_norm() for t in self.trainers)
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        for t in self.trainers:
+            t.step(lr, clip_coef)
+
+    def zero_grad(self) -> None:
+        for t in self.trainers:
+            t.zero_grad()
+
+    def lora_state(self) -> dict[ExpertKey, dict[str, torch.Tensor]]:
+        state: dict[ExpertKey, dict[str, torch.Tensor]] = {}
+        for t in self.trainers:
+            state.update(t.shard.lora_state())
+        return state
+
+    def load_lora_state(self, state: dict[ExpertKey, dict[str, torch.Tensor]]) -> None:
+        for t in self.trainers:
+            t.shard.load_lora_state(state)
+
+
+@dataclass
+class MasterModel:
+    """The master's side: the stripped model with brokers, peft-wrapped, and its optimizer."""
+
+    peft_model: PeftModel
+    dispatcher: ExpertDispatcher
+    optimizer: torch.optim.Optimizer
+    full_lora_config: object  # peft LoraConfig of the original model, for export
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.peft_model.parameters() if p.requires_grad]
+
+
+def build_master(
+    model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig
+) -> MasterModel:
+    """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA."""
+    full_cfg = full_lora_config(model, lora)
+    dispatcher = ExpertDispatcher(torch.as_tensor(expert_to_worker), transport)
+    attach_brokers(model, dispatcher)
+    peft_model = get_peft_model(model, backbone_lora_config(full_cfg))
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    return MasterModel(peft_model, dispatcher, make_adamw(params, optim), full_cfg)
+
+
+def build_local(
+    model: nn.Module, expert_to_worker, lora: LoraSpec, optim: OptimizerConfig, seed: int = 0
+) -> tuple[MasterModel, LocalWorkers]:
+    """Single-process vela-ray: shards built from `model`'s own experts, in-process transport."""
+    table = torch.as_tensor(expert_to_worker, dtype=torch.long)
+    blocks = find_moe_blocks(model)
+    activation = blocks[0].layout.activation
+    num_workers = int(table.max()) + 1
+    weights = expert_weights(blocks)
+    shards = [
+        ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == worker}, lora, activation, seed)
+        for worker in range(num_workers)
+    ]
+    master = build_master(model, table, InProcessTransport(shards), lora, optim)
+    return master, LocalWorkers([ShardTrainer(s, optim) for s in shards])
+
+
+def train_step(
+    master: MasterModel, workers: ExpertWorkers, micro_batches: Sequence[Batch], lr: float,
+    max_grad_norm: float | None,
+) -> float:
+    """Forward/backward all micro-batches, clip globally, step master and workers. Returns mean loss."""
+    model = master.peft_model
+    model.train()
+    total_loss = 0.0
+    for batch in micro_batches:
+        loss = model(**batch).loss / len(micro_batches)
+        loss.backward()
+        total_loss += float(loss.detach())
+    params = master.trainable_parameters()
+    total_sq = grad_sq_norm(params) + workers.grad_sq_norm()
+    clip_coef = clip_coefficient(total_sq, max_grad_norm)
+    apply_step(master.optimizer, lr, clip_coef)
+    workers.step(lr, clip_coef)
+    return total_loss
+
+
+@torch.no_grad()
+def eval_loss(master: MasterModel, batches: Sequence[Batch]) -> float:
+    model = master.peft_model
+    model.eval()
+    losses = [float(model(**b).loss) for b in batches]
+    return sum(losses) / max(1, len(losses))
+
+
+def export(master: MasterModel, workers: ExpertWorkers, out_dir) -> None:
+    """Write the standard peft adapter of the original model (see vela_ray.adapters)."""
+    export_adapter(out_dir, master.peft_model.base_model.model.config, master.full_lora_config,
+                   backbone_state_of(master.peft_model), workers.lora_state())
+
+
+def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -> None:
+    """Load a peft adapter directory of the original model into master and workers (any placement)."""
+    from peft import set_peft_model_state_dict
+
+    from vela_ray.adapters import read_adapter
+
+    config = master.peft_model.base_model.model.config
+    _, backbone_state, expert_state = read_adapter(adapter_dir, config)
+    result = set_peft_model_state_dict(master.peft_model, backbone_state)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"{adapter_dir}: adapter keys not in this model: {unexpected[:5]}")
+    workers.load_lora_state(expert_state)

@@ -1,0 +1,75 @@
+"""How token rows travel between the broker (on the master) and expert shards.
+
+The broker decides *what* goes *where*; a `Transport` only moves it. One call
+carries the requests for all workers of one MoE layer, so a transport can
+issue them concurrently (Ray: one remote call or channel write per worker,
+then wait for all). Backends:
+
+- `InProcessTransport` here: shards live in the master's process (tests, one-GPU runs);
+- Ray object refs and compiled-graph channels in `actors/transports.py`.
+
+All backends pass the same conformance suite (tests/ray/test_transport_conformance.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Protocol, runtime_checkable
+
+import torch
+
+from vela_ray.experts import ExpertShard
+from vela_ray.traffic import LinkTier
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """Rows for one worker in one MoE layer; rows are grouped by expert.
+
+    `key` names the saved graph for the matching backward; None in inference
+    (no graph is kept).
+    """
+
+    layer: int
+    expert_ids: torch.Tensor  # [R] int64, expert index within the layer
+    rows: torch.Tensor  # [R, D]
+    key: Hashable | None = None
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves rows to expert shards and their results back, for one layer at a time."""
+
+    num_workers: int
+
+    def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
+        """{worker: request} -> {worker: expert outputs [R, D]}, same row order."""
+        ...
+
+    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{worker: d(outputs) [R, D]} -> {worker: d(rows) [R, D]} for the forward saved under `key`."""
+        ...
+
+    def worker_tiers(self) -> list[LinkTier]:
+        """Link tier of each worker as seen from the master."""
+        ...
+
+
+class InProcessTransport:
+    """Shards in the master's process: a direct call, no copies."""
+
+    def __init__(self, shards: list[ExpertShard]):
+        self.shards = shards
+        self.num_workers = len(shards)
+
+    def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
+        return {
+            worker: self.shards[worker].forward_rows(req.layer, req.expert_ids, req.rows, req.key)
+            for worker, req in requests.items()
+        }
+
+    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {worker: self.shards[worker].backward_rows(key, grad) for worker, grad in grads.items()}
+
+    def worker_tiers(self) -> list[LinkTier]:
+        return ["same_process"] * self.num_workers
