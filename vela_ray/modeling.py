@@ -147,7 +147,7 @@ def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
     dispatch its rows to the workers a second time and overwrite the graph they
     keep for that backward.
     """
-    if getattr(model, "is_gradient_checkpointing", False):
+    if getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)):
         raise ValueError(
             f"{type(model).__name__} has gradient checkpointing enabled; vela-ray's expert broker does not "
             "support it (experts run remotely). Call model.gradient_checkpointing_disable()"
