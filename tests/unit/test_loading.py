@@ -1,0 +1,114 @@
+"""Backbone-only loading and per-expert reads from locally saved checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vela_ray.broker import ExpertDispatcher
+from vela_ray.experts import ExpertShard, LoraSpec
+from vela_ray.families import FAMILIES, debug_model
+from vela_ray.loading import load_backbone, moe_layout, read_experts
+from vela_ray.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.transport import InProcessTransport
+
+
+def _split_model_from_checkpoint(model_dir, num_workers=3):
+    num_layers, num_experts, activation = moe_layout(model_dir)
+    table = torch.tensor([[(l * 5 + e) % num_workers for e in range(num_experts)] for l in range(num_layers)])
+    shards = []
+    for worker in range(num_workers):
+        keys = [(l, e) for l in range(num_layers) for e in range(num_experts) if table[l, e] == worker]
+        shards.append(ExpertShard.from_weights(read_experts(model_dir, keys), LoraSpec(), activation))
+    backbone = load_backbone(model_dir)
+    attach_brokers(backbone, ExpertDispatcher(table, InProcessTransport(shards)))
+    return backbone
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_backbone_plus_expert_reads_reproduce_the_saved_model(family, tmp_path):
+    model = debug_model(family, seed=3)
+    model.save_pretrained(tmp_path)
+    split = _split_model_from_checkpoint(tmp_path)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_backbone_never_allocates_experts(tmp_path):
+    debug_model("mixtral").save_pretrained(tmp_path)
+    backbone = load_backbone(tmp_path)
+    for block in find_moe_blocks(backbone):
+        assert block.block.experts.gate_up_proj.is_meta and block.block.experts.down_proj.is_meta
+    assert not any(p.is_meta for n, p in backbone.named_parameters() if ".experts." not in n)
+
+
+def test_read_experts_reads_exactly_the_requested_experts_from_a_sharded_checkpoint(tmp_path):
+    model = debug_model("qwen3_moe", seed=1)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    keys = [(1, 4), (0, 0), (1, 5)]
+    got = read_experts(tmp_path, keys)
+    want = expert_weights(find_moe_blocks(model), keys)
+    assert list(got) == keys
+    for key in keys:
+        torch.testing.assert_close(got[key][0], want[key][0])
+        torch.testing.assert_close(got[key][1], want[key][1])
+
+
+def test_read_experts_slices_fused_expert_tensors(tmp_path):
+    model = debug_model("olmoe", seed=2)
+    model.save_pretrained(tmp_path)
+    # rewrite the checkpoint with fused [E, 2I, D] / [E, D, I] expert tensors
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = read_experts(tmp_path, [(1, 3)])
+    want = expert_weights(find_moe_blocks(model), [(1, 3)])
+    torch.testing.assert_close(got[(1, 3)][0], want[(1, 3)][0])
+    torch.testing.assert_close(got[(1, 3)][1], want[(1, 3)][1])
+
+
+def test_out_of_range_layer_is_refused(tmp_path):
+    debug_model("mixtral").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"MoE layer 7 out of range.*2 MoE layers"):
+        read_experts(tmp_path, [(7, 0)])
+
+
+def test_missing_checkpoint_names_the_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"no model.safetensors"):
+        read_experts(tmp_path, [(0, 0)])
+
+
+_RSS_GROWTH = """
+import json, sys, psutil, torch
+from transformers import AutoModelForCausalLM
+from vela_ray.loading import load_backbone
+path, mode = sys.argv[1], sys.argv[2]
+before = psutil.Process().memory_info().rss
+model = load_backbone(path) if mode == "backbone" else AutoModelForCausalLM.from_pretrained(path)
+print(json.dumps({"growth_mib": (psutil.Process().memory_info().rss - before) / 2**20}))
+"""
+
+
+def test_backbone_load_holds_less_memory_than_a_full_load_by_at_least_the_expert_bytes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from vela_ray.families import mixtral_debug
+
+    config = mixtral_debug(hidden_size=256, intermediate_size=1024, num_local_experts=16, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    expert_mib = 4 * 16 * 3 * 256 * 1024 * 4 / 2**20  # layers x experts x 3 matrices x D x I x fp32 = 192 MiB
+    growth = {}
+    for mode in ("backbone", "full"):
+        out = subprocess.run([sys.executable, "-c", _RSS_GROWTH, str(tmp_path), mode],
+                             capture_output=True, text=True, check=True)
+        growth[mode] = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
+    print(f"RSS growth MiB: backbone {growth['backbone']:.0f}, full {growth['full']:.0f}, experts {expert_mib:.0f}")
+    assert growth["full"] - growth["backbone"] >= 0.9 * expert_mib
+    assert growth["backbone"] < 0.5 * expert_mib  # imports and the small backbone only
