@@ -57,6 +57,14 @@ class ExpertDispatcher:
         self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
         self._keys = itertools.count()
 
+    def rebind(self, expert_to_worker, transport: Transport) -> None:
+        """Point every broker at a new placement and transport (after re-placing the experts)."""
+        table = torch.as_tensor(expert_to_worker, dtype=torch.long)
+        if table.shape != self.expert_to_worker.shape:
+            raise ValueError(f"new placement is {tuple(table.shape)}, expected {tuple(self.expert_to_worker.shape)}")
+        self.expert_to_worker, self.transport = table, transport
+        self.counter = TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers())
+
     @property
     def num_experts(self) -> int:
         return self.expert_to_worker.shape[1]

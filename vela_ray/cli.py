@@ -102,7 +102,7 @@ def _add_build_tiny_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, help="BPE vocabulary size")
     p.add_argument("--seed", type=int, help="random seed")
     p.add_argument("--out", type=Path, help="build into this directory instead of the cache")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the idle cores)")
     p.set_defaults(handler=_run_build_tiny_model)
 
 
@@ -118,6 +118,87 @@ def _run_build_tiny_model(args: argparse.Namespace) -> int:
         print(tiny_model_path(config, num_threads=args.threads))
     return 0
 
+
+@_subcommand
+def _add_place(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("place", help="place experts on workers to minimise expected communication time")
+    p.add_argument("--problem", type=Path, help="YAML/JSON problem file (instead of the flags below)")
+    p.add_argument("--profile", help="routing profile [layers, experts]: .npy or .json")
+    p.add_argument("--bandwidths", help="master-to-worker bandwidth per worker in GB/s: comma list or file")
+    p.add_argument("--capacities", help="experts per worker: one integer for all, or a comma list")
+    p.add_argument("--nodes", help="node id per worker, comma list (enables cross-node bytes)")
+    p.add_argument("--master-node", help="node id of the master")
+    p.add_argument("--tokens", type=int, help="tokens per step entering each MoE layer (batch x sequence)")
+    p.add_argument("--hidden", type=int, help="hidden size (elements per token row)")
+    p.add_argument("--bits", type=int, default=16, help="bits per element (default 16)")
+    p.add_argument("--top-k", type=int, help="experts per token (default: inferred from the profile's row sums)")
+    p.add_argument("--forward-only", action="store_true", help="count the forward pass only (default: forward + backward)")
+    p.add_argument("--solver", default="improved", help="sequential, random, vela or improved (default)")
+    p.add_argument("--direct", action="store_true", help="solve the paper's per-worker LP instead of the class-aggregated one")
+    p.add_argument("--seed", type=int, default=0, help="seed for random and improved (default 0)")
+    p.add_argument("--time-budget", type=float, default=10.0, help="seconds the improved solver may use (default 10)")
+    p.add_argument("--out", type=Path, help="write the placement here as JSON")
+    p.set_defaults(handler=_run_place)
+
+
+def _run_place(args: argparse.Namespace) -> int:
+    from placement import PlacementProblem, solve, solve_lp
+    from placement.io import problem_from_options
+    from placement.report import format_summary
+
+    if args.problem and args.profile:
+        raise ValueError("give either --problem or --profile (with --bandwidths, --capacities, ...), not both")
+    if args.problem:
+        problem = PlacementProblem.from_file(args.problem)
+    elif args.profile and args.bandwidths and args.capacities:
+        problem = problem_from_options(
+            profile=args.profile, bandwidths_gb_s=args.bandwidths, capacities=args.capacities,
+            tokens_per_step=args.tokens, hidden_size=args.hidden, bits_per_element=args.bits,
+            top_k=args.top_k, nodes=args.nodes, master_node=args.master_node,
+            include_backward=not args.forward_only,
+        )
+    else:
+        raise ValueError("give --problem FILE, or --profile with --bandwidths and --capacities")
+    placement = solve(problem, args.solver, seed=args.seed, time_budget_s=args.time_budget, direct=args.direct)
+    lower_bound = placement.lower_bound or solve_lp(problem, direct=args.direct)[0]
+    print(format_summary(problem, placement, lower_bound))
+    if args.out:
+        placement.to_json(args.out)
+        print(f"placement written to {args.out}")
+    return 0
+
+
+
+@_subcommand
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="fine-tune a MoE model with vela-ray (local Ray or RAY_ADDRESS)")
+    p.add_argument("--config", required=True, help="job YAML (see deploy/ for examples)")
+    p.set_defaults(handler=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from vela_ray.api import VelaJob
+    from vela_ray.config import JobConfig
+    from vela_ray.demo import print_summary
+
+    print_summary(VelaJob(JobConfig.from_yaml(args.config)).run())
+    return 0
+
+
+@_subcommand
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="fine-tune the tiny pre-trained MoE on Tiny Shakespeare over 3 workers")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--out", default="runs/demo", help="output directory")
+    p.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from vela_ray.api import VelaJob
+    from vela_ray.demo import demo_config, print_summary
+
+    print_summary(VelaJob(demo_config(args.out, args.steps)).run())
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,231 @@
+"""MasterActor: the backbone with its brokers, and the training loop.
+
+Stages of `run()`:
+  1. spawn ExpertManagers with a provisional (sequential) placement; each loads
+     only its experts from the checkpoint;
+  2. profile expert access on the training data through the brokers (or take a
+     given profile), probe master-to-worker links, ask workers for capacity;
+  3. solve the placement (PlacementService); if it differs, respawn the workers
+     with it and rebind the brokers (experts are reloaded from the checkpoint,
+     never sent by the master);
+  4. train: `vela_ray.training.train_step` per step, eval loss, traffic per link tier;
+  5. write the peft adapter, the placement, the profile and `summary.json`.
+
+A plain class: `vela_ray.api` makes it an actor; tests may run it in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from actors.cluster import ExpertCluster, SpawnConfig, spawn_expert_managers
+from actors.expert_manager import ExpertManagerSpec
+from actors.placement_service import PlacementRequest, spawn_placement_service
+from actors.transports import CompiledGraphTransport, RayObjectRefTransport
+from actors.workers import RayWorkers
+from placement import Placement
+from vela_ray.config import JobConfig
+from vela_ray.data import batch_at, sequential_batches
+from vela_ray.experts import LoraSpec
+from vela_ray.loading import load_backbone
+from vela_ray.locality import load_probs, profile_model
+from vela_ray.modeling import find_moe_blocks, top_k_of
+from vela_ray.optim import lr_at
+from vela_ray.training import MasterModel, build_master, eval_loss, export, train_step
+
+logger = logging.getLogger(__name__)
+
+
+class MasterActor:
+    def __init__(self, config: JobConfig):
+        self.config = config
+        torch.manual_seed(config.training.seed)
+        model_dir = config.model.path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        dataset = config.data.build(self.tokenizer)
+        self.train_set, self.eval_set = dataset.split(config.training.eval_fraction, config.training.seed)
+        self.model = load_backbone(model_dir, getattr(torch, config.model.dtype))
+        self.blocks = find_moe_blocks(self.model)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.out_dir = Path(config.output.dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- stages ------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """The whole job; returns the summary also written to `output.dir/summary.json`."""
+        cfg = self.config
+        num_layers, num_experts = len(self.blocks), self.blocks[0].layout.num_experts
+        table = _sequential(num_layers, num_experts, cfg.cluster.num_workers)
+        cluster = self._spawn(table)
+        transport = self._transport(cluster)
+        timings: dict[str, float] = {}
+        try:
+            master = build_master(self.model, table, transport, LoraSpec(cfg.lora.r, cfg.lora.alpha),
+                                  cfg.training.optimizer)
+            start = time.perf_counter()
+            probs = self._profile(master)
+            plan = self._place(cluster, probs)
+            timings["placement_s"] = time.perf_counter() - start
+            if plan.expert_to_worker != table.tolist():
+                transport.close(), cluster.shutdown()
+                table = np.asarray(plan.expert_to_worker)
+                cluster = self._spawn(table)
+                transport = self._transport(cluster)
+                master.dispatcher.rebind(table, transport)
+            history = self._train(master, RayWorkers(cluster.handles), timings)
+            export(master, RayWorkers(cluster.handles), self.out_dir / "adapter")
+            return self._summarize(plan, cluster, history, timings)
+        finally:
+            transport.close()
+            cluster.shutdown()
+
+    def _spawn(self, table: np.ndarray) -> ExpertCluster:
+        cfg = self.config
+        specs = [
+            ExpertManagerSpec(
+                worker=n, keys=[tuple(k) for k in np.argwhere(table == n).tolist()],
+                model_dir=str(cfg.model.path.resolve()), lora=LoraSpec(cfg.lora.r, cfg.lora.alpha),
+                optim=cfg.training.optimizer, seed=cfg.training.seed, dtype=cfg.model.dtype,
+                device="cuda" if cfg.cluster.num_gpus_per_worker else "cpu",
+            )
+            for n in range(cfg.cluster.num_workers)
+        ]
+        spawn = SpawnConfig(num_cpus_per_worker=cfg.cluster.num_cpus_per_worker,
+                            num_gpus_per_worker=cfg.cluster.num_gpus_per_worker,
+                            workers_per_node=cfg.cluster.workers_per_node,
+                            master_node=self.node_id if cfg.cluster.workers_per_node else None)
+        return spawn_expert_managers(specs, spawn)
+
+    def _transport(self, cluster: ExpertCluster):
+        tiers = cluster.worker_tiers(self.node_id)
+        if self.config.cluster.transport == "compiled_graph":
+            return CompiledGraphTransport(cluster.handles, tiers)
+        return RayObjectRefTransport(cluster.handles, tiers)
+
+    def _profile(self, master: MasterModel) -> np.ndarray | None:
+        """P [L, E] to place by: measured through the brokers, read from a file, or None (uniform)."""
+        spec = self.config.placement.profile
+        if spec == "uniform":
+            return None
+        if spec != "measure":
+            return load_probs(Path(spec))
+        batches = sequential_batches(self.train_set, self.config.training.batch_size,
+                                     max_batches=self.config.placement.profile_batches)
+        profile = profile_model(master.peft_model, batches, blocks=self.blocks, source=str(self.config.data.path))
+        profile.save(self.out_dir / "profile.json", npy_path=self.out_dir / "profile.npy")
+        return profile.probs_array()
+
+    def _place(self, cluster: ExpertCluster, probs: np.ndarray | None) -> Placement:
+        cfg = self.config
+        num_layers, num_experts = len(self.blocks), self.blocks[0].layout.num_experts
+        top_k = top_k_of(self.model)
+        if probs is None:
+            probs = np.full((num_layers, num_experts), top_k / num_experts)
+        service = spawn_placement_service(self.node_id)
+        try:
+            links = ray.get(service.probe.remote(cluster.handles))
+            capacities = self._capacities(cluster, num_layers * num_experts)
+            request = PlacementRequest(
+                probs=probs.tolist(), top_k=top_k,
+                tokens_per_step=cfg.training.batch_size * cfg.data.seq_len,
+                hidden_size=self.blocks[0].layout.hidden_size,
+                bits_per_element=torch.finfo(getattr(torch, cfg.model.dtype)).bits,
+                bandwidths=[link.bandwidth_bytes_per_s for link in links], capacities=capacities,
+                worker_nodes=cluster.node_ids, master_node=self.node_id, solver=cfg.placement.solver,
+                seed=cfg.placement.seed,
+                placement_file=str(cfg.placement.file) if cfg.placement.file else None,
+            )
+            plan = ray.get(service.solve.remote(request))
+        finally:
+            ray.kill(service)
+        self.links = links
+        self.request = request
+        plan.to_json(self.out_dir / "placement.json")
+        return plan
+
+    def _capacities(self, cluster: ExpertCluster, total_experts: int) -> list[int]:
+        handles = cluster.handles
+        per_expert = ray.get(handles[0].bytes_per_expert.remote())
+        measured = ray.get([h.capacity.remote(per_expert) for h in handles])
+        cap = self.config.placement.capacity
+        capacities = [min(m, cap) if cap else min(m, total_experts) for m in measured]
+        if sum(capacities) < total_experts:
+            raise ValueError(
+                f"workers hold {sum(capacities)} experts ({capacities}) but the model has {total_experts}: "
+                f"need {total_experts - sum(capacities)} more expert slots (add workers or raise placement.capacity)")
+        return capacities
+
+    def _train(self, master: MasterModel, workers: RayWorkers, timings: dict) -> list[dict]:
+        cfg = self.config.training
+        counter = master.dispatcher.counter
+        counter.reset()
+        history = []
+        progress = tqdm(range(cfg.steps), desc="fine-tune", unit="step", mininterval=2.0)
+        train_start = time.perf_counter()
+        for step in progress:
+            batch = batch_at(self.train_set, step, cfg.batch_size, cfg.seed)
+            micro = _split(batch, cfg.micro_batch_size or cfg.batch_size)
+            before = counter.snapshot()
+            start = time.perf_counter()
+            loss = train_step(master, workers, micro, _lr(cfg, step), cfg.optimizer.max_grad_norm)
+            record = {"step": step + 1, "loss": loss, "step_time_s": time.perf_counter() - start,
+                      "bytes_by_tier": (counter.snapshot() - before).bytes_by_tier()}
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                record["eval_loss"] = self._eval(master)
+            history.append(record)
+            progress.set_postfix(loss=f"{loss:.4f}")
+            if (step + 1) % cfg.log_every == 0:
+                logger.info("step %d/%d loss %.4f (%.2fs)", step + 1, cfg.steps, loss, record["step_time_s"])
+        timings["train_s"] = time.perf_counter() - train_start
+        history[-1].setdefault("eval_loss", self._eval(master))
+        return history
+
+    def _eval(self, master: MasterModel) -> float:
+        cfg = self.config.training
+        return eval_loss(master, list(sequential_batches(self.eval_set, cfg.batch_size, cfg.eval_batches)))
+
+    def _summarize(self, plan: Placement, cluster: ExpertCluster, history: list[dict],
+                   timings: dict) -> dict:
+        step_times = [h["step_time_s"] for h in history]
+        tiers = {t: sum(h["bytes_by_tier"][t] for h in history) for t in history[0]["bytes_by_tier"]}
+        summary = {
+            "losses": [h["loss"] for h in history],
+            "eval_loss": history[-1]["eval_loss"],
+            "steps": len(history),
+            "median_step_time_s": float(np.median(step_times)),
+            "traffic_bytes_by_tier": tiers,
+            "history": history,
+            "placement": {"solver": plan.solver, "expected_step_time_s": plan.expected_step_time,
+                          "lower_bound_s": plan.lower_bound, "expert_to_worker": plan.expert_to_worker},
+            "links": [link.model_dump(exclude={"samples"}) for link in self.links],
+            "worker_nodes": cluster.node_ids,
+            "master_node": self.node_id,
+            "timings_s": timings,
+            "adapter_dir": str((self.out_dir / "adapter").resolve()),
+        }
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+
+def _sequential(num_layers: int, num_experts: int, num_workers: int) -> np.ndarray:
+    return np.tile(np.arange(num_experts) % num_workers, (num_layers, 1))
+
+
+def _split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    rows = next(iter(batch.values())).shape[0]
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def _lr(cfg, step: int) -> float:
+    return lr_at(cfg.optimizer, step, cfg.steps)

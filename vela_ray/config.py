@@ -1,0 +1,146 @@
+"""The job config: one pydantic model per component, read from YAML, checked before any actor starts.
+
+    job = JobConfig.from_yaml("job.yaml")     # field errors name the field and the fix
+    job.preflight()                           # cheap checks against the files: model, MoE, capacity
+
+`preflight` runs in the driver in a second or two, so a typo never costs a
+cluster start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vela_ray.data import DataConfig
+from vela_ray.optim import OptimizerConfig
+
+Solver = Literal["improved", "vela", "sequential", "random", "file"]
+TransportName = Literal["object_ref", "compiled_graph"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    path: Path = Field(description="Hugging Face checkpoint directory (config.json + safetensors)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype of backbone and experts")
+
+
+class LoraSection(_Section):
+    r: int = Field(8, ge=1, description="LoRA rank (the paper: 8)")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the paper: 16)")
+
+
+class ClusterSection(_Section):
+    address: str | None = Field(None, description="Ray address; None: RAY_ADDRESS if set, else a fresh local Ray")
+    num_workers: int = Field(3, ge=1, description="ExpertManager actors (one per GPU on GPU clusters)")
+    num_gpus_per_worker: Literal[0, 1] = Field(0, description="1 pins each ExpertManager to a GPU")
+    num_cpus_per_worker: float = Field(0.5, gt=0, description="CPU share per ExpertManager on CPU clusters")
+    workers_per_node: int | None = Field(None, ge=1, description="workers per node, filled from the master's node")
+    transport: TransportName = Field("object_ref", description="how rows travel: Ray object refs or compiled graphs")
+
+
+class PlacementSection(_Section):
+    solver: Solver = Field("improved", description="placement solver; `file` reads `file`")
+    file: Path | None = Field(None, description="placement JSON for solver `file` (from `vela place`)")
+    profile: Literal["measure", "uniform"] | Path = Field(
+        "measure", description="expert-access profile: measured on the training data, uniform, or a .json/.npy file")
+    profile_batches: int = Field(4, ge=1, description="batches profiled when `profile: measure`")
+    capacity: int | None = Field(None, ge=1, description="experts per worker; None: from free device memory")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _file_given(self) -> "PlacementSection":
+        if self.solver == "file" and self.file is None:
+            raise ValueError("placement.solver is 'file' but placement.file is not set: give the placement JSON")
+        if self.file is not None and not self.file.is_file():
+            raise ValueError(f"placement.file {self.file} does not exist; write one with `vela place --out`")
+        if isinstance(self.profile, Path) and not self.profile.is_file():
+            raise ValueError(f"placement.profile {self.profile} does not exist; write one with `vela profile`")
+        return self
+
+
+class TrainingSection(_Section):
+    steps: int = Field(ge=1, description="optimizer steps")
+    batch_size: int = Field(8, ge=1, description="rows per optimizer step (the paper: 8)")
+    micro_batch_size: int | None = Field(None, ge=1, description="rows per forward; None: the whole batch")
+    eval_every: int = Field(0, ge=0, description="evaluate every N steps; 0: only at the end")
+    eval_batches: int = Field(2, ge=1)
+    eval_fraction: float = Field(0.05, gt=0, lt=1, description="share of the data held out for eval loss")
+    log_every: int = Field(1, ge=1)
+    seed: int = 0
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> "TrainingSection":
+        if self.micro_batch_size and self.batch_size % self.micro_batch_size:
+            raise ValueError(f"training.micro_batch_size ({self.micro_batch_size}) must divide "
+                             f"training.batch_size ({self.batch_size})")
+        return self
+
+    @property
+    def grad_accumulation(self) -> int:
+        return self.batch_size // (self.micro_batch_size or self.batch_size)
+
+
+class OutputSection(_Section):
+    dir: Path = Field(Path("runs/latest"), description="where the adapter, summary and logs go")
+
+
+class JobConfig(_Section):
+    """A whole fine-tuning job."""
+
+    model: ModelSection
+    data: DataConfig
+    lora: LoraSection = Field(default_factory=LoraSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    placement: PlacementSection = Field(default_factory=PlacementSection)
+    training: TrainingSection
+    output: OutputSection = Field(default_factory=OutputSection)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "JobConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "JobConfig":
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            raise ValueError(f"{source}: " + _readable(err)) from None
+
+    def preflight(self) -> None:
+        """File-level checks (model, MoE layers, capacity) in about a second; ValueError naming the field."""
+        from vela_ray.loading import moe_layout  # transformers import is the slow part; only here
+
+        model_dir = self.model.path
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"model.path {model_dir}: no config.json; point it at a save_pretrained directory")
+        try:
+            num_layers, num_experts, _ = moe_layout(model_dir)
+        except ValueError as err:
+            raise ValueError(f"model.path {model_dir}: {err}") from None
+        capacity = self.placement.capacity
+        if capacity is not None and capacity * self.cluster.num_workers < num_layers * num_experts:
+            short = num_layers * num_experts - capacity * self.cluster.num_workers
+            raise ValueError(
+                f"placement.capacity {capacity} x cluster.num_workers {self.cluster.num_workers} holds "
+                f"{capacity * self.cluster.num_workers} experts but the model has {num_layers}x{num_experts}="
+                f"{num_layers * num_experts}: need {short} more expert slots (raise capacity or add workers)")
+
+
+def _readable(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "config"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
