@@ -41,7 +41,7 @@ from vela_ray.loading import load_backbone
 from vela_ray.locality import load_probs, profile_model
 from vela_ray.modeling import find_moe_blocks, top_k_of
 from vela_ray.optim import lr_at
-from vela_ray.training import MasterModel, build_master, eval_loss, export, train_step
+from vela_ray.training import MasterModel, build_master, eval_loss, export, import_adapter, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class MasterActor:
                 cluster = self._spawn(table)
                 transport = self._transport(cluster)
                 master.dispatcher.rebind(table, transport)
+            if cfg.lora.init_adapter:
+                import_adapter(master, RayWorkers(cluster.handles), cfg.lora.init_adapter)
             history = self._train(master, RayWorkers(cluster.handles), timings)
             export(master, RayWorkers(cluster.handles), self.out_dir / "adapter")
             return self._summarize(plan, cluster, history, timings)

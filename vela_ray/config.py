@@ -34,6 +34,14 @@ class ModelSection(_Section):
 class LoraSection(_Section):
     r: int = Field(8, ge=1, description="LoRA rank (the paper: 8)")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (the paper: 16)")
+    init_adapter: Path | None = Field(None, description="start from this peft adapter dir (same model and rank)")
+
+    @model_validator(mode="after")
+    def _adapter_exists(self) -> "LoraSection":
+        if self.init_adapter is not None and not (self.init_adapter / "adapter_config.json").is_file():
+            raise ValueError(f"lora.init_adapter {self.init_adapter} is not a peft adapter directory "
+                             "(no adapter_config.json)")
+        return self
 
 
 class ClusterSection(_Section):
