@@ -41,6 +41,7 @@ from vela_ray.loading import load_backbone
 from vela_ray.locality import load_probs, profile_model
 from vela_ray.modeling import find_moe_blocks, top_k_of
 from vela_ray.optim import lr_at
+from vela_ray.traffic import TrafficSnapshot
 from vela_ray.training import MasterModel, build_master, eval_loss, export, import_adapter, train_step
 
 logger = logging.getLogger(__name__)
@@ -85,9 +86,12 @@ class MasterActor:
                 master.dispatcher.rebind(table, transport)
             if cfg.lora.init_adapter:
                 import_adapter(master, RayWorkers(cluster.handles), cfg.lora.init_adapter)
+            received_before = ray.get([h.received.remote() for h in cluster.handles])
             history = self._train(master, RayWorkers(cluster.handles), timings)
+            received = [after - before for after, before in
+                        zip(ray.get([h.received.remote() for h in cluster.handles]), received_before)]
             export(master, RayWorkers(cluster.handles), self.out_dir / "adapter")
-            return self._summarize(plan, cluster, history, timings)
+            return self._summarize(plan, cluster, history, timings, master.dispatcher.counter.snapshot(), received)
         finally:
             transport.close()
             cluster.shutdown()
@@ -197,16 +201,19 @@ class MasterActor:
         cfg = self.config.training
         return eval_loss(master, list(sequential_batches(self.eval_set, cfg.batch_size, cfg.eval_batches)))
 
-    def _summarize(self, plan: Placement, cluster: ExpertCluster, history: list[dict],
-                   timings: dict) -> dict:
+    def _summarize(self, plan: Placement, cluster: ExpertCluster, history: list[dict], timings: dict,
+                   traffic: TrafficSnapshot, received: list[int]) -> dict:
         step_times = [h["step_time_s"] for h in history]
-        tiers = {t: sum(h["bytes_by_tier"][t] for h in history) for t in history[0]["bytes_by_tier"]}
         summary = {
             "losses": [h["loss"] for h in history],
             "eval_loss": history[-1]["eval_loss"],
             "steps": len(history),
             "median_step_time_s": float(np.median(step_times)),
-            "traffic_bytes_by_tier": tiers,
+            "traffic_bytes_by_tier": traffic.bytes_by_tier(),  # training and eval passes
+            "traffic_bytes_by_worker": traffic.bytes_by_worker(),
+            "sent_bytes_by_worker": traffic.bytes_by_worker(("dispatch", "grad_dispatch")),
+            "worker_received_bytes": received,
+            "worker_tiers": traffic.worker_tiers,
             "history": history,
             "placement": {"solver": plan.solver, "expected_step_time_s": plan.expected_step_time,
                           "lower_bound_s": plan.lower_bound, "expert_to_worker": plan.expert_to_worker},

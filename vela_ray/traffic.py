@@ -38,8 +38,9 @@ class TrafficSnapshot(BaseModel):
         per_worker = np.asarray(self.bytes, dtype=np.int64).sum(axis=(0, 2))
         return {tier: int(per_worker[[t == tier for t in self.worker_tiers]].sum()) for tier in LINK_TIERS}
 
-    def bytes_by_worker(self) -> list[int]:
-        return np.asarray(self.bytes, dtype=np.int64).sum(axis=(0, 2)).tolist()
+    def bytes_by_worker(self, directions: tuple[Direction, ...] = DIRECTIONS) -> list[int]:
+        picked = [DIRECTIONS.index(d) for d in directions]
+        return np.asarray(self.bytes, dtype=np.int64)[:, :, picked].sum(axis=(0, 2)).tolist()
 
     def total_bytes(self) -> int:
         return int(np.asarray(self.bytes, dtype=np.int64).sum())
