@@ -1,0 +1,97 @@
+"""Model surgery: which blocks are found, what is refused, and edge cases of the broker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vela_ray.broker import ExpertBroker, ExpertDispatcher
+from vela_ray.experts import ExpertShard, LoraSpec
+from vela_ray.families import FAMILIES, debug_model
+from vela_ray.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.transport import InProcessTransport
+
+
+def _split(model, table):
+    blocks = find_moe_blocks(model)
+    weights = expert_weights(blocks)
+    num_workers = int(table.max()) + 1
+    shards = [ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, LoraSpec(),
+                                       blocks[0].layout.activation) for n in range(num_workers)]
+    dispatcher = ExpertDispatcher(table, InProcessTransport(shards))
+    attach_brokers(model, dispatcher)
+    return dispatcher
+
+
+@pytest.mark.parametrize("family,moe_layers,first_decoder_layer", [
+    ("mixtral", 2, 0), ("qwen3_moe", 2, 0), ("olmoe", 2, 0), ("qwen2_moe", 2, 0), ("deepseek_v3", 2, 1)])
+def test_finds_every_moe_block_and_skips_dense_layers(family, moe_layers, first_decoder_layer):
+    blocks = find_moe_blocks(debug_model(family))
+    assert [b.index for b in blocks] == list(range(moe_layers))
+    assert blocks[0].decoder_layer == first_decoder_layer  # DeepSeek's layer 0 is dense
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_brokers_replace_only_the_experts_and_keep_outputs(family):
+    model = debug_model(family)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    kept = {n for n, _ in model.named_parameters() if ".experts." not in n}
+    blocks = find_moe_blocks(model)
+    _split(model, torch.randint(0, 3, (len(blocks), blocks[0].layout.num_experts),
+                                generator=torch.Generator().manual_seed(1)))
+    assert {n for n, _ in model.named_parameters()} == kept  # routers, shared experts, attention untouched
+    assert all(isinstance(b.block.experts, ExpertBroker) for b in find_moe_blocks(model))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_without_moe_blocks_is_refused_by_class_name():
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no MoE block"):
+        find_moe_blocks(dense)
+
+
+def test_an_unknown_experts_layout_is_refused_by_class_name():
+    model = debug_model("mixtral")
+    find_moe_blocks(model)[0].block.experts.has_bias = True
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM: unknown experts layout in MixtralExperts \(has_bias\)"):
+        find_moe_blocks(model)
+
+
+def test_gradient_checkpointing_is_refused_with_the_fix():
+    model = debug_model("mixtral")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"gradient checkpointing.*gradient_checkpointing_disable"):
+        _split(model, torch.zeros(2, 6, dtype=torch.long))
+
+
+def test_placement_table_of_the_wrong_shape_is_refused():
+    model = debug_model("mixtral")
+    dispatcher = ExpertDispatcher(torch.zeros(2, 5, dtype=torch.long), InProcessTransport([ExpertShard({})]))
+    with pytest.raises(ValueError, match=r"placement table is \(2, 5\) but MixtralForCausalLM has 2 MoE layers x 6"):
+        attach_brokers(model, dispatcher)
+
+
+def test_worker_without_rows_and_expert_without_tokens_are_fine():
+    model = debug_model("mixtral")
+    table = torch.zeros(2, 6, dtype=torch.long)
+    table[:, 5] = 1  # worker 1 hosts only expert 5 of each layer
+    dispatcher = _split(model, table)
+    hidden = torch.randn(4, 32, requires_grad=True)
+    top_k = torch.tensor([[0, 1], [1, 2], [0, 2], [1, 0]])  # expert 5 never picked: worker 1 gets no rows
+    out = find_moe_blocks(model)[0].block.experts(hidden, top_k, torch.full((4, 2), 0.5))
+    out.sum().backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+    assert dispatcher.counter.rows[0, 1].sum() == 0 and dispatcher.counter.rows[0, 0, 0] == 8
+
+
+def test_an_empty_batch_gives_an_empty_output():
+    model = debug_model("mixtral")
+    _split(model, torch.zeros(2, 6, dtype=torch.long))
+    broker = find_moe_blocks(model)[0].block.experts
+    out = broker(torch.zeros(0, 32), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 32)
