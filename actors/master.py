@@ -29,11 +29,13 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from actors.cluster import ExpertCluster, SpawnConfig, spawn_expert_managers
+from actors.errors import WorkerLostError
 from actors.expert_manager import ExpertManagerSpec
 from actors.placement_service import PlacementRequest, spawn_placement_service
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport
 from actors.workers import RayWorkers
 from placement import Placement
+from vela_ray import checkpoint
 from vela_ray.config import JobConfig
 from vela_ray.data import batch_at, sequential_batches
 from vela_ray.experts import LoraSpec
@@ -42,7 +44,9 @@ from vela_ray.locality import load_probs, profile_model
 from vela_ray.modeling import find_moe_blocks, top_k_of
 from vela_ray.optim import lr_at
 from vela_ray.traffic import TrafficSnapshot
-from vela_ray.training import MasterModel, build_master, eval_loss, export, import_adapter, train_step
+from vela_ray.training import (
+    MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state, train_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,35 +70,105 @@ class MasterActor:
     def run(self) -> dict:
         """The whole job; returns the summary also written to `output.dir/summary.json`."""
         cfg = self.config
+        resume = self._resume_point()  # verified before any actor starts
         num_layers, num_experts = len(self.blocks), self.blocks[0].layout.num_experts
-        table = _sequential(num_layers, num_experts, cfg.cluster.num_workers)
-        cluster = self._spawn(table)
-        transport = self._transport(cluster)
+        saved = self._saved_placement(resume)
+        table = np.asarray(saved.expert_to_worker) if saved else _sequential(num_layers, num_experts,
+                                                                              cfg.cluster.num_workers)
+        self.cluster = self._spawn(table)
+        self.transport = self._transport(self.cluster)
         timings: dict[str, float] = {}
         try:
-            master = build_master(self.model, table, transport, LoraSpec(cfg.lora.r, cfg.lora.alpha),
+            master = build_master(self.model, table, self.transport, LoraSpec(cfg.lora.r, cfg.lora.alpha),
                                   cfg.training.optimizer)
             start = time.perf_counter()
-            probs = self._profile(master)
-            plan = self._place(cluster, probs)
+            plan = self._settle_placement(master, table, resume)
             timings["placement_s"] = time.perf_counter() - start
-            if plan.expert_to_worker != table.tolist():
-                transport.close(), cluster.shutdown()
-                table = np.asarray(plan.expert_to_worker)
-                cluster = self._spawn(table)
-                transport = self._transport(cluster)
-                master.dispatcher.rebind(table, transport)
-            if cfg.lora.init_adapter:
-                import_adapter(master, RayWorkers(cluster.handles), cfg.lora.init_adapter)
-            received_before = ray.get([h.received.remote() for h in cluster.handles])
-            history = self._train(master, RayWorkers(cluster.handles), timings)
+            start_step = self._load_start_state(master, resume)
+            workers = RayWorkers(self.cluster.handles)
+            received_before = ray.get([h.received.remote() for h in self.cluster.handles])
+            history = self._train(master, workers, timings, start_step, plan)
             received = [after - before for after, before in
-                        zip(ray.get([h.received.remote() for h in cluster.handles]), received_before)]
-            export(master, RayWorkers(cluster.handles), self.out_dir / "adapter")
-            return self._summarize(plan, cluster, history, timings, master.dispatcher.counter.snapshot(), received)
+                        zip(ray.get([h.received.remote() for h in self.cluster.handles]), received_before)]
+            export(master, workers, self.out_dir / "adapter")
+            return self._summarize(plan, self.cluster, history, timings, master.dispatcher.counter.snapshot(),
+                                   received)
         finally:
-            transport.close()
-            cluster.shutdown()
+            self.transport.close()
+            self.cluster.shutdown()
+
+    def _resume_point(self) -> dict | None:
+        """The checkpoint to continue from: path, manifest, trainer state; refused if it does not match."""
+        spec = self.config.checkpoint.resume
+        if spec is None:
+            return None
+        path = checkpoint.resolve(spec, self.config.checkpoint_root)
+        manifest = checkpoint.verify(path)  # full checksums
+        checkpoint.check_compatible(manifest, self._checkpoint_meta(), path)
+        trainer = json.loads((path / "trainer.json").read_text())
+        logger.info("resuming from %s (step %d)", path, manifest["step"])
+        return {"path": path, "manifest": manifest, "trainer": trainer}
+
+    def _settle_placement(self, master: MasterModel, table: np.ndarray, resume: dict | None) -> Placement:
+        """Profile, probe and solve (or reuse a resumed run's placement); respawn the workers if it moved."""
+        saved = self._saved_placement(resume)
+        if saved:
+            plan, self.links = saved, []
+        else:
+            plan = self._place(self.cluster, self._profile(master))
+        if plan.expert_to_worker != table.tolist():
+            self.transport.close(), self.cluster.shutdown()
+            table = np.asarray(plan.expert_to_worker)
+            self.cluster = self._spawn(table)
+            self.transport = self._transport(self.cluster)
+            master.dispatcher.rebind(table, self.transport)
+        (self.out_dir / "workers.json").write_text(json.dumps(
+            {"pids": ray.get([h.pid.remote() for h in self.cluster.handles]), "nodes": self.cluster.node_ids}))
+        return plan
+
+    def _saved_placement(self, resume: dict | None) -> Placement | None:
+        """A resumed run keeps its placement when the worker count is unchanged."""
+        saved = resume["trainer"]["placement"] if resume else None
+        if saved and saved["num_workers"] == self.config.cluster.num_workers:
+            return Placement.model_validate(saved)
+        return None
+
+    def _load_start_state(self, master: MasterModel, resume: dict | None) -> int:
+        """Adapters and optimizer state to start from; returns the first step to run."""
+        workers = RayWorkers(self.cluster.handles)
+        if resume:
+            path = resume["path"]
+            ray.get([h.load_checkpoint.remote(str(path)) for h in self.cluster.handles])
+            load_master_state(master, checkpoint.read_tensors(path / "backbone.safetensors"))
+            return int(resume["manifest"]["step"])
+        if self.config.lora.init_adapter:
+            import_adapter(master, workers, self.config.lora.init_adapter)
+        return 0
+
+    def _save_checkpoint(self, master: MasterModel, step: int, plan: Placement) -> Path:
+        """Atomic checkpoint of `step`: workers write their experts' parts in parallel, the master the rest."""
+        cfg = self.config
+        start = time.perf_counter()
+        staging = checkpoint.begin(cfg.checkpoint_root, step)
+        parts = [h.save_checkpoint_part.remote(str(staging)) for h in self.cluster.handles]
+        tensors = master_state(master)
+        tensors["rng.torch"] = torch.get_rng_state()
+        checkpoint.write_tensors(staging / "backbone.safetensors", tensors)
+        checkpoint.write_json(staging / "trainer.json", {
+            "step": step, "data_position": step, "total_steps": cfg.training.steps,
+            "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),
+            "placement": plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
+        })
+        ray.get(parts)
+        final = checkpoint.finalize(staging, step, self._checkpoint_meta(), keep=cfg.checkpoint.keep)
+        logger.info("checkpoint %s written in %.2f s", final, time.perf_counter() - start)
+        return final
+
+    def _checkpoint_meta(self) -> dict:
+        layout = self.blocks[0].layout
+        return {"model_type": self.model.config.model_type, "moe_layers": len(self.blocks),
+                "experts": layout.num_experts, "hidden_size": layout.hidden_size,
+                "lora_r": self.config.lora.r, "lora_alpha": self.config.lora.alpha}
 
     def _spawn(self, table: np.ndarray) -> ExpertCluster:
         cfg = self.config
@@ -172,30 +246,60 @@ class MasterActor:
                 f"need {total_experts - sum(capacities)} more expert slots (add workers or raise placement.capacity)")
         return capacities
 
-    def _train(self, master: MasterModel, workers: RayWorkers, timings: dict) -> list[dict]:
+    def _train(self, master: MasterModel, workers: RayWorkers, timings: dict, start_step: int,
+               plan: Placement) -> list[dict]:
         cfg = self.config.training
-        counter = master.dispatcher.counter
-        counter.reset()
-        history = []
-        progress = tqdm(range(cfg.steps), desc="fine-tune", unit="step", mininterval=2.0)
+        master.dispatcher.counter.reset()
+        history: list[dict] = []
+        self.last_checkpoint: Path | None = checkpoint.latest(self.config.checkpoint_root)
+        progress = tqdm(range(start_step, cfg.steps), desc="fine-tune", unit="step", mininterval=2.0,
+                        initial=start_step, total=cfg.steps)
         train_start = time.perf_counter()
         for step in progress:
-            batch = batch_at(self.train_set, step, cfg.batch_size, cfg.seed)
-            micro = _split(batch, cfg.micro_batch_size or cfg.batch_size)
-            before = counter.snapshot()
-            start = time.perf_counter()
-            loss = train_step(master, workers, micro, _lr(cfg, step), cfg.optimizer.max_grad_norm)
-            record = {"step": step + 1, "loss": loss, "step_time_s": time.perf_counter() - start,
-                      "bytes_by_tier": (counter.snapshot() - before).bytes_by_tier()}
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                record["eval_loss"] = self._eval(master)
+            every = self.config.checkpoint.every
+            try:
+                record = self._step(master, workers, step)
+                if step + 1 == cfg.steps or (every and (step + 1) % every == 0):
+                    self.last_checkpoint = self._save_checkpoint(master, step + 1, plan)
+            except ray.exceptions.RayActorError as err:
+                raise self._worker_lost(step, err) from None
             history.append(record)
-            progress.set_postfix(loss=f"{loss:.4f}")
+            progress.set_postfix(loss=f"{record['loss']:.4f}")
             if (step + 1) % cfg.log_every == 0:
-                logger.info("step %d/%d loss %.4f (%.2fs)", step + 1, cfg.steps, loss, record["step_time_s"])
+                logger.info("step %d/%d loss %.4f (%.2fs)", step + 1, cfg.steps, record["loss"],
+                            record["step_time_s"])
         timings["train_s"] = time.perf_counter() - train_start
-        history[-1].setdefault("eval_loss", self._eval(master))
+        if history:
+            history[-1].setdefault("eval_loss", self._eval(master))
         return history
+
+    def _step(self, master: MasterModel, workers: RayWorkers, step: int) -> dict:
+        cfg = self.config.training
+        counter = master.dispatcher.counter
+        batch = batch_at(self.train_set, step, cfg.batch_size, cfg.seed)
+        micro = _split(batch, cfg.micro_batch_size or cfg.batch_size)
+        before = counter.snapshot()
+        start = time.perf_counter()
+        loss = train_step(master, workers, micro, lr_at(cfg.optimizer, step, cfg.steps), cfg.optimizer.max_grad_norm)
+        record = {"step": step + 1, "loss": loss, "step_time_s": time.perf_counter() - start,
+                  "bytes_by_tier": (counter.snapshot() - before).bytes_by_tier()}
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            record["eval_loss"] = self._eval(master)
+        return record
+
+    def _worker_lost(self, step: int, err: Exception) -> WorkerLostError:
+        """Name the dead ExpertManager(s) and the checkpoint to resume from."""
+        dead = []
+        for worker, handle in enumerate(self.cluster.handles):
+            try:
+                ray.get(handle.ping.remote(), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(worker)
+        where = (f"resume from checkpoint {self.last_checkpoint} with `vela train --config ... --resume "
+                 f"{self.last_checkpoint}`" if self.last_checkpoint else "no checkpoint was written yet; "
+                 "set checkpoint.every to bound lost work")
+        return WorkerLostError(dead, f"ExpertManager worker(s) {dead} died during step {step + 1}; "
+                                     f"training stopped and its in-memory state since the last checkpoint is discarded; {where}. Cause: {err}")
 
     def _eval(self, master: MasterModel) -> float:
         cfg = self.config.training
@@ -236,5 +340,3 @@ def _split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Te
     return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
-def _lr(cfg, step: int) -> float:
-    return lr_at(cfg.optimizer, step, cfg.steps)

@@ -142,8 +142,8 @@ def _add_place(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_place(args: argparse.Namespace) -> int:
-    from placement import PlacementProblem, solve, solve_lp
-    from placement.io import problem_from_options
+    from placement import PlacementProblem, build_problem, solve, solve_lp
+    from placement.io import fields_from_options
     from placement.report import format_summary
 
     if args.problem and args.profile:
@@ -151,12 +151,12 @@ def _run_place(args: argparse.Namespace) -> int:
     if args.problem:
         problem = PlacementProblem.from_file(args.problem)
     elif args.profile and args.bandwidths and args.capacities:
-        problem = problem_from_options(
+        problem = build_problem(**fields_from_options(
             profile=args.profile, bandwidths_gb_s=args.bandwidths, capacities=args.capacities,
             tokens_per_step=args.tokens, hidden_size=args.hidden, bits_per_element=args.bits,
             top_k=args.top_k, nodes=args.nodes, master_node=args.master_node,
             include_backward=not args.forward_only,
-        )
+        ))
     else:
         raise ValueError("give --problem FILE, or --profile with --bandwidths and --capacities")
     placement = solve(problem, args.solver, seed=args.seed, time_budget_s=args.time_budget, direct=args.direct)
@@ -173,6 +173,8 @@ def _run_place(args: argparse.Namespace) -> int:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="fine-tune a MoE model with vela-ray (local Ray or RAY_ADDRESS)")
     p.add_argument("--config", required=True, help="job YAML (see deploy/ for examples)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="DIR|latest",
+                   help="continue from a checkpoint (default: the latest valid one under the checkpoint dir)")
     p.set_defaults(handler=_run_train)
 
 
@@ -181,7 +183,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from vela_ray.config import JobConfig
     from vela_ray.demo import print_summary
 
-    print_summary(VelaJob(JobConfig.from_yaml(args.config)).run())
+    print_summary(VelaJob(JobConfig.from_yaml(args.config).with_resume(args.resume)).run())
     return 0
 
 
@@ -199,6 +201,23 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     print_summary(VelaJob(demo_config(args.out, args.steps)).run())
     return 0
+
+
+@_subcommand
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="summarise a finished run and write its self-contained HTML report")
+    p.add_argument("run_dir", type=Path, help="the run's output.dir (holds summary.json)")
+    p.add_argument("--out", type=Path, help="HTML file to write (default: RUN_DIR/report.html)")
+    p.set_defaults(handler=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from vela_ray.report import summary_text, write_report
+
+    print(summary_text(args.run_dir))
+    print(f"report: {write_report(args.run_dir, args.out)}")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

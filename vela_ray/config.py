@@ -96,6 +96,13 @@ class TrainingSection(_Section):
         return self.batch_size // (self.micro_batch_size or self.batch_size)
 
 
+class CheckpointSection(_Section):
+    every: int = Field(0, ge=0, description="checkpoint every N steps; 0: only at the end")
+    keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
+    dir: Path | None = Field(None, description="checkpoint root; None: output.dir/checkpoints")
+    resume: str | None = Field(None, description="`latest` or a checkpoint directory to continue from")
+
+
 class OutputSection(_Section):
     dir: Path = Field(Path("runs/latest"), description="where the adapter, summary and logs go")
 
@@ -109,7 +116,18 @@ class JobConfig(_Section):
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
     training: TrainingSection
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.checkpoint.dir or self.output.dir / "checkpoints"
+
+    def with_resume(self, spec: str | None) -> "JobConfig":
+        """This config resuming from `spec` (`latest` or a directory); None leaves it unchanged."""
+        if spec is None:
+            return self
+        return self.model_copy(update={"checkpoint": self.checkpoint.model_copy(update={"resume": spec})})
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "JobConfig":

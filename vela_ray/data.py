@@ -299,7 +299,8 @@ def _raw_records(path: Path) -> list[object]:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}: record {len(records)} (line {line_no + 1}) is not JSON ({err})") from err
+                    raise ValueError(
+                        f"{path}: record {len(records)} (line {line_no + 1}) is not JSON ({err})") from err
         return records
     raise ValueError(f"{path}: unknown instruction file type {path.suffix!r}; expected one of {INSTRUCT_SUFFIXES}")
 

@@ -214,6 +214,11 @@ class RoutingRecorder:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.reset()
 
+    @classmethod
+    def for_model(cls, model: nn.Module, blocks: list[MoeBlock] | None = None, **options) -> RoutingRecorder:
+        """A recorder for `model`'s MoE blocks (`find_moe_blocks(model)` unless `blocks` is given); not attached."""
+        return cls(blocks if blocks is not None else find_moe_blocks(model), top_k_of(model), **options)
+
     def reset(self) -> None:
         num_layers = len(self.blocks)
         self.counts_LE = torch.zeros(num_layers, self.num_experts, dtype=torch.long)
@@ -224,7 +229,7 @@ class RoutingRecorder:
 
     def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
         """Count only positions where `attention_mask` ([B, S]) is 1 in the next forwards (None: all)."""
-        self._mask_T = None if attention_mask is None else attention_mask.reshape(-1).bool()
+        self._mask_T = None if attention_mask is None else attention_mask.reshape(-1).bool().cpu()
 
     def attach(self) -> RoutingRecorder:
         if self._handles:
@@ -260,7 +265,7 @@ class RoutingRecorder:
                 f"MoE layer {layer} routed {num_tokens} tokens but the attention mask has "
                 f"{self._mask_T.numel()}; call set_attention_mask(batch['attention_mask']) before each forward"
             )
-        return self._mask_T.to(device="cpu")
+        return self._mask_T
 
     def _experts_hook(self, layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -318,8 +323,7 @@ def profile_model(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], 
     is not counted). Pass `blocks` (from `find_moe_blocks` before any surgery) when
     the model has been wrapped, e.g. by peft. The model's train/eval mode is restored.
     """
-    blocks = blocks if blocks is not None else find_moe_blocks(model)
-    recorder = RoutingRecorder(blocks, top_k_of(model))
+    recorder = RoutingRecorder.for_model(model, blocks)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -377,6 +381,8 @@ class DriftTracker:
         """[steps, L, E] P of each step, summed over the trailing `window` steps (fewer at the start)."""
         if not self._counts:
             raise ValueError("DriftTracker has no recorded steps")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 step, got {window}")
         cumulative = np.cumsum(np.stack(self._counts), axis=0)
         windowed = cumulative.copy()
         windowed[window:] -= cumulative[:-window]

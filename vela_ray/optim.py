@@ -97,3 +97,22 @@ class ShardTrainer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=False)
         self.shard.release()
+
+    def optimizer_state(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+        """AdamW moments and step per logical expert: {(l, e): {"lora_A_down.exp_avg": ..., ...}}."""
+        out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for key in self.shard.keys:
+            for name, param in self.shard.expert(*key).named_parameters():
+                for slot, value in self.optimizer.state.get(param, {}).items():
+                    out.setdefault(key, {})[f"{name}.{slot}"] = torch.as_tensor(value).detach().clone()
+        return out
+
+    def load_optimizer_state(self, state: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
+        """Inverse of `optimizer_state` for the experts this shard hosts (missing experts: fresh state)."""
+        for key in self.shard.keys:
+            for name, param in self.shard.expert(*key).named_parameters():
+                slots = {n.split(".", 1)[1]: v for n, v in state.get(key, {}).items() if n.split(".", 1)[0] == name}
+                if slots:
+                    # AdamW keeps `step` on the CPU unless capturable; the moments live with the parameter
+                    self.optimizer.state[param] = {k: v.clone() if k == "step" else v.to(param.device).clone()
+                                                   for k, v in slots.items()}

@@ -91,10 +91,10 @@ def plot_layer_drift(probs_by_step: np.ndarray, layer: int, path: Path, initial_
         ax.plot(steps, probs_by_step[:, layer, expert], color=colour, linewidth=1.2, label=f"expert {expert}")
         if initial_probs is not None:
             ax.axhline(initial_probs[layer, expert], color=colour, linestyle=":", linewidth=1)
-    ax.set_xlabel("fine-tuning step")
+    ax.set_xlabel("fine-tuning step (end of window)")
     ax.set_ylabel(f"access frequency, MoE layer {layer}")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)

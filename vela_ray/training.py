@@ -160,3 +160,34 @@ def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -
     if unexpected:
         raise ValueError(f"{adapter_dir}: adapter keys not in this model: {unexpected[:5]}")
     workers.load_lora_state(expert_state)
+
+
+def master_state(master: MasterModel) -> dict[str, torch.Tensor]:
+    """Backbone LoRA values and AdamW state by parameter name, for checkpoints."""
+    tensors = {}
+    for name, param in master.peft_model.named_parameters():
+        if not param.requires_grad:
+            continue
+        tensors[name] = param.detach()
+        for slot, value in master.optimizer.state.get(param, {}).items():
+            tensors[f"{name}.{slot}"] = torch.as_tensor(value).detach()
+    return tensors
+
+
+def load_master_state(master: MasterModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of `master_state`; ValueError if the checkpoint lacks a trainable parameter."""
+    params = {n: p for n, p in master.peft_model.named_parameters() if p.requires_grad}
+    missing = [n for n in params if n not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint lacks backbone adapter tensors {missing[:4]} ({len(missing)} in all): "
+                         "it was written for another model or LoRA target set")
+    with torch.no_grad():
+        for name, param in params.items():
+            if tensors[name].shape != param.shape:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"this job's is {tuple(param.shape)} (different LoRA rank?)")
+            param.copy_(tensors[name])
+            slots = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+            if slots:
+                master.optimizer.state[param] = {k: v.clone() if k == "step" else v.to(param.device).clone()
+                                                 for k, v in slots.items()}

@@ -1,0 +1,42 @@
+"""Errors of the Ray runtime: which worker failed, and a message that says how to fix it.
+
+Every error raised inside an actor crosses a process boundary: Ray pickles it,
+wraps it in a `RayTaskError` carrying the worker's traceback text, and re-raises
+it on the caller as an instance of *both* `RayTaskError` and the original class.
+So these classes keep their fields through pickling (`__reduce__`), and tests
+can `pytest.raises(ExpertWorkerError, match="worker 2")` on the driver.
+"""
+
+from __future__ import annotations
+
+
+class VelaActorError(RuntimeError):
+    """Base of all errors raised by vela-ray actors."""
+
+
+class ExpertWorkerError(VelaActorError):
+    """An ExpertManager failed; `worker` is its index in the placement table."""
+
+    def __init__(self, worker: int, message: str):
+        super().__init__(f"expert worker {worker}: {message}")
+        self.worker = worker
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.worker, self.message))
+
+
+class ClusterError(VelaActorError):
+    """The cluster cannot host the requested actors (resources, nodes, placement groups)."""
+
+
+class WorkerLostError(VelaActorError):
+    """An ExpertManager process died mid-run; training stops and names the checkpoint to resume from."""
+
+    def __init__(self, workers: list[int], message: str):
+        super().__init__(message)
+        self.workers = workers
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.workers, self.message))

@@ -1,0 +1,119 @@
+"""Checkpoints through the real runtime: exact resume (same and other worker count), a killed worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from actors.errors import WorkerLostError
+from tests.fixtures import job_dict, make_checkpoint
+from vela_ray import checkpoint
+from vela_ray.api import VelaJob
+from vela_ray.config import JobConfig
+
+STEPS, EVERY = 16, 4
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory):
+    """One full run with a checkpoint every EVERY steps: the reference for every resume."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    model_dir = make_checkpoint(root / "model")
+    job = job_dict(model_dir, root / "out", steps=STEPS, checkpoint={"every": EVERY, "keep": 10},
+                   training={"optimizer": {"lr": 3e-3, "warmup_steps": 2}})
+    summary = VelaJob(JobConfig.from_dict(job)).run()
+    return {"job": job, "summary": summary, "root": root}
+
+
+def _adapter(summary) -> dict[str, torch.Tensor]:
+    return load_file(Path(summary["adapter_dir"]) / "adapter_model.safetensors")
+
+
+def _assert_same_adapter(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def _resumed(uninterrupted, out: Path, resume: str, **cluster) -> dict:
+    job = json.loads(json.dumps(uninterrupted["job"]))
+    job["output"]["dir"] = str(out)
+    job["checkpoint"]["dir"] = str(uninterrupted["root"] / "out" / "checkpoints")
+    job["cluster"].update(cluster)
+    return VelaJob(JobConfig.from_dict(job).with_resume(resume)).run()
+
+
+def test_checkpoints_are_written_every_n_steps_and_verify(uninterrupted):
+    root = uninterrupted["root"] / "out" / "checkpoints"
+    steps = [int(p.name.split("-")[1]) for p in checkpoint.valid_checkpoints(root)]
+    assert steps == list(range(EVERY, STEPS + 1, EVERY))
+    manifest = checkpoint.verify(root / f"step-{STEPS:06d}")
+    assert len({f for f in manifest["experts"].values()}) == 3  # each worker wrote its own part
+
+
+@pytest.mark.parametrize("num_workers", [3, 2], ids=["same-placement", "two-workers"])
+def test_resume_continues_with_identical_losses_and_adapter(uninterrupted, tmp_path, num_workers):
+    mid = STEPS // 2
+    ckpt = uninterrupted["root"] / "out" / "checkpoints" / f"step-{mid:06d}"
+    summary = _resumed(uninterrupted, tmp_path / "out", str(ckpt), num_workers=num_workers)
+    torch.testing.assert_close(torch.tensor(summary["losses"]),
+                               torch.tensor(uninterrupted["summary"]["losses"][mid:]), rtol=1e-5, atol=0)
+    _assert_same_adapter(_adapter(summary), _adapter(uninterrupted["summary"]))
+
+
+def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(uninterrupted, tmp_path):
+    job = json.loads(json.dumps(uninterrupted["job"]))
+    job["output"]["dir"] = str(tmp_path / "out")
+    job["checkpoint"] = {"every": 2, "keep": 10}
+    ckpt_root = tmp_path / "out" / "checkpoints"
+    killed = {}
+
+    def kill_worker_after_first_checkpoint():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            workers = tmp_path / "out" / "workers.json"
+            if workers.is_file() and checkpoint.latest(ckpt_root) is not None:
+                pid = json.loads(workers.read_text())["pids"][1]
+                os.kill(pid, signal.SIGKILL)
+                killed["pid"] = pid
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_worker_after_first_checkpoint, daemon=True)
+    killer.start()
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        VelaJob(JobConfig.from_dict(job)).run()
+    killer.join(timeout=10)
+    assert killed, "the worker was never killed"
+    assert isinstance(err.value, WorkerLostError) or "WorkerLostError" in str(err.value)
+    message = str(err.value)
+    assert "ExpertManager worker(s) [1] died" in message
+    last = checkpoint.latest(ckpt_root)
+    assert last is not None and str(last) in message
+    checkpoint.verify(last)  # intact
+
+    # and resuming from it finishes exactly like the uninterrupted run
+    job["checkpoint"]["resume"] = "latest"
+    summary = VelaJob(JobConfig.from_dict(job)).run()
+    done = int(last.name.split("-")[1])
+    torch.testing.assert_close(torch.tensor(summary["losses"]),
+                               torch.tensor(uninterrupted["summary"]["losses"][done:]), rtol=1e-5, atol=0)
+    _assert_same_adapter(_adapter(summary), _adapter(uninterrupted["summary"]))
+
+
+def test_resume_with_another_lora_rank_is_refused(uninterrupted, tmp_path):
+    job = json.loads(json.dumps(uninterrupted["job"]))
+    job["output"]["dir"] = str(tmp_path / "out")
+    job["checkpoint"]["dir"] = str(uninterrupted["root"] / "out" / "checkpoints")
+    job["lora"] = {"r": 4}
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"lora_r: checkpoint 8 vs this job 4"):
+        VelaJob(JobConfig.from_dict(job).with_resume("latest")).run()

@@ -1,0 +1,102 @@
+"""Checkpoint files: atomic publication, verification, refusal of corrupt or mismatched checkpoints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from vela_ray import checkpoint
+
+META = {"model_type": "mixtral", "moe_layers": 2, "experts": 6, "lora_r": 4}
+
+
+def _write(root, step, size=16, meta=META, keep=None):
+    staging = checkpoint.begin(root, step)
+    checkpoint.write_tensors(staging / "backbone.safetensors", {"w": torch.full((size,), float(step))})
+    lora = {(0, 1): {"lora_A_down": torch.ones(2, 3)}, (1, 5): {"lora_A_down": torch.zeros(2, 3)}}
+    optim = {(0, 1): {"lora_A_down.exp_avg": torch.ones(2, 3)}}
+    checkpoint.write_tensors(staging / "experts" / "part-0.safetensors", checkpoint.expert_part_tensors(lora, optim))
+    checkpoint.write_json(staging / "trainer.json", {"step": step})
+    return checkpoint.finalize(staging, step, meta, keep=keep)
+
+
+def test_finalized_checkpoint_verifies_and_indexes_experts_by_logical_key(tmp_path):
+    path = _write(tmp_path, 3)
+    manifest = checkpoint.verify(path)
+    assert manifest["step"] == 3 and set(manifest["experts"]) == {"0.1", "1.5"}
+    states = checkpoint.read_expert_states(path, manifest, [(1, 5), (0, 1)])
+    assert set(states[(0, 1)]) == {"lora_A_down", "lora_A_down.exp_avg"}
+    assert checkpoint.latest(tmp_path) == path
+
+
+def test_keep_prunes_to_the_newest_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4):
+        _write(tmp_path, step, keep=2)
+    assert [p.name for p in checkpoint.valid_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    path = _write(tmp_path, 1)
+    part = path / "experts" / "part-0.safetensors"
+    part.write_bytes(part.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=r"part-0.safetensors has \d+ bytes, the manifest says \d+ \(truncated\?\)"):
+        checkpoint.verify(path)
+    assert checkpoint.latest(tmp_path) is None
+
+
+def test_a_checksum_mismatch_is_refused(tmp_path):
+    path = _write(tmp_path, 1)
+    data = bytearray((path / "backbone.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (path / "backbone.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"backbone.safetensors fails its sha256 checksum"):
+        checkpoint.verify(path)
+
+
+def test_a_checkpoint_of_another_model_or_rank_is_refused(tmp_path):
+    manifest = checkpoint.verify(_write(tmp_path, 1))
+    with pytest.raises(ValueError, match=r"lora_r: checkpoint 4 vs this job 8"):
+        checkpoint.check_compatible(manifest, {**META, "lora_r": 8}, tmp_path)
+    with pytest.raises(ValueError, match=r"model_type: checkpoint 'mixtral' vs this job 'qwen3_moe'"):
+        checkpoint.check_compatible(manifest, {**META, "model_type": "qwen3_moe"}, tmp_path)
+
+
+def test_missing_experts_are_named(tmp_path):
+    path = _write(tmp_path, 1)
+    with pytest.raises(ValueError, match=r"no state for experts \[\(1, 0\)\]"):
+        checkpoint.read_expert_states(path, checkpoint.verify(path), [(1, 0)])
+
+
+def test_resolve_latest_without_checkpoints_says_where_it_looked(tmp_path):
+    with pytest.raises(ValueError, match=r"no valid checkpoint under"):
+        checkpoint.resolve("latest", tmp_path)
+
+
+_SLOW_WRITER = """
+import sys, time, torch
+from pathlib import Path
+from vela_ray import checkpoint
+root = Path(sys.argv[1])
+staging = checkpoint.begin(root, 2)
+checkpoint.write_tensors(staging / "trainer_partial.safetensors", {"w": torch.zeros(4)})
+print("WRITING", flush=True)
+for i in range(1000):  # keeps writing parts until killed
+    checkpoint.write_tensors(staging / "experts" / f"part-{i}.safetensors", {"l0.e0.x": torch.zeros(1 << 16)})
+    time.sleep(0.01)
+"""
+
+
+def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_latest(tmp_path):
+    previous = _write(tmp_path, 1)
+    writer = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "WRITING"
+    time.sleep(0.3)
+    writer.kill()
+    writer.wait()
+    assert any(p.name.startswith(".step-000002.tmp-") for p in tmp_path.iterdir())  # the half-written one
+    assert checkpoint.latest(tmp_path) == previous
+    checkpoint.verify(previous)

@@ -1,0 +1,227 @@
+"""Checkpoints that survive crashes and reload under any placement.
+
+Layout of one checkpoint (`<root>/step-000120/`):
+
+    manifest.json              written last: step, files with sizes and sha256, expert index, meta
+    trainer.json               step, data position, lr schedule, RNG states, placement, config
+    backbone.safetensors       backbone LoRA (peft state-dict names) + its AdamW moments
+    backbone_optim.json        backbone AdamW step counts and hyper-parameters
+    experts/part-<n>.safetensors   written by ExpertManager n, tensors named by *logical* expert:
+                               "l{layer}.e{expert}.{lora_A_gate_up|...}" and ".exp_avg"/".exp_avg_sq"
+
+Atomicity: everything goes into `<root>/.step-000120.tmp-<uuid>/`, files are
+fsynced, the manifest (with checksums) is written and fsynced last, then the
+directory is renamed into place and the parent fsynced. A directory without a
+valid manifest is never "the latest checkpoint". Workers write their own
+parts in parallel into the staging directory; the master never holds expert
+state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vela_ray.experts import ExpertKey
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+EXPERT_STATE_NAMES = ("lora_A_gate_up", "lora_B_gate_up", "lora_A_down", "lora_B_down")
+
+
+# --- writing ------------------------------------------------------------------------------
+
+
+def begin(root: str | Path, step: int) -> Path:
+    """A fresh staging directory for the checkpoint of `step`."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".step-{step:06d}.tmp-{uuid.uuid4().hex[:8]}"
+    (staging / "experts").mkdir(parents=True)
+    return staging
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """safetensors file, fsynced."""
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    _fsync(path)
+
+
+def write_json(path: Path, value: object) -> None:
+    path.write_text(json.dumps(value, indent=1))
+    _fsync(path)
+
+
+def expert_part_tensors(lora: dict[ExpertKey, dict[str, torch.Tensor]],
+                        optim: dict[ExpertKey, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One worker's part: tensors named by logical expert (see the module docstring)."""
+    tensors = {}
+    for (layer, expert), state in lora.items():
+        for name, value in state.items():
+            tensors[f"l{layer}.e{expert}.{name}"] = value
+        for name, value in optim.get((layer, expert), {}).items():
+            tensors[f"l{layer}.e{expert}.{name}"] = value
+    return tensors
+
+
+def finalize(staging: Path, step: int, meta: dict, keep: int | None = None) -> Path:
+    """Checksum every file, write the manifest last, rename into place; prune to the last `keep`."""
+    files = sorted(p for p in staging.rglob("*") if p.is_file())
+    entries = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    write_json(staging / MANIFEST, {"step": step, "files": entries, "experts": _expert_index(staging),
+                                    "meta": meta})
+    _fsync_dir(staging)
+    final = staging.parent / f"step-{step:06d}"
+    if final.exists():  # a checkpoint of this step already exists (e.g. a resumed run): replace it
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    _fsync_dir(staging.parent)
+    if keep:
+        prune(staging.parent, keep)
+    return final
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` valid checkpoints, and stale staging directories."""
+    removed = []
+    for old in valid_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    return removed
+
+
+def _expert_index(staging: Path) -> dict[str, str]:
+    """{"layer.expert": part file} so a reader finds any logical expert without scanning."""
+    index = {}
+    for part in sorted((staging / "experts").glob("*.safetensors")):
+        with safe_open(str(part), "pt") as f:
+            for name in f.keys():
+                layer, expert = name.split(".")[:2]
+                index[f"{layer[1:]}.{expert[1:]}"] = str(part.relative_to(staging))
+    return index
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def valid_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoints under `root` whose manifest exists and whose files have the recorded sizes, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        if _STEP_DIR.match(path.name) and path.is_dir():
+            try:
+                verify(path, checksums=False)
+                found.append(path)
+            except ValueError as err:
+                logger.warning("skipping invalid checkpoint %s: %s", path, err)
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest(root: str | Path) -> Path | None:
+    checkpoints = valid_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+def resolve(spec: str | Path, root: str | Path) -> Path:
+    """`latest` -> newest valid checkpoint under `root`; a path -> that checkpoint, verified."""
+    if str(spec) == "latest":
+        found = latest(root)
+        if found is None:
+            raise ValueError(f"--resume latest: no valid checkpoint under {root}")
+        return found
+    path = Path(spec)
+    verify(path)
+    return path
+
+
+def verify(path: str | Path, checksums: bool = True) -> dict:
+    """The manifest, after checking every file's size (and sha256); ValueError saying what is wrong."""
+    path = Path(path)
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise ValueError(f"{path}: no {MANIFEST}; the checkpoint was never finished (crash while writing?)")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: {MANIFEST} is not valid JSON ({err})") from None
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{path}: file {name} listed in the manifest is missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise ValueError(f"{path}: {name} has {size} bytes, the manifest says {entry['bytes']} (truncated?)")
+        if checksums and _sha256(file) != entry["sha256"]:
+            raise ValueError(f"{path}: {name} fails its sha256 checksum (corrupted)")
+    return manifest
+
+
+def check_compatible(manifest: dict, expected: dict, path: Path) -> None:
+    """Refuse a checkpoint of another model / LoRA config: `expected` holds the meta fields to match."""
+    meta = manifest.get("meta", {})
+    wrong = [f"{k}: checkpoint {meta.get(k)!r} vs this job {v!r}" for k, v in expected.items() if meta.get(k) != v]
+    if wrong:
+        raise ValueError(f"{path} does not match this job: " + "; ".join(wrong))
+
+
+def read_expert_states(path: Path, manifest: dict, keys: list[ExpertKey]) -> dict[ExpertKey, dict[str, torch.Tensor]]:
+    """{(layer, expert): {state name: tensor}} for exactly `keys`, from whichever parts hold them."""
+    index = manifest["experts"]
+    missing = [k for k in keys if f"{k[0]}.{k[1]}" not in index]
+    if missing:
+        raise ValueError(f"{path}: checkpoint has no state for experts {missing[:8]} ({len(missing)} missing)")
+    by_file: dict[str, list[ExpertKey]] = {}
+    for key in keys:
+        by_file.setdefault(index[f"{key[0]}.{key[1]}"], []).append(key)
+    states: dict[ExpertKey, dict[str, torch.Tensor]] = {}
+    for file, file_keys in by_file.items():
+        with safe_open(str(path / file), "pt") as f:
+            names = list(f.keys())
+            for layer, expert in file_keys:
+                prefix = f"l{layer}.e{expert}."
+                states[(layer, expert)] = {n[len(prefix):]: f.get_tensor(n) for n in names if n.startswith(prefix)}
+    return states
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
