@@ -175,7 +175,8 @@ class MasterActor:
         specs = [
             ExpertManagerSpec(
                 worker=n, keys=[tuple(k) for k in np.argwhere(table == n).tolist()],
-                model_dir=str(cfg.model.path.resolve()), lora=LoraSpec(cfg.lora.r, cfg.lora.alpha),
+                model_dir=str(cfg.model.path.resolve()), activation=self.blocks[0].layout.activation,
+                lora=LoraSpec(cfg.lora.r, cfg.lora.alpha),
                 optim=cfg.training.optimizer, seed=cfg.training.seed, dtype=cfg.model.dtype,
                 device="cuda" if cfg.cluster.num_gpus_per_worker else "cpu",
             )

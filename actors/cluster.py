@@ -1,0 +1,160 @@
+"""Start ExpertManager actors with placement groups, and know where each one runs.
+
+This is the one place where `ray.remote` turns the plain `ExpertManager` class
+into an actor. One placement-group bundle per worker reserves its CPUs (and its
+GPU with `num_gpus_per_worker=1`, so Ray pins each actor to one device):
+
+    cluster = spawn_expert_managers(specs, SpawnConfig(num_gpus_per_worker=1, workers_per_node=8))
+    transport = RayObjectRefTransport(cluster.handles, cluster.worker_tiers())
+    ...
+    cluster.shutdown()
+
+Actors do not restart (`max_restarts=0`): a dead worker loses its experts'
+optimizer state, so recovery belongs to checkpointing, not to Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.errors import ClusterError
+from actors.expert_manager import ExpertManager, ExpertManagerSpec
+from vela_ray.traffic import LinkTier
+
+logger = logging.getLogger(__name__)
+
+NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node; pins a bundle to a node
+LOCAL_NODE = "local"  # what ExpertManager.node_id() says outside Ray
+
+
+class SpawnConfig(BaseModel):
+    """How ExpertManager actors are laid out over the Ray cluster."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per ExpertManager")
+    num_gpus_per_worker: Literal[0, 1] = Field(0, description="1: one GPU per ExpertManager (Ray pins it)")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement-group strategy when `workers_per_node` is not set"
+    )
+    workers_per_node: int | None = Field(
+        None, ge=1, description="pin workers to nodes in blocks of this size (worker n on node n // size)"
+    )
+    master_node: str | None = Field(None, description="node id filled first with `workers_per_node`")
+    ready_timeout_s: float = Field(300.0, gt=0, description="how long to wait for resources and actors")
+
+
+@dataclass
+class ExpertCluster:
+    """Spawned ExpertManagers: `handles[n]` is worker n, running on node `node_ids[n]`."""
+
+    handles: list[Any]
+    node_ids: list[str]
+    placement_group: PlacementGroup
+
+    def worker_tiers(self, master_node_id: str | None = None) -> list[LinkTier]:
+        """Link tier of each worker from `master_node_id` (default: the caller's node)."""
+        master = master_node_id or ray.get_runtime_context().get_node_id()
+        return classify_link_tiers(master, self.node_ids)
+
+    def shutdown(self) -> None:
+        """Kill the actors and release their placement group."""
+        for handle in self.handles:
+            ray.kill(handle, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+
+def classify_link_tiers(master_node_id: str, worker_node_ids: Sequence[str]) -> list[LinkTier]:
+    """Each worker's link from the master: "same_process" for in-process managers
+    (node id "local"), "same_node" when it shares the master's node, else "cross_node"."""
+    return [
+        "same_process" if node == LOCAL_NODE else "same_node" if node == master_node_id else "cross_node"
+        for node in worker_node_ids
+    ]
+
+
+def spawn_expert_managers(
+    specs: Sequence[ExpertManagerSpec], config: SpawnConfig | None = None, **options: Any
+) -> ExpertCluster:
+    """Start one ExpertManager actor per spec (worker n = specs[n]) and wait until all are up.
+
+    `options` are SpawnConfig fields, for callers without a config object.
+    Raises ClusterError when the resources do not appear within `ready_timeout_s`.
+    """
+    config = config or SpawnConfig(**options)
+    _check_specs(specs, config)
+    pg = _reserve(len(specs), config)
+    remote_cls = ray.remote(ExpertManager)
+    handles = [
+        remote_cls.options(
+            num_cpus=config.num_cpus_per_worker,
+            num_gpus=config.num_gpus_per_worker,
+            max_restarts=0,
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
+        ).remote(spec)
+        for n, spec in enumerate(specs)
+    ]
+    try:
+        node_ids = ray.get([h.node_id.remote() for h in handles], timeout=config.ready_timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        ExpertCluster(handles, [], pg).shutdown()
+        raise ClusterError(f"ExpertManagers not up after {config.ready_timeout_s} s; raise "
+                           "`ready_timeout_s` if loading the experts is slow") from exc
+    logger.info("spawned %d expert workers on %d nodes", len(handles), len(set(node_ids)))
+    return ExpertCluster(handles, node_ids, pg)
+
+
+def _check_specs(specs: Sequence[ExpertManagerSpec], config: SpawnConfig) -> None:
+    if not specs:
+        raise ValueError("no ExpertManagerSpec given; spawn at least one worker")
+    wrong = [n for n, spec in enumerate(specs) if spec.worker != n]
+    if wrong:
+        raise ValueError(f"specs[n].worker must equal n; specs at positions {wrong[:8]} disagree")
+    if config.num_gpus_per_worker == 0 and any(spec.device == "cuda" for spec in specs):
+        raise ValueError("specs ask for device 'cuda' but num_gpus_per_worker is 0: set it to 1")
+
+
+def _reserve(num_workers: int, config: SpawnConfig) -> PlacementGroup:
+    """A ready placement group with one bundle per worker."""
+    bundle = {"CPU": config.num_cpus_per_worker}
+    if config.num_gpus_per_worker:
+        bundle["GPU"] = config.num_gpus_per_worker
+    bundles = [dict(bundle) for _ in range(num_workers)]
+    if config.workers_per_node is None:
+        pg = placement_group(bundles, strategy=config.strategy)
+    else:
+        nodes = _nodes_for(num_workers, config)
+        labels = [{NODE_ID_LABEL: nodes[n // config.workers_per_node]} for n in range(num_workers)]
+        pg = placement_group(bundles, strategy="PACK", bundle_label_selector=labels)
+    if not pg.wait(timeout_seconds=config.ready_timeout_s):
+        remove_placement_group(pg)
+        layout = config.strategy if config.workers_per_node is None else f"{config.workers_per_node} per node"
+        raise ClusterError(
+            f"cannot reserve {num_workers} x {bundle} ({layout}) within {config.ready_timeout_s} s; the cluster "
+            f"has {ray.available_resources()}: lower num_cpus_per_worker / workers_per_node or add nodes"
+        )
+    return pg
+
+
+def _nodes_for(num_workers: int, config: SpawnConfig) -> list[str]:
+    """Alive node ids in fill order: the master's node first, then by id."""
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    needed = math.ceil(num_workers / config.workers_per_node)
+    if needed > len(alive):
+        raise ClusterError(f"{num_workers} workers at workers_per_node={config.workers_per_node} need "
+                           f"{needed} nodes but the cluster has {len(alive)}: raise workers_per_node or add nodes")
+    if config.master_node is not None:
+        if config.master_node not in alive:
+            raise ClusterError(f"master_node {config.master_node!r} is not an alive node; alive: {alive}")
+        alive.remove(config.master_node)
+        alive.insert(0, config.master_node)
+    return alive[:needed]

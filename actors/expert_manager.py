@@ -1,0 +1,263 @@
+"""ExpertManager: hosts the experts one worker owns and trains their LoRA adapters.
+
+A plain class (Ray Train v2 style): `actors.cluster.spawn_expert_managers` is the
+one place that turns it into a Ray actor (one per GPU, or per CPU bundle in
+tests); unit tests build it in-process.
+
+    spec = ExpertManagerSpec(worker=0, model_dir="/ckpt", keys=[(0, 3), (1, 5)])
+    manager = ExpertManager(spec)          # reads only experts (0, 3) and (1, 5)
+    out_RD = manager.forward(ForwardRequest(layer=0, expert_ids=ids_R, rows=rows_RD, key=k))
+    grad_RD = manager.backward(k, grad_out_RD)
+    manager.step(lr, clip_coef)
+
+Zero redundancy: the manager reads its own experts from the checkpoint
+(`vela_ray.loading.read_experts`, memory-mapped); the master never sends expert
+weights. Tests may pass in-memory `weights` instead of a `model_dir`.
+
+Data plane: `forward`, `backward` (Ray object refs) and `execute` (one message
+per compiled-graph call, see `actors.transports`). Control plane: `grad_sq_norm`,
+`step`, `zero_grad`, `lora_state`, `load_lora_state` (and `lora_grads` for tests).
+Topology and sizing: `node_id`, `pid`, `bytes_per_expert`, `capacity`, `ping`.
+
+Any failure in the data plane is re-raised as `ExpertWorkerError` naming this
+worker and the (layer, expert) keys involved; Ray adds the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Hashable, Literal
+
+import psutil
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.errors import ExpertWorkerError
+from vela_ray import checkpoint
+from vela_ray.experts import ExpertKey, ExpertShard, LoraSpec
+from vela_ray.loading import moe_layout, read_experts
+from vela_ray.optim import OptimizerConfig, ShardTrainer
+from vela_ray.transport import ForwardRequest
+
+logger = logging.getLogger(__name__)
+
+ExpertWeights = dict[ExpertKey, tuple[torch.Tensor, torch.Tensor]]
+LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Per LoRA parameter the worker keeps the value, its gradient and AdamW's two moments.
+_LORA_COPIES = 4
+
+
+class ExpertManagerSpec(BaseModel):
+    """What one ExpertManager hosts and how it trains; plain data, sent to the actor once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    worker: int = Field(ge=0, description="index of this worker in the placement table")
+    keys: list[tuple[int, int]] = Field(description="the (MoE layer, expert) pairs this worker hosts")
+    model_dir: str | None = Field(None, description="checkpoint to read the experts from (safetensors)")
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = Field(
+        None, description="in-memory {(layer, expert): (gate_up [2I, D], down [D, I])} instead of model_dir (tests)"
+    )
+    activation: str | None = Field(
+        None, description="expert activation (e.g. 'silu'); required with `weights`, read from `model_dir` if None"
+    )
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA rank and alpha of the expert adapters")
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW of the expert adapters")
+    seed: int = Field(0, description="LoRA init seed, combined with each (layer, expert)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="None keeps the stored dtype")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the experts run")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ExpertManagerSpec":
+        if (self.model_dir is None) == (self.weights is None):
+            raise ValueError(f"worker {self.worker}: give exactly one of `model_dir` and `weights`")
+        if self.weights is not None:
+            missing = [k for k in self.keys if k not in self.weights]
+            if missing:
+                raise ValueError(f"worker {self.worker}: `weights` lacks experts {missing[:8]} listed in `keys`")
+            if self.activation is None:
+                raise ValueError(f"worker {self.worker}: in-memory `weights` need `activation` (e.g. 'silu')")
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"worker {self.worker}: `keys` lists an expert twice")
+        return self
+
+
+@dataclass(frozen=True)
+class BackwardRequest:
+    """d(outputs) [R, D] for the forward this worker saved under `key`."""
+
+    key: Hashable
+    grad: torch.Tensor
+
+
+WorkerMessage = ForwardRequest | BackwardRequest | None  # None: nothing for this worker in this call
+
+
+def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, str]:
+    """The spec's experts as {(layer, expert): (gate_up, down)} and their activation."""
+    dtype = _DTYPES[spec.dtype] if spec.dtype else None
+    if spec.weights is not None:
+        weights = {k: tuple(w.to(dtype) if dtype else w for w in spec.weights[k]) for k in spec.keys}
+        return weights, spec.activation
+    activation = spec.activation or moe_layout(spec.model_dir)[2]  # the master can pass it and save the read
+    return read_experts(spec.model_dir, list(spec.keys), dtype=dtype), activation
+
+
+class ExpertManager:
+    """One worker's experts: an `ExpertShard` with its own AdamW (`ShardTrainer`)."""
+
+    def __init__(self, spec: ExpertManagerSpec):
+        self.worker = spec.worker
+        self.keys: list[ExpertKey] = sorted(spec.keys)
+        self.device = torch.device(spec.device)
+        weights, activation = load_expert_weights(spec)
+        self.shard = ExpertShard.from_weights(weights, spec.lora, activation, seed=spec.seed).to(self.device)
+        # A placement may leave a worker without experts; torch's AdamW refuses an empty parameter list.
+        self.trainer = ShardTrainer(self.shard, spec.optim) if self.keys else None
+        self.dtype = next(iter(weights.values()))[0].dtype if weights else torch.float32
+        self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
+        logger.info("expert worker %d: hosting %d experts on %s", self.worker, len(self.keys), self.device)
+
+    # -- data plane -------------------------------------------------------------------------
+
+    def forward(self, request: ForwardRequest) -> torch.Tensor:
+        """Unweighted expert outputs [R, D] for the request's rows, on the CPU."""
+        return self._forward(request).cpu()
+
+    def backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        """d(rows) [R, D] for the forward saved under `key`, on the CPU."""
+        return self._backward(key, grad).cpu()
+
+    def execute(self, message: WorkerMessage, on_device: bool = False) -> torch.Tensor | None:
+        """One compiled-graph call: a forward, a backward, or nothing (None).
+
+        Results come back on the CPU, or stay on this worker's device with `on_device`
+        (a graph whose results travel over NCCL).
+        """
+        if message is None:
+            return None
+        if isinstance(message, ForwardRequest):
+            out = self._forward(message)
+        else:
+            out = self._backward(message.key, message.grad)
+        return out if on_device else out.cpu()
+
+    def _forward(self, request: ForwardRequest) -> torch.Tensor:
+        self.received_bytes += request.rows.numel() * request.rows.element_size()
+        try:
+            rows_RD = request.rows.to(self.device, self.dtype)
+            return self.shard.forward_rows(request.layer, request.expert_ids, rows_RD, request.key)
+        except Exception as exc:
+            experts = sorted({(request.layer, int(e)) for e in request.expert_ids.tolist()})
+            raise self._error(f"forward of experts {experts} (key {request.key!r})", exc) from exc
+
+    def _backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        self.received_bytes += grad.numel() * grad.element_size()
+        try:
+            return self.shard.backward_rows(key, grad.to(self.device))
+        except Exception as exc:
+            raise self._error(f"backward of key {key!r}", exc) from exc
+
+    def _error(self, what: str, exc: Exception) -> ExpertWorkerError:
+        hosted = self.keys if len(self.keys) <= 16 else f"{self.keys[:16]} ... ({len(self.keys)} in all)"
+        return ExpertWorkerError(
+            self.worker,
+            f"{what} failed with {type(exc).__name__}: {exc}. This worker hosts {hosted}; if the experts "
+            "differ, the placement table and the spawned workers' keys disagree: build both from one Placement",
+        )
+
+    # -- control plane ----------------------------------------------------------------------
+
+    def grad_sq_norm(self) -> float:
+        return self.trainer.grad_sq_norm() if self.trainer else 0.0
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        if self.trainer:
+            self.trainer.step(lr, clip_coef)
+
+    def zero_grad(self) -> None:
+        if self.trainer:
+            self.trainer.zero_grad()
+
+    def lora_state(self) -> LoraState:
+        """This worker's adapters, keyed by logical (layer, expert), on the CPU."""
+        return {key: {n: t.cpu() for n, t in params.items()} for key, params in self.shard.lora_state().items()}
+
+    def lora_grads(self) -> LoraState:
+        """The accumulated LoRA gradients, keyed like `lora_state` (for tests and debugging)."""
+        return {
+            key: {name: p.grad.detach().cpu().clone() for name, p in self.shard.expert(*key).named_parameters()}
+            for key in self.keys
+        }
+
+    def load_lora_state(self, state: LoraState) -> None:
+        """Load this worker's experts from `state` (a full or partial dict keyed by (layer, expert))."""
+        missing = [key for key in self.keys if key not in state]
+        if missing:
+            raise ExpertWorkerError(self.worker, f"adapter state lacks hosted experts {missing[:8]} "
+                                                 f"(of {len(missing)}); load an adapter of the same model")
+        self.shard.load_lora_state({key: state[key] for key in self.keys})
+
+    # -- checkpoints (vela_ray.checkpoint): written here, in parallel with the other workers -----
+
+    def save_checkpoint_part(self, staging_dir: str) -> str:
+        """Write this worker's experts' LoRA and AdamW state, named by logical expert; returns the file."""
+        optim = self.trainer.optimizer_state() if self.trainer else {}
+        path = Path(staging_dir) / "experts" / f"part-{self.worker}.safetensors"
+        checkpoint.write_tensors(path, checkpoint.expert_part_tensors(self.lora_state(), optim))
+        return str(path)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Load LoRA and AdamW state of the experts this worker hosts, whichever worker wrote them."""
+        path = Path(checkpoint_dir)
+        states = checkpoint.read_expert_states(path, checkpoint.verify(path, checksums=False), self.keys)
+        self.shard.load_lora_state({k: {n: v for n, v in s.items() if "." not in n} for k, s in states.items()})
+        if self.trainer:
+            self.trainer.load_optimizer_state({k: {n: v for n, v in s.items() if "." in n}
+                                               for k, s in states.items()})
+
+    # -- topology and sizing ----------------------------------------------------------------
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on, or "local" outside Ray."""
+        import ray  # actors are built in-process by unit tests, where Ray is not needed
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> int:
+        """Cheap liveness check; returns the worker index."""
+        return self.worker
+
+    def received(self) -> int:
+        """Bytes of rows and gradients received so far (the broker's dispatch + grad_dispatch counts)."""
+        return self.received_bytes
+
+    def echo(self, payload: torch.Tensor) -> int:
+        """Receive a probe payload (the PlacementService times these); returns its size in bytes."""
+        return payload.numel() * payload.element_size()
+
+    def bytes_per_expert(self) -> int:
+        """Mean bytes one hosted expert needs: frozen weights + LoRA with its gradient and AdamW moments."""
+        if not self.keys:
+            raise ExpertWorkerError(self.worker, "hosts no experts, so it cannot estimate bytes per expert")
+        frozen = sum(b.numel() * b.element_size() for b in self.shard.buffers())
+        lora = sum(p.numel() * p.element_size() for p in self.shard.lora_parameters())
+        return (frozen + _LORA_COPIES * lora) // len(self.keys)
+
+    def capacity(self, bytes_per_expert: int) -> int:
+        """How many more experts of `bytes_per_expert` fit in this worker's free device memory."""
+        if bytes_per_expert <= 0:
+            raise ValueError(f"bytes_per_expert must be positive, got {bytes_per_expert}")
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = psutil.virtual_memory().available
+        return int(free // bytes_per_expert)

@@ -1,0 +1,64 @@
+"""Helpers for the Ray tests: a synthetic MoE model, ExpertManager specs, and spawning them.
+
+Starting an ExpertManager costs a few seconds (each actor imports torch and
+transformers), so tests share the synthetic cluster (see conftest.py) and
+spawn their own actors only where they must.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors.cluster import ExpertCluster, spawn_expert_managers
+from actors.expert_manager import ExpertManagerSpec
+from tests.equivalence import LORA, OPTIM, scattered_placement
+from vela_ray.experts import ExpertKey, ExpertShard, LoraSpec
+
+RAY_CPUS = 4
+CPUS_PER_WORKER = 0.25  # actors mostly wait; this lets a few clusters coexist on a 2-core machine
+TIMEOUT_S = 60.0  # every remote wait in these tests; a hang fails instead of blocking CI
+
+# The synthetic model: 2 MoE layers of 6 experts, hidden 16, intermediate 24, 3 workers.
+NUM_LAYERS, NUM_EXPERTS, HIDDEN, INTER, NUM_WORKERS = 2, 6, 16, 24, 3
+ACTIVATION = "silu"
+
+
+def synthetic_weights(seed: int = 0) -> dict[ExpertKey, tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for key in [(layer, expert) for layer in range(NUM_LAYERS) for expert in range(NUM_EXPERTS)]:
+        weights[key] = (0.3 * torch.randn(2 * INTER, HIDDEN, generator=g), 0.3 * torch.randn(HIDDEN, INTER, generator=g))
+    return weights
+
+
+def synthetic_placement() -> torch.Tensor:
+    return scattered_placement(NUM_LAYERS, NUM_EXPERTS, NUM_WORKERS)
+
+
+def random_lora_state(keys, lora: LoraSpec = LORA, seed: int = 1) -> dict[ExpertKey, dict[str, torch.Tensor]]:
+    """Non-zero A and B for every expert, so every LoRA factor gets a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"lora_A_gate_up": (lora.r, HIDDEN), "lora_B_gate_up": (2 * INTER, lora.r),
+              "lora_A_down": (lora.r, INTER), "lora_B_down": (HIDDEN, lora.r)}
+    return {key: {name: 0.2 * torch.randn(shape, generator=g) for name, shape in shapes.items()} for key in keys}
+
+
+def split_weights(weights, placement: torch.Tensor, num_workers: int) -> list[dict]:
+    return [{k: w for k, w in weights.items() if int(placement[k]) == n} for n in range(num_workers)]
+
+
+def specs_for(parts: list[dict], activation: str = ACTIVATION, lora: LoraSpec = LORA) -> list[ExpertManagerSpec]:
+    return [
+        ExpertManagerSpec(worker=n, keys=sorted(part), weights=part, activation=activation, lora=lora, optim=OPTIM)
+        for n, part in enumerate(parts)
+    ]
+
+
+def specs_from_shards(shards: list[ExpertShard], activation: str) -> list[ExpertManagerSpec]:
+    """Specs hosting exactly the experts (and frozen weights) of in-process shards."""
+    parts = [{k: (s.expert(*k).gate_up, s.expert(*k).down) for k in s.keys} for s in shards]
+    return specs_for(parts, activation)
+
+
+def spawn(specs: list[ExpertManagerSpec]) -> ExpertCluster:
+    return spawn_expert_managers(specs, num_cpus_per_worker=CPUS_PER_WORKER, ready_timeout_s=120)

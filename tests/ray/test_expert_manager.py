@@ -1,0 +1,88 @@
+"""ExpertManager as a plain class (no Ray): loading only its experts, sizing, spec checks, edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from actors.cluster import classify_link_tiers
+from actors.errors import ExpertWorkerError
+from actors.expert_manager import ExpertManager, ExpertManagerSpec
+from tests.ray.helpers import ACTIVATION, HIDDEN, synthetic_weights
+from vela_ray.experts import LoraSpec
+from vela_ray.families import debug_model
+from vela_ray.modeling import expert_weights, find_moe_blocks
+from vela_ray.transport import ForwardRequest
+
+LORA = LoraSpec(r=4, alpha=8)
+
+
+def _manager(keys, worker: int = 0) -> ExpertManager:
+    weights = synthetic_weights()
+    spec = ExpertManagerSpec(worker=worker, keys=keys, weights={k: weights[k] for k in keys},
+                             activation=ACTIVATION, lora=LORA)
+    return ExpertManager(spec)
+
+
+def test_reads_only_its_experts_from_the_checkpoint(tmp_path):
+    model = debug_model("mixtral", seed=0)
+    model.save_pretrained(tmp_path)
+    keys = [(1, 4), (0, 1)]
+    manager = ExpertManager(ExpertManagerSpec(worker=2, keys=keys, model_dir=str(tmp_path), lora=LORA))
+    assert manager.shard.keys == sorted(keys)
+    expected = expert_weights(find_moe_blocks(model), keys)
+    for key in keys:
+        torch.testing.assert_close(manager.shard.expert(*key).gate_up, expected[key][0], rtol=0, atol=0)
+        torch.testing.assert_close(manager.shard.expert(*key).down, expected[key][1], rtol=0, atol=0)
+
+
+def test_bytes_per_expert_counts_weights_and_lora_with_adam_state():
+    manager = _manager([(0, 0), (1, 3)])
+    # frozen: (2I*D + D*I) fp32 = (48*16 + 16*24) * 4 = 4608 bytes
+    # LoRA r=4: (r*D + 2I*r + r*I + D*r) * 4 = (64 + 192 + 96 + 64) * 4 = 1664 bytes, x4 (value, grad, 2 moments)
+    assert manager.bytes_per_expert() == 4608 + 4 * 1664
+    assert manager.capacity(manager.bytes_per_expert()) > 1000  # this machine has far more than 11 MB free
+    with pytest.raises(ValueError, match="bytes_per_expert must be positive"):
+        manager.capacity(0)
+
+
+def test_worker_without_experts_still_steps_and_reports_zero_norm():
+    manager = _manager([], worker=5)
+    assert manager.grad_sq_norm() == 0.0
+    manager.step(1e-3, 1.0), manager.zero_grad()
+    assert manager.lora_state() == {}
+    empty = ForwardRequest(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, HIDDEN), None)
+    assert manager.forward(empty).shape == (0, HIDDEN)
+    with pytest.raises(ExpertWorkerError, match="worker 5: hosts no experts"):
+        manager.bytes_per_expert()
+
+
+def test_load_lora_state_takes_its_own_experts_and_names_missing_ones():
+    manager = _manager([(0, 2)], worker=1)
+    donor = _manager([(0, 2), (1, 1)], worker=0).lora_state()
+    manager.load_lora_state(donor)
+    torch.testing.assert_close(manager.lora_state()[(0, 2)]["lora_A_down"], donor[(0, 2)]["lora_A_down"])
+    with pytest.raises(ExpertWorkerError, match=r"expert worker 1: adapter state lacks hosted experts \[\(0, 2\)\]"):
+        manager.load_lora_state({(1, 1): donor[(1, 1)]})
+
+
+def test_topology_outside_ray():
+    manager = _manager([(0, 0)], worker=3)
+    assert manager.ping() == 3 and manager.pid() > 0
+    if not ray.is_initialized():
+        assert manager.node_id() == "local"
+    assert classify_link_tiers("a", ["local", "a", "b"]) == ["same_process", "same_node", "cross_node"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model_dir": "/ckpt"}, "exactly one of `model_dir` and `weights`"),
+    ({"activation": None}, "need `activation`"),
+    ({"keys": [(0, 0), (0, 0)]}, "lists an expert twice"),
+    ({"keys": [(0, 0), (9, 9)]}, r"lacks experts \[\(9, 9\)\]"),
+])
+def test_spec_errors_name_the_worker_and_the_fix(overrides, message):
+    weights = synthetic_weights()
+    fields = dict(worker=4, keys=[(0, 0)], weights={(0, 0): weights[(0, 0)]}, activation=ACTIVATION)
+    with pytest.raises(ValueError, match=f"worker 4: .*{message}"):
+        ExpertManagerSpec(**{**fields, **overrides})
