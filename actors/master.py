@@ -64,6 +64,7 @@ class MasterActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.out_dir = Path(config.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(config.model_dump_json(indent=1))
 
     # --- stages ------------------------------------------------------------------------
 
