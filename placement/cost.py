@@ -1,0 +1,151 @@
+"""The cost model: expected communication time and bytes of any placement.
+
+A placement is `expert_to_worker: [num_layers, num_experts]` ints (worker of
+expert e of layer l). With X[n,l,e] = 1 where expert_to_worker[l,e] == n:
+
+    E[T_{n,l}] = passes * b*H / (4 * B_n) * sum_e X[n,l,e] * P[l,e] * K     (paper eq. 6)
+    step time  = sum_l max_n E[T_{n,l}]                                      (paper eq. 7)
+
+The forward pass sends each (token, expert) row to its worker and gathers the
+output back: b*H/8 bytes each way, b*H/4 per row, as in the paper. The
+backward pass sends the output-grad and receives the input-grad, the same
+size again, so with `problem.include_backward` (the default) `passes` is 2 and
+every time and byte count here is doubled; with it off, only the forward pass
+(the paper's eq. 5-6) is counted.
+
+    report = cost_report(problem, expert_to_worker)
+    report.step_time, report.worker_bytes, report.cross_node_bytes
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from placement.problem import PlacementProblem
+
+
+def check_expert_to_worker(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """Validate a placement's shape, worker ids and capacities; return it as an int array.
+
+    expert_to_worker: [num_layers, num_experts] worker index of each expert.
+    """
+    assignment = np.asarray(expert_to_worker)
+    expected = (problem.num_layers, problem.num_experts)
+    if assignment.shape != expected:
+        raise ValueError(
+            f"expert_to_worker has shape {assignment.shape} but the problem is "
+            f"[num_layers, num_experts] = {list(expected)}: solve for this problem"
+        )
+    if not np.issubdtype(assignment.dtype, np.integer):
+        raise ValueError(f"expert_to_worker must hold integer worker ids, got {assignment.dtype}")
+    if assignment.min() < 0 or assignment.max() >= problem.num_workers:
+        raise ValueError(
+            f"expert_to_worker holds worker ids {assignment.min()}..{assignment.max()} "
+            f"but the problem has workers 0..{problem.num_workers - 1}"
+        )
+    counts = experts_per_worker(problem.num_workers, assignment)
+    over = np.flatnonzero(counts > np.asarray(problem.capacities))
+    if len(over):
+        n = int(over[0])
+        raise ValueError(
+            f"worker {n} holds {counts[n]} experts but capacities[{n}] = {problem.capacities[n]}"
+        )
+    return assignment.astype(np.int64)
+
+
+def experts_per_worker(num_workers: int, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_workers] number of experts placed on each worker."""
+    return np.bincount(np.ravel(expert_to_worker), minlength=num_workers)
+
+
+def worker_layer_probs(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_workers, num_layers] routing probability mass each worker serves per layer.
+
+    Entry [n, l] = sum_e X[n,l,e] * P[l,e], the expected rows per token.
+    """
+    mass = np.zeros((problem.num_workers, problem.num_layers))
+    layers = np.broadcast_to(np.arange(problem.num_layers)[:, None], problem.probs.shape)
+    np.add.at(mass, (expert_to_worker, layers), problem.probs)
+    return mass
+
+
+def layer_worker_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_workers, num_layers] expected seconds E[T_{n,l}] per training step."""
+    mass = worker_layer_probs(problem, expert_to_worker)
+    return problem.seconds_per_prob[:, None] * mass
+
+
+def step_time(problem: PlacementProblem, expert_to_worker: np.ndarray) -> float:
+    """Expected communication seconds per step: sum_l max_n E[T_{n,l}]."""
+    return float(layer_worker_times(problem, expert_to_worker).max(axis=0).sum())
+
+
+def worker_bytes(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_workers] expected bytes exchanged between master and each worker per step."""
+    mass = worker_layer_probs(problem, expert_to_worker).sum(axis=1)
+    return mass * problem.tokens_per_step * problem.bytes_per_row
+
+
+def cross_node_bytes(
+    problem: PlacementProblem, expert_to_worker: np.ndarray
+) -> tuple[float, dict[str, float]]:
+    """Expected bytes per step to and from workers on a node other than the master's.
+
+    Returns (total, {node: bytes}) over the nodes that are not `master_node`.
+    """
+    if problem.worker_nodes is None or problem.master_node is None:
+        missing = "worker_nodes" if problem.worker_nodes is None else "master_node"
+        raise ValueError(
+            f"cross-node bytes need both worker_nodes and master_node; {missing} is not set "
+            "(give the node of every worker and of the master, e.g. --nodes and --master-node)"
+        )
+    per_worker = worker_bytes(problem, expert_to_worker)
+    per_node: dict[str, float] = {}
+    for node, nbytes in zip(problem.worker_nodes, per_worker):
+        if node != problem.master_node:
+            per_node[node] = per_node.get(node, 0.0) + float(nbytes)
+    return float(sum(per_node.values())), per_node
+
+
+class CostReport(BaseModel):
+    """Summary of one placement under the cost model (all per training step)."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    step_time: float
+    """Expected communication seconds: sum_l max_n E[T_{n,l}]."""
+    layer_times: list[float]
+    """[num_layers] expected seconds of each layer (its slowest worker)."""
+    worker_experts: list[int]
+    """[num_workers] experts placed on each worker."""
+    worker_bytes: list[float]
+    """[num_workers] expected bytes between the master and each worker."""
+    worker_busy_share: list[float]
+    """[num_workers] sum_l E[T_{n,l}] / step_time: how busy each worker's link is."""
+    bottleneck_layers: list[int]
+    """[num_workers] layers in which this worker is the slowest."""
+    cross_node_bytes: float | None
+    """Expected bytes to workers off the master's node (None without node info)."""
+    cross_node_bytes_per_node: dict[str, float] | None
+    """The same split by node."""
+
+
+def cost_report(problem: PlacementProblem, expert_to_worker: np.ndarray) -> CostReport:
+    """Evaluate a placement: times, bytes, busy shares and cross-node traffic."""
+    assignment = check_expert_to_worker(problem, expert_to_worker)
+    times = layer_worker_times(problem, assignment)
+    total = float(times.max(axis=0).sum())
+    cross, per_node = None, None
+    if problem.worker_nodes is not None and problem.master_node is not None:
+        cross, per_node = cross_node_bytes(problem, assignment)
+    return CostReport(
+        step_time=total,
+        layer_times=times.max(axis=0).tolist(),
+        worker_experts=experts_per_worker(problem.num_workers, assignment).tolist(),
+        worker_bytes=worker_bytes(problem, assignment).tolist(),
+        worker_busy_share=(times.sum(axis=1) / total if total > 0 else 0 * times.sum(axis=1)).tolist(),
+        bottleneck_layers=np.bincount(times.argmax(axis=0), minlength=problem.num_workers).tolist(),
+        cross_node_bytes=cross,
+        cross_node_bytes_per_node=per_node,
+    )

@@ -1,0 +1,287 @@
+"""The expert placement problem: what is placed, where, and how fast each link is.
+
+A `PlacementProblem` holds everything the cost model and the solvers need:
+the routing profile `probs: [num_layers, num_experts]` (probability that a
+token uses expert e of layer l; each row sums to `top_k`), the tokens per
+step, the hidden size and bits per element, and per worker the bandwidth to
+the master (bytes/s) and the capacity (experts it can hold).
+
+    problem = PlacementProblem(probs=probs, top_k=2, tokens_per_step=4096,
+                               hidden_size=4096, bandwidths=[18.3e9] * 2 + [1.17e9] * 4,
+                               capacities=[43] * 6)
+    problem = PlacementProblem.from_file("problem.yaml")
+
+Traffic model: in the forward pass each (token, expert) row goes to its
+expert's worker and the output comes back, b*H/8 bytes each way (the paper's
+2*D_{n,l}); in the backward pass the output-grad goes out and the input-grad
+comes back, the same size again. `include_backward=True` (the default) counts
+both passes, so every expected time and byte count is twice the paper's
+forward-only eq. 5-6; with False it matches the paper exactly. The factor is
+applied in one place, `bytes_per_row`, which all times and bytes derive from.
+
+Every user error is a `ValueError` (pydantic's `ValidationError` is one)
+whose message names the field, the offending value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from placement.io import read_problem_fields
+
+ROW_SUM_RTOL = 1e-6
+
+
+class PlacementProblem(BaseModel):
+    """One placement problem: L MoE layers of E experts onto N workers."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", arbitrary_types_allowed=True, use_attribute_docstrings=True
+    )
+
+    probs: np.ndarray
+    """[num_layers, num_experts] float64: P[l, e] = probability a token uses expert e of layer l."""
+    top_k: int
+    """Experts each token uses per layer; every row of `probs` sums to it."""
+    tokens_per_step: int
+    """K: tokens entering each MoE layer per training step (batch size x sequence length)."""
+    hidden_size: int
+    """H: elements per token row sent to an expert."""
+    bits_per_element: int = 16
+    """b: bits per element of a row (16 for bf16/fp16)."""
+    bandwidths: list[float]
+    """B_n: master-to-worker-n bandwidth in bytes/s, one per worker."""
+    capacities: list[int]
+    """C_n: number of experts worker n can hold, one per worker."""
+    worker_names: list[str] | None = None
+    """Display name per worker (defaults to `w0`, `w1`, ...)."""
+    worker_nodes: list[str] | None = None
+    """Node id per worker; with `master_node`, lets the cost model count cross-node bytes."""
+    master_node: str | None = None
+    """Node id of the master (it may be a node that hosts no worker)."""
+    include_backward: bool = True
+    """Count the backward pass too (output-grads out, input-grads back): doubles times and bytes."""
+
+    # --- field checks ---------------------------------------------------------
+
+    @field_validator("probs", mode="before")
+    @classmethod
+    def _probs_as_matrix(cls, value: Any) -> np.ndarray:
+        try:
+            probs = np.array(value, dtype=np.float64)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"probs must be a numeric [num_layers, num_experts] matrix: {err}")
+        if probs.ndim != 2 or probs.size == 0:
+            raise ValueError(
+                f"probs must be a non-empty 2-D [num_layers, num_experts] matrix, got shape {probs.shape}"
+            )
+        bad = np.argwhere(~np.isfinite(probs) | (probs < 0) | (probs > 1))
+        if len(bad):
+            layer, expert = bad[0]
+            raise ValueError(
+                f"probs[{layer}, {expert}] = {float(probs[layer, expert])!r}: every probability must be "
+                "a finite number in [0, 1] (fix or re-profile that layer)"
+            )
+        probs.setflags(write=False)
+        return probs
+
+    @field_validator("top_k", "tokens_per_step", "hidden_size", "bits_per_element")
+    @classmethod
+    def _positive(cls, value: int, info) -> int:
+        if value <= 0:
+            raise ValueError(f"{info.field_name} must be a positive integer, got {value}")
+        return value
+
+    @field_validator("bandwidths")
+    @classmethod
+    def _positive_bandwidths(cls, value: list[float]) -> list[float]:
+        if not value:
+            raise ValueError("bandwidths is empty: give one bandwidth (bytes/s) per worker")
+        for worker, bandwidth in enumerate(value):
+            if not (math.isfinite(bandwidth) and bandwidth > 0):
+                raise ValueError(
+                    f"bandwidths[{worker}] = {bandwidth!r}: worker {worker} needs a positive, "
+                    "finite bandwidth to the master (measure it, e.g. with iperf)"
+                )
+        return value
+
+    @field_validator("capacities")
+    @classmethod
+    def _non_negative_capacities(cls, value: list[int]) -> list[int]:
+        for worker, capacity in enumerate(value):
+            if capacity < 0:
+                raise ValueError(
+                    f"capacities[{worker}] = {capacity}: a worker holds zero or more experts"
+                )
+        return value
+
+    # --- cross-field checks ---------------------------------------------------
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlacementProblem:
+        self._check_rows_sum_to_top_k()
+        self._check_worker_lists()
+        self._check_total_capacity()
+        return self
+
+    def _check_rows_sum_to_top_k(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts}): "
+                "a token cannot use more experts than a layer has"
+            )
+        row_sums = self.probs.sum(axis=1)
+        bad = np.flatnonzero(np.abs(row_sums - self.top_k) > ROW_SUM_RTOL * self.top_k)
+        if len(bad):
+            layer = int(bad[0])
+            raise ValueError(
+                f"probs row {layer} sums to {row_sums[layer]:.6g}, expected top_k={self.top_k}: "
+                "each layer's probabilities must sum to top_k (scale the row, or load counts "
+                "with placement.io.load_profile, which normalises them)"
+            )
+
+    def _check_worker_lists(self) -> None:
+        num_workers = len(self.bandwidths)
+        for name in ("capacities", "worker_names", "worker_nodes"):
+            values = getattr(self, name)
+            if values is not None and len(values) != num_workers:
+                raise ValueError(
+                    f"{name} has {len(values)} entries but bandwidths has {num_workers}: "
+                    "give exactly one per worker"
+                )
+
+    def _check_total_capacity(self) -> None:
+        needed = self.num_layers * self.num_experts
+        total = sum(self.capacities)
+        if total < needed:
+            raise ValueError(
+                f"capacities sum to {total} but {needed} experts ({self.num_layers} layers x "
+                f"{self.num_experts}) must be placed: need {needed - total} more expert slots "
+                "(raise capacities or add workers)"
+            )
+
+    # --- shapes and derived values ---------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.probs.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.probs.shape[1])
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.bandwidths)
+
+    @property
+    def names(self) -> list[str]:
+        """Display name per worker: `worker_names` or `w0`, `w1`, ..."""
+        return list(self.worker_names or [f"w{n}" for n in range(self.num_workers)])
+
+    @property
+    def passes(self) -> int:
+        """Round trips per row and step: 2 with the backward pass, 1 forward only."""
+        return 2 if self.include_backward else 1
+
+    @property
+    def bytes_per_row(self) -> float:
+        """Bytes moved per (token, expert) row per step: b*H/8 each way, times `passes`."""
+        return self.passes * 2 * self.bits_per_element * self.hidden_size / 8
+
+    @property
+    def seconds_per_prob(self) -> np.ndarray:
+        """[num_workers] seconds one unit of routing probability costs on worker n per layer.
+
+        E[T_{n,l}] = seconds_per_prob[n] * sum_e X[n,l,e] * P[l,e], i.e. passes * b*H/(4*B_n) * K.
+        """
+        return self.bytes_per_row * self.tokens_per_step / np.asarray(self.bandwidths)
+
+    # --- constructors ------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> PlacementProblem:
+        """Read a problem from YAML or JSON (format: `placement.io`)."""
+        return build_problem(**read_problem_fields(path))
+
+    @classmethod
+    def uniform(
+        cls,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        num_workers: int,
+        *,
+        bandwidth: float = 10e9,
+        capacity: int | None = None,
+        tokens_per_step: int = 4096,
+        hidden_size: int = 4096,
+        **fields: Any,
+    ) -> PlacementProblem:
+        """Uniform routing (P = top_k / E) on identical workers.
+
+        `capacity` defaults to ceil(L * E / N), the tightest that fits.
+        """
+        if capacity is None:
+            capacity = -(-num_layers * num_experts // num_workers)
+        return cls(
+            probs=np.full((num_layers, num_experts), top_k / num_experts),
+            top_k=top_k,
+            tokens_per_step=tokens_per_step,
+            hidden_size=hidden_size,
+            bandwidths=[bandwidth] * num_workers,
+            capacities=[capacity] * num_workers,
+            **fields,
+        )
+
+
+def build_problem(**fields: Any) -> PlacementProblem:
+    """`PlacementProblem(**fields)`, with validation errors as one plain ValueError.
+
+    One line per error, `field: what is wrong and how to fix it`, without
+    pydantic's echo of the whole input (for command-line users).
+    """
+    try:
+        return PlacementProblem(**fields)
+    except ValidationError as err:
+        lines = [
+            f"{'.'.join(str(part) for part in error['loc']) or 'problem'}: "
+            f"{error['msg'].removeprefix('Value error, ')}"
+            for error in err.errors()
+        ]
+        raise ValueError("invalid placement problem:\n  " + "\n  ".join(lines)) from None
+
+
+def synthetic_probs(
+    num_layers: int, num_experts: int, top_k: int, *, concentration: float, seed: int = 0
+) -> np.ndarray:
+    """[num_layers, num_experts] skewed routing probabilities, for tests and benchmarks.
+
+    Per layer, expert popularity is drawn from a symmetric Dirichlet with the
+    given `concentration` (small: a few experts take most tokens; large: close
+    to uniform) and scaled so the row sums to top_k, capping each probability
+    at 1 (a token uses an expert at most once) and spreading the excess over
+    the uncapped experts.
+    """
+    rng = np.random.default_rng(seed)
+    popularity = rng.dirichlet(np.full(num_experts, concentration), size=num_layers)
+    return np.array([_scale_capped(row, top_k) for row in popularity])
+
+
+def _scale_capped(weights: np.ndarray, top_k: int) -> np.ndarray:
+    """Scale weights [E] to sum to top_k with every entry at most 1."""
+    probs = np.zeros_like(weights)
+    order = np.argsort(-weights, kind="stable")
+    for capped in range(top_k + 1):
+        rest = order[capped:]
+        scaled = weights[rest] * (top_k - capped) / max(weights[rest].sum(), np.finfo(float).tiny)
+        if scaled.max(initial=0.0) <= 1.0:
+            probs[order[:capped]] = 1.0
+            probs[rest] = scaled
+            return probs
+    raise AssertionError("unreachable: capping top_k experts always fits")

@@ -1,0 +1,239 @@
+"""Placement solvers and the plan they produce.
+
+    placement = solve(problem, "improved", seed=0, time_budget_s=10.0)
+    placement.to_json("placement.json")
+    placement = Placement.from_json("placement.json", problem)   # checks it fits
+
+Solvers (registered in `SOLVERS`, all `(problem, *, seed, time_budget_s, direct)
+-> (expert_to_worker [L, E], lower_bound | None)`):
+
+- `sequential`: the paper's baseline, expert e of every layer on worker e mod N,
+  as in expert parallelism. A worker that is full passes the expert on to the
+  next worker (e + 1, e + 2, ... mod N) with room; layers are filled in order.
+- `random`: the paper's other baseline, a seeded uniformly random assignment of
+  all L * E experts to capacity slots.
+- `vela`: the paper's method, the LP relaxation (`placement.lp`, class-aggregated
+  unless `direct`) followed by its three-step rounding (`placement.rounding`).
+- `improved`: `vela`'s placement as the incumbent, replaced by the greedy
+  construction (`placement.greedy`) if that is strictly better, then local
+  search (`placement.search`) that only accepts strict improvements; so it is
+  never worse than `vela`. It stops when the search stalls or at
+  `time_budget_s` (LP and greedy construction included).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, computed_field, model_validator
+
+from placement.cost import check_expert_to_worker, step_time
+from placement.greedy import greedy_placement
+from placement.lp import solve_lp
+from placement.problem import PlacementProblem
+from placement.rounding import round_relaxed
+from placement.search import improve
+
+DEFAULT_TIME_BUDGET_S = 10.0
+
+SolverFn = Callable[..., tuple[np.ndarray, "float | None"]]
+
+
+class Placement(BaseModel):
+    """A feasible placement of every expert on one worker, with how it was found."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    expert_to_worker: list[list[int]]
+    """[num_layers][num_experts] worker index of each expert."""
+    num_workers: int
+    """Workers of the problem it was solved for."""
+    capacities: list[int]
+    """[num_workers] capacities of the problem it was solved for."""
+    solver: str
+    """Name of the solver in `SOLVERS` that produced it."""
+    expected_step_time: float
+    """Expected communication seconds per step, sum_l max_n E[T_{n,l}]."""
+    lower_bound: float | None = None
+    """LP bound on the optimum (seconds), for LP-based solvers."""
+    solve_seconds: float = 0.0
+    """Wall-clock seconds the solver took."""
+
+    @model_validator(mode="after")
+    def _fits_its_workers(self) -> Placement:
+        sizes = {len(row) for row in self.expert_to_worker}
+        if not self.expert_to_worker or len(sizes) != 1:
+            raise ValueError("expert_to_worker must be a non-empty [num_layers][num_experts] table")
+        if len(self.capacities) != self.num_workers:
+            raise ValueError(
+                f"capacities has {len(self.capacities)} entries for {self.num_workers} workers"
+            )
+        workers = np.asarray(self.expert_to_worker)
+        if workers.min() < 0 or workers.max() >= self.num_workers:
+            raise ValueError(
+                f"expert_to_worker holds worker {workers.min() if workers.min() < 0 else workers.max()}"
+                f" but there are only workers 0..{self.num_workers - 1}"
+            )
+        counts = np.bincount(workers.ravel(), minlength=self.num_workers)
+        if np.any(counts > np.asarray(self.capacities)):
+            n = int(np.argmax(counts > np.asarray(self.capacities)))
+            raise ValueError(f"worker {n} holds {counts[n]} experts, over its capacity {self.capacities[n]}")
+        return self
+
+    @computed_field
+    @property
+    def gap(self) -> float | None:
+        """expected_step_time / lower_bound - 1 (how far above the LP bound it may be)."""
+        if self.lower_bound is None or self.lower_bound <= 0:
+            return None
+        return self.expected_step_time / self.lower_bound - 1
+
+    @computed_field
+    @property
+    def worker_to_experts(self) -> list[list[tuple[int, int]]]:
+        """[num_workers] list of the (layer, expert) pairs each worker holds."""
+        held: list[list[tuple[int, int]]] = [[] for _ in range(self.num_workers)]
+        for layer, row in enumerate(self.expert_to_worker):
+            for expert, worker in enumerate(row):
+                held[worker].append((layer, expert))
+        return held
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_experts, num_workers)."""
+        return len(self.expert_to_worker), len(self.expert_to_worker[0]), self.num_workers
+
+    def as_array(self) -> np.ndarray:
+        """expert_to_worker as an int64 array [num_layers, num_experts]."""
+        return np.asarray(self.expert_to_worker, dtype=np.int64)
+
+    def check_fits(self, problem: PlacementProblem) -> None:
+        """Raise ValueError unless this placement is a feasible one for `problem`."""
+        wanted = (problem.num_layers, problem.num_experts, problem.num_workers)
+        if self.shape != wanted:
+            raise ValueError(
+                "placement is for {} layers x {} experts on {} workers, but the problem has "
+                "{} x {} on {}: solve again for this problem (vela place)".format(*self.shape, *wanted)
+            )
+        check_expert_to_worker(problem, self.as_array())
+
+    def to_json(self, path: str | Path) -> None:
+        """Write the placement (both mappings and its metadata) as JSON."""
+        data = self.model_dump(mode="json")
+        lines = [f"  {json.dumps(key)}: {_compact_json(value)}" for key, value in data.items()]
+        Path(path).write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path, problem: PlacementProblem | None = None) -> Placement:
+        """Read a placement; with `problem`, also check that it fits that problem."""
+        data = json.loads(Path(path).read_text())
+        for derived in ("gap", "worker_to_experts"):
+            data.pop(derived, None)
+        placement = cls.model_validate(data)
+        if problem is not None:
+            placement.check_fits(problem)
+        return placement
+
+
+def _compact_json(value: object) -> str:
+    """JSON with one inner list per line for tables (expert_to_worker, worker_to_experts)."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return "[\n    " + ",\n    ".join(json.dumps(row) for row in value) + "\n  ]"
+    return json.dumps(value)
+
+
+# --- solvers -------------------------------------------------------------------
+
+
+def sequential_placement(problem: PlacementProblem, **_: object) -> tuple[np.ndarray, None]:
+    """Expert e on worker e mod N; a full worker passes it to the next one with room."""
+    room = np.array(problem.capacities)
+    assignment = np.empty(problem.probs.shape, dtype=np.int64)
+    for layer in range(problem.num_layers):
+        for expert in range(problem.num_experts):
+            worker = expert % problem.num_workers
+            while room[worker] == 0:
+                worker = (worker + 1) % problem.num_workers
+            assignment[layer, expert] = worker
+            room[worker] -= 1
+    return assignment, None
+
+
+def random_placement(problem: PlacementProblem, *, seed: int = 0, **_: object) -> tuple[np.ndarray, None]:
+    """Every expert to a distinct capacity slot, uniformly at random (seeded)."""
+    rng = np.random.default_rng(seed)
+    slots = np.repeat(np.arange(problem.num_workers), problem.capacities)
+    chosen = rng.permutation(slots)[: problem.num_layers * problem.num_experts]
+    return chosen.reshape(problem.probs.shape), None
+
+
+def vela_placement(problem: PlacementProblem, *, direct: bool = False, **_: object) -> tuple[np.ndarray, float]:
+    """The paper: LP relaxation, then its three-step rounding."""
+    # 1. relax
+    lower_bound, x_relaxed = solve_lp(problem, direct=direct)
+    # 2. round
+    return round_relaxed(x_relaxed, problem.capacities), lower_bound
+
+
+def improved_placement(
+    problem: PlacementProblem,
+    *,
+    seed: int = 0,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+    direct: bool = False,
+) -> tuple[np.ndarray, float]:
+    """`vela`'s placement as incumbent, replaced only by strictly better ones."""
+    start = time.perf_counter()
+    # 1. the paper's placement is the incumbent
+    incumbent, lower_bound = vela_placement(problem, direct=direct)
+    # 2. the greedy construction replaces it if it is better
+    greedy = greedy_placement(problem)
+    if step_time(problem, greedy) < step_time(problem, incumbent):
+        incumbent = greedy
+    # 3. local search with what is left of the budget
+    remaining = max(0.0, time_budget_s - (time.perf_counter() - start))
+    return improve(problem, incumbent, time_budget_s=remaining, seed=seed), lower_bound
+
+
+SOLVERS: dict[str, SolverFn] = {
+    "sequential": sequential_placement,
+    "random": random_placement,
+    "vela": vela_placement,
+    "improved": improved_placement,
+}
+
+
+def solve(
+    problem: PlacementProblem,
+    solver: str = "improved",
+    *,
+    seed: int = 0,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+    direct: bool = False,
+) -> Placement:
+    """Place every expert with the named solver and evaluate the result.
+
+    `seed` drives `random` and the search in `improved`; `time_budget_s` bounds
+    `improved`; `direct` makes the LP solvers use the paper's per-worker LP.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}: choose one of {', '.join(SOLVERS)}")
+    start = time.perf_counter()
+    assignment, lower_bound = SOLVERS[solver](
+        problem, seed=seed, time_budget_s=time_budget_s, direct=direct
+    )
+    elapsed = time.perf_counter() - start
+    assignment = check_expert_to_worker(problem, assignment)
+    return Placement(
+        expert_to_worker=assignment.tolist(),
+        num_workers=problem.num_workers,
+        capacities=list(problem.capacities),
+        solver=solver,
+        expected_step_time=step_time(problem, assignment),
+        lower_bound=lower_bound,
+        solve_seconds=elapsed,
+    )
