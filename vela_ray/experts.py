@@ -96,7 +96,7 @@ class ExpertShard(nn.Module):
         super().__init__()
         self.experts = nn.ModuleDict({_module_key(*key): mod for key, mod in sorted(experts.items())})
         self.keys: list[ExpertKey] = sorted(experts)
-        self._saved: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._saved: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     @classmethod
     def from_weights(
@@ -130,7 +130,9 @@ class ExpertShard(nn.Module):
         Rows must be grouped by expert (the broker sends them sorted). With `key`,
         the graph is kept for `backward_rows(key, ...)`; without it no graph is built.
         """
-        if rows_RD.shape[0] == 0:
+        if rows_RD.shape[0] == 0:  # nothing routed here: an empty entry keeps backward_rows(key) valid
+            if key is not None:
+                self._saved[key] = None
             return rows_RD.new_zeros(rows_RD.shape)
         with torch.enable_grad() if key is not None else torch.no_grad():
             rows_RD = rows_RD.detach().requires_grad_(key is not None)
@@ -146,7 +148,10 @@ class ExpertShard(nn.Module):
         """Backprop `grad_out_RD` through the graph saved under `key`; returns d(loss)/d(rows)."""
         if key not in self._saved:
             raise KeyError(f"no saved forward for {key!r}: backward_rows called twice or without forward_rows")
-        rows_RD, out_RD = self._saved.pop(key)
+        saved = self._saved.pop(key)
+        if saved is None:
+            return grad_out_RD.new_zeros(grad_out_RD.shape)
+        rows_RD, out_RD = saved
         out_RD.backward(grad_out_RD.to(out_RD.dtype))
         return rows_RD.grad
 

@@ -95,3 +95,12 @@ def test_an_empty_batch_gives_an_empty_output():
     broker = find_moe_blocks(model)[0].block.experts
     out = broker(torch.zeros(0, 32), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
     assert out.shape == (0, 32)
+
+
+def test_a_shard_handed_zero_rows_keeps_forward_and_backward_paired():
+    shard = ExpertShard.from_weights({(0, 0): (torch.randn(8, 4), torch.randn(4, 4))}, LoraSpec(2, 4), "silu")
+    out = shard.forward_rows(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, 4), key="k")
+    assert out.shape == (0, 4)
+    assert shard.backward_rows("k", torch.zeros(0, 4)).shape == (0, 4)
+    with pytest.raises(KeyError, match="backward_rows called twice"):
+        shard.backward_rows("k", torch.zeros(0, 4))
