@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast bench-placement clean
+.PHONY: setup system-deps demo test test-fast bench-placement clean
 
 setup:
 	@VELA_VENV=$(VENV) bash scripts/setup.sh
@@ -10,7 +10,11 @@ setup:
 demo: setup
 	$(BIN)/vela demo
 
-test: setup
+# Debian's chromium for the report's browser test; that test skips (and says why) without it.
+system-deps:
+	-@bash scripts/ci_system_deps.sh
+
+test: setup system-deps
 	$(BIN)/python -m pytest tests
 
 test-fast: setup

@@ -40,7 +40,9 @@ from vela_ray.config import JobConfig
 from vela_ray.data import batch_at, sequential_batches
 from vela_ray.experts import LoraSpec
 from vela_ray.loading import load_backbone
-from vela_ray.locality import load_probs, profile_model
+from vela_ray.locality import DriftTracker, RoutingRecorder, load_probs, profile_model
+from vela_ray.metrics import MetricsSink
+from vela_ray.report import write_report
 from vela_ray.modeling import find_moe_blocks, top_k_of
 from vela_ray.optim import lr_at
 from vela_ray.traffic import TrafficSnapshot
@@ -65,6 +67,8 @@ class MasterActor:
         self.out_dir = Path(config.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(config.model_dump_json(indent=1))
+        self.metrics = MetricsSink.for_ray()
+        self.drift: DriftTracker | None = None
 
     # --- stages ------------------------------------------------------------------------
 
@@ -83,8 +87,10 @@ class MasterActor:
             master = build_master(self.model, table, self.transport, LoraSpec(cfg.lora.r, cfg.lora.alpha),
                                   cfg.training.optimizer)
             start = time.perf_counter()
+            master.dispatcher.latency = self.metrics.latency
             plan = self._settle_placement(master, table, resume)
             timings["placement_s"] = time.perf_counter() - start
+            self._publish_placement(plan)
             start_step = self._load_start_state(master, resume)
             workers = RayWorkers(self.cluster.handles)
             received_before = ray.get([h.received.remote() for h in self.cluster.handles])
@@ -92,8 +98,10 @@ class MasterActor:
             received = [after - before for after, before in
                         zip(ray.get([h.received.remote() for h in self.cluster.handles]), received_before)]
             export(master, workers, self.out_dir / "adapter")
-            return self._summarize(plan, self.cluster, history, timings, master.dispatcher.counter.snapshot(),
-                                   received)
+            summary = self._summarize(plan, self.cluster, history, timings, master.dispatcher.counter.snapshot(),
+                                      received)
+            summary["report"] = str(write_report(self.out_dir).resolve())
+            return summary
         finally:
             self.transport.close()
             self.cluster.shutdown()
@@ -126,6 +134,14 @@ class MasterActor:
         (self.out_dir / "workers.json").write_text(json.dumps(
             {"pids": ray.get([h.pid.remote() for h in self.cluster.handles]), "nodes": self.cluster.node_ids}))
         return plan
+
+    def _publish_placement(self, plan: Placement) -> None:
+        """Placement metrics, and the drift tracker against the profile it was solved for."""
+        request = getattr(self, "request", None)  # None when a resumed run reuses its placement
+        probs = np.asarray(request.probs) if request else None
+        self.metrics.set_placement(1, plan.expert_to_worker, probs_LE=probs,
+                                   expected_step_time_s=plan.expected_step_time)
+        self.drift = DriftTracker(probs, top_k_of(self.model)) if probs is not None else None
 
     def _saved_placement(self, resume: dict | None) -> Placement | None:
         """A resumed run keeps its placement when the worker count is unchanged."""
@@ -257,6 +273,19 @@ class MasterActor:
         progress = tqdm(range(start_step, cfg.steps), desc="fine-tune", unit="step", mininterval=2.0,
                         initial=start_step, total=cfg.steps)
         train_start = time.perf_counter()
+        self.routing = RoutingRecorder(self.blocks, top_k_of(self.model), record_confidence=False).attach()
+        try:
+            self._train_loop(master, workers, progress, history, plan)
+        finally:
+            self.routing.detach()
+        timings["train_s"] = time.perf_counter() - train_start
+        if history:
+            history[-1].setdefault("eval_loss", self._eval(master))
+        return history
+
+    def _train_loop(self, master: MasterModel, workers: RayWorkers, progress, history: list[dict],
+                    plan: Placement) -> None:
+        cfg = self.config.training
         for step in progress:
             every = self.config.checkpoint.every
             try:
@@ -270,10 +299,6 @@ class MasterActor:
             if (step + 1) % cfg.log_every == 0:
                 logger.info("step %d/%d loss %.4f (%.2fs)", step + 1, cfg.steps, record["loss"],
                             record["step_time_s"])
-        timings["train_s"] = time.perf_counter() - train_start
-        if history:
-            history[-1].setdefault("eval_loss", self._eval(master))
-        return history
 
     def _step(self, master: MasterModel, workers: RayWorkers, step: int) -> dict:
         cfg = self.config.training
@@ -283,10 +308,17 @@ class MasterActor:
         before = counter.snapshot()
         start = time.perf_counter()
         loss = train_step(master, workers, micro, lr_at(cfg.optimizer, step, cfg.steps), cfg.optimizer.max_grad_norm)
-        record = {"step": step + 1, "loss": loss, "step_time_s": time.perf_counter() - start,
-                  "bytes_by_tier": (counter.snapshot() - before).bytes_by_tier()}
+        step_time = time.perf_counter() - start
+        delta = counter.snapshot() - before
+        counts_LE = self.routing.take_counts().numpy()
+        record = {"step": step + 1, "loss": loss, "step_time_s": step_time,
+                  "bytes_by_tier": delta.bytes_by_tier(), "bytes_by_worker": delta.bytes_by_worker()}
+        self.metrics.record_step(step + 1, loss, step_time, tokens=sum(m["input_ids"].numel() for m in micro),
+                                 traffic_delta=delta, expert_counts_LE=counts_LE,
+                                 drift_L=self.drift.record_step(counts_LE) if self.drift else None)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             record["eval_loss"] = self._eval(master)
+            self.routing.take_counts()  # the eval pass's routing is not training traffic
         return record
 
     def _worker_lost(self, step: int, err: Exception) -> WorkerLostError:

@@ -19,6 +19,7 @@ Traffic is counted here, once, for every transport.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ class ExpertDispatcher:
         self.transport = transport
         num_layers = table.shape[0]
         self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
+        self.latency = None  # optional: anything with .observe(layer, seconds, phase), e.g. metrics.MetricsSink.latency
         self._keys = itertools.count()
 
     def rebind(self, expert_to_worker, transport: Transport) -> None:
@@ -85,6 +87,10 @@ class ExpertDispatcher:
     def new_key(self, layer: int) -> tuple[int, int]:
         return (next(self._keys), layer)
 
+    def _observe(self, layer: int, start: float, phase: str) -> None:
+        if self.latency is not None:
+            self.latency.observe(layer, time.perf_counter() - start, phase)
+
     def _count(self, layer: int, direction, parts: dict[int, torch.Tensor]) -> None:
         for worker, tensor in parts.items():
             self.counter.record(layer, worker, direction, tensor.shape[0], tensor.numel() * tensor.element_size())
@@ -94,14 +100,18 @@ class ExpertDispatcher:
             w: ForwardRequest(plan.layer, plan.expert_ids_R[s:e], rows_RD[s:e], key) for w, s, e in plan.worker_rows
         }
         self._count(plan.layer, "dispatch", {w: r.rows for w, r in requests.items()})
+        start = time.perf_counter()
         outputs = self.transport.forward(requests)
+        self._observe(plan.layer, start, "forward")
         self._count(plan.layer, "gather", outputs)
         return _concat_in_plan_order(plan, outputs, rows_RD)
 
     def backward(self, plan: DispatchPlan, grad_RD: torch.Tensor, key) -> torch.Tensor:
         grads = {w: grad_RD[s:e].contiguous() for w, s, e in plan.worker_rows}
         self._count(plan.layer, "grad_dispatch", grads)
+        start = time.perf_counter()
         grad_rows = self.transport.backward(key, grads)
+        self._observe(plan.layer, start, "backward")
         self._count(plan.layer, "grad_gather", grad_rows)
         return _concat_in_plan_order(plan, grad_rows, grad_RD)
 

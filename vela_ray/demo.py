@@ -37,3 +37,5 @@ def print_summary(summary: dict) -> None:
           f"(expected comm {plan['expected_step_time_s'] * 1e3:.3f} ms/step)")
     print("expert traffic by link tier: " + ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in tiers.items()))
     print(f"adapter: {summary['adapter_dir']}")
+    if summary.get("report"):
+        print(f"report: {summary['report']}")

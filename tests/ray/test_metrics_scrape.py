@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from vela_ray.metrics import METRICS, PROMETHEUS_PREFIX
+
 REPO = Path(__file__).resolve().parents[2]
 TIERS = ["same_node", "cross_node", "cross_node"]  # worker 0 beside the master, workers 1-2 elsewhere
 

@@ -1,0 +1,108 @@
+"""MetricsSink without Ray: what each call records, names that follow Prometheus conventions, no Ray import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vela_ray.metrics import METRICS, MemoryMetricsBackend, MetricsSink, predicted_row_share
+from vela_ray.traffic import TrafficCounter
+
+UNITS = ("_seconds", "_bytes_total", "_total", "_ratio", "_per_second", "_version", "_experts", "_loss", "_step",
+         "_drift")
+
+
+def _sink() -> tuple[MetricsSink, MemoryMetricsBackend]:
+    backend = MemoryMetricsBackend()
+    return MetricsSink(backend), backend
+
+
+def _step_traffic() -> TrafficCounter:
+    counter = TrafficCounter(2, 2, ["same_node", "cross_node"])
+    counter.record(0, 0, "dispatch", 3, 300)
+    counter.record(0, 1, "dispatch", 1, 100)
+    counter.record(1, 1, "gather", 4, 400)
+    return counter
+
+
+def test_metric_names_carry_a_unit_and_counters_end_in_total():
+    for name, spec in METRICS.items():
+        assert name.startswith("vela_") and name.endswith(UNITS), name
+        assert (spec.kind == "counter") == name.endswith("_total"), name
+        assert spec.kind != "histogram" or spec.boundaries == tuple(sorted(spec.boundaries)), name
+
+
+def test_record_step_feeds_traffic_routing_drift_and_gauges():
+    sink, mem = _sink()
+    counter = _step_traffic()
+    counts_LE = np.array([[2, 0, 2], [1, 3, 0]])
+    for step in (1, 2):  # the same delta twice: counters add up, gauges keep the last value
+        sink.record_step(step, loss=3.0 - step, step_time_s=0.5, tokens=100, traffic_delta=counter.snapshot(),
+                         expert_counts_LE=counts_LE, drift_L=np.array([0.1, 0.25]))
+    assert mem.value("vela_expert_traffic_bytes_total", layer=0, worker=0, direction="dispatch",
+                     link_tier="same_node") == 600
+    assert mem.value("vela_expert_traffic_bytes_total", layer=1, worker=1, direction="gather",
+                     link_tier="cross_node") == 800
+    assert mem.value("vela_expert_traffic_rows_total", layer=0, worker=1, direction="dispatch") == 2
+    assert mem.value("vela_tokens_routed_total", layer=1, expert=1) == 6
+    assert (("expert", "1"), ("layer", "0")) not in mem.counters["vela_tokens_routed_total"]  # zero: no series
+    assert mem.value("vela_train_loss") == 1.0 and mem.value("vela_train_step") == 2
+    assert mem.value("vela_tokens_per_second") == 200.0
+    assert mem.value("vela_locality_drift", layer=1) == 0.25
+    assert len(mem.histograms["vela_step_duration_seconds"][()]) == 2
+
+
+def test_load_ratio_is_dispatched_rows_over_the_placement_prediction():
+    sink, mem = _sink()
+    # worker 0 holds experts with P 0.5 + 0.5 (layer 0) and 1.0 (layer 1): 2 rows per token; worker 1: 2
+    sink.set_placement(2, [[0, 0, 1], [1, 0, 1]], probs_LE=np.array([[0.5, 0.5, 1.0], [0.5, 1.0, 0.5]]),
+                       expected_step_time_s=0.02)
+    sink.record_step(1, 1.0, 0.1, tokens=2, traffic_delta=_step_traffic().snapshot())
+    assert mem.value("vela_worker_load_ratio", worker=0) == pytest.approx(3 / 4)  # 3 rows, 2 tokens x 2 predicted
+    assert mem.value("vela_worker_load_ratio", worker=1) == pytest.approx(1 / 4)
+    assert mem.value("vela_placement_version") == 2 and mem.value("vela_worker_experts", worker=0) == 3
+    assert mem.value("vela_placement_expected_comm_seconds") == 0.02
+
+
+def test_explicit_predicted_rows_override_the_placement_share():
+    sink, mem = _sink()
+    sink.record_step(1, 1.0, 0.1, tokens=2, traffic_delta=_step_traffic().snapshot(),
+                     predicted_rows_per_worker=np.array([3.0, 0.0]))
+    assert mem.value("vela_worker_load_ratio", worker=0) == 1.0
+    assert ("worker", "1") not in dict(mem.gauges["vela_worker_load_ratio"])  # nothing predicted: no ratio
+
+
+def test_an_empty_step_records_no_counter_increments():
+    sink, mem = _sink()
+    sink.record_step(1, 1.0, 0.0, tokens=0, traffic_delta=TrafficCounter(2, 2).snapshot(),
+                     expert_counts_LE=np.zeros((2, 4), dtype=int))
+    assert mem.counters == {} and "vela_tokens_per_second" not in mem.gauges
+
+
+def test_latency_recorder_times_a_block_per_layer_and_phase():
+    sink, mem = _sink()
+    with sink.latency.time(3, "backward"):
+        pass
+    sink.latency.observe(3, 0.002)
+    series = mem.histograms["vela_broker_round_trip_seconds"]
+    assert len(series[(("layer", "3"), ("phase", "backward"))]) == 1
+    assert series[(("layer", "3"), ("phase", "forward"))] == [0.002]
+
+
+def test_predicted_row_share_sums_p_per_worker_and_checks_shapes():
+    share = predicted_row_share(np.array([[0, 1], [1, 1]]), np.array([[0.25, 0.75], [0.5, 0.5]]))
+    np.testing.assert_allclose(share, [0.25, 1.75])
+    with pytest.raises(ValueError, match=r"expert_to_worker has shape \(1, 2\) but probs_LE \(2, 2\)"):
+        predicted_row_share(np.array([[0, 1]]), np.ones((2, 2)))
+
+
+def test_outside_ray_the_sink_keeps_metrics_in_memory_and_never_imports_ray():
+    code = ("import sys; from vela_ray.metrics import MetricsSink; s = MetricsSink.for_ray(); "
+            "s.record_step(1, 1.0, 0.1, 10); assert 'ray' not in sys.modules, 'ray imported'; "
+            "print(type(s.backend).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "MemoryMetricsBackend"

@@ -1,0 +1,316 @@
+"""Live training metrics in Prometheus form: expert traffic, routing, load, loss, step time.
+
+The master feeds a `MetricsSink` plain data it already has, once per step:
+
+    sink = MetricsSink.for_ray()                       # Ray metrics in a Ray process, else in memory
+    sink.set_placement(version=1, expert_to_worker=table, probs_LE=probs, expected_step_time_s=0.01)
+    sink.record_step(step=1, loss=2.3, step_time_s=0.8, tokens=1024,
+                     traffic_delta=after - before,     # TrafficSnapshot of this step
+                     expert_counts_LE=counts_LE,       # [L, E] rows routed to each expert
+                     drift_L=tv_L)                     # [L] TV distance to the initial profile
+    latency = sink.latency                             # the broker: latency.observe(layer, seconds)
+
+Every metric is declared once in `METRICS` (name, kind, unit in the name, tags);
+the Grafana dashboard and its test read the names from there. Ray exports
+them through the node's metrics agent (`ray start --metrics-export-port`)
+with a `ray_` prefix, e.g. `ray_vela_expert_traffic_bytes_total`, but only from
+processes inside a Ray job (driver, actors, tasks).
+
+Backends: `RayMetricsBackend` wraps `ray.util.metrics` (imported when built, so
+importing this module never loads Ray, like the rest of the model side);
+`MemoryMetricsBackend` keeps values in dicts for tests and for runs outside
+Ray. Counters are cumulative, so the sink feeds them deltas and skips zeros
+(Ray refuses increments <= 0).
+
+Shape legend: L = MoE layers, E = experts per layer, N = workers.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Protocol
+
+import numpy as np
+
+from vela_ray.traffic import DIRECTIONS, TrafficSnapshot
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+PROMETHEUS_PREFIX = "ray_"  # what Ray's metrics agent puts in front of every application metric
+
+# Seconds: 50 us .. 30 s, for one broker round trip (a layer's dispatch + gather on all workers).
+ROUND_TRIP_BUCKETS_S = [5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+                        2.5, 5.0, 10.0, 30.0]
+# Seconds: 10 ms .. 10 min, for one optimizer step.
+STEP_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 150.0, 600.0]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its Prometheus name (without Ray's `ray_` prefix), kind, help text and tag keys."""
+
+    name: str
+    kind: MetricKind
+    description: str
+    tags: tuple[str, ...] = ()
+    boundaries: tuple[float, ...] = ()
+
+
+def _specs(*specs: MetricSpec) -> dict[str, MetricSpec]:
+    return {s.name: s for s in specs}
+
+
+METRICS: dict[str, MetricSpec] = _specs(
+    MetricSpec("vela_tokens_routed_total", "counter",
+               "Token rows the routers sent to each expert (one per (token, top-k slot)).", ("layer", "expert")),
+    MetricSpec("vela_expert_traffic_bytes_total", "counter",
+               "Bytes between the master and an ExpertManager, by MoE layer, worker, direction and link tier.",
+               ("layer", "worker", "direction", "link_tier")),
+    MetricSpec("vela_expert_traffic_rows_total", "counter",
+               "Token rows between the master and an ExpertManager, by MoE layer, worker and direction.",
+               ("layer", "worker", "direction")),
+    MetricSpec("vela_broker_round_trip_seconds", "histogram",
+               "Seconds one broker call took: dispatch to all owning workers and gather their results.",
+               ("layer", "phase"), tuple(ROUND_TRIP_BUCKETS_S)),
+    MetricSpec("vela_worker_load_ratio", "gauge",
+               "Rows a worker received in the last step over the rows its placement predicted (1: as planned).",
+               ("worker",)),
+    MetricSpec("vela_worker_experts", "gauge", "Experts the current placement puts on each worker.", ("worker",)),
+    MetricSpec("vela_placement_version", "gauge", "Version of the placement in use (1 = first solved placement)."),
+    MetricSpec("vela_placement_expected_comm_seconds", "gauge",
+               "Communication seconds per step the cost model expects for the current placement."),
+    MetricSpec("vela_train_step", "gauge", "Last finished optimizer step."),
+    MetricSpec("vela_train_loss", "gauge", "Training loss of the last step."),
+    MetricSpec("vela_tokens_per_second", "gauge", "Tokens per second of the last step (batch tokens / step time)."),
+    MetricSpec("vela_step_time_seconds", "gauge", "Wall-clock seconds of the last optimizer step."),
+    MetricSpec("vela_step_duration_seconds", "histogram", "Distribution of optimizer step wall-clock seconds.",
+               (), tuple(STEP_BUCKETS_S)),
+    MetricSpec("vela_locality_drift", "gauge",
+               "Total-variation distance between the last step's expert access and the profile placed by.",
+               ("layer",)),
+)
+
+
+def prometheus_names(spec: MetricSpec) -> list[str]:
+    """The series names a Prometheus scrape of Ray shows for `spec` (histograms have three)."""
+    base = PROMETHEUS_PREFIX + spec.name
+    if spec.kind == "histogram":
+        return [base + "_bucket", base + "_sum", base + "_count"]
+    return [base]
+
+
+# --- backends -----------------------------------------------------------------------------------
+
+
+class MetricsBackend(Protocol):
+    def inc(self, name: str, value: float, tags: dict[str, str]) -> None: ...
+    def set(self, name: str, value: float, tags: dict[str, str]) -> None: ...
+    def observe(self, name: str, value: float, tags: dict[str, str]) -> None: ...
+
+
+TagKey = tuple[tuple[str, str], ...]
+
+
+def _key(tags: dict[str, str]) -> TagKey:
+    return tuple(sorted(tags.items()))
+
+
+@dataclass
+class MemoryMetricsBackend:
+    """Keeps every value in memory: counters summed, gauges last set, histograms as observation lists."""
+
+    counters: dict[str, dict[TagKey, float]] = field(default_factory=dict)
+    gauges: dict[str, dict[TagKey, float]] = field(default_factory=dict)
+    histograms: dict[str, dict[TagKey, list[float]]] = field(default_factory=dict)
+
+    def inc(self, name: str, value: float, tags: dict[str, str]) -> None:
+        series = self.counters.setdefault(name, {})
+        series[_key(tags)] = series.get(_key(tags), 0.0) + value
+
+    def set(self, name: str, value: float, tags: dict[str, str]) -> None:
+        self.gauges.setdefault(name, {})[_key(tags)] = value
+
+    def observe(self, name: str, value: float, tags: dict[str, str]) -> None:
+        self.histograms.setdefault(name, {}).setdefault(_key(tags), []).append(value)
+
+    def value(self, name: str, **tags: str) -> float:
+        """A counter's total or a gauge's value for exactly these tags (0 if never recorded)."""
+        store = self.counters if METRICS[name].kind == "counter" else self.gauges
+        return store.get(name, {}).get(_key({k: str(v) for k, v in tags.items()}), 0.0)
+
+
+class RayMetricsBackend:
+    """`ray.util.metrics` objects, one per `METRICS` entry, created on first use in this process.
+
+    Ray exports a gauge only while it is being set: its metrics agent drops a series not
+    refreshed for two report intervals (RAY_metrics_report_interval_ms, 10 s by default).
+    A placement version set once, or a loss between two 30-second steps, would vanish, so
+    a daemon thread re-sets every gauge's last value each `refresh_s` seconds.
+    """
+
+    def __init__(self, refresh_s: float = 2.0) -> None:
+        from ray.util import metrics as ray_metrics  # Ray only where metrics are exported
+
+        self._ray = ray_metrics
+        self._metrics: dict[str, object] = {}
+        self._gauges: dict[tuple[str, TagKey], float] = {}
+        self._lock = threading.Lock()
+        self._refresher = threading.Thread(target=self._refresh_gauges, args=(refresh_s,), daemon=True,
+                                           name="vela-metrics-gauges")
+        self._refresher.start()
+
+    def _metric(self, name: str):
+        if name not in self._metrics:
+            spec = METRICS[name]
+            if spec.kind == "counter":
+                # Ray's exporter appends `_total` to counters itself; declare the bare name.
+                metric = self._ray.Counter(spec.name.removesuffix("_total"), spec.description, spec.tags)
+            elif spec.kind == "gauge":
+                metric = self._ray.Gauge(spec.name, spec.description, spec.tags)
+            else:
+                metric = self._ray.Histogram(spec.name, spec.description, list(spec.boundaries), spec.tags)
+            self._metrics[name] = metric
+        return self._metrics[name]
+
+    def inc(self, name: str, value: float, tags: dict[str, str]) -> None:
+        self._metric(name).inc(value, tags=tags)
+
+    def set(self, name: str, value: float, tags: dict[str, str]) -> None:
+        with self._lock:
+            self._gauges[(name, _key(tags))] = value
+            self._metric(name).set(value, tags=tags)
+
+    def observe(self, name: str, value: float, tags: dict[str, str]) -> None:
+        self._metric(name).observe(value, tags=tags)
+
+    def _refresh_gauges(self, every_s: float) -> None:
+        while True:
+            time.sleep(every_s)
+            with self._lock:
+                for (name, tags), value in self._gauges.items():
+                    self._metric(name).set(value, tags=dict(tags))
+
+
+def ray_is_initialized() -> bool:
+    """True in a process connected to Ray (checked without importing Ray)."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
+
+
+# --- what the runtime calls -----------------------------------------------------------------------
+
+
+class LatencyRecorder:
+    """Broker round-trip latency per MoE layer: `observe(layer, seconds)` or `with recorder.time(layer):`."""
+
+    def __init__(self, backend: MetricsBackend) -> None:
+        self.backend = backend
+
+    def observe(self, layer: int, seconds: float, phase: Literal["forward", "backward"] = "forward") -> None:
+        self.backend.observe("vela_broker_round_trip_seconds", seconds, {"layer": str(layer), "phase": phase})
+
+    @contextmanager
+    def time(self, layer: int, phase: Literal["forward", "backward"] = "forward") -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe(layer, time.perf_counter() - start, phase)
+
+
+class MetricsSink:
+    """Turns the master's per-step data into metric updates (see the module docstring for the calls)."""
+
+    def __init__(self, backend: MetricsBackend | None = None) -> None:
+        self.backend: MetricsBackend = backend if backend is not None else MemoryMetricsBackend()
+        self.latency = LatencyRecorder(self.backend)
+        self._row_share_N: np.ndarray | None = None  # expected rows per token on each worker (sum of its P)
+
+    @classmethod
+    def for_ray(cls) -> MetricsSink:
+        """Exported through Ray when this process is connected to Ray; kept in memory otherwise."""
+        return cls(RayMetricsBackend() if ray_is_initialized() else MemoryMetricsBackend())
+
+    def set_placement(self, version: int, expert_to_worker: np.ndarray | list, probs_LE: np.ndarray | None = None,
+                      expected_step_time_s: float | None = None) -> None:
+        """Publish a placement: its version, experts per worker, and the row shares load ratios compare with.
+
+        expert_to_worker: [L, E] worker of each expert; probs_LE: [L, E] the access profile it was solved
+        for (rows sum to top-k); without it no load ratio is exported.
+        """
+        table_LE = np.asarray(expert_to_worker, dtype=np.int64)
+        num_workers = int(table_LE.max()) + 1 if table_LE.size else 0
+        self.backend.set("vela_placement_version", float(version), {})
+        for worker, count in enumerate(np.bincount(table_LE.ravel(), minlength=num_workers)):
+            self.backend.set("vela_worker_experts", float(count), {"worker": str(worker)})
+        if expected_step_time_s is not None:
+            self.backend.set("vela_placement_expected_comm_seconds", float(expected_step_time_s), {})
+        self._row_share_N = None if probs_LE is None else predicted_row_share(table_LE, probs_LE)
+
+    def record_step(self, step: int, loss: float, step_time_s: float, tokens: int,
+                    traffic_delta: TrafficSnapshot | None = None, expert_counts_LE: np.ndarray | None = None,
+                    drift_L: np.ndarray | None = None,
+                    predicted_rows_per_worker: np.ndarray | None = None) -> None:
+        """Record one optimizer step.
+
+        tokens: tokens that entered each MoE layer in this step (all micro-batches);
+        traffic_delta: the broker's TrafficSnapshot difference over the step;
+        expert_counts_LE: [L, E] rows routed to each expert in the step;
+        drift_L: [L] TV distance of the step's access to the placed profile;
+        predicted_rows_per_worker: [N] rows each worker should receive in the step; default:
+        tokens x the worker's share of P from `set_placement`.
+        """
+        self.backend.set("vela_train_step", float(step), {})
+        self.backend.set("vela_train_loss", float(loss), {})
+        self.backend.set("vela_step_time_seconds", float(step_time_s), {})
+        self.backend.observe("vela_step_duration_seconds", float(step_time_s), {})
+        if step_time_s > 0:
+            self.backend.set("vela_tokens_per_second", tokens / step_time_s, {})
+        if traffic_delta is not None:
+            self._record_traffic(traffic_delta)
+            predicted = predicted_rows_per_worker
+            if predicted is None and self._row_share_N is not None:
+                predicted = tokens * self._row_share_N
+            if predicted is not None:
+                self._record_load(traffic_delta, np.asarray(predicted, dtype=np.float64))
+        if expert_counts_LE is not None:
+            self._record_routing(np.asarray(expert_counts_LE))
+        if drift_L is not None:
+            for layer, tv in enumerate(np.asarray(drift_L, dtype=np.float64)):
+                self.backend.set("vela_locality_drift", float(tv), {"layer": str(layer)})
+
+    def _record_traffic(self, delta: TrafficSnapshot) -> None:
+        bytes_LND, rows_LND = np.asarray(delta.bytes), np.asarray(delta.rows)
+        for layer, worker, d in zip(*np.nonzero(bytes_LND > 0)):
+            tags = {"layer": str(layer), "worker": str(worker), "direction": DIRECTIONS[d]}
+            self.backend.inc("vela_expert_traffic_bytes_total", float(bytes_LND[layer, worker, d]),
+                             {**tags, "link_tier": delta.worker_tiers[worker]})
+            if rows_LND[layer, worker, d] > 0:
+                self.backend.inc("vela_expert_traffic_rows_total", float(rows_LND[layer, worker, d]), tags)
+
+    def _record_load(self, delta: TrafficSnapshot, predicted_N: np.ndarray) -> None:
+        dispatched_N = np.asarray(delta.rows)[:, :, DIRECTIONS.index("dispatch")].sum(axis=0)
+        for worker, (measured, predicted) in enumerate(zip(dispatched_N, predicted_N)):
+            if predicted > 0:
+                self.backend.set("vela_worker_load_ratio", float(measured / predicted), {"worker": str(worker)})
+
+    def _record_routing(self, counts_LE: np.ndarray) -> None:
+        for layer, expert in zip(*np.nonzero(counts_LE > 0)):
+            self.backend.inc("vela_tokens_routed_total", float(counts_LE[layer, expert]),
+                             {"layer": str(layer), "expert": str(expert)})
+
+
+def predicted_row_share(expert_to_worker_LE: np.ndarray, probs_LE: np.ndarray) -> np.ndarray:
+    """[N] expected rows per token each worker receives, summed over layers: sum of P over its experts.
+
+    expert_to_worker_LE: [L, E] worker ids; probs_LE: [L, E] access probabilities (rows sum to top-k).
+    """
+    table_LE = np.asarray(expert_to_worker_LE, dtype=np.int64)
+    probs_LE = np.asarray(probs_LE, dtype=np.float64)
+    if table_LE.shape != probs_LE.shape:
+        raise ValueError(f"expert_to_worker has shape {table_LE.shape} but probs_LE {probs_LE.shape}; "
+                         "give the profile the placement was solved for")
+    return np.bincount(table_LE.ravel(), weights=probs_LE.ravel(), minlength=int(table_LE.max()) + 1)
