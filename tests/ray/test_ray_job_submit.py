@@ -54,10 +54,13 @@ def test_ray_job_submit_runs_vela_train_and_writes_adapter_and_summary(tmp_path)
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_for_dashboard(dash_port, head)
-        result = subprocess.run(
-            [str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash_port}",
-             "--working-dir", str(REPO), "--", "vela", "train", "--config", str(job)],
-            env=env, capture_output=True, text=True, timeout=480)
+        submit = [str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash_port}",
+                  "--working-dir", str(REPO), "--", "vela", "train", "--config", str(job)]
+        for _ in range(20):  # the dashboard answers before its job agent is up ("try again later")
+            result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=480)
+            if "No available agent to submit job" not in result.stdout + result.stderr:
+                break
+            time.sleep(3)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "succeeded" in result.stdout + result.stderr
     finally:
