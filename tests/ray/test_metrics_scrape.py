@@ -8,15 +8,9 @@ the head's own process group.
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -24,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.ray.head import auth_env, free_port, ray_head
 from vela_ray.metrics import METRICS, PROMETHEUS_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,23 +62,6 @@ sys.stdin.read()  # stay connected (the actor's metrics stay exported) until the
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"ray start exited with {proc.returncode}"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"nothing listens on port {port} after {timeout_s} s")
-
-
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample line of a Prometheus text exposition."""
     samples = []
@@ -121,30 +99,17 @@ def _expected_bytes_by_tier(steps: int) -> dict[str, float]:
 
 
 @pytest.fixture
-def ray_head():
+def metrics_head():
     """A `ray start --head` with token auth and a known metrics export port; yields (gcs address, port, env)."""
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_metrics_report_interval_ms": "1000",
-           "PYTHONPATH": str(REPO)}
-    gcs_port, metrics_port = _free_port(), _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
-    head = subprocess.Popen(
-        [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=1",
-         f"--metrics-export-port={metrics_port}", "--include-dashboard=false", "--disable-usage-stats",
-         f"--temp-dir={temp_dir}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        _wait_for_port(gcs_port, head)
+    env = auth_env(RAY_metrics_report_interval_ms="1000", PYTHONPATH=str(REPO))
+    gcs_port, metrics_port = free_port(), free_port()
+    with ray_head(env, f"--port={gcs_port}", "--num-cpus=1", f"--metrics-export-port={metrics_port}",
+                  "--include-dashboard=false", wait_port=gcs_port):
         yield f"127.0.0.1:{gcs_port}", metrics_port, env
-    finally:
-        os.killpg(head.pid, signal.SIGKILL)  # the head's whole process group: GCS, raylet, agents, workers
-        head.wait(timeout=60)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_scraped_vela_metrics_equal_the_fed_traffic_and_routing_counts(ray_head):
-    address, metrics_port, env = ray_head
+def test_scraped_vela_metrics_equal_the_fed_traffic_and_routing_counts(metrics_head):
+    address, metrics_port, env = metrics_head
     steps = 2
     driver = subprocess.Popen([sys.executable, "-c", FEEDER, address, str(steps)], env=env, cwd=REPO,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
