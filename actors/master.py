@@ -20,7 +20,6 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import ray

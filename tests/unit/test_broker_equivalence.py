@@ -10,7 +10,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from tests.equivalence import build_pair, micro_batches, reference_adapter_state, run_both
-from vela_ray.adapters import fuse_expert_factors, read_adapter
+from vela_ray.adapters import fuse_expert_factors
 from vela_ray.families import FAMILIES, debug_model
 from vela_ray.modeling import find_moe_blocks
 from vela_ray.training import export
