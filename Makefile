@@ -21,7 +21,7 @@ test-fast: setup
 	$(BIN)/python -m pytest tests/unit
 
 bench-placement: setup
-	$(BIN)/python benchmarks/placement.py
+	$(BIN)/python benchmarks/placement_suite.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

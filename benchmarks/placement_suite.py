@@ -28,7 +28,7 @@ Capacities: "tight" is ceil(L * E / N) per worker: exact for Qwen (384) and
 DeepSeek (232); for Mixtral 256 / 6 is not whole, so 43 per worker (2 spare
 slots in all). "loose" is ceil(1.5 * L * E / N).
 
-Run: python benchmarks/placement.py   (about a minute on 2 cores;
+Run: python benchmarks/placement_suite.py   (about a minute on 2 cores;
      --direct-at-scale adds the direct LP at DeepSeek-V3 scale, minutes more)
 """
 
@@ -43,11 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-# This file is itself named placement.py: put the repository root, not this
-# directory, first on the path so `import placement` finds the package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from placement import SOLVERS, PlacementProblem, solve, solve_lp, synthetic_probs  # noqa: E402
+from placement import SOLVERS, PlacementProblem, solve, solve_lp, synthetic_probs
 
 SKEWS = {"flat": 8.0, "moderate": 2.0, "steep": 0.5}
 CAPACITY_FACTORS = {"tight": 1.0, "loose": 1.5}

@@ -1,0 +1,224 @@
+"""vela-ray against expert parallelism on an emulated 3-node cluster (the VELA paper's Sec. V, Figs. 5-6).
+
+Reads top to bottom:
+  1. bring up the emulated cluster (deploy/emulated_cluster.py): 3 nodes, each a
+     network namespace with its own Ray node, cross-node links shaped with tc to
+     1/15.6 of the intra-node rate (the paper's 18.3 vs 1.17 GB/s), and probe the
+     links (TCP, and Ray objects as the placement service sees them);
+  2. inside node 0 (the master's node), for each data set (WikiText-2, GSM8K in
+     Alpaca format) fine-tune the tiny pre-trained Mixtral for `--steps` steps with
+     expert parallelism (6 ranks, 2 per node, all-to-all over gloo) and with
+     vela-ray (master on node 0, 6 ExpertManagers, 2 per node) under the
+     sequential, random, `vela` (the paper's LP) and `improved` placements;
+  3. per method: cross-node bytes per node per step (the broker's counters, as
+     the paper's Fig. 5; EP adds its backbone all-reduce, estimated as a ring),
+     median step time and its ratio to EP (Fig. 6), the cost model's predicted
+     communication time against the measured one (median step time shaped minus
+     unshaped: `--unshaped-methods` are run again for `--unshaped-steps` steps on the
+     first data set with the rate lifted), final training loss;
+  4. the paper-scale simulation (benchmarks/paper_scale.py): the cost model at
+     Mixtral-8x7B scale on the paper's cluster, with our measured profiles;
+  5. write results.md (tables), results.json (raw numbers), traffic_over_steps.png
+     and step_time.png to benchmarks/results/vela_vs_ep/.
+
+Run (as root, ~15 minutes on 2 cores):  python benchmarks/vela_vs_ep.py
+Without network namespaces: `--no-emulate` runs on an unshaped ray.cluster_utils
+cluster (3 Ray nodes on one loopback; cross-node bytes are still counted, but
+cross-node links are not slower, which the table says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+# The repository root, not this directory, first: benchmarks/placement.py must not shadow the placement
+# package, and Ray adds the script directory to its workers' path only if the driver has it.
+sys.path[0] = str(ROOT)
+
+from benchmarks import vela_vs_ep_report as report  # noqa: E402
+from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, set_cross_rate, wire_bytes  # noqa: E402
+from vela_ray.paths import data_dir  # noqa: E402
+
+logger = logging.getLogger("vela_vs_ep")
+RESULTS = ROOT / "benchmarks" / "results" / "vela_vs_ep"
+METHODS = ("ep", "sequential", "random", "vela", "improved")
+DATASETS = {
+    "wikitext": {"kind": "text", "path": data_dir() / "wikitext-2" / "valid.txt"},
+    "gsm8k_alpaca": {"kind": "instruct", "path": data_dir() / "instruct" / "gsm8k_alpaca.json"},
+}
+UNSHAPED_MBIT = 100_000  # "no shaping": far above what loopback moves here
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12, help="fine-tuning steps per method and data set")
+    p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of step-time medians")
+    p.add_argument("--unshaped-steps", type=int, default=5,
+                   help="steps run again with the links unshaped to measure communication time (0: skip)")
+    p.add_argument("--unshaped-methods", nargs="+", default=["ep", "sequential", "improved"], choices=METHODS,
+                   help="methods run again unshaped (on the first data set only, to stay under 20 minutes)")
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="data sets")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="methods to compare")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per step, global (the paper: 8)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per row")
+    p.add_argument("--limit", type=int, default=1500, help="rows / examples read from each data set")
+    p.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (the paper: 3e-5)")
+    p.add_argument("--nodes", type=int, default=3, help="emulated nodes")
+    p.add_argument("--workers-per-node", type=int, default=2, help="ExpertManagers (EP ranks) per node")
+    p.add_argument("--capacity", type=int, default=8,
+                   help="experts per worker (32 experts / 6 workers = 5.3; 8 is 1.5x, as the simulation)")
+    p.add_argument("--transport", default="object_ref", choices=["object_ref", "compiled_graph"],
+                   help="vela-ray's master-worker transport")
+    p.add_argument("--calibrate", default="ray", choices=["ray", "loopback"],
+                   help="intra-node rate divided by --ratio to set the cross-node rate: what Ray moves "
+                        "between two processes of a node (what vela-ray sees), or raw TCP loopback")
+    p.add_argument("--ratio", type=float, default=18.3 / 1.17, help="intra:cross bandwidth ratio")
+    p.add_argument("--cross-mbit", type=float, default=None, help="fixed cross-node Mbit/s (overrides calibration)")
+    p.add_argument("--no-emulate", action="store_true",
+                   help="unshaped ray.cluster_utils cluster instead of namespaces (no root needed)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver inside node 0
+    p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --- 2. one run --------------------------------------------------------------------------------------
+
+
+def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict:
+    from vela_ray.tiny_model import tiny_model_path
+
+    data = DATASETS[dataset]
+    return {
+        "model": {"path": str(tiny_model_path(build=False))},
+        "data": {"kind": data["kind"], "path": str(data["path"]), "seq_len": args.seq_len, "limit": args.limit},
+        "cluster": {"num_workers": args.nodes * args.workers_per_node, "workers_per_node": args.workers_per_node,
+                    "num_cpus_per_worker": 1.0, "transport": args.transport},
+        "placement": {"solver": "sequential" if method == "ep" else method, "profile": "measure",
+                      "profile_batches": 4, "capacity": args.capacity},
+        "training": {"steps": steps, "batch_size": args.batch_size, "eval_batches": 1,
+                     "optimizer": {"lr": args.lr}},
+        "output": {"dir": str(out_dir)},
+    }
+
+
+def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | None) -> dict:
+    """One fine-tuning run; the summary plus wall time and the wire bytes each node sent meanwhile."""
+    from actors.expert_parallel import run_expert_parallel
+    from vela_ray.api import VelaJob
+    from vela_ray.config import JobConfig
+
+    out_dir = Path(tempfile.mkdtemp(prefix=f"vela-vs-ep-{method}-"))
+    config = JobConfig.from_dict(job_dict(args, dataset, method, steps, out_dir))
+    wire_before = wire_bytes(spec) if spec else None
+    start = time.perf_counter()
+    if method == "ep":
+        summary = run_expert_parallel(config, mode="expert_parallel")
+    else:
+        summary = VelaJob(config).run()
+    summary["wall_s"] = time.perf_counter() - start
+    if spec:
+        summary["wire_bytes_by_node"] = [a - b for a, b in zip(wire_bytes(spec), wire_before)]
+    logger.info("%s / %s: median step %.3f s, loss %.4f, %.0f s wall", dataset, method,
+                summary["median_step_time_s"], summary["losses"][-1], summary["wall_s"])
+    return summary
+
+
+def run_grid(args, spec: ClusterSpec | None, cross_mbit: float | None) -> dict:
+    """Every (data set, method): shaped runs, then (if asked) short unshaped runs for the comm time."""
+    runs: dict[str, dict[str, dict]] = {}
+    for dataset in args.datasets:
+        runs[dataset] = {m: run_one(args, dataset, m, args.steps, spec) for m in args.methods}
+    unshaped: dict[str, dict[str, dict]] = {}
+    if args.unshaped_steps and spec is not None:
+        set_cross_rate(spec, UNSHAPED_MBIT)
+        try:
+            dataset = args.datasets[0]
+            unshaped[dataset] = {m: run_one(args, dataset, m, args.unshaped_steps, spec)
+                                 for m in args.methods if m in args.unshaped_methods}
+        finally:
+            set_cross_rate(spec, cross_mbit)
+    return {"runs": runs, "unshaped": unshaped}
+
+
+def inner_main(args) -> None:
+    """The driver inside node 0: connect to the emulated cluster, run the grid, dump raw summaries."""
+    import ray
+
+    spec = ClusterSpec.model_validate_json(args.spec) if args.spec else None
+    ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["VELA_NODE_IP"],
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False)
+    try:
+        grid = run_grid(args, spec, float(os.environ["VELA_CROSS_MBIT"]))
+    finally:
+        ray.shutdown()
+    (args.out / "raw_runs.json").write_text(json.dumps(grid))
+
+
+def run_unshaped_cluster(args) -> dict:
+    """`--no-emulate`: 3 Ray nodes on one loopback (ray.cluster_utils), nothing shaped."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.workers_per_node})
+    for _ in range(args.nodes - 1):
+        cluster.add_node(num_cpus=args.workers_per_node)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+             log_to_driver=False)
+    try:
+        return run_grid(args, None, None)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+# --- 1. + 5. the outer driver ------------------------------------------------------------------------
+
+
+def emulated(args) -> tuple[dict, dict]:
+    """Bring the cluster up, run the grid inside node 0, return (raw runs, link probes)."""
+    spec = ClusterSpec(num_nodes=args.nodes, cpus_per_node=args.workers_per_node, ratio=args.ratio,
+                       cross_mbit=args.cross_mbit, calibrate=args.calibrate)
+    with EmulatedCluster(spec) as cluster:
+        links = {"tcp": cluster.probe_links(), "ray": cluster.probe_ray_links(),
+                 "cross_mbit": cluster.cross_bytes_per_s * 8 / 1e6, "calibrate": args.calibrate}
+        logger.info("links: %s", json.dumps(links))
+        argv = [sys.executable, str(Path(__file__).resolve()), "--inner", "--spec", spec.model_dump_json(),
+                *sys.argv[1:]]
+        result = cluster.run_in_node(0, argv, env={"VELA_CROSS_MBIT": str(links["cross_mbit"])}, cwd=ROOT)
+        if result.returncode:
+            raise SystemExit(f"the benchmark driver in node 0 failed with exit code {result.returncode}")
+    return json.loads((args.out / "raw_runs.json").read_text()), links
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.inner:
+        inner_main(args)
+        return
+    start = time.perf_counter()
+    if args.no_emulate:
+        grid, links = run_unshaped_cluster(args), {"note": "unshaped ray.cluster_utils cluster, one loopback"}
+    else:
+        grid, links = emulated(args)
+    results = report.build_results(args, grid, links)
+    results["benchmark_wall_s"] = time.perf_counter() - start
+    report.write_all(results, args.out)
+    print(report.markdown(results))
+
+
+if __name__ == "__main__":
+    main()
