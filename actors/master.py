@@ -310,6 +310,7 @@ class MasterActor:
         step_time = time.perf_counter() - start
         delta = counter.snapshot() - before
         counts_LE = self.routing.take_counts().numpy()
+        self.tokens_routed = counts_LE + getattr(self, "tokens_routed", 0)  # training steps only, like metrics
         record = {"step": step + 1, "loss": loss, "step_time_s": step_time,
                   "bytes_by_tier": delta.bytes_by_tier(), "bytes_by_worker": delta.bytes_by_worker()}
         self.metrics.record_step(step + 1, loss, step_time, tokens=sum(m["input_ids"].numel() for m in micro),
@@ -350,6 +351,7 @@ class MasterActor:
             "traffic_bytes_by_worker": traffic.bytes_by_worker(),
             "sent_bytes_by_worker": traffic.bytes_by_worker(("dispatch", "grad_dispatch")),
             "worker_received_bytes": received,
+            "tokens_routed": np.asarray(getattr(self, "tokens_routed", [])).astype(int).tolist(),
             "worker_tiers": traffic.worker_tiers,
             "history": history,
             "placement": {"solver": plan.solver, "expected_step_time_s": plan.expected_step_time,

@@ -140,3 +140,49 @@ def test_scraped_vela_metrics_equal_the_fed_traffic_and_routing_counts(metrics_h
                                             "vela_step_time_seconds")} <= exported
     assert set(METRICS) >= {n.removeprefix(PROMETHEUS_PREFIX).removesuffix("_bucket").removesuffix("_sum")
                             .removesuffix("_count") for n in exported if n.startswith(PROMETHEUS_PREFIX + "vela")}
+
+
+JOB_DRIVER = """
+import json, sys
+import ray
+from actors.master import MasterActor
+from vela_ray.config import JobConfig
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+config = JobConfig.from_dict(json.loads(sys.argv[2]))
+config.preflight()
+master = ray.remote(MasterActor).options(num_cpus=0).remote(config)  # as VelaJob does, kept alive after run
+print("SUMMARY " + json.dumps(ray.get(master.run.remote())), flush=True)
+sys.stdin.read()  # the master's metrics stay exported until the test closes stdin
+"""
+
+
+def test_a_real_job_exports_its_own_traffic_and_routing_counts(metrics_head, tmp_path):
+    import json
+
+    from tests.fixtures import job_dict, make_checkpoint
+
+    address, metrics_port, env = metrics_head
+    job = job_dict(make_checkpoint(tmp_path / "model"), tmp_path / "out", steps=2)
+    driver = subprocess.Popen([sys.executable, "-c", JOB_DRIVER, address, json.dumps(job)], env=env, cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = driver.stdout.readline()
+        assert line.startswith("SUMMARY "), driver.stderr.read()[-3000:]
+        summary = json.loads(line.removeprefix("SUMMARY "))
+        history = summary["history"]
+        tiers = {t: sum(h["bytes_by_tier"][t] for h in history) for t in history[0]["bytes_by_tier"]}
+        routed_LE = np.asarray(summary["tokens_routed"])
+        traffic = PROMETHEUS_PREFIX + "vela_expert_traffic_bytes_total"
+        routed = PROMETHEUS_PREFIX + "vela_tokens_routed_total"
+        samples = _scrape_until(metrics_port, lambda s: all(
+            _total(s, traffic, link_tier=t) == b for t, b in tiers.items() if b)
+            and _total(s, routed) == routed_LE.sum(), timeout_s=90)
+    finally:
+        driver.stdin.close()
+        driver.wait(timeout=60)
+    assert sum(tiers.values()) > 0 and routed_LE.sum() > 0 and routed_LE.ndim == 2
+    for tier, expected in tiers.items():
+        assert _total(samples, traffic, link_tier=tier) == expected
+    for (layer, expert), count in np.ndenumerate(routed_LE):
+        assert _total(samples, routed, layer=str(layer), expert=str(expert)) == count
