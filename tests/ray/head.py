@@ -47,8 +47,12 @@ def auth_env(**extra: str) -> dict[str, str]:
 def ray_head(env: dict[str, str], *args: str, wait_port: int):
     """Run `ray start --head --block ARGS` until the block ends; waits for `wait_port` to listen."""
     temp_dir = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    # Ports with fixed defaults get free ones: another Ray on this machine (the session's) holds the defaults,
+    # and a head whose dashboard agent cannot bind answers job submissions with "No available agent".
+    own_ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                 f"--ray-client-server-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
     head = subprocess.Popen([str(BIN_DIR / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-                             f"--temp-dir={temp_dir}", *args],
+                             f"--temp-dir={temp_dir}", *own_ports, *args],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for_port(wait_port, head)
