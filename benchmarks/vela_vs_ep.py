@@ -15,7 +15,7 @@ Reads top to bottom:
      median step time and its ratio to EP (Fig. 6), the cost model's predicted
      communication time against the measured one (median step time shaped minus
      unshaped: `--unshaped-methods` are run again for `--unshaped-steps` steps on the
-     first data set with the rate lifted), final training loss;
+     first data set, right after their shaped run, with the rate lifted), final loss;
   4. the paper-scale simulation (benchmarks/paper_scale.py): the cost model at
      Mixtral-8x7B scale on the paper's cluster, with our measured profiles;
   5. write results.md (tables), results.json (raw numbers), traffic_over_steps.png
@@ -33,6 +33,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,14 +58,13 @@ DATASETS = {
     "wikitext": {"kind": "text", "path": data_dir() / "wikitext-2" / "valid.txt"},
     "gsm8k_alpaca": {"kind": "instruct", "path": data_dir() / "instruct" / "gsm8k_alpaca.json"},
 }
-UNSHAPED_MBIT = 100_000  # "no shaping": far above what loopback moves here
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12, help="fine-tuning steps per method and data set")
+    p.add_argument("--steps", type=int, default=16, help="fine-tuning steps per method and data set")
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of step-time medians")
-    p.add_argument("--unshaped-steps", type=int, default=5,
+    p.add_argument("--unshaped-steps", type=int, default=8,
                    help="steps run again with the links unshaped to measure communication time (0: skip)")
     p.add_argument("--unshaped-methods", nargs="+", default=["ep", "sequential", "improved"], choices=METHODS,
                    help="methods run again unshaped (on the first data set only, to stay under 20 minutes)")
@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cross-mbit", type=float, default=None, help="fixed cross-node Mbit/s (overrides calibration)")
     p.add_argument("--no-emulate", action="store_true",
                    help="unshaped ray.cluster_utils cluster instead of namespaces (no root needed)")
+    p.add_argument("--max-load", type=float, default=3.0,
+                   help="start each run once the 1-minute load average is below this (shared machine)")
+    p.add_argument("--max-wait-s", type=float, default=20.0, help="longest wait for --max-load before a run")
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver inside node 0
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -113,43 +116,89 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
     }
 
 
+def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
+    """Wait (up to `max_wait_s`) until the 1-minute load average is under `max_load`; return it.
+
+    This machine is shared: a burst of someone else's work would land in one method's
+    steps only, so each run starts when the machine is quiet (or after the wait).
+    """
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | None) -> dict:
-    """One fine-tuning run; the summary plus wall time and the wire bytes each node sent meanwhile."""
+    """One fine-tuning run; the summary plus wall time, machine load and the wire bytes each node sent."""
     from actors.expert_parallel import run_expert_parallel
     from vela_ray.api import VelaJob
     from vela_ray.config import JobConfig
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"vela-vs-ep-{method}-"))
     config = JobConfig.from_dict(job_dict(args, dataset, method, steps, out_dir))
+    load_before = wait_for_quiet(args.max_load, args.max_wait_s)
     wire_before = wire_bytes(spec) if spec else None
     start = time.perf_counter()
-    if method == "ep":
-        summary = run_expert_parallel(config, mode="expert_parallel")
-    else:
-        summary = VelaJob(config).run()
+    try:
+        summary = run_expert_parallel(config, mode="expert_parallel") if method == "ep" else VelaJob(config).run()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     summary["wall_s"] = time.perf_counter() - start
+    summary["loadavg_1m"] = [load_before, os.getloadavg()[0]]
     if spec:
         summary["wire_bytes_by_node"] = [a - b for a, b in zip(wire_bytes(spec), wire_before)]
-    logger.info("%s / %s: median step %.3f s, loss %.4f, %.0f s wall", dataset, method,
-                summary["median_step_time_s"], summary["losses"][-1], summary["wall_s"])
+    logger.info("%s / %s: median step %.3f s, loss %.4f, %.0f s wall, load %.1f -> %.1f", dataset, method,
+                summary["median_step_time_s"], summary["losses"][-1], summary["wall_s"], *summary["loadavg_1m"])
     return summary
 
 
+def serial_compute(args, dataset: str) -> dict:
+    """Median step time of single-process vela-ray on one thread: the step's arithmetic with no transport."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vela_ray.config import JobConfig
+    from vela_ray.data import batch_at
+    from vela_ray.expert_parallel import sequential_table
+    from vela_ray.experts import LoraSpec
+    from vela_ray.training import build_local, train_step
+
+    config = JobConfig.from_dict(job_dict(args, dataset, "sequential", args.steps, Path(tempfile.gettempdir())))
+    train_set, _ = config.data.build(AutoTokenizer.from_pretrained(config.model.path)).split(0.05, 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(config.model.path)
+        table = sequential_table(4, 8, args.nodes * args.workers_per_node)
+        master, workers = build_local(model, table, LoraSpec(), config.training.optimizer)
+        times = []
+        for step in range(args.steps):
+            start = time.perf_counter()
+            train_step(master, workers, [batch_at(train_set, step, args.batch_size, 0)], args.lr, 1.0)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {"median_step_time_s": float(np.median(times[args.warmup_steps:] or times)), "step_times_s": times}
+
+
 def run_grid(args, spec: ClusterSpec | None, cross_mbit: float | None) -> dict:
-    """Every (data set, method): shaped runs, then (if asked) short unshaped runs for the comm time."""
+    """Every (data set, method) shaped; on the first data set, `--unshaped-methods` again right after
+    their shaped run with the cross-node rate lifted (back to back, so machine load drifts less between them)."""
     runs: dict[str, dict[str, dict]] = {}
-    for dataset in args.datasets:
-        runs[dataset] = {m: run_one(args, dataset, m, args.steps, spec) for m in args.methods}
     unshaped: dict[str, dict[str, dict]] = {}
-    if args.unshaped_steps and spec is not None:
-        set_cross_rate(spec, UNSHAPED_MBIT)
-        try:
-            dataset = args.datasets[0]
-            unshaped[dataset] = {m: run_one(args, dataset, m, args.unshaped_steps, spec)
-                                 for m in args.methods if m in args.unshaped_methods}
-        finally:
-            set_cross_rate(spec, cross_mbit)
-    return {"runs": runs, "unshaped": unshaped}
+    serial = {dataset: serial_compute(args, dataset) for dataset in args.datasets}
+    for index, dataset in enumerate(args.datasets):
+        runs[dataset] = {}
+        for method in args.methods:
+            runs[dataset][method] = run_one(args, dataset, method, args.steps, spec)
+            if index == 0 and spec is not None and args.unshaped_steps and method in args.unshaped_methods:
+                set_cross_rate(spec, None)
+                try:
+                    again = run_one(args, dataset, method, args.unshaped_steps, spec)
+                    unshaped.setdefault(dataset, {})[method] = again
+                finally:
+                    set_cross_rate(spec, cross_mbit)
+    return {"runs": runs, "unshaped": unshaped, "serial_compute": serial}
 
 
 def inner_main(args) -> None:

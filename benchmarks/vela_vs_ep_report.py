@@ -40,9 +40,14 @@ def cross_per_node_by_step(summary: dict) -> list[float]:
     return [(h["bytes_by_tier"]["cross_node"] + extra) / nodes for h in summary["history"]]
 
 
-def median_step(summary: dict, warmup: int) -> float:
+def steady_step_times(summary: dict, warmup: int) -> list[float]:
+    """Step times without the first `warmup` steps (all of them if that would leave none)."""
     times = [h["step_time_s"] for h in summary["history"]]
-    return float(np.median(times[warmup:] if len(times) > warmup else times))
+    return times[warmup:] or times
+
+
+def median_step(summary: dict, warmup: int) -> float:
+    return float(np.median(steady_step_times(summary, warmup)))
 
 
 def link_view(summary: dict) -> dict | None:
@@ -65,12 +70,14 @@ def method_row(summary: dict, unshaped: dict | None, warmup: int) -> dict:
         "cross_bytes_per_node_by_step": per_step,
         "step_times_s": [h["step_time_s"] for h in summary["history"]],
         "median_step_time_s": step,
+        "p25_step_time_s": float(np.percentile(steady_step_times(summary, warmup), 25)),
         "predicted_comm_s": summary["placement"].get("expected_step_time_s"),
         "final_loss": summary["losses"][-1],
         "eval_loss": summary.get("eval_loss"),
         "losses": summary["losses"],
         "placement_link_view": link_view(summary),
         "wall_s": summary.get("wall_s"),
+        "loadavg_1m": summary.get("loadavg_1m"),
         "wire_bytes_by_node": summary.get("wire_bytes_by_node"),
         "allreduce_cross_bytes_per_step": allreduce_cross_bytes(summary)
         if summary.get("mode") == "expert_parallel" else 0.0,
@@ -95,7 +102,7 @@ def build_results(args, grid: dict, links: dict) -> dict:
         datasets[name] = rows
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("inner", "spec")}
     return {"datasets": datasets, "links": links, "paper_scale": paper_scale.simulate(), "settings": settings,
-            "shaped": not args.no_emulate, "raw": grid}
+            "shaped": not args.no_emulate, "serial_compute": grid.get("serial_compute", {}), "raw": grid}
 
 
 def _fmt(value, spec: str, missing: str = "n/a") -> str:
@@ -117,9 +124,44 @@ def markdown(results: dict) -> str:
                 f"{_fmt(r.get('bytes_vs_ep'), '+.1%')} | {r['median_step_time_s']:.3f} | "
                 f"{_fmt(r.get('step_time_vs_ep'), '.2f')} | {_fmt(r['predicted_comm_s'], '.3f')} | "
                 f"{_fmt(r.get('measured_comm_s'), '.3f')} | {r['final_loss']:.4f} |")
+    lines += ["", _placement_view_line(results["datasets"]), "", *_breakdown_lines(results)]
     lines += ["", "Paper-scale simulation (cost model, Mixtral-8x7B on the paper's cluster, our profiles):", "",
               paper_scale.markdown(results["paper_scale"])]
     return "\n".join(lines)
+
+
+def _breakdown_lines(results: dict) -> list[str]:
+    """Where the step time goes: communication (shaped - unshaped) and the rest, against the arithmetic alone."""
+    lines = ["Step time breakdown (median s; comm = shaped - unshaped, rest = unshaped):", ""]
+    for name, rows in results["datasets"].items():
+        for method, r in rows.items():
+            if r.get("measured_comm_s") is not None:
+                lines.append(f"- {name} / {LABELS[method]}: step {r['median_step_time_s']:.3f} = comm "
+                             f"{r['measured_comm_s']:.3f} ({r['measured_comm_s'] / r['median_step_time_s']:.0%}) + "
+                             f"rest {r['unshaped_median_step_time_s']:.3f}")
+        serial = results["serial_compute"].get(name)
+        if serial:
+            lines.append(f"- {name}: the step's arithmetic alone (single process, one thread, no transport): "
+                         f"{serial['median_step_time_s']:.3f}")
+    loads = [load for rows in results["datasets"].values() for r in rows.values() for load in r.get("loadavg_1m") or []]
+    if loads:
+        lines += ["", f"Machine load (1-minute average) at run starts and ends: {min(loads):.1f} to {max(loads):.1f} "
+                      "(2 cores, shared with other work)."]
+    return lines
+
+
+def _placement_view_line(datasets: dict) -> str:
+    """What the PlacementService's probe (over Ray object refs) measured, per data set's vela-ray runs."""
+    parts = []
+    for name, rows in datasets.items():
+        views = [r["placement_link_view"] for r in rows.values() if r.get("placement_link_view")]
+        views = [v for v in views if "ratio" in v]
+        if views:
+            same = np.median([v["same_node"] for v in views]) / 1e6
+            cross = np.median([v["cross_node"] for v in views]) / 1e6
+            parts.append(f"{name}: same-node workers {same:.0f} MB/s, cross-node {cross:.1f} MB/s "
+                         f"(ratio {same / cross:.1f}, median over {len(views)} runs)")
+    return "Placement service probe (summary['links']): " + ("; ".join(parts) or "no vela-ray run")
 
 
 def _links_line(links: dict) -> str:

@@ -3,12 +3,14 @@
 Each emulated node is a Linux network namespace (`<prefix>-n<i>`) joined to a
 bridge (`<prefix>-br`) in the root namespace by a veth pair (`<prefix>-h<i>` in
 the root namespace, `<prefix>-c<i>` inside the node), with a private address
-`<subnet>.<i+1>/24` (default 10.200.0.0/24; the bridge holds `.254`). Every node
+`<subnet>.<i+1>/24` (default 10.200.0.0/24; the bridge has no address, so the
+root namespace gets no route into the subnet). Every node
 runs its own `ray start` bound to its address (`--node-ip-address`), the head in
 node 0. Traffic between two processes of one node stays on that namespace's
 loopback (unshaped); traffic between nodes crosses the node's veth, where a
-token-bucket filter (`tc ... tbf`) on both ends caps it at the cross-node rate
-(each node's veth acts like its NIC: egress and ingress each at that rate).
+token-bucket filter (`tc ... tbf`, with a peak rate so that bursts are paced too)
+on both ends caps it at the cross-node rate (each node's veth acts like its NIC:
+egress and ingress each at that rate).
 
 By default the cross-node rate is the paper's ratio applied to this machine:
 `measured loopback TCP throughput / 15.6` (18.3 GB/s intra vs 1.17 GB/s cross).
@@ -44,11 +46,12 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +59,7 @@ logger = logging.getLogger("emulated_cluster")
 
 PAPER_INTRA_GBPS, PAPER_CROSS_GBPS = 18.3, 1.17  # GB/s measured in the paper's cluster (Sec. V-A)
 PROBE_PORT = 45_600
+HOST_NETNS_ENV = "VELA_HOST_NETNS"  # the namespace holding the bridge, for drivers inside a node
 
 
 class ShapingUnavailable(RuntimeError):
@@ -74,7 +78,9 @@ class ClusterSpec(BaseModel):
     subnet: str = Field("10.200.0", pattern=r"^\d+\.\d+\.\d+$", description="private /24 inside our namespaces")
     cross_mbit: float | None = Field(None, gt=0, description="cross-node rate, Mbit/s; None: loopback / ratio")
     ratio: float = Field(PAPER_INTRA_GBPS / PAPER_CROSS_GBPS, gt=1, description="intra:cross bandwidth ratio")
-    burst_bytes: int = Field(512 << 10, ge=128 << 10, description="tbf bucket (>= a 64 KiB GSO packet)")
+    calibrate: Literal["loopback", "ray"] = Field(
+        "loopback", description="intra rate the ratio divides: raw TCP loopback, or what Ray moves inside a node")
+    burst_bytes: int = Field(128 << 10, ge=64 << 10, description="tbf bucket (>= a 64 KiB GSO packet)")
     ray_port: int = 6379
 
     def node_ip(self, node: int) -> str:
@@ -107,7 +113,7 @@ def check_can_shape(prefix: str = "velaemu") -> None:
     """Raise ShapingUnavailable unless we are root with `ip`, `tc`, network namespaces and tbf."""
     if os.geteuid() != 0:
         raise ShapingUnavailable("emulated links need root (network namespaces and tc); run as root")
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "nsenter") if shutil.which(tool) is None]
     if missing:
         raise ShapingUnavailable(f"{', '.join(missing)} not found: apt-get install -y iproute2")
     probe = f"{prefix}-probe"
@@ -116,8 +122,8 @@ def check_can_shape(prefix: str = "velaemu") -> None:
         raise ShapingUnavailable(f"cannot create a network namespace ({result.stderr.strip()}); this sandbox "
                                  "forbids netns, so cross-node links cannot be emulated here")
     try:
-        tbf = _sh("tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "256kb",
-                  "latency", "10ms", netns=probe, check=False)
+        tbf = _sh("tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "128kb",
+                  "latency", "10ms", "peakrate", "1100mbit", "mtu", "65536", netns=probe, check=False)
         if tbf.returncode:
             raise ShapingUnavailable(f"the kernel lacks the tbf qdisc ({tbf.stderr.strip()}); cannot shape links")
     finally:
@@ -218,9 +224,9 @@ def tcp_throughput(host: str, nbytes: int, server_ns: str | None = None, client_
         server.wait(timeout=30)
 
 
-def measure_loopback(nbytes: int = 2 << 30, repeats: int = 2) -> float:
-    """Best of `repeats` single-stream TCP throughputs over 127.0.0.1 (bytes/s)."""
-    return max(tcp_throughput("127.0.0.1", nbytes) for _ in range(repeats))
+def measure_loopback(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Median of `repeats` single-stream TCP throughputs over 127.0.0.1 (bytes/s)."""
+    return statistics.median(tcp_throughput("127.0.0.1", nbytes) for _ in range(repeats))
 
 
 # --- the cluster ------------------------------------------------------------------------------------
@@ -233,6 +239,7 @@ class EmulatedCluster:
         self.spec = spec or ClusterSpec()
         self.cross_bytes_per_s: float | None = None
         self.loopback_bytes_per_s: float | None = None
+        self.ray_links: dict | None = None
         self._up = False
 
     @property
@@ -246,8 +253,8 @@ class EmulatedCluster:
     def __exit__(self, *exc) -> None:
         self.down()
 
-    def up(self) -> None:
-        """Create the network, shape it, start Ray on every node; undo all of it if any part fails."""
+    def up(self, start_ray: bool = True) -> None:
+        """Create the network, shape it, start Ray on every node (unless not `start_ray`); undo all on failure."""
         spec = self.spec
         check_can_shape(spec.prefix)
         self._clear_leftovers()
@@ -260,7 +267,12 @@ class EmulatedCluster:
             self.cross_bytes_per_s = mbit * 1e6 / 8
             self._create_network()
             self._shape(mbit)
-            self._start_ray()
+            if start_ray:
+                self._start_ray()
+            if start_ray and spec.calibrate == "ray":
+                self.ray_links = self.probe_ray_links()
+                mbit = spec.cross_mbit or self.ray_links["same_node_bytes_per_s"] * 8 / 1e6 / spec.ratio
+                self.set_cross_rate(mbit)
         except BaseException:
             self.down()
             raise
@@ -283,8 +295,7 @@ class EmulatedCluster:
 
     def _create_network(self) -> None:
         spec = self.spec
-        _sh("ip", "link", "add", spec.bridge, "type", "bridge")
-        _sh("ip", "addr", "add", f"{spec.subnet}.254/24", "dev", spec.bridge)
+        _sh("ip", "link", "add", spec.bridge, "type", "bridge")  # layer 2 only: no address, no route here
         _sh("ip", "link", "set", spec.bridge, "up")
         for node in range(spec.num_nodes):
             ns, host, inner = spec.netns(node), f"{spec.prefix}-h{node}", f"{spec.prefix}-c{node}"
@@ -297,13 +308,33 @@ class EmulatedCluster:
             _sh("ip", "-n", ns, "link", "set", inner, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
 
-    def _shape(self, mbit: float) -> None:
-        """tbf at `mbit` on both ends of every node's veth: all and only cross-node traffic crosses them."""
+    def _shape(self, mbit: float | None) -> None:
+        """tbf at `mbit` on both ends of every node's veth (all and only cross-node traffic crosses them).
+
+        `peakrate` just above the rate, with a bucket of one 64 KiB GSO packet, makes a
+        burst leave at the link rate too: without it, a transfer smaller than the bucket
+        after an idle gap passes at memory speed, and MoE layers send exactly such
+        bursts. None removes the shaping (an unshaped reference run).
+        """
         spec = self.spec
-        tbf = ["root", "tbf", "rate", f"{int(mbit)}mbit", "burst", str(spec.burst_bytes), "latency", "50ms"]
+        host_netns = os.environ.get(HOST_NETNS_ENV, "/proc/self/ns/net")  # set for drivers inside a node
+        rate = max(1, int(mbit)) if mbit else 0
+        tbf = ["root", "tbf", "rate", f"{rate}mbit", "burst", str(spec.burst_bytes), "latency", "50ms",
+               "peakrate", f"{int(rate * 1.05) + 1}mbit", "mtu", "65536"]
         for node in range(spec.num_nodes):
-            _sh("tc", "qdisc", "add", "dev", f"{spec.prefix}-h{node}", *tbf)
-            _sh("tc", "qdisc", "add", "dev", f"{spec.prefix}-c{node}", *tbf, netns=spec.netns(node))
+            host = ["nsenter", f"--net={host_netns}", "tc", "qdisc"]
+            inner = ["ip", "netns", "exec", spec.netns(node), "tc", "qdisc"]
+            for prefix, dev in ((host, f"{spec.prefix}-h{node}"), (inner, f"{spec.prefix}-c{node}")):
+                if mbit:
+                    _sh(*prefix, "replace", "dev", dev, *tbf)
+                else:
+                    _sh(*prefix, "del", "dev", dev, "root", check=False)
+        self.cross_bytes_per_s = mbit * 1e6 / 8 if mbit else None
+
+    def set_cross_rate(self, mbit: float | None) -> None:
+        """Change the cross-node rate of the running cluster; None lifts the shaping."""
+        self._shape(mbit)
+        logger.info("cross-node rate now %s", f"{mbit:.0f} Mbit/s" if mbit else "unshaped")
 
     def _start_ray(self) -> None:
         spec = self.spec
@@ -323,23 +354,83 @@ class EmulatedCluster:
                     **kwargs) -> subprocess.CompletedProcess:
         """Run `argv` inside node `node`'s namespace (RAY_ADDRESS and the node address set)."""
         full_env = {**ray_env(), "RAY_ADDRESS": self.ray_address, "VELA_NODE_IP": self.spec.node_ip(node),
-                    **(env or {})}
+                    HOST_NETNS_ENV: f"/proc/{os.getpid()}/ns/net", **(env or {})}
         return subprocess.run(["ip", "netns", "exec", self.spec.netns(node), *argv], env=full_env, **kwargs)
 
-    def probe_links(self, nbytes: int = 512 << 20) -> dict:
-        """TCP throughput inside node 0 (intra) and from node 0 to node 1 (cross), bytes/s, and their ratio."""
+    def probe_links(self, seconds: float = 3.0) -> dict:
+        """TCP throughput inside node 0 (intra) and from node 0 to node 1 (cross), bytes/s, and their ratio.
+
+        Each stream carries about `seconds` worth of data at the configured rates.
+        """
         spec = self.spec
-        intra = max(tcp_throughput(spec.node_ip(0), 4 * nbytes, spec.netns(0), spec.netns(0)) for _ in range(2))
-        cross = tcp_throughput(spec.node_ip(1), nbytes, spec.netns(1), spec.netns(0))
+        intra_bytes = int(seconds * (self.loopback_bytes_per_s or 2e9))
+        cross_bytes = int(seconds * (self.cross_bytes_per_s or 1e8))
+        intra = statistics.median(tcp_throughput(spec.node_ip(0), intra_bytes, spec.netns(0), spec.netns(0))
+                                  for _ in range(3))
+        cross = tcp_throughput(spec.node_ip(1), cross_bytes, spec.netns(1), spec.netns(0))
         return {"intra_bytes_per_s": intra, "cross_bytes_per_s": cross, "ratio": intra / cross,
                 "configured_cross_bytes_per_s": self.cross_bytes_per_s,
                 "loopback_bytes_per_s": self.loopback_bytes_per_s}
 
+    def probe_ray_links(self) -> dict:
+        """Bandwidth Ray objects reach from a driver in node 0 to an actor in node 0 and in node 1.
+
+        The same echo probe the PlacementService runs (`actors.placement_service`), so
+        it is what vela-ray's placement sees.
+        """
+        me = [sys.executable, str(Path(__file__).resolve()), "_ray_probe"]
+        out = self.run_in_node(0, me, capture_output=True, text=True, timeout=300)
+        if out.returncode:
+            raise RuntimeError(f"Ray link probe failed: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     def wire_bytes(self) -> list[int]:
-        """Bytes each node sent across its veth so far (cross-node traffic as the wire sees it)."""
-        spec = self.spec
-        return [int(_sh("cat", f"/sys/class/net/{spec.prefix}-c{n}/statistics/tx_bytes", netns=spec.netns(n))
-                    .stdout) for n in range(spec.num_nodes)]
+        return wire_bytes(self.spec)
+
+
+def wire_bytes(spec: ClusterSpec) -> list[int]:
+    """Bytes each node has sent across its veth (cross-node traffic as the wire sees it, all protocols)."""
+    return [int(_sh("cat", f"/sys/class/net/{spec.prefix}-c{n}/statistics/tx_bytes", netns=spec.netns(n)).stdout)
+            for n in range(spec.num_nodes)]
+
+
+def set_cross_rate(spec: ClusterSpec, mbit: float | None) -> None:
+    """`EmulatedCluster.set_cross_rate` for a process that did not start the cluster (needs root)."""
+    cluster = EmulatedCluster(spec)
+    cluster.set_cross_rate(mbit)
+
+
+def _ray_probe() -> None:
+    """Subcommand `_ray_probe`, run as a driver inside node 0: echo bandwidth to node 0 and node 1 actors.
+
+    Median of three PlacementService probes (this machine is shared and noisy).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.placement_service import PlacementService
+
+    class Echo:
+        def echo(self, payload) -> int:
+            return payload.numel()
+
+    ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["VELA_NODE_IP"], log_to_driver=False)
+    by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    nodes = [by_ip[os.environ["VELA_NODE_IP"]], by_ip[_neighbour_ip(os.environ["VELA_NODE_IP"])]]
+    handles = [ray.remote(Echo).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+               .remote() for n in nodes]
+    probes = [PlacementService().probe(handles, repeats=3) for _ in range(3)]
+    same, cross = (statistics.median(p[i].bandwidth_bytes_per_s for p in probes) for i in (0, 1))
+    print(json.dumps({"same_node_bytes_per_s": same, "cross_node_bytes_per_s": cross, "ratio": same / cross,
+                      "same_node_latency_s": statistics.median(p[0].latency_s for p in probes),
+                      "cross_node_latency_s": statistics.median(p[1].latency_s for p in probes)}))
+    ray.shutdown()
+
+
+def _neighbour_ip(ip: str) -> str:
+    """Node 1's address from node 0's (`<subnet>.1` -> `<subnet>.2`)."""
+    head, last = ip.rsplit(".", 1)
+    return f"{head}.{int(last) + 1}"
 
 
 def ray_env() -> dict[str, str]:
@@ -369,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="cross-node Mbit/s (default: loopback throughput / 15.6, the paper's ratio)")
         if name == "run":
             cmd.add_argument("cmd", nargs=argparse.REMAINDER, help="command to run in node 0 (after --)")
+    sub.add_parser("_ray_probe")
     for name in ("_serve", "_send"):
         hidden = sub.add_parser(name)
         hidden.add_argument("host")
@@ -383,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "_send":
         print(_send(args.host, args.port, args.nbytes))
         return 0
+    if args.command == "_ray_probe":
+        _ray_probe()
+        return 0
     if args.command == "down":
         down(args.prefix)
         return 0
@@ -390,10 +485,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "probe":
         cluster._up = False  # probe a running cluster; never tear it down from here
         cluster.cross_bytes_per_s = cluster.loopback_bytes_per_s = None
-        print(json.dumps(cluster.probe_links(), indent=1))
+        print(json.dumps({"tcp": cluster.probe_links(), "ray": cluster.probe_ray_links()}, indent=1))
         return 0
     cluster.up()
-    print(json.dumps({"ray_address": cluster.ray_address, **cluster.probe_links()}, indent=1))
+    print(json.dumps({"ray_address": cluster.ray_address, "tcp": cluster.probe_links(),
+                      "ray": cluster.ray_links or cluster.probe_ray_links()}, indent=1))
     if args.command == "up":
         atexit.unregister(cluster.down)  # stays up until `down`
         return 0

@@ -19,6 +19,7 @@ import os
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.expert_parallel import run_expert_parallel
 from actors.master import MasterActor
 from vela_ray.config import JobConfig
 
@@ -33,6 +34,8 @@ class VelaJob:
     def run(self) -> dict:
         started_ray = self._connect()
         try:
+            if self.config.mode == "expert_parallel":
+                return run_expert_parallel(self.config)
             node_id = ray.get_runtime_context().get_node_id()
             master = ray.remote(MasterActor).options(
                 num_cpus=0, max_restarts=0,

@@ -110,6 +110,8 @@ class OutputSection(_Section):
 class JobConfig(_Section):
     """A whole fine-tuning job."""
 
+    mode: Literal["vela", "expert_parallel"] = Field(
+        "vela", description="vela: master + ExpertManagers; expert_parallel: the conventional EP baseline")
     model: ModelSection
     data: DataConfig
     lora: LoraSection = Field(default_factory=LoraSection)

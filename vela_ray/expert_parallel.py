@@ -1,0 +1,302 @@
+"""Conventional expert parallelism (the VELA paper's baseline, its Fig. 2) over torch.distributed.
+
+N ranks run in lockstep. Every rank holds a full backbone replica with its
+LoRA and the experts e mod N of every MoE block (with theirs); the global batch
+is sharded over the ranks. The model is the same stripped model with
+`ExpertBroker`s that vela-ray's master runs: only the transport differs.
+`AllToAllTransport` moves a layer's rows with `all_to_all_single` (gloo on
+CPU, NCCL on GPU) instead of master-to-worker calls, so there is one dispatch
+path and one autograd Function for both systems.
+
+Legend: N = ranks, E = experts per layer, D = hidden, R = rows this rank routes
+in one layer, Q = rows it receives for its own experts.
+
+Stages of one training step (`train_step_ep`), on every rank:
+  1. shard: rank r takes its contiguous slice of each micro-batch's rows
+     (`shard_rows`); its loss is the summed token loss divided by the
+     *micro-batch's* label count, so the ranks' losses add up to the loss of
+     the whole micro-batch (a router aux loss, a product of two means over the
+     tokens, does not split: each rank's is weighted by its share of the
+     unpadded tokens, exact without aux loss, an approximation with it);
+  2. forward/backward: at each MoE block the broker plans rows per owner rank;
+     the transport exchanges counts [N, E], then rows, runs the local experts
+     on what arrived and sends the outputs back; backward retraces the same
+     splits with the gradients. All ranks reach every block in the same order,
+     so the collectives pair up;
+  3. all-reduce (sum) the backbone LoRA gradients: every replica now holds the
+     gradient of the global-batch loss. Expert LoRA gradients stay local;
+  4. global grad-norm clipping: backbone norm (identical on every rank) plus
+     the all-reduced sum of the expert shards' squared norms;
+  5. AdamW on the backbone (identical on every rank) and on the local experts.
+
+Traffic: the broker's `TrafficCounter` counts what this rank sends to and
+gets back from every other rank, with each rank's link tier given by the node
+it runs on (`rank_link_tiers`); summed over ranks, every transfer is counted
+once. The backbone all-reduce is reported apart (`allreduce_bytes`).
+
+Usage (inside an initialised process group; `actors.expert_parallel` launches it on Ray):
+
+    rank = build_rank(model_dir, "float32", LoraSpec(8, 16), OptimizerConfig(), seed=0,
+                      rank_nodes=["a", "a", "b", "b"])
+    loss = train_step_ep(rank, micro_batches, lr, max_grad_norm=1.0)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vela_ray.experts import ExpertShard, LoraSpec
+from vela_ray.loading import load_backbone, read_experts
+from vela_ray.modeling import find_moe_blocks
+from vela_ray.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm
+from vela_ray.traffic import LinkTier
+from vela_ray.training import LocalWorkers, MasterModel, build_master, import_adapter
+from vela_ray.transport import ForwardRequest
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+IGNORE_INDEX = -100
+
+
+def sequential_table(num_layers: int, num_experts: int, num_ranks: int) -> np.ndarray:
+    """[L, E] owner rank of each expert: e mod N, the same in every block (the paper's EP)."""
+    return np.tile(np.arange(num_experts) % num_ranks, (num_layers, 1))
+
+
+def rank_link_tiers(rank: int, rank_nodes: Sequence[str]) -> list[LinkTier]:
+    """Link tier from `rank` to every rank: itself, a rank on its node, or one on another node."""
+    mine = rank_nodes[rank]
+    return ["same_process" if r == rank else "same_node" if node == mine else "cross_node"
+            for r, node in enumerate(rank_nodes)]
+
+
+@dataclass
+class _Splits:
+    """Rows this rank sent to / received from each rank in one forward, kept for its backward."""
+
+    send: list[int]
+    recv: list[int]
+
+
+class AllToAllTransport:
+    """`vela_ray.transport.Transport` over all-to-all collectives: rank r hosts the experts the table gives r.
+
+    Every call is collective: all ranks must call `forward` (and later
+    `backward`) for the same layer in the same order, each with its own requests.
+    """
+
+    def __init__(self, shard: ExpertShard, num_experts: int, hidden_size: int, worker_tiers: Sequence[LinkTier],
+                 group: dist.ProcessGroup | None = None):
+        self.shard = shard
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_workers = dist.get_world_size(group)
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        if len(worker_tiers) != self.num_workers:
+            raise ValueError(f"worker_tiers has {len(worker_tiers)} entries for {self.num_workers} ranks")
+        self.tiers = list(worker_tiers)
+        self.control_bytes = 0  # the [N, E] count exchanges, not counted by the broker
+        self._splits: dict[Hashable, _Splits] = {}
+
+    def worker_tiers(self) -> list[LinkTier]:
+        return self.tiers
+
+    def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
+        """Send each rank its rows, run the rows that arrived through the local experts, return the outputs."""
+        if not requests:
+            raise ValueError(f"rank {self.rank} routes no rows in this layer; expert parallelism needs every "
+                             "rank to take part in each all-to-all (give every rank at least one token)")
+        first = next(iter(requests.values()))
+        counts_NE = self._exchange_counts(requests)
+        send = [int(requests[w].rows.shape[0]) if w in requests else 0 for w in range(self.num_workers)]
+        recv = counts_NE.sum(dim=1).tolist()
+        rows_QD = self._exchange(_cat_by_rank(requests, self.num_workers, first.rows), recv, send)
+        expert_ids_Q = torch.repeat_interleave(
+            torch.arange(self.num_experts).repeat(self.num_workers), counts_NE.reshape(-1))
+        out_QD = self.shard.forward_rows(first.layer, expert_ids_Q, rows_QD, first.key)
+        if first.key is not None:
+            self._splits[first.key] = _Splits(send, recv)
+        out_RD = self._exchange(out_QD, send, recv)
+        return _split_by_rank(out_RD, send, requests)
+
+    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Send d(outputs) back along the forward's splits; return d(rows) from the owners."""
+        splits = self._splits.pop(key)
+        like = next(iter(grads.values()))
+        grad_out_QD = self._exchange(_cat_by_rank(grads, self.num_workers, like), splits.recv, splits.send)
+        if sum(splits.recv):
+            grad_rows_QD = self.shard.backward_rows(key, grad_out_QD)
+        else:  # nothing arrived in forward, so the shard kept no graph
+            grad_rows_QD = grad_out_QD
+        grad_RD = self._exchange(grad_rows_QD.contiguous(), splits.send, splits.recv)
+        return _split_by_rank(grad_RD, splits.send, grads)
+
+    def release(self) -> None:
+        """Forget splits kept for a backward that will not come (after an aborted step)."""
+        self._splits.clear()
+
+    def _exchange_counts(self, requests: dict[int, ForwardRequest]) -> torch.Tensor:
+        """[N, E] rows per (source rank, expert) that this rank receives; rows arrive grouped that way."""
+        device = next(iter(requests.values())).rows.device
+        send_NE = torch.zeros(self.num_workers, self.num_experts, dtype=torch.int64, device=device)
+        for worker, req in requests.items():
+            send_NE[worker] = torch.bincount(req.expert_ids.to(device), minlength=self.num_experts)
+        recv_NE = torch.empty_like(send_NE)
+        dist.all_to_all_single(recv_NE, send_NE, group=self.group)
+        self.control_bytes += 2 * send_NE.numel() * send_NE.element_size()
+        return recv_NE.cpu()
+
+    def _exchange(self, tensor_XD: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
+        out = tensor_XD.new_empty(sum(recv), self.hidden_size)
+        dist.all_to_all_single(out, tensor_XD.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                               group=self.group)
+        return out
+
+
+def _cat_by_rank(parts: dict[int, ForwardRequest | torch.Tensor], num_workers: int, like: torch.Tensor):
+    """Rows for rank 0, 1, ... concatenated (ranks without rows contribute nothing)."""
+    ordered = [parts[w] for w in range(num_workers) if w in parts]
+    tensors = [p.rows if isinstance(p, ForwardRequest) else p for p in ordered]
+    return torch.cat(tensors) if tensors else like.new_empty(0, like.shape[-1])
+
+
+def _split_by_rank(tensor: torch.Tensor, sizes: list[int], wanted: dict) -> dict[int, torch.Tensor]:
+    pieces = torch.split(tensor, sizes)
+    return {w: pieces[w] for w in sorted(wanted)}
+
+
+# --- one rank ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExpertParallelRank:
+    """One rank's replica: the backbone with brokers (peft-wrapped) and its local experts."""
+
+    rank: int
+    num_ranks: int
+    master: MasterModel
+    transport: AllToAllTransport
+    trainer: ShardTrainer | None  # None when the rank hosts no expert (more ranks than experts)
+    aux_loss_coef: float
+    allreduce_bytes: int = field(default=0)
+
+
+def build_rank(model_dir, dtype: str, lora: LoraSpec, optim: OptimizerConfig, seed: int, rank_nodes: Sequence[str],
+               device: str = "cpu", init_adapter=None, group: dist.ProcessGroup | None = None) -> ExpertParallelRank:
+    """This rank's replica: backbone from `model_dir`, experts e mod N read from the checkpoint.
+
+    Seeding and build order follow vela-ray's MasterActor (seed, load the backbone,
+    wrap with peft), and the expert LoRA init is seeded per (layer, expert), so EP
+    and vela-ray start from the same adapters; `init_adapter` (a peft adapter
+    directory of the original model) replaces them, as `lora.init_adapter` does.
+    """
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    if len(rank_nodes) != num_ranks:
+        raise ValueError(f"rank_nodes names {len(rank_nodes)} nodes for {num_ranks} ranks")
+    torch.manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+    model = load_backbone(model_dir, torch_dtype)
+    blocks = find_moe_blocks(model)
+    layout = blocks[0].layout
+    table = sequential_table(len(blocks), layout.num_experts, num_ranks)
+    keys = [tuple(k) for k in np.argwhere(table == rank).tolist()]
+    weights = read_experts(model_dir, keys, dtype=torch_dtype)
+    shard = ExpertShard.from_weights(weights, lora, layout.activation, seed=seed).to(device)
+    transport = AllToAllTransport(shard, layout.num_experts, layout.hidden_size,
+                                  rank_link_tiers(rank, rank_nodes), group)
+    master = build_master(model, table, transport, lora, optim)
+    master.peft_model.to(device)  # after the brokers replaced the (unallocated, meta) experts
+    trainer = ShardTrainer(shard, optim) if keys else None
+    if init_adapter is not None:
+        import_adapter(master, LocalWorkers([trainer] if trainer else []), init_adapter)
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    logger.info("EP rank %d/%d: %d experts, node %s", rank, num_ranks, len(keys), rank_nodes[rank])
+    return ExpertParallelRank(rank, num_ranks, master, transport, trainer, coef)
+
+
+def shard_rows(batch: Batch, rank: int, num_ranks: int) -> Batch:
+    """Rank `rank`'s contiguous slice of the batch rows (np.array_split sizes: they differ by at most one)."""
+    rows = next(iter(batch.values())).shape[0]
+    if rows < num_ranks:
+        raise ValueError(f"a micro-batch of {rows} rows cannot feed {num_ranks} expert-parallel ranks: every rank "
+                         "needs at least one row; raise training.micro_batch_size (or batch_size) or use fewer ranks")
+    bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(rows), num_ranks)])
+    return {k: v[bounds[rank]:bounds[rank + 1]] for k, v in batch.items()}
+
+
+def label_count(batch: Batch) -> int:
+    """Tokens that carry a loss in the whole micro-batch (labels shifted by one, as causal LMs do)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def rank_loss(rank: ExpertParallelRank, full: Batch, device: str = "cpu") -> torch.Tensor:
+    """This rank's share of the micro-batch loss: summed token loss / the micro-batch's label count."""
+    part = {k: v.to(device) for k, v in shard_rows(full, rank.rank, rank.num_ranks).items()}
+    out = rank.master.peft_model(**part, num_items_in_batch=max(1, label_count(full)))
+    loss = out.loss
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None and rank.aux_loss_coef:
+        mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))
+        share = float(shard_rows({"m": mask}, rank.rank, rank.num_ranks)["m"].sum() / mask.sum().clamp(min=1))
+        loss = loss - rank.aux_loss_coef * (1.0 - share) * aux  # the model added coef * aux in full
+    return loss
+
+
+def train_step_ep(rank: ExpertParallelRank, micro_batches: Sequence[Batch], lr: float,
+                  max_grad_norm: float | None, device: str = "cpu") -> float:
+    """One optimizer step of the whole EP group (call on every rank); returns the global-batch loss."""
+    model = rank.master.peft_model
+    model.train()
+    local = 0.0
+    for batch in micro_batches:
+        loss = rank_loss(rank, batch, device) / len(micro_batches)
+        loss.backward()
+        local += float(loss.detach())
+    params = rank.master.trainable_parameters()
+    _allreduce_grads(rank, params)
+    experts_sq = rank.trainer.grad_sq_norm() if rank.trainer else 0.0
+    total_sq = grad_sq_norm(params) + _allreduce_scalar(experts_sq, rank.transport.group)
+    clip_coef = clip_coefficient(total_sq, max_grad_norm)
+    apply_step(rank.master.optimizer, lr, clip_coef)
+    if rank.trainer:
+        rank.trainer.step(lr, clip_coef)
+    return _allreduce_scalar(local, rank.transport.group)
+
+
+@torch.no_grad()
+def eval_loss_ep(rank: ExpertParallelRank, batches: Sequence[Batch], device: str = "cpu") -> float:
+    """Mean over batches of the global-batch loss, as `vela_ray.training.eval_loss` computes it."""
+    model = rank.master.peft_model
+    model.eval()
+    local = sum(float(rank_loss(rank, b, device)) for b in batches)
+    if rank.trainer:
+        rank.trainer.shard.release()
+    return _allreduce_scalar(local, rank.transport.group) / max(1, len(batches))
+
+
+def _allreduce_grads(rank: ExpertParallelRank, params: list[torch.nn.Parameter]) -> None:
+    """Sum the backbone LoRA gradients over ranks in one flat buffer."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=rank.transport.group)
+    rank.allreduce_bytes += flat.numel() * flat.element_size()
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+        offset += g.numel()
+
+
+def _allreduce_scalar(value: float, group: dist.ProcessGroup | None) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, group=group)
+    return float(tensor.item())
