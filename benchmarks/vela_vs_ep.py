@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver inside node 0
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)  # where the inner driver writes
     return p.parse_args(argv)
 
 
@@ -212,7 +212,7 @@ def inner_main(args) -> None:
         grid = run_grid(args, spec, float(os.environ["VELA_CROSS_MBIT"]))
     finally:
         ray.shutdown()
-    (args.out / "raw_runs.json").write_text(json.dumps(grid))
+    args.raw.write_text(json.dumps(grid))
 
 
 def run_unshaped_cluster(args) -> dict:
@@ -243,12 +243,15 @@ def emulated(args) -> tuple[dict, dict]:
         links = {"tcp": cluster.probe_links(), "ray": cluster.probe_ray_links(),
                  "cross_mbit": cluster.cross_bytes_per_s * 8 / 1e6, "calibrate": args.calibrate}
         logger.info("links: %s", json.dumps(links))
+        raw = Path(tempfile.mkdtemp(prefix="vela-vs-ep-")) / "raw_runs.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "--inner", "--spec", spec.model_dump_json(),
-                *sys.argv[1:]]
+                "--raw", str(raw), *sys.argv[1:]]
         result = cluster.run_in_node(0, argv, env={"VELA_CROSS_MBIT": str(links["cross_mbit"])}, cwd=ROOT)
         if result.returncode:
             raise SystemExit(f"the benchmark driver in node 0 failed with exit code {result.returncode}")
-    return json.loads((args.out / "raw_runs.json").read_text()), links
+    grid = json.loads(raw.read_text())
+    shutil.rmtree(raw.parent, ignore_errors=True)
+    return grid, links
 
 
 def main(argv=None) -> None:

@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from actors.expert_parallel import run_expert_parallel
-from tests.fixtures import job_dict, make_checkpoint
+from tests.fixtures import job_dict
 from tests.ray.test_job_runtime import _init_adapter, _reference_losses
 from vela_ray.config import JobConfig
+from vela_ray.families import debug_model
+from vela_ray.paths import data_dir
+from vela_ray.tiny_model import train_tokenizer
 
 STEPS = 3
 
 
+def _checkpoint_for_instructions(out_dir: Path) -> Path:
+    """Like tests.fixtures.make_checkpoint, with a 1024-token vocabulary and 256 positions, so the
+    Alpaca prompt leaves room for the response in 128 tokens."""
+    text = (data_dir() / "tinyshakespeare" / "input.txt").read_text()[:200_000]
+    tokenizer = train_tokenizer(text, 1024)
+    model = debug_model("mixtral", seed=0, vocab_size=len(tokenizer), max_position_embeddings=256)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def test_expert_parallel_losses_match_single_process_training(ray_session, tmp_path):
-    model_dir = make_checkpoint(tmp_path / "model")
-    # 4 rows over 3 ranks (2, 1, 1): uneven shards must still add up to the global-batch loss
-    job = job_dict(model_dir, tmp_path / "out", steps=STEPS,
+    model_dir = _checkpoint_for_instructions(tmp_path / "model")
+    # 4 rows over 3 ranks (2, 1, 1) of padded instruction data with masked prompts: uneven shards with
+    # different label counts must still add up to the global-batch loss
+    instruct = {"kind": "instruct", "path": str(data_dir() / "instruct" / "alpaca_seed_tasks.jsonl"), "seq_len": 128,
+                "limit": 120}
+    job = job_dict(model_dir, tmp_path / "out", steps=STEPS, data=instruct,
                    lora={"r": 4, "alpha": 8, "init_adapter": str(_init_adapter(model_dir, tmp_path / "init"))},
                    training={"micro_batch_size": None, "optimizer": {"lr": 5e-3, "max_grad_norm": 0.5,
                                                                      "warmup_steps": 1}})
