@@ -50,6 +50,8 @@ class SpawnConfig(BaseModel):
     )
     master_node: str | None = Field(None, description="node id filled first with `workers_per_node`")
     ready_timeout_s: float = Field(300.0, gt=0, description="how long to wait for resources and actors")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="set in each worker process at start (e.g. actors.transports.data_plane_env)")
 
 
 @dataclass
@@ -91,7 +93,7 @@ def spawn_expert_managers(
     """
     config = config or SpawnConfig(**options)
     _check_specs(specs, config)
-    pg = _reserve(len(specs), config)
+    pg = reserve_bundles(len(specs), config)
     remote_cls = ray.remote(ExpertManager)
     handles = [
         remote_cls.options(
@@ -100,6 +102,7 @@ def spawn_expert_managers(
             max_restarts=0,
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
+            **({"runtime_env": {"env_vars": config.env_vars}} if config.env_vars else {}),
         ).remote(spec)
         for n, spec in enumerate(specs)
     ]
@@ -123,8 +126,8 @@ def _check_specs(specs: Sequence[ExpertManagerSpec], config: SpawnConfig) -> Non
         raise ValueError("specs ask for device 'cuda' but num_gpus_per_worker is 0: set it to 1")
 
 
-def _reserve(num_workers: int, config: SpawnConfig) -> PlacementGroup:
-    """A ready placement group with one bundle per worker."""
+def reserve_bundles(num_workers: int, config: SpawnConfig) -> PlacementGroup:
+    """A ready placement group with one bundle per worker (pinned to nodes with `workers_per_node`)."""
     bundle = {"CPU": config.num_cpus_per_worker}
     if config.num_gpus_per_worker:
         bundle["GPU"] = config.num_gpus_per_worker

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable, Literal
@@ -121,6 +122,7 @@ class ExpertManager:
         self.trainer = ShardTrainer(self.shard, spec.optim) if self.keys else None
         self.dtype = next(iter(weights.values()))[0].dtype if weights else torch.float32
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
+        self.compute_s = 0.0  # wall seconds spent in expert forward/backward (the data plane's arithmetic)
         logger.info("expert worker %d: hosting %d experts on %s", self.worker, len(self.keys), self.device)
 
     # -- data plane -------------------------------------------------------------------------
@@ -149,19 +151,25 @@ class ExpertManager:
 
     def _forward(self, request: ForwardRequest) -> torch.Tensor:
         self.received_bytes += request.rows.numel() * request.rows.element_size()
+        start = time.perf_counter()
         try:
             rows_RD = request.rows.to(self.device, self.dtype)
             return self.shard.forward_rows(request.layer, request.expert_ids, rows_RD, request.key)
         except Exception as exc:
             experts = sorted({(request.layer, int(e)) for e in request.expert_ids.tolist()})
             raise self._error(f"forward of experts {experts} (key {request.key!r})", exc) from exc
+        finally:
+            self.compute_s += time.perf_counter() - start
 
     def _backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         self.received_bytes += grad.numel() * grad.element_size()
+        start = time.perf_counter()
         try:
             return self.shard.backward_rows(key, grad.to(self.device))
         except Exception as exc:
             raise self._error(f"backward of key {key!r}", exc) from exc
+        finally:
+            self.compute_s += time.perf_counter() - start
 
     def _error(self, what: str, exc: Exception) -> ExpertWorkerError:
         hosted = self.keys if len(self.keys) <= 16 else f"{self.keys[:16]} ... ({len(self.keys)} in all)"
@@ -240,9 +248,35 @@ class ExpertManager:
         """Bytes of rows and gradients received so far (the broker's dispatch + grad_dispatch counts)."""
         return self.received_bytes
 
+    def compute_seconds(self) -> float:
+        """Wall seconds spent so far in expert forward/backward (CUDA work is timed as launched)."""
+        return self.compute_s
+
     def echo(self, payload: torch.Tensor) -> int:
         """Receive a probe payload (the PlacementService times these); returns its size in bytes."""
         return payload.numel() * payload.element_size()
+
+    def seconds_per_row(self, num_rows: int, repeats: int = 3) -> float | None:
+        """Wall seconds of one row's forward + backward through a hosted expert, best of `repeats`.
+
+        The placement cost model's compute term (`PlacementProblem.compute_seconds_per_row`).
+        Random rows; gradients are returned, not accumulated, so training state is untouched.
+        None when this worker hosts no expert.
+        """
+        if not self.keys:
+            return None
+        expert = self.shard.expert(*self.keys[0])
+        rows_RD = torch.randn(num_rows, expert.gate_up.shape[1], dtype=self.dtype, device=self.device)
+        rows_RD.requires_grad_(True)
+        timings = []
+        for _ in range(repeats + 1):  # the first call warms kernels and the allocator
+            start = time.perf_counter()
+            out_RD = expert(rows_RD)
+            torch.autograd.grad(out_RD, [rows_RD, *expert.parameters()], torch.ones_like(out_RD))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            timings.append(time.perf_counter() - start)
+        return min(timings[1:]) / num_rows
 
     def bytes_per_expert(self) -> int:
         """Mean bytes one hosted expert needs: frozen weights + LoRA with its gradient and AdamW moments."""

@@ -35,7 +35,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoTokenizer
 
-from actors.cluster import SpawnConfig, _reserve, classify_link_tiers
+from actors.cluster import SpawnConfig, reserve_bundles, classify_link_tiers
 from vela_ray.config import JobConfig
 from vela_ray.data import batch_at, sequential_batches
 from vela_ray.expert_parallel import ExpertParallelRank, build_rank, eval_loss_ep, sequential_table, train_step_ep
@@ -147,7 +147,7 @@ def _spawn_ranks(config: JobConfig, master_node: str) -> tuple[list[Any], Any]:
                         num_gpus_per_worker=cluster.num_gpus_per_worker,
                         workers_per_node=cluster.workers_per_node,
                         master_node=master_node if cluster.workers_per_node else None)
-    pg = _reserve(cluster.num_workers, spawn)
+    pg = reserve_bundles(cluster.num_workers, spawn)
     remote_cls = ray.remote(RankActor)
     handles = [
         remote_cls.options(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -31,9 +32,9 @@ from actors.cluster import ExpertCluster, SpawnConfig, spawn_expert_managers
 from actors.errors import WorkerLostError
 from actors.expert_manager import ExpertManagerSpec
 from actors.placement_service import PlacementRequest, spawn_placement_service
-from actors.transports import CompiledGraphTransport, RayObjectRefTransport
+from actors.transports import CompiledGraphTransport, RayObjectRefTransport, data_plane_env
 from actors.workers import RayWorkers
-from placement import Placement
+from placement import Placement, cost
 from vela_ray import checkpoint
 from vela_ray.config import JobConfig
 from vela_ray.data import batch_at, sequential_batches
@@ -56,6 +57,8 @@ class MasterActor:
     def __init__(self, config: JobConfig):
         self.config = config
         torch.manual_seed(config.training.seed)
+        # Ray gives a num_cpus=0 actor one thread; the backbone runs while the workers wait, so it may use the node.
+        torch.set_num_threads(config.cluster.master_threads or len(os.sched_getaffinity(0)))
         model_dir = config.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         dataset = config.data.build(self.tokenizer)
@@ -92,10 +95,11 @@ class MasterActor:
             self._publish_placement(plan)
             start_step = self._load_start_state(master, resume)
             workers = RayWorkers(self.cluster.handles)
-            received_before = ray.get([h.received.remote() for h in self.cluster.handles])
+            received_before, compute_before = self._worker_totals()
             history = self._train(master, workers, timings, start_step, plan)
-            received = [after - before for after, before in
-                        zip(ray.get([h.received.remote() for h in self.cluster.handles]), received_before)]
+            received_after, compute_after = self._worker_totals()
+            received = [after - before for after, before in zip(received_after, received_before)]
+            timings["worker_compute_s"] = [after - before for after, before in zip(compute_after, compute_before)]
             export(master, workers, self.out_dir / "adapter")
             summary = self._summarize(plan, self.cluster, history, timings, master.dispatcher.counter.snapshot(),
                                       received)
@@ -104,6 +108,13 @@ class MasterActor:
         finally:
             self.transport.close()
             self.cluster.shutdown()
+
+    def _worker_totals(self) -> tuple[list[int], list[float]]:
+        """Per worker: bytes received and seconds of expert compute so far."""
+        handles = self.cluster.handles
+        received = [h.received.remote() for h in handles]
+        compute = [h.compute_seconds.remote() for h in handles]
+        return ray.get(received), ray.get(compute)
 
     def _resume_point(self) -> dict | None:
         """The checkpoint to continue from: path, manifest, trainer state; refused if it does not match."""
@@ -138,8 +149,9 @@ class MasterActor:
         """Placement metrics, and the drift tracker against the profile it was solved for."""
         request = getattr(self, "request", None)  # None when a resumed run reuses its placement
         probs = np.asarray(request.probs) if request else None
+        comm = self._expected_comm_time(plan)
         self.metrics.set_placement(1, plan.expert_to_worker, probs_LE=probs,
-                                   expected_step_time_s=plan.expected_step_time)
+                                   expected_step_time_s=plan.expected_step_time if comm is None else comm)
         self.drift = DriftTracker(probs, top_k_of(self.model)) if probs is not None else None
 
     def _saved_placement(self, resume: dict | None) -> Placement | None:
@@ -201,14 +213,15 @@ class MasterActor:
         spawn = SpawnConfig(num_cpus_per_worker=cfg.cluster.num_cpus_per_worker,
                             num_gpus_per_worker=cfg.cluster.num_gpus_per_worker,
                             workers_per_node=cfg.cluster.workers_per_node,
-                            master_node=self.node_id if cfg.cluster.workers_per_node else None)
+                            master_node=self.node_id if cfg.cluster.workers_per_node else None,
+                            env_vars=data_plane_env(cfg.cluster.inline_bytes, cfg.cluster.zero_copy_tensors))
         return spawn_expert_managers(specs, spawn)
 
     def _transport(self, cluster: ExpertCluster):
         tiers = cluster.worker_tiers(self.node_id)
         if self.config.cluster.transport == "compiled_graph":
             return CompiledGraphTransport(cluster.handles, tiers)
-        return RayObjectRefTransport(cluster.handles, tiers)
+        return RayObjectRefTransport(cluster.handles, tiers, zero_copy=self.config.cluster.zero_copy_tensors)
 
     def _profile(self, master: MasterModel) -> np.ndarray | None:
         """P [L, E] to place by: measured through the brokers, read from a file, or None (uniform)."""
@@ -229,13 +242,19 @@ class MasterActor:
         top_k = top_k_of(self.model)
         if probs is None:
             probs = np.full((num_layers, num_experts), top_k / num_experts)
-        service = spawn_placement_service(self.node_id)
+        service = spawn_placement_service(self.node_id, data_plane_env(cfg.cluster.inline_bytes,
+                                                                       cfg.cluster.zero_copy_tensors))
+        tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
         try:
             links = ray.get(service.probe.remote(cluster.handles))
+            compute = None
+            if cfg.placement.cost_model == "communication+compute":  # rows a worker gets per layer, on average
+                rows = max(1, tokens_per_step * top_k // cfg.cluster.num_workers)
+                compute = ray.get(service.probe_compute.remote(cluster.handles, rows))
             capacities = self._capacities(cluster, num_layers * num_experts)
             request = PlacementRequest(
                 probs=probs.tolist(), top_k=top_k,
-                tokens_per_step=cfg.training.batch_size * cfg.data.seq_len,
+                tokens_per_step=tokens_per_step, compute_seconds_per_row=compute,
                 hidden_size=self.blocks[0].layout.hidden_size,
                 bits_per_element=torch.finfo(getattr(torch, cfg.model.dtype)).bits,
                 bandwidths=[link.bandwidth_bytes_per_s for link in links], capacities=capacities,
@@ -305,13 +324,15 @@ class MasterActor:
         batch = batch_at(self.train_set, step, cfg.batch_size, cfg.seed)
         micro = _split(batch, cfg.micro_batch_size or cfg.batch_size)
         before = counter.snapshot()
+        waited_before = sum(master.dispatcher.round_trip_s.values())
         start = time.perf_counter()
         loss = train_step(master, workers, micro, lr_at(cfg.optimizer, step, cfg.steps), cfg.optimizer.max_grad_norm)
         step_time = time.perf_counter() - start
+        round_trip = sum(master.dispatcher.round_trip_s.values()) - waited_before
         delta = counter.snapshot() - before
         counts_LE = self.routing.take_counts().numpy()
         self.tokens_routed = counts_LE + getattr(self, "tokens_routed", 0)  # training steps only, like metrics
-        record = {"step": step + 1, "loss": loss, "step_time_s": step_time,
+        record = {"step": step + 1, "loss": loss, "step_time_s": step_time, "expert_round_trip_s": round_trip,
                   "bytes_by_tier": delta.bytes_by_tier(), "bytes_by_worker": delta.bytes_by_worker()}
         self.metrics.record_step(step + 1, loss, step_time, tokens=sum(m["input_ids"].numel() for m in micro),
                                  traffic_delta=delta, expert_counts_LE=counts_LE,
@@ -339,14 +360,23 @@ class MasterActor:
         cfg = self.config.training
         return eval_loss(master, list(sequential_batches(self.eval_set, cfg.batch_size, cfg.eval_batches)))
 
+    def _expected_comm_time(self, plan: Placement) -> float | None:
+        """The cost model's communication seconds per step for `plan` (without any compute term)."""
+        request = getattr(self, "request", None)
+        if request is None:  # a resumed run reuses its placement without probing
+            return None
+        return cost.step_time(request.problem().communication_only(), plan.as_array())
+
     def _summarize(self, plan: Placement, cluster: ExpertCluster, history: list[dict], timings: dict,
                    traffic: TrafficSnapshot, received: list[int]) -> dict:
+        request = getattr(self, "request", None)
         step_times = [h["step_time_s"] for h in history]
         summary = {
             "losses": [h["loss"] for h in history],
             "eval_loss": history[-1]["eval_loss"],
             "steps": len(history),
             "median_step_time_s": float(np.median(step_times)),
+            "step_breakdown_s": _step_breakdown(history, timings.get("worker_compute_s")),
             "traffic_bytes_by_tier": traffic.bytes_by_tier(),  # training and eval passes
             "traffic_bytes_by_worker": traffic.bytes_by_worker(),
             "sent_bytes_by_worker": traffic.bytes_by_worker(("dispatch", "grad_dispatch")),
@@ -355,6 +385,9 @@ class MasterActor:
             "worker_tiers": traffic.worker_tiers,
             "history": history,
             "placement": {"solver": plan.solver, "expected_step_time_s": plan.expected_step_time,
+                          "expected_comm_time_s": self._expected_comm_time(plan),
+                          "cost_model": self.config.placement.cost_model,
+                          "compute_seconds_per_row": request.compute_seconds_per_row if request else None,
                           "lower_bound_s": plan.lower_bound, "expert_to_worker": plan.expert_to_worker},
             "links": [link.model_dump(exclude={"samples"}) for link in self.links],
             "worker_nodes": cluster.node_ids,
@@ -364,6 +397,23 @@ class MasterActor:
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def _step_breakdown(history: list[dict], worker_compute_s: list[float] | None) -> dict:
+    """Where a step's time goes (medians over steps; worker compute is a per-step mean).
+
+    expert_round_trip: the master waiting on the transport (rows there, expert compute,
+    results back, forward and backward); master: the rest (backbone, router, optimizer,
+    control calls). Worker compute shows how much of the round trips is arithmetic.
+    """
+    if not history:
+        return {}
+    step = float(np.median([h["step_time_s"] for h in history]))
+    round_trip = float(np.median([h["expert_round_trip_s"] for h in history]))
+    per_worker = [s / len(history) for s in (worker_compute_s or [])]
+    return {"step": step, "expert_round_trip": round_trip, "master": step - round_trip,
+            "worker_compute_per_worker": per_worker, "worker_compute_max": max(per_worker, default=0.0),
+            "worker_compute_sum": sum(per_worker)}
 
 
 def _sequential(num_layers: int, num_experts: int, num_workers: int) -> np.ndarray:

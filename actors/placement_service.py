@@ -7,6 +7,7 @@ what it measures (`placement.solve`); the master carries it out.
 
     service = spawn_placement_service(master_node_id)
     links = ray.get(service.probe.remote(handles))           # [WorkerLink]
+    compute = ray.get(service.probe_compute.remote(handles, num_rows=512))  # [seconds per row]
     plan = ray.get(service.solve.remote(request))            # placement.Placement
 """
 
@@ -54,9 +55,19 @@ class PlacementRequest(BaseModel):
     capacities: list[int]
     worker_nodes: list[str]
     master_node: str
+    compute_seconds_per_row: list[float] | None = None  # None: communication-only cost model (the paper's)
     solver: str
     seed: int = 0
     placement_file: str | None = None
+
+    def problem(self) -> PlacementProblem:
+        return PlacementProblem(
+            probs=np.asarray(self.probs), top_k=self.top_k, tokens_per_step=self.tokens_per_step,
+            hidden_size=self.hidden_size, bits_per_element=self.bits_per_element,
+            bandwidths=self.bandwidths, capacities=self.capacities,
+            worker_nodes=self.worker_nodes, master_node=self.master_node,
+            compute_seconds_per_row=self.compute_seconds_per_row,
+        )
 
 
 def fit_link(samples: Sequence[tuple[int, float]]) -> WorkerLink:
@@ -75,8 +86,13 @@ class PlacementService:
         self.version = 0
         self.published: Placement | None = None
 
-    def probe(self, handles: list[Any], sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3) -> list[WorkerLink]:
-        """Time `echo` calls carrying payloads of several sizes to each worker; fit each link."""
+    def probe(self, handles: list[Any], sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3,
+              enough_s: float = 0.1) -> list[WorkerLink]:
+        """Time `echo` calls carrying payloads of several sizes to each worker; fit each link.
+
+        Sizes grow until a message takes `enough_s` (after at least two sizes): a slow link
+        is measured well by then, and 8 MB over 100 Mbit/s would cost 2 s per sample.
+        """
         links = []
         for worker, handle in enumerate(handles):
             ray.get(handle.echo.remote(torch.zeros(1)))  # warm the path
@@ -85,10 +101,27 @@ class PlacementService:
                 payload = torch.zeros(size // 4, dtype=torch.float32)
                 best = min(self._time_echo(handle, payload) for _ in range(repeats))
                 samples.append((size, best))
+                if len(samples) >= 2 and best >= enough_s:
+                    break
             links.append(fit_link(samples))
             logger.info("link to worker %d: %.2f GB/s, %.0f us latency", worker,
                         links[-1].bandwidth_bytes_per_s / 1e9, links[-1].latency_s * 1e6)
         return links
+
+    def probe_compute(self, handles: list[Any], num_rows: int) -> list[float]:
+        """Seconds per routed row of expert forward+backward on each worker (the cost model's c_n).
+
+        All workers are timed at once, as they compute during a layer: workers that share a
+        node's cores see each other's load. A worker without experts gets the median of the rest.
+        """
+        measured = ray.get([h.seconds_per_row.remote(num_rows) for h in handles])
+        known = [m for m in measured if m is not None]
+        if not known:
+            raise ValueError("no worker hosts an expert, so compute per row cannot be measured")
+        fallback = float(np.median(known))
+        per_row = [fallback if m is None else m for m in measured]
+        logger.info("expert compute per row: %s us", ", ".join(f"{1e6 * s:.2f}" for s in per_row))
+        return per_row
 
     @staticmethod
     def _time_echo(handle: Any, payload: torch.Tensor) -> float:
@@ -98,12 +131,7 @@ class PlacementService:
 
     def solve(self, request: PlacementRequest) -> Placement:
         """Solve (or read) the placement for `request` and publish it with a new version."""
-        problem = PlacementProblem(
-            probs=np.asarray(request.probs), top_k=request.top_k, tokens_per_step=request.tokens_per_step,
-            hidden_size=request.hidden_size, bits_per_element=request.bits_per_element,
-            bandwidths=request.bandwidths, capacities=request.capacities,
-            worker_nodes=request.worker_nodes, master_node=request.master_node,
-        )
+        problem = request.problem()
         if request.solver == "file":
             plan = Placement.from_json(Path(request.placement_file))
             _check_matches(plan, problem, request.placement_file)
@@ -126,8 +154,13 @@ def _check_matches(plan: Placement, problem: PlacementProblem, source: str | Non
             f"but this job has {problem.num_layers}x{problem.num_experts} on {problem.num_workers}")
 
 
-def spawn_placement_service(node_id: str) -> Any:
-    """The PlacementService actor, pinned to `node_id` (the master's node)."""
+def spawn_placement_service(node_id: str, env_vars: dict[str, str] | None = None) -> Any:
+    """The PlacementService actor, pinned to `node_id` (the master's node).
+
+    `env_vars`: the master's data-plane settings (`actors.transports.data_plane_env`), so the probe
+    measures links the way the broker uses them.
+    """
     return ray.remote(PlacementService).options(
-        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"env_vars": env_vars or {}},
     ).remote()

@@ -71,7 +71,8 @@ def method_row(summary: dict, unshaped: dict | None, warmup: int) -> dict:
         "step_times_s": [h["step_time_s"] for h in summary["history"]],
         "median_step_time_s": step,
         "p25_step_time_s": float(np.percentile(steady_step_times(summary, warmup), 25)),
-        "predicted_comm_s": summary["placement"].get("expected_step_time_s"),
+        "predicted_comm_s": summary["placement"].get("expected_comm_time_s",
+                                                     summary["placement"].get("expected_step_time_s")),
         "final_loss": summary["losses"][-1],
         "eval_loss": summary.get("eval_loss"),
         "losses": summary["losses"],
@@ -79,6 +80,8 @@ def method_row(summary: dict, unshaped: dict | None, warmup: int) -> dict:
         "wall_s": summary.get("wall_s"),
         "loadavg_1m": summary.get("loadavg_1m"),
         "wire_bytes_by_node": summary.get("wire_bytes_by_node"),
+        "step_breakdown_s": summary.get("step_breakdown_s"),  # vela-ray only: master vs expert round trips
+        "cost_model": summary.get("placement", {}).get("cost_model"),
         "allreduce_cross_bytes_per_step": allreduce_cross_bytes(summary)
         if summary.get("mode") == "expert_parallel" else 0.0,
     }
@@ -132,7 +135,18 @@ def markdown(results: dict) -> str:
 
 def _breakdown_lines(results: dict) -> list[str]:
     """Where the step time goes: communication (shaped - unshaped) and the rest, against the arithmetic alone."""
-    lines = ["Step time breakdown (median s; comm = shaped - unshaped, rest = unshaped):", ""]
+    lines = ["Where a vela-ray step goes (median s over steps; the master waits on expert round trips, which "
+             "hold the workers' compute; worker compute is wall time per step, max and sum over workers):", "",
+             "| data set | method | step | master | expert round trips | worker compute max | sum |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, rows in results["datasets"].items():
+        for method, r in rows.items():
+            split = r.get("step_breakdown_s")
+            if split:
+                lines.append(f"| {name} | {LABELS[method]} | {split['step']:.3f} | {split['master']:.3f} | "
+                             f"{split['expert_round_trip']:.3f} | {split['worker_compute_max']:.3f} | "
+                             f"{split['worker_compute_sum']:.3f} |")
+    lines += ["", "Step time breakdown (median s; comm = shaped - unshaped, rest = unshaped):", ""]
     for name, rows in results["datasets"].items():
         for method, r in rows.items():
             if r.get("measured_comm_s") is not None:

@@ -1,10 +1,14 @@
-"""The cost model: expected communication time and bytes of any placement.
+"""The cost model: expected communication time (and, if given, expert compute) and bytes of any placement.
 
 A placement is `expert_to_worker: [num_layers, num_experts]` ints (worker of
 expert e of layer l). With X[n,l,e] = 1 where expert_to_worker[l,e] == n:
 
     E[T_{n,l}] = passes * b*H / (4 * B_n) * sum_e X[n,l,e] * P[l,e] * K     (paper eq. 6)
     step time  = sum_l max_n E[T_{n,l}]                                      (paper eq. 7)
+
+With `problem.compute_seconds_per_row` (c_n), E[T_{n,l}] also counts worker n's
+arithmetic, c_n * K * sum_e X[n,l,e] * P[l,e]: the paper's model lets a fast link
+attract more rows than the worker behind it can compute in that time.
 
 The forward pass sends each (token, expert) row to its worker and gathers the
 output back: b*H/8 bytes each way, b*H/4 per row, as in the paper. The
@@ -77,7 +81,7 @@ def layer_worker_times(problem: PlacementProblem, expert_to_worker: np.ndarray) 
 
 
 def step_time(problem: PlacementProblem, expert_to_worker: np.ndarray) -> float:
-    """Expected communication seconds per step: sum_l max_n E[T_{n,l}]."""
+    """Expected seconds per step: sum_l max_n E[T_{n,l}] (communication, plus compute if the problem has it)."""
     return float(layer_worker_times(problem, expert_to_worker).max(axis=0).sum())
 
 
@@ -114,7 +118,7 @@ class CostReport(BaseModel):
     model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     step_time: float
-    """Expected communication seconds: sum_l max_n E[T_{n,l}]."""
+    """Expected seconds: sum_l max_n E[T_{n,l}] (communication, plus compute if the problem has it)."""
     layer_times: list[float]
     """[num_layers] expected seconds of each layer (its slowest worker)."""
     worker_experts: list[int]

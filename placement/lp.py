@@ -8,7 +8,7 @@ and one lambda_l per layer,
          sum_{l,e} X[n,l,e] <= C_n                        capacity
          s_n * sum_e X[n,l,e] * P[l,e] <= lambda_l        s_n = seconds per unit prob
 
-Aggregated formulation (default): workers with the same bandwidth and capacity
+Aggregated formulation (default): workers with the same bandwidth, capacity and compute speed
 are interchangeable, so averaging any solution over the workers of a class
 keeps it feasible and, the max being convex, does not raise its cost. The LP
 therefore has an optimum that is symmetric within each class, and it suffices
@@ -45,14 +45,15 @@ TINY = 1e-9
 
 
 def worker_classes(problem: PlacementProblem, *, direct: bool = False) -> list[np.ndarray]:
-    """Workers grouped by (bandwidth, capacity), each group sorted, groups by first member.
+    """Workers grouped by (bandwidth, capacity, compute per row), each group sorted, groups by first member.
 
     With `direct`, every worker is its own class (the paper's formulation).
     """
     if direct:
         return [np.array([n]) for n in range(problem.num_workers)]
-    keys = list(zip(problem.bandwidths, problem.capacities))
-    classes: dict[tuple[float, int], list[int]] = {}
+    compute = problem.compute_seconds_per_row or [0.0] * problem.num_workers
+    keys = list(zip(problem.bandwidths, problem.capacities, compute))
+    classes: dict[tuple[float, int, float], list[int]] = {}
     for worker, key in enumerate(keys):
         classes.setdefault(key, []).append(worker)
     return [np.array(members) for members in classes.values()]

@@ -66,6 +66,9 @@ class PlacementProblem(BaseModel):
     """Node id of the master (it may be a node that hosts no worker)."""
     include_backward: bool = True
     """Count the backward pass too (output-grads out, input-grads back): doubles times and bytes."""
+    compute_seconds_per_row: list[float] | None = None
+    """c_n: seconds worker n spends on the arithmetic of one routed row per step (forward and backward),
+    added to its communication time; None: the paper's communication-only model."""
 
     # --- field checks ---------------------------------------------------------
 
@@ -110,6 +113,17 @@ class PlacementProblem(BaseModel):
                 )
         return value
 
+    @field_validator("compute_seconds_per_row")
+    @classmethod
+    def _non_negative_compute(cls, value: list[float] | None) -> list[float] | None:
+        for worker, seconds in enumerate(value or []):
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(
+                    f"compute_seconds_per_row[{worker}] = {seconds!r}: give a finite time >= 0 per row "
+                    "(time one expert's forward+backward on that worker), or leave the field out"
+                )
+        return value
+
     @field_validator("capacities")
     @classmethod
     def _non_negative_capacities(cls, value: list[int]) -> list[int]:
@@ -147,7 +161,7 @@ class PlacementProblem(BaseModel):
 
     def _check_worker_lists(self) -> None:
         num_workers = len(self.bandwidths)
-        for name in ("capacities", "worker_names", "worker_nodes"):
+        for name in ("capacities", "worker_names", "worker_nodes", "compute_seconds_per_row"):
             values = getattr(self, name)
             if values is not None and len(values) != num_workers:
                 raise ValueError(
@@ -198,9 +212,18 @@ class PlacementProblem(BaseModel):
     def seconds_per_prob(self) -> np.ndarray:
         """[num_workers] seconds one unit of routing probability costs on worker n per layer.
 
-        E[T_{n,l}] = seconds_per_prob[n] * sum_e X[n,l,e] * P[l,e], i.e. passes * b*H/(4*B_n) * K.
+        E[T_{n,l}] = seconds_per_prob[n] * sum_e X[n,l,e] * P[l,e], i.e. K * (passes * b*H/(4*B_n) + c_n):
+        the paper's communication time, plus the worker's compute when `compute_seconds_per_row` is set
+        (both grow with the rows a worker serves, so the LP stays linear).
         """
-        return self.bytes_per_row * self.tokens_per_step / np.asarray(self.bandwidths)
+        per_row = self.bytes_per_row / np.asarray(self.bandwidths)
+        if self.compute_seconds_per_row is not None:
+            per_row = per_row + np.asarray(self.compute_seconds_per_row)
+        return self.tokens_per_step * per_row
+
+    def communication_only(self) -> PlacementProblem:
+        """This problem under the paper's cost model (no compute term), e.g. to report communication time."""
+        return self.model_copy(update={"compute_seconds_per_row": None})
 
     # --- constructors ------------------------------------------------------------
 

@@ -57,7 +57,7 @@ class Placement(BaseModel):
     solver: str
     """Name of the solver in `SOLVERS` that produced it."""
     expected_step_time: float
-    """Expected communication seconds per step, sum_l max_n E[T_{n,l}]."""
+    """Expected seconds per step, sum_l max_n E[T_{n,l}] (communication, plus compute if the problem has it)."""
     lower_bound: float | None = None
     """LP bound on the optimum (seconds), for LP-based solvers."""
     solve_seconds: float = 0.0

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.expert_parallel import run_expert_parallel
 from actors.master import MasterActor
+from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,10 @@ class VelaJob:
             if self.config.mode == "expert_parallel":
                 return run_expert_parallel(self.config)
             node_id = ray.get_runtime_context().get_node_id()
+            cluster = self.config.cluster
             master = ray.remote(MasterActor).options(
                 num_cpus=0, max_restarts=0,
+                runtime_env={"env_vars": data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)},
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(self.config)
             summary = ray.get(master.run.remote())

@@ -57,6 +57,9 @@ class ExpertDispatcher:
         num_layers = table.shape[0]
         self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
         self.latency = None  # optional: anything with .observe(layer, seconds, phase), e.g. metrics.MetricsSink.latency
+        # Seconds the master spent waiting on the transport, per phase: communication plus the
+        # workers' expert compute, i.e. the part of a step that the placement can change.
+        self.round_trip_s = {"forward": 0.0, "backward": 0.0}
         self._keys = itertools.count()
 
     def rebind(self, expert_to_worker, transport: Transport) -> None:
@@ -88,8 +91,10 @@ class ExpertDispatcher:
         return (next(self._keys), layer)
 
     def _observe(self, layer: int, start: float, phase: str) -> None:
+        seconds = time.perf_counter() - start
+        self.round_trip_s[phase] += seconds
         if self.latency is not None:
-            self.latency.observe(layer, time.perf_counter() - start, phase)
+            self.latency.observe(layer, seconds, phase)
 
     def _count(self, layer: int, direction, parts: dict[int, torch.Tensor]) -> None:
         for worker, tensor in parts.items():

@@ -51,6 +51,16 @@ class ClusterSection(_Section):
     num_cpus_per_worker: float = Field(0.5, gt=0, description="CPU share per ExpertManager on CPU clusters")
     workers_per_node: int | None = Field(None, ge=1, description="workers per node, filled from the master's node")
     transport: TransportName = Field("object_ref", description="how rows travel: Ray object refs or compiled graphs")
+    inline_bytes: int = Field(
+        4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
+                                     "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
+                                     "default, 100 KiB). Saves the object store's round trips on small layers")
+    zero_copy_tensors: bool = Field(
+        True, description="Ray pickles tensors without copying them (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS in "
+                          "vela's actors); the data plane only reads the tensors it receives")
+    master_threads: int | None = Field(
+        None, ge=1, description="torch threads of the master's CPU work; None: every core of its node (the "
+                                "master and the workers take turns, so each phase may use the whole node)")
 
 
 class PlacementSection(_Section):
@@ -60,6 +70,9 @@ class PlacementSection(_Section):
         "measure", description="expert-access profile: measured on the training data, uniform, or a .json/.npy file")
     profile_batches: int = Field(4, ge=1, description="batches profiled when `profile: measure`")
     capacity: int | None = Field(None, ge=1, description="experts per worker; None: from free device memory")
+    cost_model: Literal["communication", "communication+compute"] = Field(
+        "communication+compute", description="what placement minimises: the paper's communication time, or "
+        "communication plus each worker's measured expert compute (keeps fast links from overloading their workers)")
     seed: int = 0
 
     @model_validator(mode="after")

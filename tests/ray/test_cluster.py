@@ -6,14 +6,14 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
-from actors.cluster import SpawnConfig, _reserve, spawn_expert_managers
+from actors.cluster import SpawnConfig, reserve_bundles, spawn_expert_managers
 from actors.errors import ClusterError
 from tests.ray.helpers import specs_for, split_weights, synthetic_placement, synthetic_weights
 
 
 def test_workers_per_node_pins_bundles_to_the_master_node(ray_session):
     node = ray.get_runtime_context().get_node_id()
-    pg = _reserve(2, SpawnConfig(num_cpus_per_worker=0.1, workers_per_node=2, master_node=node, ready_timeout_s=30))
+    pg = reserve_bundles(2, SpawnConfig(num_cpus_per_worker=0.1, workers_per_node=2, master_node=node, ready_timeout_s=30))
     try:
         assert set(placement_group_table(pg)["bundles_to_node_id"].values()) == {node}
     finally:
@@ -22,12 +22,12 @@ def test_workers_per_node_pins_bundles_to_the_master_node(ray_session):
 
 def test_more_workers_than_nodes_can_hold_is_refused(ray_session):
     with pytest.raises(ClusterError, match=r"3 workers at workers_per_node=2 need 2 nodes but the cluster has 1"):
-        _reserve(3, SpawnConfig(workers_per_node=2))
+        reserve_bundles(3, SpawnConfig(workers_per_node=2))
 
 
 def test_unknown_master_node_is_refused(ray_session):
     with pytest.raises(ClusterError, match="master_node 'nowhere' is not an alive node"):
-        _reserve(1, SpawnConfig(workers_per_node=1, master_node="nowhere"))
+        reserve_bundles(1, SpawnConfig(workers_per_node=1, master_node="nowhere"))
 
 
 def test_resources_that_never_appear_fail_fast_with_the_fix(ray_session):

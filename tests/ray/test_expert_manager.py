@@ -47,6 +47,24 @@ def test_bytes_per_expert_counts_weights_and_lora_with_adam_state():
         manager.capacity(0)
 
 
+def test_seconds_per_row_times_an_expert_without_touching_training_state():
+    manager = _manager([(0, 0), (1, 3)])
+    before = manager.lora_state()
+    manager.forward(ForwardRequest(0, torch.zeros(32, dtype=torch.long), torch.randn(32, HIDDEN), "k"))
+    manager.backward("k", torch.ones(32, HIDDEN))  # some real gradient to keep
+    grads = manager.lora_grads()
+    seconds = manager.seconds_per_row(256)
+    assert 0 < seconds < 1e-2
+    assert manager.compute_seconds() > 0  # the forward/backward above were timed
+    for key, params in manager.lora_grads().items():  # the probe accumulated no gradient ...
+        for name, grad in params.items():
+            torch.testing.assert_close(grad, grads[key][name], rtol=0, atol=0)
+    for key, params in manager.lora_state().items():  # ... and changed no weight
+        for name, value in params.items():
+            torch.testing.assert_close(value, before[key][name], rtol=0, atol=0)
+    assert _manager([], worker=4).seconds_per_row(8) is None
+
+
 def test_worker_without_experts_still_steps_and_reports_zero_norm():
     manager = _manager([], worker=5)
     assert manager.grad_sq_norm() == 0.0

@@ -84,3 +84,10 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     assert written["losses"] == summary["losses"]
     assert sum(written["traffic_bytes_by_tier"].values()) > 0
     assert (tmp_path / "out" / "placement.json").is_file() and (tmp_path / "out" / "profile.npy").is_file()
+    placed = written["placement"]  # the default cost model measured every worker's compute per row
+    assert placed["cost_model"] == "communication+compute"
+    assert len(placed["compute_seconds_per_row"]) == config.cluster.num_workers
+    assert all(0 < s < 0.01 for s in placed["compute_seconds_per_row"])
+    assert 0 < placed["expected_comm_time_s"] < placed["expected_step_time_s"]
+    split = written["step_breakdown_s"]
+    assert 0 < split["expert_round_trip"] < split["step"] and split["worker_compute_sum"] > 0

@@ -33,6 +33,10 @@ def test_cost_model_matches_the_paper_formula_worked_by_hand():
     np.testing.assert_allclose(layer_worker_times(problem, placement), [[4e-3], [2e-3]])
     assert step_time(problem, placement) == pytest.approx(4e-3)
     np.testing.assert_allclose(worker_bytes(problem, placement), [4e6, 4e6])
+    # + compute: 500 rows at 2 us (worker 0) and 10 us (worker 1) of expert arithmetic per row.
+    with_compute = two_worker_problem(compute_seconds_per_row=[2e-6, 10e-6])
+    np.testing.assert_allclose(layer_worker_times(with_compute, placement), [[5e-3], [7e-3]])
+    assert step_time(with_compute, placement) == pytest.approx(7e-3)
     forward_only = two_worker_problem(include_backward=False)
     assert step_time(forward_only, placement) == pytest.approx(2e-3)
     np.testing.assert_allclose(worker_bytes(forward_only, placement), [2e6, 2e6])
@@ -98,6 +102,8 @@ def test_cost_model_rejects_placements_that_do_not_fit():
         ({"bits_per_element": 0}, r"bits_per_element must be a positive integer"),
         ({"top_k": 0}, r"top_k must be a positive integer"),
         ({"bandwdiths": [1.0]}, r"bandwdiths\n.*Extra inputs are not permitted"),
+        ({"compute_seconds_per_row": [1e-6, -1e-6]}, r"compute_seconds_per_row\[1\] = -1e-06: give a finite time"),
+        ({"compute_seconds_per_row": [1e-6]}, r"compute_seconds_per_row has 1 entries but bandwidths has 2"),
     ],
 )
 def test_invalid_problems_name_the_field_and_the_fix(overrides, message):

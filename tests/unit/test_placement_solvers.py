@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from placement import SOLVERS, Placement, PlacementProblem, round_relaxed, solve, solve_lp, synthetic_probs
+from placement.cost import cost_report
 from placement.greedy import greedy_placement
 from placement.lp import disaggregate, solve_class_lp, worker_classes
 
@@ -15,8 +16,9 @@ FAST_BUDGET_S = 0.5
 
 
 def random_problem(rng: np.random.Generator, num_layers: int, num_experts: int, num_workers: int,
-                   *, slack: int = 0, num_classes: int | None = None) -> PlacementProblem:
-    """Random skew, top_k, bandwidth classes and capacities with `slack` spare slots in all."""
+                   *, slack: int = 0, num_classes: int | None = None, compute: bool = False) -> PlacementProblem:
+    """Random skew, top_k, bandwidth classes and capacities with `slack` spare slots in all;
+    with `compute`, per-worker compute times per row of the same order as the communication."""
     top_k = int(rng.integers(1, min(3, num_experts) + 1))
     probs = synthetic_probs(num_layers, num_experts, top_k, concentration=float(rng.choice([0.3, 1.0, 5.0])),
                             seed=int(rng.integers(1 << 30)))
@@ -24,12 +26,13 @@ def random_problem(rng: np.random.Generator, num_layers: int, num_experts: int, 
     bandwidths = [float(speeds[n % len(speeds)]) for n in range(num_workers)]
     slots = num_layers * num_experts + slack
     capacities = [slots // num_workers + (n < slots % num_workers) for n in range(num_workers)]
+    compute_per_row = [float(rng.choice([0.0, 2e-7, 2e-6])) for _ in range(num_workers)] if compute else None
     return PlacementProblem(probs=probs, top_k=top_k, tokens_per_step=1024, hidden_size=512,
-                            bandwidths=bandwidths, capacities=capacities)
+                            bandwidths=bandwidths, capacities=capacities, compute_seconds_per_row=compute_per_row)
 
 
 def recount_step_time(problem: PlacementProblem, expert_to_worker) -> float:
-    """sum_l max_n passes * b*H/(4*B_n) * sum_e X[n,l,e] * P[l,e] * K, with plain loops."""
+    """sum_l max_n (passes * b*H/(4*B_n) + c_n) * sum_e X[n,l,e] * P[l,e] * K, with plain loops."""
     total = 0.0
     for layer in range(problem.num_layers):
         slowest = 0.0
@@ -38,6 +41,7 @@ def recount_step_time(problem: PlacementProblem, expert_to_worker) -> float:
                        for e in range(problem.num_experts) if expert_to_worker[layer][e] == worker)
             seconds = (2 if problem.include_backward else 1) * problem.bits_per_element * problem.hidden_size \
                 / (4 * problem.bandwidths[worker]) * rows
+            seconds += (problem.compute_seconds_per_row or [0.0] * problem.num_workers)[worker] * rows
             slowest = max(slowest, seconds)
         total += slowest
     return total
@@ -69,7 +73,7 @@ def test_lp_bound_below_brute_force_optimum_below_every_solver_and_improved_usua
     rng = np.random.default_rng(0)
     optimal_hits, trials = 0, 20
     for trial in range(trials):
-        problem = random_problem(rng, 2, 3, 2 + trial % 2, slack=trial % 3)
+        problem = random_problem(rng, 2, 3, 2 + trial % 2, slack=trial % 3, compute=trial % 2 == 1)
         optimum = brute_force_optimum(problem)
         placements = {name: solve(problem, name, seed=trial, time_budget_s=FAST_BUDGET_S) for name in SOLVERS}
         assert placements["vela"].lower_bound <= optimum * (1 + 1e-6)
@@ -86,7 +90,7 @@ def test_lp_bound_below_brute_force_optimum_below_every_solver_and_improved_usua
 def test_every_solver_places_each_expert_once_within_capacity_and_costs_what_it_claims(seed):
     rng = np.random.default_rng(100 + seed)
     problem = random_problem(rng, int(rng.integers(1, 6)), int(rng.integers(1, 9)), int(rng.integers(1, 7)),
-                             slack=int(rng.integers(0, 5)), num_classes=int(rng.integers(1, 4)))
+                             slack=int(rng.integers(0, 5)), num_classes=int(rng.integers(1, 4)), compute=seed % 2 == 1)
     placements = {name: solve(problem, name, seed=seed, time_budget_s=FAST_BUDGET_S) for name in SOLVERS}
     for placement in placements.values():
         check_feasible(problem, placement)
@@ -105,6 +109,36 @@ def test_improved_is_clearly_better_than_vela_on_a_tight_mixtral_like_cluster():
     improved = solve(problem, "improved", time_budget_s=1.0)
     assert improved.expected_step_time <= 0.92 * vela.expected_step_time
     assert improved.lower_bound <= improved.expected_step_time
+
+
+def test_compute_aware_placement_stops_the_fast_link_from_taking_more_rows_than_its_worker_computes():
+    # Paper cluster at Mixtral scale: a row's forward+backward through one expert is ~1 GFLOP, ~15 us on
+    # a V100, 8x its intra-node transfer (1.8 us) and half its cross-node one (28 us), so the paper's
+    # communication-only model overloads w0 and w1.
+    fields = dict(probs=synthetic_probs(32, 8, 2, concentration=2.0, seed=0), top_k=2, tokens_per_step=4096,
+                  hidden_size=4096, bandwidths=[18.3e9] * 2 + [1.17e9] * 4, capacities=[64] * 6)
+    with_compute = PlacementProblem(**fields, compute_seconds_per_row=[15e-6] * 6)
+    comm_only = PlacementProblem(**fields)
+    np.testing.assert_array_equal(with_compute.communication_only().seconds_per_prob, comm_only.seconds_per_prob)
+    aware = solve(with_compute, "improved", time_budget_s=1.0)
+    paper = solve(comm_only, "improved", time_budget_s=1.0)
+    true_time = lambda placement: recount_step_time(with_compute, placement.expert_to_worker)  # noqa: E731
+    assert aware.expected_step_time == pytest.approx(true_time(aware))
+    assert true_time(aware) <= 0.93 * true_time(paper)  # observed 0.89
+    fast_bytes = lambda placement: sum(cost_report(with_compute, placement.as_array()).worker_bytes[:2])  # noqa: E731
+    assert fast_bytes(aware) < 0.9 * fast_bytes(paper)  # observed 0.86
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_aggregated_lp_with_compute_times_splits_classes_by_speed_and_keeps_the_bound(seed):
+    rng = np.random.default_rng(300 + seed)
+    problem = random_problem(rng, 4, 6, 6, slack=3, num_classes=1)  # one bandwidth and capacity ...
+    problem = problem.model_copy(update={"compute_seconds_per_row": [1e-7, 1e-7, 1e-7, 3e-6, 3e-6, 3e-6]})
+    assert len(worker_classes(problem)) == 2  # ... but two compute speeds
+    aggregated, _ = solve_lp(problem)
+    direct, _ = solve_lp(problem, direct=True)
+    assert aggregated == pytest.approx(direct, rel=1e-6)
+    assert solve(problem, "vela").expected_step_time >= aggregated * (1 - 1e-9)
 
 
 def test_improved_respects_its_time_budget_roughly():
