@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -57,8 +56,8 @@ class MasterActor:
     def __init__(self, config: JobConfig):
         self.config = config
         torch.manual_seed(config.training.seed)
-        # Ray gives a num_cpus=0 actor one thread; the backbone runs while the workers wait, so it may use the node.
-        torch.set_num_threads(config.cluster.master_threads or len(os.sched_getaffinity(0)))
+        if config.cluster.master_threads:  # Ray gives the master (num_cpus=0) one thread
+            torch.set_num_threads(config.cluster.master_threads)
         model_dir = config.model.path
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         dataset = config.data.build(self.tokenizer)

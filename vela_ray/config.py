@@ -59,8 +59,8 @@ class ClusterSection(_Section):
         True, description="Ray pickles tensors without copying them (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS in "
                           "vela's actors); the data plane only reads the tensors it receives")
     master_threads: int | None = Field(
-        None, ge=1, description="torch threads of the master's CPU work; None: every core of its node (the "
-                                "master and the workers take turns, so each phase may use the whole node)")
+        None, ge=1, description="torch threads of the master's CPU work; None: Ray's default (1). More threads "
+                                "speed up the backbone but their idle spinning slows workers that share the cores")
 
 
 class PlacementSection(_Section):
