@@ -11,7 +11,9 @@ import torch
 
 from actors.cluster import ExpertCluster, spawn_expert_managers
 from actors.expert_manager import ExpertManagerSpec
+from actors.transports import data_plane_env
 from tests.equivalence import LORA, OPTIM, scattered_placement
+from vela_ray.config import ClusterSection
 from vela_ray.experts import ExpertKey, ExpertShard, LoraSpec
 
 RAY_CPUS = 4
@@ -21,6 +23,7 @@ TIMEOUT_S = 60.0  # every remote wait in these tests; a hang fails instead of bl
 # The synthetic model: 2 MoE layers of 6 experts, hidden 16, intermediate 24, 3 workers.
 NUM_LAYERS, NUM_EXPERTS, HIDDEN, INTER, NUM_WORKERS = 2, 6, 16, 24, 3
 ACTIVATION = "silu"
+DATA_PLANE_ENV = data_plane_env(ClusterSection().inline_bytes, ClusterSection().zero_copy_tensors)
 
 
 def synthetic_weights(seed: int = 0) -> dict[ExpertKey, tuple[torch.Tensor, torch.Tensor]]:
@@ -61,4 +64,6 @@ def specs_from_shards(shards: list[ExpertShard], activation: str) -> list[Expert
 
 
 def spawn(specs: list[ExpertManagerSpec]) -> ExpertCluster:
-    return spawn_expert_managers(specs, num_cpus_per_worker=CPUS_PER_WORKER, ready_timeout_s=120)
+    """ExpertManagers as jobs start them, with the default data-plane settings (`data_plane_env`)."""
+    return spawn_expert_managers(specs, num_cpus_per_worker=CPUS_PER_WORKER, ready_timeout_s=120,
+                                 env_vars=DATA_PLANE_ENV)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from actors.cluster import SpawnConfig, reserve_bundles, spawn_expert_managers
 from actors.errors import ClusterError
-from tests.ray.helpers import specs_for, split_weights, synthetic_placement, synthetic_weights
+from tests.ray.helpers import DATA_PLANE_ENV, specs_for, split_weights, synthetic_placement, synthetic_weights
+
+
+def test_spawned_workers_start_with_the_data_plane_environment(synthetic_cluster):
+    assert DATA_PLANE_ENV == {"RAY_max_direct_call_object_size": str(4 << 20), "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+    for pid in ray.get([h.pid.remote() for h in synthetic_cluster.handles]):
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        assert {k: environ.get(k) for k in DATA_PLANE_ENV} == DATA_PLANE_ENV
 
 
 def test_workers_per_node_pins_bundles_to_the_master_node(ray_session):
