@@ -39,7 +39,7 @@ def data_plane_env(inline_bytes: int, zero_copy_tensors: bool) -> dict[str, str]
     `inline_bytes` > 0 lets results and arguments up to that size ride inside the task RPC
     (no object store create/seal/fetch); zero-copy tensors skip torch's pickling copy.
     On 2 cores, a fan-out of 6 calls with 180-360 KB each drops from ~30 ms to ~11 ms
-    (benchmarks/transport_overhead.py).
+    (`python benchmarks/data_plane.py`).
     """
     env = {}
     if inline_bytes:
