@@ -175,8 +175,7 @@ def _placement_view_line(datasets: dict) -> str:
             cross = np.median([v["cross_node"] for v in views]) / 1e6
             parts.append(f"{name}: same-node workers {same:.0f} MB/s, cross-node {cross:.1f} MB/s "
                          f"(ratio {same / cross:.1f}, median over {len(views)} runs)")
-    return ("Placement service probe (summary['links'], fan-outs to all workers at once, as the broker sends): "
-            + ("; ".join(parts) or "no vela-ray run"))
+    return "Placement service probe (summary['links'], each worker alone): " + ("; ".join(parts) or "no vela-ray run")
 
 
 def _links_line(links: dict) -> str:
