@@ -71,8 +71,8 @@ class PlacementSection(_Section):
     profile_batches: int = Field(4, ge=1, description="batches profiled when `profile: measure`")
     capacity: int | None = Field(None, ge=1, description="experts per worker; None: from free device memory")
     cost_model: Literal["communication", "communication+compute"] = Field(
-        "communication+compute", description="what placement minimises: the paper's communication time, or "
-        "communication plus each worker's measured expert compute (keeps fast links from overloading their workers)")
+        "communication", description="what placement minimises: the paper's communication time, or communication "
+        "plus each worker's measured expert compute per row (keeps a fast link from overloading its worker)")
     seed: int = 0
 
     @model_validator(mode="after")

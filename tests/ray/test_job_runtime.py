@@ -68,7 +68,7 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     model_dir = make_checkpoint(tmp_path / "model", family)
     job = job_dict(model_dir, tmp_path / "out", steps=STEPS,
                    lora={"r": 4, "alpha": 8, "init_adapter": str(_init_adapter(model_dir, tmp_path / "init"))},
-                   cluster={"transport": transport},
+                   cluster={"transport": transport}, placement={"cost_model": "communication+compute"},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)
     summary = VelaJob(config).run()
@@ -84,7 +84,7 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     assert written["losses"] == summary["losses"]
     assert sum(written["traffic_bytes_by_tier"].values()) > 0
     assert (tmp_path / "out" / "placement.json").is_file() and (tmp_path / "out" / "profile.npy").is_file()
-    placed = written["placement"]  # the default cost model measured every worker's compute per row
+    placed = written["placement"]  # the compute-aware cost model measured every worker's compute per row
     assert placed["cost_model"] == "communication+compute"
     assert len(placed["compute_seconds_per_row"]) == config.cluster.num_workers
     assert all(0 < s < 0.01 for s in placed["compute_seconds_per_row"])
