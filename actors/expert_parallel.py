@@ -29,7 +29,6 @@ from typing import Any, Literal
 import numpy as np
 import psutil
 import ray
-import torch
 import torch.distributed as dist
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -37,7 +36,7 @@ from transformers import AutoTokenizer
 
 from actors.cluster import SpawnConfig, reserve_bundles, classify_link_tiers
 from vela_ray.config import JobConfig
-from vela_ray.data import batch_at, sequential_batches
+from vela_ray.data import batch_at, micro_batches, sequential_batches
 from vela_ray.expert_parallel import ExpertParallelRank, build_rank, eval_loss_ep, sequential_table, train_step_ep
 from vela_ray.experts import LoraSpec
 from vela_ray.loading import moe_layout
@@ -96,7 +95,7 @@ class RankActor:
         history = []
         for step in range(cfg.steps):
             batch = batch_at(self.train_set, step, cfg.batch_size, cfg.seed)
-            micro = _split(batch, cfg.micro_batch_size or cfg.batch_size)
+            micro = micro_batches(batch, cfg.micro_batch_size or cfg.batch_size)
             before, allreduce_before = counter.snapshot(), self.replica.allreduce_bytes
             dist.barrier()
             start = time.perf_counter()
@@ -192,8 +191,3 @@ def _summarize(results: list[dict], rank_nodes: list[str], master_node: str, con
 def _table(config: JobConfig, num_ranks: int) -> list[list[int]]:
     num_layers, num_experts, _ = moe_layout(config.model.path)
     return sequential_table(num_layers, num_experts, num_ranks).tolist()
-
-
-def _split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
-    rows = next(iter(batch.values())).shape[0]
-    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]

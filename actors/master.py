@@ -36,7 +36,8 @@ from actors.workers import RayWorkers
 from placement import Placement, cost
 from vela_ray import checkpoint
 from vela_ray.config import JobConfig
-from vela_ray.data import batch_at, sequential_batches
+from vela_ray.data import batch_at, micro_batches, sequential_batches
+from vela_ray.expert_parallel import sequential_table
 from vela_ray.experts import LoraSpec
 from vela_ray.loading import load_backbone
 from vela_ray.locality import DriftTracker, RoutingRecorder, load_probs, profile_model
@@ -69,6 +70,7 @@ class MasterActor:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(config.model_dump_json(indent=1))
         self.metrics = MetricsSink.for_ray()
+        self.data_plane_env = data_plane_env(config.cluster.inline_bytes, config.cluster.zero_copy_tensors)
         self.drift: DriftTracker | None = None
 
     # --- stages ------------------------------------------------------------------------
@@ -79,7 +81,7 @@ class MasterActor:
         resume = self._resume_point()  # verified before any actor starts
         num_layers, num_experts = len(self.blocks), self.blocks[0].layout.num_experts
         saved = self._saved_placement(resume)
-        table = np.asarray(saved.expert_to_worker) if saved else _sequential(num_layers, num_experts,
+        table = np.asarray(saved.expert_to_worker) if saved else sequential_table(num_layers, num_experts,
                                                                               cfg.cluster.num_workers)
         self.cluster = self._spawn(table)
         self.transport = self._transport(self.cluster)
@@ -213,7 +215,7 @@ class MasterActor:
                             num_gpus_per_worker=cfg.cluster.num_gpus_per_worker,
                             workers_per_node=cfg.cluster.workers_per_node,
                             master_node=self.node_id if cfg.cluster.workers_per_node else None,
-                            env_vars=data_plane_env(cfg.cluster.inline_bytes, cfg.cluster.zero_copy_tensors))
+                            env_vars=self.data_plane_env)
         return spawn_expert_managers(specs, spawn)
 
     def _transport(self, cluster: ExpertCluster):
@@ -241,8 +243,7 @@ class MasterActor:
         top_k = top_k_of(self.model)
         if probs is None:
             probs = np.full((num_layers, num_experts), top_k / num_experts)
-        service = spawn_placement_service(self.node_id, data_plane_env(cfg.cluster.inline_bytes,
-                                                                       cfg.cluster.zero_copy_tensors))
+        service = spawn_placement_service(self.node_id, self.data_plane_env)
         tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
         try:
             links = ray.get(service.probe.remote(cluster.handles))
@@ -321,7 +322,7 @@ class MasterActor:
         cfg = self.config.training
         counter = master.dispatcher.counter
         batch = batch_at(self.train_set, step, cfg.batch_size, cfg.seed)
-        micro = _split(batch, cfg.micro_batch_size or cfg.batch_size)
+        micro = micro_batches(batch, cfg.micro_batch_size or cfg.batch_size)
         before = counter.snapshot()
         waited_before = sum(master.dispatcher.round_trip_s.values())
         start = time.perf_counter()
@@ -413,14 +414,3 @@ def _step_breakdown(history: list[dict], worker_compute_s: list[float] | None) -
     return {"step": step, "expert_round_trip": round_trip, "master": step - round_trip,
             "worker_compute_per_worker": per_worker, "worker_compute_max": max(per_worker, default=0.0),
             "worker_compute_sum": sum(per_worker)}
-
-
-def _sequential(num_layers: int, num_experts: int, num_workers: int) -> np.ndarray:
-    return np.tile(np.arange(num_experts) % num_workers, (num_layers, 1))
-
-
-def _split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
-    rows = next(iter(batch.values())).shape[0]
-    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
-
-

@@ -163,6 +163,12 @@ def sequential_batches(dataset: TokenizedDataset, batch_size: int,
         yield dataset.rows(list(range(start, min(start + batch_size, len(dataset)))))
 
 
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """`batch` cut into consecutive micro-batches of `size` rows (the last may be smaller)."""
+    rows = next(iter(batch.values())).shape[0]
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
 # --- plain text ------------------------------------------------------------------
 
 

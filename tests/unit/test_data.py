@@ -13,6 +13,7 @@ from vela_ray.data import (
     DataConfig,
     batch_at,
     iterate_batches,
+    micro_batches,
     load_instruct,
     load_instruct_examples,
     pack_text,
@@ -217,3 +218,11 @@ def test_data_config_checks_the_path_and_builds_both_kinds(tokenizer, tmp_path):
     assert DataConfig(kind="instruct", path=path, seq_len=160, limit=2).build(tokenizer).input_ids.shape == (2, 160)
     assert DataConfig(kind="text", path=SHAKESPEARE, seq_len=8, limit=5).build(tokenizer).input_ids.shape == (5, 8)
 
+
+
+def test_micro_batches_cut_consecutive_rows_and_keep_every_one():
+    batch = {"input_ids": torch.arange(10).reshape(5, 2), "labels": torch.arange(10, 20).reshape(5, 2)}
+    parts = micro_batches(batch, 2)
+    assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 1]
+    for name in batch:
+        torch.testing.assert_close(torch.cat([p[name] for p in parts]), batch[name])
