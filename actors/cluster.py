@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.errors import ClusterError
 from actors.expert_manager import ExpertManager, ExpertManagerSpec
-from vela_ray.traffic import LinkTier
+from vela_ray.model.traffic import LinkTier
 
 logger = logging.getLogger(__name__)
 

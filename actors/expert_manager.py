@@ -11,7 +11,7 @@ tests); unit tests build it in-process.
     manager.step(lr, clip_coef)
 
 Zero redundancy: the manager reads its own experts from the checkpoint
-(`vela_ray.loading.read_experts`, memory-mapped); the master never sends expert
+(`vela_ray.model.loading.read_experts`, memory-mapped); the master never sends expert
 weights. Tests may pass in-memory `weights` instead of a `model_dir`.
 
 Data plane: `forward`, `backward` (Ray object refs) and `execute` (one message
@@ -37,11 +37,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.errors import ExpertWorkerError
-from vela_ray import checkpoint
-from vela_ray.experts import ExpertKey, ExpertShard, LoraSpec
-from vela_ray.loading import moe_layout, read_experts
-from vela_ray.optim import OptimizerConfig, ShardTrainer
-from vela_ray.transport import ForwardRequest
+from vela_ray.training import checkpoint
+from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
+from vela_ray.model.loading import moe_layout, read_experts
+from vela_ray.training.optim import OptimizerConfig, ShardTrainer
+from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class ExpertManager:
                                                  f"(of {len(missing)}); load an adapter of the same model")
         self.shard.load_lora_state({key: state[key] for key in self.keys})
 
-    # -- checkpoints (vela_ray.checkpoint): written here, in parallel with the other workers -----
+    # -- checkpoints (vela_ray.training.checkpoint): written here, in parallel with the other workers -----
 
     def save_checkpoint_part(self, staging_dir: str) -> str:
         """Write this worker's experts' LoRA and AdamW state, named by logical expert; returns the file."""

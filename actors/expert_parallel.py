@@ -1,4 +1,4 @@
-"""Launch conventional expert parallelism (`vela_ray.expert_parallel`) on Ray: one actor per rank.
+"""Launch conventional expert parallelism (`vela_ray.baselines.expert_parallel`) on Ray: one actor per rank.
 
     summary = run_expert_parallel(config, mode="expert_parallel")   # Ray must be initialised
 
@@ -36,12 +36,12 @@ from transformers import AutoTokenizer
 
 from actors.cluster import SpawnConfig, reserve_bundles, classify_link_tiers
 from vela_ray.config import JobConfig
-from vela_ray.data import batch_at, micro_batches, sequential_batches
-from vela_ray.expert_parallel import ExpertParallelRank, build_rank, eval_loss_ep, sequential_table, train_step_ep
-from vela_ray.experts import LoraSpec
-from vela_ray.loading import moe_layout
-from vela_ray.optim import lr_at
-from vela_ray.traffic import TrafficSnapshot
+from vela_ray.data.datasets import batch_at, micro_batches, sequential_batches
+from vela_ray.baselines.expert_parallel import ExpertParallelRank, build_rank, eval_loss_ep, sequential_table, train_step_ep
+from vela_ray.model.experts import LoraSpec
+from vela_ray.model.loading import moe_layout
+from vela_ray.training.optim import lr_at
+from vela_ray.model.traffic import TrafficSnapshot
 
 logger = logging.getLogger(__name__)
 

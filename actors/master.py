@@ -8,7 +8,7 @@ Stages of `run()`:
   3. solve the placement (PlacementService); if it differs, respawn the workers
      with it and rebind the brokers (experts are reloaded from the checkpoint,
      never sent by the master);
-  4. train: `vela_ray.training.train_step` per step, eval loss, traffic per link tier;
+  4. train: `vela_ray.training.step.train_step` per step, eval loss, traffic per link tier;
   5. write the peft adapter, the placement, the profile and `summary.json`.
 
 A plain class: `vela_ray.api` makes it an actor; tests may run it in-process.
@@ -34,19 +34,19 @@ from actors.placement_service import PlacementRequest, spawn_placement_service
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport, data_plane_env
 from actors.workers import RayWorkers
 from placement import Placement, cost
-from vela_ray import checkpoint
+from vela_ray.training import checkpoint
 from vela_ray.config import JobConfig
-from vela_ray.data import batch_at, micro_batches, sequential_batches
-from vela_ray.expert_parallel import sequential_table
-from vela_ray.experts import LoraSpec
-from vela_ray.loading import load_backbone
-from vela_ray.locality import DriftTracker, RoutingRecorder, load_probs, profile_model
-from vela_ray.metrics import MetricsSink
-from vela_ray.report import write_report
-from vela_ray.modeling import find_moe_blocks, top_k_of
-from vela_ray.optim import lr_at
-from vela_ray.traffic import TrafficSnapshot
-from vela_ray.training import (
+from vela_ray.data.datasets import batch_at, micro_batches, sequential_batches
+from vela_ray.baselines.expert_parallel import sequential_table
+from vela_ray.model.experts import LoraSpec
+from vela_ray.model.loading import load_backbone
+from vela_ray.data.locality import DriftTracker, RoutingRecorder, load_probs, profile_model
+from vela_ray.observability.metrics import MetricsSink
+from vela_ray.observability.report import write_report
+from vela_ray.model.modeling import find_moe_blocks, top_k_of
+from vela_ray.training.optim import lr_at
+from vela_ray.model.traffic import TrafficSnapshot
+from vela_ray.training.step import (
     MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state, train_step,
 )
 

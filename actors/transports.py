@@ -1,6 +1,6 @@
 """Transports over Ray actors: move one MoE layer's rows to the ExpertManagers and back.
 
-Both backends implement `vela_ray.transport.Transport` and pass the same
+Both backends implement `vela_ray.model.transport.Transport` and pass the same
 conformance suite (tests/ray/test_transport_conformance.py):
 
 - `RayObjectRefTransport`: one `.remote` call per worker with rows, then one
@@ -26,8 +26,8 @@ import torch
 from ray.dag import InputNode, MultiOutputNode
 
 from actors.expert_manager import BackwardRequest, WorkerMessage
-from vela_ray.traffic import LinkTier
-from vela_ray.transport import ForwardRequest
+from vela_ray.model.traffic import LinkTier
+from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
 

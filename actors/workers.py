@@ -1,4 +1,4 @@
-"""RayWorkers: the control plane (`vela_ray.training.ExpertWorkers`) over ExpertManager actors.
+"""RayWorkers: the control plane (`vela_ray.training.step.ExpertWorkers`) over ExpertManager actors.
 
 Every call fans out with one `.remote` per worker and waits with one `ray.get`,
 so the workers step, zero and report their grad norms in parallel:
@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from vela_ray.experts import ExpertKey
+from vela_ray.model.experts import ExpertKey
 
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
 

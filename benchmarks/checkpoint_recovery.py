@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ray
 
-from vela_ray import checkpoint
+from vela_ray.training import checkpoint
 from vela_ray.api import VelaJob
 from vela_ray.demo import demo_config
 

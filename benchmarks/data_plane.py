@@ -70,7 +70,7 @@ def child(args) -> dict:
     from actors.cluster import spawn_expert_managers
     from actors.expert_manager import ExpertManagerSpec
     from actors.transports import RayObjectRefTransport
-    from vela_ray.broker import ExpertDispatcher
+    from vela_ray.model.broker import ExpertDispatcher
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     g = torch.Generator().manual_seed(0)

@@ -30,9 +30,9 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vela_ray import plots
-from vela_ray.data import DataConfig, TokenizedDataset, batch_at, iterate_batches, sequential_batches
-from vela_ray.locality import (
+from vela_ray.observability import plots
+from vela_ray.data.datasets import DataConfig, TokenizedDataset, batch_at, iterate_batches, sequential_batches
+from vela_ray.data.locality import (
     AccessProfile,
     DriftTracker,
     RoutingRecorder,
@@ -40,9 +40,9 @@ from vela_ray.locality import (
     skew,
     total_variation,
 )
-from vela_ray.modeling import find_moe_blocks, top_k_of
+from vela_ray.model.modeling import find_moe_blocks, top_k_of
 from vela_ray.paths import REPO_ROOT, data_dir
-from vela_ray.tiny_model import cpu_threads, tiny_model_path
+from vela_ray.training.tiny_model import cpu_threads, tiny_model_path
 
 log = logging.getLogger("locality_study")
 

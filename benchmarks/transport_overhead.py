@@ -41,9 +41,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from actors.cluster import spawn_expert_managers
 from actors.expert_manager import ExpertManagerSpec
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport
-from vela_ray.broker import ExpertBroker, ExpertDispatcher
-from vela_ray.experts import ExpertShard, LoraSpec
-from vela_ray.transport import InProcessTransport
+from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
+from vela_ray.model.experts import ExpertShard, LoraSpec
+from vela_ray.model.transport import InProcessTransport
 
 RESULTS = Path(__file__).parent / "results" / "transport_overhead.json"
 

@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict:
-    from vela_ray.tiny_model import tiny_model_path
+    from vela_ray.training.tiny_model import tiny_model_path
 
     data = DATASETS[dataset]
     return {
@@ -161,10 +161,10 @@ def serial_compute(args, dataset: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vela_ray.config import JobConfig
-    from vela_ray.data import batch_at
-    from vela_ray.expert_parallel import sequential_table
-    from vela_ray.experts import LoraSpec
-    from vela_ray.training import build_local, train_step
+    from vela_ray.data.datasets import batch_at
+    from vela_ray.baselines.expert_parallel import sequential_table
+    from vela_ray.model.experts import LoraSpec
+    from vela_ray.training.step import build_local, train_step
 
     config = JobConfig.from_dict(job_dict(args, dataset, "sequential", args.steps, Path(tempfile.gettempdir())))
     train_set, _ = config.data.build(AutoTokenizer.from_pretrained(config.model.path)).split(0.05, 0)

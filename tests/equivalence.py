@@ -16,13 +16,13 @@ from typing import Callable
 import torch
 from peft import get_peft_model, get_peft_model_state_dict
 
-from vela_ray.adapters import full_lora_config
-from vela_ray.experts import ExpertShard, LoraSpec
-from vela_ray.families import debug_model
-from vela_ray.modeling import expert_weights, find_moe_blocks
-from vela_ray.optim import OptimizerConfig, ShardTrainer, lr_at, make_adamw
-from vela_ray.training import LocalWorkers, build_master, import_adapter, train_step
-from vela_ray.transport import InProcessTransport
+from vela_ray.model.adapters import full_lora_config
+from vela_ray.model.experts import ExpertShard, LoraSpec
+from vela_ray.model.families import debug_model
+from vela_ray.model.modeling import expert_weights, find_moe_blocks
+from vela_ray.training.optim import OptimizerConfig, ShardTrainer, lr_at, make_adamw
+from vela_ray.training.step import LocalWorkers, build_master, import_adapter, train_step
+from vela_ray.model.transport import InProcessTransport
 
 LORA = LoraSpec(r=4, alpha=8)
 OPTIM = OptimizerConfig(lr=1e-2, max_grad_norm=0.5, warmup_steps=1)

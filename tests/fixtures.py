@@ -6,9 +6,9 @@ from pathlib import Path
 
 import yaml
 
-from vela_ray.families import debug_model
+from vela_ray.model.families import debug_model
 from vela_ray.paths import data_dir
-from vela_ray.tiny_model import train_tokenizer
+from vela_ray.training.tiny_model import train_tokenizer
 
 VOCAB = 256
 

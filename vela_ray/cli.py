@@ -67,9 +67,9 @@ def _run_profile(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vela_ray import plots
-    from vela_ray.data import DataConfig, sequential_batches
-    from vela_ray.locality import profile_model
+    from vela_ray.observability import plots
+    from vela_ray.data.datasets import DataConfig, sequential_batches
+    from vela_ray.data.locality import profile_model
 
     if not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model} is not a model directory (no config.json)")
@@ -107,7 +107,7 @@ def _add_build_tiny_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_build_tiny_model(args: argparse.Namespace) -> int:
-    from vela_ray.tiny_model import TinyModelConfig, build_tiny_model, tiny_model_path
+    from vela_ray.training.tiny_model import TinyModelConfig, build_tiny_model, tiny_model_path
 
     fields = ("corpus", "steps", "num_layers", "hidden_size", "num_experts", "top_k", "vocab_size", "seed")
     config = TinyModelConfig(**{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
@@ -212,7 +212,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from vela_ray.report import summary_text, write_report
+    from vela_ray.observability.report import summary_text, write_report
 
     print(summary_text(args.run_dir))
     print(f"report: {write_report(args.run_dir, args.out)}")

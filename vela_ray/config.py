@@ -15,8 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vela_ray.data import DataConfig
-from vela_ray.optim import OptimizerConfig
+from vela_ray.data.datasets import DataConfig
+from vela_ray.training.optim import OptimizerConfig
 
 Solver = Literal["improved", "vela", "sequential", "random", "file"]
 TransportName = Literal["object_ref", "compiled_graph"]
@@ -161,7 +161,7 @@ class JobConfig(_Section):
 
     def preflight(self) -> None:
         """File-level checks (model, MoE layers, capacity) in about a second; ValueError naming the field."""
-        from vela_ray.loading import moe_layout  # transformers import is the slow part; only here
+        from vela_ray.model.loading import moe_layout  # transformers import is the slow part; only here
 
         model_dir = self.model.path
         if not (model_dir / "config.json").is_file():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from vela_ray.config import JobConfig
 from vela_ray.paths import data_dir
-from vela_ray.tiny_model import tiny_model_path
+from vela_ray.training.tiny_model import tiny_model_path
 
 
 def demo_config(out_dir: str | Path = "runs/demo", steps: int = 30, model_dir: str | Path | None = None) -> JobConfig:

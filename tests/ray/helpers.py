@@ -14,7 +14,7 @@ from actors.expert_manager import ExpertManagerSpec
 from actors.transports import data_plane_env
 from tests.equivalence import LORA, OPTIM, scattered_placement
 from vela_ray.config import ClusterSection
-from vela_ray.experts import ExpertKey, ExpertShard, LoraSpec
+from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
 
 RAY_CPUS = 4
 CPUS_PER_WORKER = 0.25  # actors mostly wait; this lets a few clusters coexist on a 2-core machine

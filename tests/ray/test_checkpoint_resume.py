@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from actors.errors import WorkerLostError
 from tests.fixtures import job_dict, make_checkpoint
-from vela_ray import checkpoint
+from vela_ray.training import checkpoint
 from vela_ray.api import VelaJob
 from vela_ray.config import JobConfig
 

@@ -10,10 +10,10 @@ from actors.cluster import classify_link_tiers
 from actors.errors import ExpertWorkerError
 from actors.expert_manager import ExpertManager, ExpertManagerSpec
 from tests.ray.helpers import ACTIVATION, HIDDEN, synthetic_weights
-from vela_ray.experts import LoraSpec
-from vela_ray.families import debug_model
-from vela_ray.modeling import expert_weights, find_moe_blocks
-from vela_ray.transport import ForwardRequest
+from vela_ray.model.experts import LoraSpec
+from vela_ray.model.families import debug_model
+from vela_ray.model.modeling import expert_weights, find_moe_blocks
+from vela_ray.model.transport import ForwardRequest
 
 LORA = LoraSpec(r=4, alpha=8)
 

@@ -10,7 +10,7 @@ import torch
 from actors.errors import ExpertWorkerError
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport
 from tests.ray.helpers import HIDDEN, TIMEOUT_S, synthetic_placement
-from vela_ray.transport import ForwardRequest
+from vela_ray.model.transport import ForwardRequest
 
 TRANSPORTS = {"object_refs": RayObjectRefTransport, "compiled_graph": CompiledGraphTransport}
 

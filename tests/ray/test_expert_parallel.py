@@ -11,9 +11,9 @@ from actors.expert_parallel import run_expert_parallel
 from tests.fixtures import job_dict
 from tests.ray.test_job_runtime import _init_adapter, _reference_losses
 from vela_ray.config import JobConfig
-from vela_ray.families import debug_model
+from vela_ray.model.families import debug_model
 from vela_ray.paths import data_dir
-from vela_ray.tiny_model import train_tokenizer
+from vela_ray.training.tiny_model import train_tokenizer
 
 STEPS = 3
 

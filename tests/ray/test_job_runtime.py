@@ -12,12 +12,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.fixtures import job_dict, make_checkpoint
-from vela_ray.adapters import full_lora_config
+from vela_ray.model.adapters import full_lora_config
 from vela_ray.api import VelaJob
 from vela_ray.config import JobConfig
-from vela_ray.data import batch_at
-from vela_ray.experts import LoraSpec
-from vela_ray.optim import lr_at
+from vela_ray.data.datasets import batch_at
+from vela_ray.model.experts import LoraSpec
+from vela_ray.training.optim import lr_at
 
 STEPS = 4
 

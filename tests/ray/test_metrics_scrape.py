@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.ray.head import auth_env, free_port, ray_head
-from vela_ray.metrics import METRICS, PROMETHEUS_PREFIX
+from vela_ray.observability.metrics import METRICS, PROMETHEUS_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 TIERS = ["same_node", "cross_node", "cross_node"]  # worker 0 beside the master, workers 1-2 elsewhere
@@ -34,8 +34,8 @@ FEEDER = f"""
 import sys, time
 import numpy as np
 import ray
-from vela_ray.metrics import MetricsSink
-from vela_ray.traffic import TrafficCounter
+from vela_ray.observability.metrics import MetricsSink
+from vela_ray.model.traffic import TrafficCounter
 
 @ray.remote(num_cpus=0)
 class Feeder:

@@ -25,11 +25,11 @@ from tests.ray.helpers import (
     ACTIVATION, HIDDEN, NUM_WORKERS, TIMEOUT_S, random_lora_state, specs_from_shards, split_weights,
     synthetic_placement, synthetic_weights,
 )
-from vela_ray.experts import ExpertShard
-from vela_ray.families import debug_config
-from vela_ray.optim import ShardTrainer
-from vela_ray.training import LocalWorkers, export
-from vela_ray.transport import ForwardRequest, InProcessTransport
+from vela_ray.model.experts import ExpertShard
+from vela_ray.model.families import debug_config
+from vela_ray.training.optim import ShardTrainer
+from vela_ray.training.step import LocalWorkers, export
+from vela_ray.model.transport import ForwardRequest, InProcessTransport
 
 BACKENDS = ["in_process", "object_refs", "compiled_graph"]
 RAY_TRANSPORTS = {"object_refs": RayObjectRefTransport, "compiled_graph": CompiledGraphTransport}
@@ -38,8 +38,8 @@ RAY_TRANSPORTS = {"object_refs": RayObjectRefTransport, "compiled_graph": Compil
 @dataclass
 class Backend:
     name: str
-    transport: object  # vela_ray.transport.Transport
-    workers: object  # vela_ray.training.ExpertWorkers
+    transport: object  # vela_ray.model.transport.Transport
+    workers: object  # vela_ray.training.step.ExpertWorkers
     lora_grads: Callable[[], dict]
     close: Callable[[], None]
 

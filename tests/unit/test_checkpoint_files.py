@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from vela_ray import checkpoint
+from vela_ray.training import checkpoint
 
 META = {"model_type": "mixtral", "moe_layers": 2, "experts": 6, "lora_r": 4}
 
@@ -79,7 +79,7 @@ def test_resolve_latest_without_checkpoints_says_where_it_looked(tmp_path):
 _SLOW_WRITER = """
 import sys, time, torch
 from pathlib import Path
-from vela_ray import checkpoint
+from vela_ray.training import checkpoint
 root = Path(sys.argv[1])
 staging = checkpoint.begin(root, 2)
 checkpoint.write_tensors(staging / "trainer_partial.safetensors", {"w": torch.zeros(4)})

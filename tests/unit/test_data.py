@@ -1,4 +1,4 @@
-"""Tests of vela_ray.data: text packing, instruction masking, batching order, and errors."""
+"""Tests of vela_ray.data.datasets: text packing, instruction masking, batching order, and errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vela_ray.data import (
+from vela_ray.data.datasets import (
     IGNORE_INDEX,
     DataConfig,
     batch_at,
@@ -21,7 +21,7 @@ from vela_ray.data import (
     sequential_batches,
 )
 from vela_ray.paths import data_dir
-from vela_ray.tiny_model import train_tokenizer
+from vela_ray.training.tiny_model import train_tokenizer
 
 SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 

@@ -1,6 +1,6 @@
 """deploy/ stays runnable: YAMLs parse, the cluster config passes Ray's launcher schema, job YAMLs validate
 as JobConfig, entrypoints are real `vela` subcommands, the 3 x 2 layout agrees across files, token auth is
-on everywhere, and every metric the Grafana dashboard queries is one vela_ray/metrics.py exports."""
+on everywhere, and every metric the Grafana dashboard queries is one vela_ray/observability/metrics.py exports."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import yaml
 
 from vela_ray.cli import _run_train, build_parser
 from vela_ray.config import JobConfig
-from vela_ray.metrics import METRICS, PROMETHEUS_PREFIX
+from vela_ray.observability.metrics import METRICS, PROMETHEUS_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -148,7 +148,7 @@ def _metric_of(series: str) -> str:
     if name in METRICS:
         return name
     base = next((name.removesuffix(s) for s in HISTOGRAM_SUFFIXES if name.endswith(s)), name)
-    assert base in METRICS and METRICS[base].kind == "histogram", f"{series} is not a metric of vela_ray.metrics"
+    assert base in METRICS and METRICS[base].kind == "histogram", f"{series} is not a metric of vela_ray.observability.metrics"
     return base
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vela_ray.expert_parallel import label_count, rank_link_tiers, sequential_table, shard_rows
+from vela_ray.baselines.expert_parallel import label_count, rank_link_tiers, sequential_table, shard_rows
 
 
 def _batch(rows: int) -> dict[str, torch.Tensor]:

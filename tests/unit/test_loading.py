@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vela_ray.broker import ExpertDispatcher
-from vela_ray.experts import ExpertShard, LoraSpec
-from vela_ray.families import FAMILIES, debug_model
-from vela_ray.loading import load_backbone, moe_layout, read_experts
-from vela_ray.modeling import attach_brokers, expert_weights, find_moe_blocks
-from vela_ray.transport import InProcessTransport
+from vela_ray.model.broker import ExpertDispatcher
+from vela_ray.model.experts import ExpertShard, LoraSpec
+from vela_ray.model.families import FAMILIES, debug_model
+from vela_ray.model.loading import load_backbone, moe_layout, read_experts
+from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.model.transport import InProcessTransport
 
 
 def _split_model_from_checkpoint(model_dir, num_workers=3):
@@ -87,7 +87,7 @@ def test_missing_checkpoint_names_the_directory(tmp_path):
 _RSS_GROWTH = """
 import json, sys, psutil, torch
 from transformers import AutoModelForCausalLM
-from vela_ray.loading import load_backbone
+from vela_ray.model.loading import load_backbone
 path, mode = sys.argv[1], sys.argv[2]
 before = psutil.Process().memory_info().rss
 model = load_backbone(path) if mode == "backbone" else AutoModelForCausalLM.from_pretrained(path)
@@ -98,7 +98,7 @@ print(json.dumps({"growth_mib": (psutil.Process().memory_info().rss - before) / 
 def test_backbone_load_holds_less_memory_than_a_full_load_by_at_least_the_expert_bytes(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from vela_ray.families import mixtral_debug
+    from vela_ray.model.families import mixtral_debug
 
     config = mixtral_debug(hidden_size=256, intermediate_size=1024, num_local_experts=16, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2)

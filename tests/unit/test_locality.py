@@ -1,4 +1,4 @@
-"""Tests of vela_ray.locality: counts from hooks, padding, confidence, profiles on disk, drift metrics."""
+"""Tests of vela_ray.data.locality: counts from hooks, padding, confidence, profiles on disk, drift metrics."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from vela_ray.families import FAMILIES, debug_model
-from vela_ray.locality import (
+from vela_ray.model.families import FAMILIES, debug_model
+from vela_ray.data.locality import (
     AccessProfile,
     DriftTracker,
     RoutingRecorder,
@@ -18,7 +18,7 @@ from vela_ray.locality import (
     skew_per_layer,
     total_variation,
 )
-from vela_ray.modeling import find_moe_blocks, top_k_of
+from vela_ray.model.modeling import find_moe_blocks, top_k_of
 
 
 def _batch(seed: int = 0, batch: int = 3, seq: int = 12) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from vela_ray.metrics import METRICS, MemoryMetricsBackend, MetricsSink, predicted_row_share
-from vela_ray.traffic import TrafficCounter
+from vela_ray.observability.metrics import METRICS, MemoryMetricsBackend, MetricsSink, predicted_row_share
+from vela_ray.model.traffic import TrafficCounter
 
 UNITS = ("_seconds", "_bytes_total", "_total", "_ratio", "_per_second", "_version", "_experts", "_loss", "_step",
          "_drift")
@@ -100,7 +100,7 @@ def test_predicted_row_share_sums_p_per_worker_and_checks_shapes():
 
 
 def test_outside_ray_the_sink_keeps_metrics_in_memory_and_never_imports_ray():
-    code = ("import sys; from vela_ray.metrics import MetricsSink; s = MetricsSink.for_ray(); "
+    code = ("import sys; from vela_ray.observability.metrics import MetricsSink; s = MetricsSink.for_ray(); "
             "s.record_step(1, 1.0, 0.1, 10); assert 'ray' not in sys.modules, 'ray imported'; "
             "print(type(s.backend).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vela_ray.broker import ExpertBroker, ExpertDispatcher
-from vela_ray.experts import ExpertShard, LoraSpec
-from vela_ray.families import FAMILIES, debug_model
-from vela_ray.modeling import attach_brokers, expert_weights, find_moe_blocks
-from vela_ray.transport import InProcessTransport
+from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
+from vela_ray.model.experts import ExpertShard, LoraSpec
+from vela_ray.model.families import FAMILIES, debug_model
+from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.model.transport import InProcessTransport
 
 
 def _split(model, table):

@@ -17,7 +17,7 @@ import pytest
 
 from placement import PlacementProblem, step_time, synthetic_probs, worker_bytes
 from vela_ray.cli import main
-from vela_ray.report import compare_comm, load_run, summary_text, write_report
+from vela_ray.observability.report import compare_comm, load_run, summary_text, write_report
 
 CHROMIUM = Path("/usr/bin/chromium")
 TIERS = ["same_node", "cross_node", "cross_node"]

@@ -1,4 +1,4 @@
-"""Tests of vela_ray.tiny_model (a very small build into a temporary cache) and the `vela profile` CLI."""
+"""Tests of vela_ray.training.tiny_model (a very small build into a temporary cache) and the `vela profile` CLI."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vela_ray import cli, tiny_model
-from vela_ray.locality import AccessProfile
+from vela_ray import cli
+from vela_ray.training import tiny_model
+from vela_ray.data.locality import AccessProfile
 from vela_ray.paths import data_dir
-from vela_ray.tiny_model import BUILD_INFO, TinyModelConfig, tiny_model_path
+from vela_ray.training.tiny_model import BUILD_INFO, TinyModelConfig, tiny_model_path
 
 SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 VERY_SMALL = dict(max_corpus_chars=40_000, vocab_size=300, num_layers=2, hidden_size=32, intermediate_size=32,

@@ -17,7 +17,7 @@ from typing import Iterable, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from vela_ray.experts import ExpertShard
+from vela_ray.model.experts import ExpertShard
 
 
 class OptimizerConfig(BaseModel):

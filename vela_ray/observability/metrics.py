@@ -36,7 +36,7 @@ from typing import Iterator, Literal, Protocol
 
 import numpy as np
 
-from vela_ray.traffic import DIRECTIONS, TrafficSnapshot
+from vela_ray.model.traffic import DIRECTIONS, TrafficSnapshot
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 PROMETHEUS_PREFIX = "ray_"  # what Ray's metrics agent puts in front of every application metric

@@ -19,12 +19,12 @@ import torch
 from peft import PeftModel, get_peft_model
 from torch import nn
 
-from vela_ray.adapters import backbone_lora_config, backbone_state_of, export_adapter, full_lora_config
-from vela_ray.broker import ExpertDispatcher
-from vela_ray.experts import ExpertKey, ExpertShard, LoraSpec
-from vela_ray.modeling import attach_brokers, expert_weights, find_moe_blocks
-from vela_ray.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm, make_adamw
-from vela_ray.transport import InProcessTransport, Transport
+from vela_ray.model.adapters import backbone_lora_config, backbone_state_of, export_adapter, full_lora_config
+from vela_ray.model.broker import ExpertDispatcher
+from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
+from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.training.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+from vela_ray.model.transport import InProcessTransport, Transport
 
 Batch = dict[str, torch.Tensor]
 
@@ -138,7 +138,7 @@ def eval_loss(master: MasterModel, batches: Sequence[Batch]) -> float:
 
 
 def export(master: MasterModel, workers: ExpertWorkers, out_dir) -> None:
-    """Write the standard peft adapter of the original model (see vela_ray.adapters)."""
+    """Write the standard peft adapter of the original model (see vela_ray.model.adapters)."""
     export_adapter(out_dir, master.peft_model.base_model.model.config, master.full_lora_config,
                    backbone_state_of(master.peft_model), workers.lora_state())
 
@@ -147,7 +147,7 @@ def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -
     """Load a peft adapter directory of the original model into master and workers (any placement)."""
     from peft import set_peft_model_state_dict
 
-    from vela_ray.adapters import read_adapter
+    from vela_ray.model.adapters import read_adapter
 
     config = master.peft_model.base_model.model.config
     lora_config, backbone_state, expert_state = read_adapter(adapter_dir, config)

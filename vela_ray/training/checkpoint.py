@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vela_ray.experts import ExpertKey
+from vela_ray.model.experts import ExpertKey
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ transformers writes MoE checkpoints in the per-expert hub layout
 `...mlp.experts.{e}.gate_proj.weight` for Qwen/DeepSeek/OLMoE); checkpoints
 with fused `...experts.gate_up_proj` / `...experts.down_proj` tensors are read
 too, by slicing one expert out of the memory map. Layer indices here are MoE
-layer indices (see `vela_ray.modeling`).
+layer indices (see `vela_ray.model.modeling`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from vela_ray.modeling import find_moe_blocks
+from vela_ray.model.modeling import find_moe_blocks
 
 _PER_EXPERT_KEY = re.compile(
     r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.)(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vela_ray.broker import ExpertBroker
+from vela_ray.model.broker import ExpertBroker
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -129,7 +129,7 @@ def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], t
     """{(layer, expert): (gate_up [2I, D], down [D, I])} sliced from in-memory fused experts.
 
     For building shards from a model already in memory (tests, single-process
-    runs); the runtime reads experts from the checkpoint instead (`vela_ray.loading`).
+    runs); the runtime reads experts from the checkpoint instead (`vela_ray.model.loading`).
     """
     wanted = keys if keys is not None else [(b.index, e) for b in blocks for e in range(b.layout.num_experts)]
     by_index = {b.index: b for b in blocks}

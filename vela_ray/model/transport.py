@@ -18,8 +18,8 @@ from typing import Hashable, Protocol, runtime_checkable
 
 import torch
 
-from vela_ray.experts import ExpertShard
-from vela_ray.traffic import LinkTier
+from vela_ray.model.experts import ExpertShard
+from vela_ray.model.traffic import LinkTier
 
 
 @dataclass(frozen=True)

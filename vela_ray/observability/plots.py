@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from vela_ray.locality import AccessProfile  # noqa: E402
+from vela_ray.data.locality import AccessProfile  # noqa: E402
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:

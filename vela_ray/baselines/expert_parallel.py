@@ -51,13 +51,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vela_ray.experts import ExpertShard, LoraSpec
-from vela_ray.loading import load_backbone, read_experts
-from vela_ray.modeling import find_moe_blocks
-from vela_ray.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm
-from vela_ray.traffic import LinkTier
-from vela_ray.training import LocalWorkers, MasterModel, build_master, import_adapter
-from vela_ray.transport import ForwardRequest
+from vela_ray.model.experts import ExpertShard, LoraSpec
+from vela_ray.model.loading import load_backbone, read_experts
+from vela_ray.model.modeling import find_moe_blocks
+from vela_ray.training.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm
+from vela_ray.model.traffic import LinkTier
+from vela_ray.training.step import LocalWorkers, MasterModel, build_master, import_adapter
+from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class _Splits:
 
 
 class AllToAllTransport:
-    """`vela_ray.transport.Transport` over all-to-all collectives: rank r hosts the experts the table gives r.
+    """`vela_ray.model.transport.Transport` over all-to-all collectives: rank r hosts the experts the table gives r.
 
     Every call is collective: all ranks must call `forward` (and later
     `backward`) for the same layer in the same order, each with its own requests.
@@ -273,7 +273,7 @@ def train_step_ep(rank: ExpertParallelRank, micro_batches: Sequence[Batch], lr: 
 
 @torch.no_grad()
 def eval_loss_ep(rank: ExpertParallelRank, batches: Sequence[Batch], device: str = "cpu") -> float:
-    """Mean over batches of the global-batch loss, as `vela_ray.training.eval_loss` computes it."""
+    """Mean over batches of the global-batch loss, as `vela_ray.training.step.eval_loss` computes it."""
     model = rank.master.peft_model
     model.eval()
     local = sum(float(rank_loss(rank, b, device)) for b in batches)

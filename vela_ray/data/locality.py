@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
-from vela_ray.modeling import MoeBlock, find_moe_blocks, top_k_of
+from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 
 log = logging.getLogger(__name__)
 

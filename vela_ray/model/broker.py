@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vela_ray.traffic import TrafficCounter
-from vela_ray.transport import ForwardRequest, Transport
+from vela_ray.model.traffic import TrafficCounter
+from vela_ray.model.transport import ForwardRequest, Transport
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, MixtralConfig, PreTrainedTokenizerFast
 
-from vela_ray.data import TokenizedDataset, iterate_batches, pack_string, pack_text, sequential_batches
-from vela_ray.locality import profile_model, skew_per_layer
+from vela_ray.data.datasets import TokenizedDataset, iterate_batches, pack_string, pack_text, sequential_batches
+from vela_ray.data.locality import profile_model, skew_per_layer
 from vela_ray.paths import cache_dir, data_dir
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from vela_ray.experts import ExpertKey, LoraSpec
-from vela_ray.modeling import find_moe_blocks
+from vela_ray.model.experts import ExpertKey, LoraSpec
+from vela_ray.model.modeling import find_moe_blocks
 
 logger = logging.getLogger(__name__)
 

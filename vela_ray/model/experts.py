@@ -13,7 +13,7 @@ with s = alpha / r. This is peft's LoRA on the fused 3-D parameters
 (`LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`):
 peft's fused A is [r*E, in] (expert e owns rows e*r:(e+1)*r) and its fused B is
 [out, r*E] with expert e owning the interleaved columns e::E, so each expert's
-slices map one to one onto A_* and B_* here (see `vela_ray.adapters`).
+slices map one to one onto A_* and B_* here (see `vela_ray.model.adapters`).
 
 The routing weights are applied by the broker on the master, not here, so the
 shard returns unweighted expert outputs and gradients flow to the router there.

@@ -1,6 +1,6 @@
 """The run report: one self-contained HTML page (and a terminal summary) of a finished `vela train` run.
 
-    from vela_ray.report import write_report, summary_text
+    from vela_ray.observability.report import write_report, summary_text
     print(summary_text("runs/demo"))
     write_report("runs/demo")            # -> runs/demo/report.html  (or `vela report runs/demo`)
 
@@ -43,7 +43,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from vela_ray.metrics import predicted_row_share  # noqa: E402
+from vela_ray.observability.metrics import predicted_row_share  # noqa: E402
 
 MiB = 2**20
 TIER_COLOURS = {"same_process": "#9e9e9e", "same_node": "#1f77b4", "cross_node": "#d62728"}

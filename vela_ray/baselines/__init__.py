@@ -1,0 +1,1 @@
+"""Baselines vela-ray is measured against: conventional expert parallelism (`expert_parallel`)."""

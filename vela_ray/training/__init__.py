@@ -1,0 +1,6 @@
+"""Training: one step over any set of expert workers, the optimizer, checkpoints, the run summary.
+
+`step` holds the master's side of a step (`train_step`, `eval_loss`, export and import of
+adapters) over the `ExpertWorkers` control plane; `optim` the AdamW pieces both sides share;
+`checkpoint` the atomic on-disk format; `tiny_model` pre-trains the demo model.
+"""
