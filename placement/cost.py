@@ -63,15 +63,27 @@ def experts_per_worker(num_workers: int, expert_to_worker: np.ndarray) -> np.nda
     return np.bincount(np.ravel(expert_to_worker), minlength=num_workers)
 
 
-def worker_layer_probs(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+def routing_mass(probs_LE: np.ndarray, expert_to_worker_LE: np.ndarray, num_workers: int) -> np.ndarray:
     """[num_workers, num_layers] routing probability mass each worker serves per layer.
 
-    Entry [n, l] = sum_e X[n,l,e] * P[l,e], the expected rows per token.
+    Entry [n, l] = sum_e X[n,l,e] * P[l,e], the expected rows per token; a worker that holds
+    no expert gets a row of zeros. The one place this sum is computed (cost model, local
+    search, load metrics and the report all call it).
     """
-    mass = np.zeros((problem.num_workers, problem.num_layers))
-    layers = np.broadcast_to(np.arange(problem.num_layers)[:, None], problem.probs.shape)
-    np.add.at(mass, (expert_to_worker, layers), problem.probs)
+    probs_LE = np.asarray(probs_LE, dtype=np.float64)
+    table_LE = np.asarray(expert_to_worker_LE, dtype=np.int64)
+    if table_LE.shape != probs_LE.shape:
+        raise ValueError(f"expert_to_worker has shape {table_LE.shape} but the profile {probs_LE.shape}; "
+                         "give the profile the placement was solved for")
+    mass = np.zeros((num_workers, probs_LE.shape[0]))
+    layers = np.broadcast_to(np.arange(probs_LE.shape[0])[:, None], probs_LE.shape)
+    np.add.at(mass, (table_LE, layers), probs_LE)
     return mass
+
+
+def worker_layer_probs(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_workers, num_layers] `routing_mass` of a placement of `problem`."""
+    return routing_mass(problem.probs, expert_to_worker, problem.num_workers)
 
 
 def layer_worker_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:

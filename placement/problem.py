@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator, model_validator
 
 from placement.io import read_problem_fields
 
@@ -92,6 +92,10 @@ class PlacementProblem(BaseModel):
             )
         probs.setflags(write=False)
         return probs
+
+    @field_serializer("probs")
+    def _probs_as_lists(self, probs: np.ndarray) -> list[list[float]]:
+        return probs.tolist()  # JSON (a run summary carries its problem); the validator reads it back
 
     @field_validator("top_k", "tokens_per_step", "hidden_size", "bits_per_element")
     @classmethod

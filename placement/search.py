@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from placement.cost import routing_mass
 from placement.problem import PlacementProblem
 
 IMPROVEMENT_RTOL = 1e-9  # a move must gain this fraction of the objective
@@ -52,9 +53,7 @@ class _State:
     def start(cls, problem: PlacementProblem, expert_to_worker: np.ndarray) -> _State:
         weight = problem.seconds_per_prob / problem.seconds_per_prob.min()
         assignment = np.array(expert_to_worker, dtype=np.int64)
-        mass = np.zeros((problem.num_workers, problem.num_layers))
-        layers = np.broadcast_to(np.arange(problem.num_layers)[:, None], problem.probs.shape)
-        np.add.at(mass, (assignment, layers), problem.probs)
+        mass = routing_mass(problem.probs, assignment, problem.num_workers)
         counts = np.bincount(assignment.ravel(), minlength=problem.num_workers)
         capacities = np.asarray(problem.capacities)
         return cls(problem.probs, weight, capacities, assignment, weight[:, None] * mass, counts)

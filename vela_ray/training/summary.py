@@ -1,0 +1,164 @@
+"""The run summary: one typed record of a finished run, written as `output.dir/summary.json`.
+
+Both modes write it (`mode: vela` and the `expert_parallel` baseline), and everything
+that reads a run (the report, `vela report`, the CLI's closing lines, the benchmarks)
+reads these fields instead of guessing keys:
+
+    summary = RunSummary.load("runs/demo")          # or RunSummary.model_validate_json(text)
+    summary.losses[-1], summary.placement.problem    # the PlacementProblem it was solved for
+
+`placement.problem` carries the problem the placement was solved for (profile, links,
+capacities, cost model), so predicted bytes and times come from `placement.cost`, not
+from numbers reconstructed after the fact. It is None when the run did not solve one
+(a resumed run that kept its placement, or the expert-parallel baseline).
+
+Shape legend: L = MoE layers, E = experts per layer, N = workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from placement import Placement, PlacementProblem, cost
+
+SUMMARY_FILE = "summary.json"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StepRecord(_Record):
+    """One optimizer step."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    expert_round_trip_s: float = 0.0
+    """Seconds the master waited on the transport (communication + the workers' expert compute)."""
+    bytes_by_tier: dict[str, int] = Field(default_factory=dict)
+    bytes_by_worker: list[int] = Field(default_factory=list)
+    eval_loss: float | None = None
+    allreduce_bytes: int = 0
+    """Expert-parallel baseline only: backbone LoRA gradient all-reduce bytes of this step."""
+
+
+class StepBreakdown(_Record):
+    """Where a step's time goes (medians over steps; worker compute is a per-step mean)."""
+
+    step: float
+    expert_round_trip: float
+    master: float
+    worker_compute_per_worker: list[float]
+    worker_compute_max: float
+    worker_compute_sum: float
+
+
+class LinkRecord(_Record):
+    """A probed master-to-worker link: seconds = latency + bytes / bandwidth."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+
+class PlacementRecord(_Record):
+    """The placement a run trained with, and what the cost model expected of it."""
+
+    solver: str
+    expert_to_worker: list[list[int]]
+    """[L][E] worker of each expert."""
+    cost_model: Literal["communication", "communication+compute", "none"] = "communication"
+    expected_step_time_s: float | None = None
+    """The cost model's seconds per step: communication, plus expert compute under communication+compute."""
+    expected_comm_time_s: float | None = None
+    """The communication part of it alone."""
+    lower_bound_s: float | None = None
+    problem: PlacementProblem | None = None
+    """The problem the placement was solved for (None: not solved in this run)."""
+
+    @classmethod
+    def of(cls, plan: Placement, problem: PlacementProblem | None, cost_model: str) -> PlacementRecord:
+        comm = None if problem is None else cost.step_time(problem.communication_only(), plan.as_array())
+        return cls(solver=plan.solver, expert_to_worker=plan.expert_to_worker, cost_model=cost_model,
+                   expected_step_time_s=plan.expected_step_time if problem is not None else None,
+                   expected_comm_time_s=comm, lower_bound_s=plan.lower_bound, problem=problem)
+
+    @property
+    def table(self) -> np.ndarray:
+        """[L, E] int64 worker of each expert."""
+        return np.asarray(self.expert_to_worker, dtype=np.int64)
+
+    def predicted_bytes_per_worker(self) -> np.ndarray | None:
+        """[N] bytes per training step the cost model expects between the master and each worker."""
+        if self.problem is None:
+            return None
+        return cost.worker_bytes(self.problem, self.table)
+
+
+class RunSummary(_Record):
+    """A finished run (see the module docstring)."""
+
+    mode: Literal["vela", "expert_parallel"] = "vela"
+    steps: int
+    losses: list[float]
+    eval_loss: float | None
+    median_step_time_s: float
+    history: list[StepRecord]
+    step_breakdown_s: StepBreakdown | None = None
+    traffic_bytes_by_tier: dict[str, int]
+    """Expert traffic by link tier over the whole run (training and eval passes)."""
+    traffic_bytes_by_worker: list[int]
+    sent_bytes_by_worker: list[int] = Field(default_factory=list)
+    worker_received_bytes: list[int] = Field(default_factory=list)
+    tokens_routed: list[list[int]] = Field(default_factory=list)
+    """[L][E] rows the routers sent to each expert during training steps."""
+    worker_tiers: list[str]
+    worker_nodes: list[str]
+    master_node: str
+    placement: PlacementRecord
+    links: list[LinkRecord] = Field(default_factory=list)
+    timings_s: dict[str, float | list[float]] = Field(default_factory=dict)
+    adapter_dir: str | None = None
+    report: str | None = None
+    checkpoint: str | None = None
+    """The last checkpoint written (None: checkpoints off or none written)."""
+    allreduce_bytes_per_step: int | None = None
+    """Expert-parallel baseline only."""
+    control_bytes: int | None = None
+    """Expert-parallel baseline only: the [N, E] count exchanges before each all-to-all."""
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_tiers)
+
+    def write(self, out_dir: str | Path) -> Path:
+        path = Path(out_dir) / SUMMARY_FILE
+        path.write_text(self.model_dump_json(indent=1))
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> RunSummary:
+        """The summary of the run in `run_dir`; ValueError if there is none (the run did not finish)."""
+        path = Path(run_dir) / SUMMARY_FILE
+        if not path.is_file():
+            raise ValueError(f"{run_dir} has no {SUMMARY_FILE}: give the output.dir of a finished `vela train` run")
+        return cls.model_validate_json(path.read_text())
+
+
+def step_breakdown(history: list[StepRecord], worker_compute_s: list[float]) -> StepBreakdown | None:
+    """Medians over steps: the step, the master's wait on expert round trips, and the rest (the master's own).
+
+    Worker compute (per-step mean per worker) shows how much of the round trips is arithmetic.
+    """
+    if not history:
+        return None
+    step = float(np.median([h.step_time_s for h in history]))
+    round_trip = float(np.median([h.expert_round_trip_s for h in history]))
+    per_worker = [s / len(history) for s in worker_compute_s]
+    return StepBreakdown(step=step, expert_round_trip=round_trip, master=step - round_trip,
+                         worker_compute_per_worker=per_worker, worker_compute_max=max(per_worker, default=0.0),
+                         worker_compute_sum=sum(per_worker))
