@@ -25,14 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.errors import ClusterError
-from actors.expert_manager import ExpertManager, ExpertManagerSpec
-from vela_ray.model.traffic import LinkTier
+from vela_ray.errors import ClusterError
+from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
+from vela_ray.model.traffic import LinkTier, link_tiers
 
 logger = logging.getLogger(__name__)
 
 NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node; pins a bundle to a node
-LOCAL_NODE = "local"  # what ExpertManager.node_id() says outside Ray
 
 
 class SpawnConfig(BaseModel):
@@ -65,7 +64,7 @@ class ExpertCluster:
     def worker_tiers(self, master_node_id: str | None = None) -> list[LinkTier]:
         """Link tier of each worker from `master_node_id` (default: the caller's node)."""
         master = master_node_id or ray.get_runtime_context().get_node_id()
-        return classify_link_tiers(master, self.node_ids)
+        return link_tiers(master, self.node_ids)
 
     def shutdown(self) -> None:
         """Kill the actors and release their placement group."""
@@ -75,12 +74,8 @@ class ExpertCluster:
 
 
 def classify_link_tiers(master_node_id: str, worker_node_ids: Sequence[str]) -> list[LinkTier]:
-    """Each worker's link from the master: "same_process" for in-process managers
-    (node id "local"), "same_node" when it shares the master's node, else "cross_node"."""
-    return [
-        "same_process" if node == LOCAL_NODE else "same_node" if node == master_node_id else "cross_node"
-        for node in worker_node_ids
-    ]
+    """Deprecated name of `vela_ray.model.traffic.link_tiers`, kept until its last callers move."""
+    return link_tiers(master_node_id, worker_node_ids)
 
 
 def spawn_expert_managers(

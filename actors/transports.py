@@ -25,7 +25,7 @@ import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
 
-from actors.expert_manager import BackwardRequest, WorkerMessage
+from vela_ray.training.expert_manager import BackwardRequest, WorkerMessage
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import ForwardRequest
 

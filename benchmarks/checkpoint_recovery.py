@@ -24,6 +24,7 @@ import ray
 from vela_ray.training import checkpoint
 from vela_ray.api import VelaJob
 from vela_ray.demo import demo_config
+from vela_ray.training.summary import RunSummary
 
 
 def main() -> None:
@@ -46,9 +47,9 @@ def main() -> None:
     last = checkpoint.latest(config.checkpoint_root)
     size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
     start = time.monotonic()
-    summary = VelaJob(config.with_resume("latest")).run()
+    VelaJob(config.with_resume("latest")).run()
     resume_total = time.monotonic() - start
-    resume_to_first_step = resume_total - summary["timings_s"]["train_s"]
+    resume_to_first_step = resume_total - RunSummary.load(out).timings_s["train_s"]
     result = {
         "checkpoint_bytes": size,
         "checkpoint": str(last),

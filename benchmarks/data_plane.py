@@ -68,7 +68,7 @@ def child(args) -> dict:
     import torch
 
     from actors.cluster import spawn_expert_managers
-    from actors.expert_manager import ExpertManagerSpec
+    from vela_ray.training.expert_manager import ExpertManagerSpec
     from actors.transports import RayObjectRefTransport
     from vela_ray.model.broker import ExpertDispatcher
 

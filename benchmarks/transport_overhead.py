@@ -39,7 +39,7 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from actors.cluster import spawn_expert_managers
-from actors.expert_manager import ExpertManagerSpec
+from vela_ray.training.expert_manager import ExpertManagerSpec
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport
 from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
 from vela_ray.model.experts import ExpertShard, LoraSpec

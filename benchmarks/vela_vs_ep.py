@@ -132,10 +132,15 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 
 
 def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | None) -> dict:
-    """One fine-tuning run; the summary plus wall time, machine load and the wire bytes each node sent."""
+    """One fine-tuning run: {"summary": its RunSummary as JSON data, "wall_s", "loadavg_1m", "wire_bytes_by_node"}.
+
+    The summary is read back from output.dir (both modes write it), so this does not depend on
+    what each runner returns.
+    """
     from actors.expert_parallel import run_expert_parallel
     from vela_ray.api import VelaJob
     from vela_ray.config import JobConfig
+    from vela_ray.training.summary import RunSummary
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"vela-vs-ep-{method}-"))
     config = JobConfig.from_dict(job_dict(args, dataset, method, steps, out_dir))
@@ -143,16 +148,16 @@ def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | Non
     wire_before = wire_bytes(spec) if spec else None
     start = time.perf_counter()
     try:
-        summary = run_expert_parallel(config, mode="expert_parallel") if method == "ep" else VelaJob(config).run()
+        run_expert_parallel(config, mode="expert_parallel") if method == "ep" else VelaJob(config).run()
+        summary = RunSummary.load(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    summary["wall_s"] = time.perf_counter() - start
-    summary["loadavg_1m"] = [load_before, os.getloadavg()[0]]
-    if spec:
-        summary["wire_bytes_by_node"] = [a - b for a, b in zip(wire_bytes(spec), wire_before)]
+    run = {"summary": summary.model_dump(mode="json"), "wall_s": time.perf_counter() - start,
+           "loadavg_1m": [load_before, os.getloadavg()[0]],
+           "wire_bytes_by_node": [a - b for a, b in zip(wire_bytes(spec), wire_before)] if spec else None}
     logger.info("%s / %s: median step %.3f s, loss %.4f, %.0f s wall, load %.1f -> %.1f", dataset, method,
-                summary["median_step_time_s"], summary["losses"][-1], summary["wall_s"], *summary["loadavg_1m"])
-    return summary
+                summary.median_step_time_s, summary.losses[-1], run["wall_s"], *run["loadavg_1m"])
+    return run
 
 
 def serial_compute(args, dataset: str) -> dict:

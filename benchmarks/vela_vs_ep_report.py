@@ -1,7 +1,8 @@
 """Tables, plots and JSON for benchmarks/vela_vs_ep.py (raw run summaries in, results out).
 
-`build_results(args, grid, links)` turns the raw summaries of every (data set,
-method) run into the numbers the paper reports: cross-node bytes per node per
+`build_results(args, grid, links)` turns the raw runs of every (data set, method)
+(`vela_vs_ep.run_one`: a `RunSummary` as JSON data plus wall time, load and wire
+bytes) into the numbers the paper reports: cross-node bytes per node per
 step (mean, and per step as Fig. 5), median step time and its ratio to expert
 parallelism (Fig. 6), predicted (cost model) vs measured communication time,
 final loss; `write_all` saves results.json, results.md, traffic_over_steps.png
@@ -20,73 +21,77 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 from benchmarks import paper_scale  # noqa: E402
+from vela_ray.observability.report import expected_times  # noqa: E402
+from vela_ray.training.summary import RunSummary  # noqa: E402
 
 LABELS = {"ep": "EP", "sequential": "vela-ray + sequential", "random": "vela-ray + random",
           "vela": "vela-ray + LP (paper)", "improved": "vela-ray + improved"}
 
 
-def allreduce_cross_bytes(summary: dict) -> float:
+def allreduce_cross_bytes(summary: RunSummary) -> float:
     """Cross-node bytes of one ring all-reduce of EP's backbone LoRA gradients (ranks in index order)."""
-    nodes = summary["worker_nodes"]
+    nodes = summary.worker_nodes
     ranks = len(nodes)
     crossings = sum(nodes[r] != nodes[(r + 1) % ranks] for r in range(ranks))
-    return crossings * 2 * (ranks - 1) / ranks * summary.get("allreduce_bytes_per_step", 0)
+    return crossings * 2 * (ranks - 1) / ranks * (summary.allreduce_bytes_per_step or 0)
 
 
-def cross_per_node_by_step(summary: dict) -> list[float]:
+def cross_per_node_by_step(summary: RunSummary) -> list[float]:
     """Cross-node bytes per node of every step: broker counts (+ EP's all-reduce estimate) / nodes."""
-    nodes = len(set(summary["worker_nodes"]) | {summary["master_node"]})
-    extra = allreduce_cross_bytes(summary) if summary.get("mode") == "expert_parallel" else 0.0
-    return [(h["bytes_by_tier"]["cross_node"] + extra) / nodes for h in summary["history"]]
+    nodes = len(set(summary.worker_nodes) | {summary.master_node})
+    extra = allreduce_cross_bytes(summary) if summary.mode == "expert_parallel" else 0.0
+    return [(h.bytes_by_tier.get("cross_node", 0) + extra) / nodes for h in summary.history]
 
 
-def steady_step_times(summary: dict, warmup: int) -> list[float]:
+def steady_step_times(summary: RunSummary, warmup: int) -> list[float]:
     """Step times without the first `warmup` steps (all of them if that would leave none)."""
-    times = [h["step_time_s"] for h in summary["history"]]
+    times = [h.step_time_s for h in summary.history]
     return times[warmup:] or times
 
 
-def median_step(summary: dict, warmup: int) -> float:
+def median_step(summary: RunSummary, warmup: int) -> float:
     return float(np.median(steady_step_times(summary, warmup)))
 
 
-def link_view(summary: dict) -> dict | None:
+def link_view(summary: RunSummary) -> dict | None:
     """Mean bandwidth the placement service measured to same-node and cross-node workers (bytes/s)."""
-    links, tiers = summary.get("links") or [], summary.get("worker_tiers") or []
-    if not links:
+    if not summary.links:
         return None
-    by = {t: [l["bandwidth_bytes_per_s"] for l, tt in zip(links, tiers) if tt == t] for t in ("same_node", "cross_node")}
+    pairs = list(zip(summary.links, summary.worker_tiers))
+    by = {t: [link.bandwidth_bytes_per_s for link, tier in pairs if tier == t] for t in ("same_node", "cross_node")}
     view = {t: float(np.mean(v)) for t, v in by.items() if v}
     if len(view) == 2:
         view["ratio"] = view["same_node"] / view["cross_node"]
     return view
 
 
-def method_row(summary: dict, unshaped: dict | None, warmup: int) -> dict:
+def method_row(run: dict, unshaped: dict | None, warmup: int) -> dict:
+    """One method's numbers from a raw run (`vela_vs_ep.run_one`) and, if any, its unshaped rerun."""
+    summary = RunSummary.model_validate(run["summary"])
     per_step = cross_per_node_by_step(summary)
     step = median_step(summary, warmup)
     row = {
         "cross_bytes_per_node_per_step": float(np.mean(per_step)),
         "cross_bytes_per_node_by_step": per_step,
-        "step_times_s": [h["step_time_s"] for h in summary["history"]],
+        "step_times_s": [h.step_time_s for h in summary.history],
         "median_step_time_s": step,
         "p25_step_time_s": float(np.percentile(steady_step_times(summary, warmup), 25)),
-        "predicted_comm_s": summary["placement"].get("expected_comm_time_s",
-                                                     summary["placement"].get("expected_step_time_s")),
-        "final_loss": summary["losses"][-1],
-        "eval_loss": summary.get("eval_loss"),
-        "losses": summary["losses"],
+        "predicted_comm_s": expected_times(summary.placement).get("expected comm"),
+        "final_loss": summary.losses[-1],
+        "eval_loss": summary.eval_loss,
+        "losses": summary.losses,
         "placement_link_view": link_view(summary),
-        "wall_s": summary.get("wall_s"),
-        "loadavg_1m": summary.get("loadavg_1m"),
-        "wire_bytes_by_node": summary.get("wire_bytes_by_node"),
-        "step_breakdown_s": summary.get("step_breakdown_s"),  # vela-ray only: master vs expert round trips
-        "cost_model": summary.get("placement", {}).get("cost_model"),
-        "allreduce_cross_bytes_per_step": allreduce_cross_bytes(summary)
-        if summary.get("mode") == "expert_parallel" else 0.0,
+        "wall_s": run.get("wall_s"),
+        "loadavg_1m": run.get("loadavg_1m"),
+        "wire_bytes_by_node": run.get("wire_bytes_by_node"),
+        # vela-ray only: master vs expert round trips
+        "step_breakdown_s": summary.step_breakdown_s.model_dump() if summary.step_breakdown_s else None,
+        "cost_model": summary.placement.cost_model,
+        "allreduce_cross_bytes_per_step": allreduce_cross_bytes(summary) if summary.mode == "expert_parallel" else 0.0,
     }
     if unshaped:
-        row["unshaped_median_step_time_s"] = median_step(unshaped, min(warmup, len(unshaped["history"]) - 1))
+        again = RunSummary.model_validate(unshaped["summary"])
+        row["unshaped_median_step_time_s"] = median_step(again, min(warmup, len(again.history) - 1))
         row["measured_comm_s"] = step - row["unshaped_median_step_time_s"]
     return row
 

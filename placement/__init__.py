@@ -6,40 +6,66 @@
     placement.to_json("placement.json")
 
 Modules: `problem` (the inputs), `cost` (expected time and bytes of any
-placement), `lp` (the paper's LP relaxation, aggregated over worker classes),
-`rounding` (the paper's rounding), `greedy` and `search` (the improved
-solver's construction and local search), `solvers` (the plan and the solver
-registry), `io` (profile and problem files), `report` (text summary).
+placement, and `check_table`, the one placement validator), `lp` (the paper's
+LP relaxation, aggregated over worker classes), `rounding` (the paper's
+rounding), `greedy` and `search` (the improved solver's construction and local
+search), `solvers` (the plan, `sequential_table` and the solver registry), `io`
+(profile and problem files: `load_profile` is the one profile reader), `report`
+(text summary).
+
+The names below are imported on first use (PEP 562), so `import placement.io`
+(the profile reader the runtime's data side uses) does not pay for cvxpy and scipy.
 """
 
-from placement.cost import (
-    CostReport,
-    cost_report,
-    cross_node_bytes,
-    layer_worker_times,
-    step_time,
-    worker_bytes,
-)
-from placement.io import load_profile
-from placement.lp import solve_lp
-from placement.problem import PlacementProblem, build_problem, synthetic_probs
-from placement.rounding import round_relaxed
-from placement.solvers import SOLVERS, Placement, solve
+from __future__ import annotations
 
-__all__ = [
-    "CostReport",
-    "Placement",
-    "PlacementProblem",
-    "SOLVERS",
-    "build_problem",
-    "cost_report",
-    "cross_node_bytes",
-    "layer_worker_times",
-    "load_profile",
-    "round_relaxed",
-    "solve",
-    "solve_lp",
-    "step_time",
-    "synthetic_probs",
-    "worker_bytes",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "CostReport": "placement.cost",
+    "check_table": "placement.cost",
+    "cost_report": "placement.cost",
+    "cross_node_bytes": "placement.cost",
+    "layer_worker_times": "placement.cost",
+    "step_time": "placement.cost",
+    "worker_bytes": "placement.cost",
+    "load_profile": "placement.io",
+    "probs_from_counts": "placement.io",
+    "solve_lp": "placement.lp",
+    "PlacementProblem": "placement.problem",
+    "build_problem": "placement.problem",
+    "synthetic_probs": "placement.problem",
+    "round_relaxed": "placement.rounding",
+    "SOLVERS": "placement.solvers",
+    "Placement": "placement.solvers",
+    "sequential_table": "placement.solvers",
+    "solve": "placement.solvers",
+}
+
+__all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:
+    from placement.cost import (
+        CostReport,
+        check_table,
+        cost_report,
+        cross_node_bytes,
+        layer_worker_times,
+        step_time,
+        worker_bytes,
+    )
+    from placement.io import load_profile, probs_from_counts
+    from placement.lp import solve_lp
+    from placement.problem import PlacementProblem, build_problem, synthetic_probs
+    from placement.rounding import round_relaxed
+    from placement.solvers import SOLVERS, Placement, sequential_table, solve
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its home module on first use (module docstring)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'placement' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value

@@ -23,39 +23,69 @@ every time and byte count here is doubled; with it off, only the forward pass
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from placement.problem import PlacementProblem
 
 
-def check_expert_to_worker(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
-    """Validate a placement's shape, worker ids and capacities; return it as an int array.
+def check_table(
+    expert_to_worker: Any,
+    capacities: Sequence[int],
+    *,
+    shape: tuple[int, int] | None = None,
+    source: str | None = None,
+) -> np.ndarray:
+    """Validate a [num_layers, num_experts] table of worker ids against per-worker capacities.
 
-    expert_to_worker: [num_layers, num_experts] worker index of each expert.
+    The one placement validator: `check_expert_to_worker` (solvers, cost model),
+    `Placement`'s own check and `Placement.check_fits` all come here, so a bad
+    placement reads the same wherever it is caught. `shape`: the (num_layers,
+    num_experts) it must have; `source`: where the table came from (a file),
+    named at the start of every message. Returns the table as int64.
     """
-    assignment = np.asarray(expert_to_worker)
-    expected = (problem.num_layers, problem.num_experts)
-    if assignment.shape != expected:
+    what = f"placement {source}" if source else "expert_to_worker"
+    table = _as_table(expert_to_worker, what)
+    if shape is not None and table.shape != tuple(shape):
         raise ValueError(
-            f"expert_to_worker has shape {assignment.shape} but the problem is "
-            f"[num_layers, num_experts] = {list(expected)}: solve for this problem"
+            f"{what} has shape {table.shape} but the problem is [num_layers, num_experts] = "
+            f"{list(shape)}: solve again for this problem (vela place)"
         )
-    if not np.issubdtype(assignment.dtype, np.integer):
-        raise ValueError(f"expert_to_worker must hold integer worker ids, got {assignment.dtype}")
-    if assignment.min() < 0 or assignment.max() >= problem.num_workers:
-        raise ValueError(
-            f"expert_to_worker holds worker ids {assignment.min()}..{assignment.max()} "
-            f"but the problem has workers 0..{problem.num_workers - 1}"
-        )
-    counts = experts_per_worker(problem.num_workers, assignment)
-    over = np.flatnonzero(counts > np.asarray(problem.capacities))
+    num_workers = len(capacities)
+    if table.min() < 0 or table.max() >= num_workers:
+        bad = table.min() if table.min() < 0 else table.max()
+        raise ValueError(f"{what} holds worker {bad} but there are only workers 0..{num_workers - 1}")
+    counts = experts_per_worker(num_workers, table)
+    over = np.flatnonzero(counts > np.asarray(capacities))
     if len(over):
         n = int(over[0])
         raise ValueError(
-            f"worker {n} holds {counts[n]} experts but capacities[{n}] = {problem.capacities[n]}"
+            f"{what} puts {counts[n]} experts on worker {n}, over its capacity {capacities[n]} "
+            f"(capacities[{n}]): solve again for these capacities"
         )
-    return assignment.astype(np.int64)
+    return table
+
+
+def _as_table(expert_to_worker: Any, what: str) -> np.ndarray:
+    """A non-empty 2-D int64 array of worker ids, or a ValueError naming `what`."""
+    rows = expert_to_worker if isinstance(expert_to_worker, list) else None
+    if rows is not None and len({len(row) if isinstance(row, list) else -1 for row in rows}) > 1:
+        raise ValueError(f"{what} must be a non-empty [num_layers][num_experts] table; its rows differ in length")
+    table = np.asarray(expert_to_worker)
+    if table.ndim != 2 or table.size == 0:
+        raise ValueError(
+            f"{what} must be a non-empty [num_layers][num_experts] table of worker ids, got shape {table.shape}"
+        )
+    if not np.issubdtype(table.dtype, np.integer):
+        raise ValueError(f"{what} must hold integer worker ids, got {table.dtype}")
+    return table.astype(np.int64)
+
+
+def check_expert_to_worker(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """`check_table` for a placement of `problem`: its shape, worker ids and capacities; int64 table."""
+    return check_table(expert_to_worker, problem.capacities, shape=(problem.num_layers, problem.num_experts))
 
 
 def experts_per_worker(num_workers: int, expert_to_worker: np.ndarray) -> np.ndarray:

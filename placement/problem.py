@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator, model_validator
 
-from placement.io import read_problem_fields
+from placement.io import as_probs_matrix, read_problem_fields
 
 ROW_SUM_RTOL = 1e-6
 
@@ -75,21 +75,7 @@ class PlacementProblem(BaseModel):
     @field_validator("probs", mode="before")
     @classmethod
     def _probs_as_matrix(cls, value: Any) -> np.ndarray:
-        try:
-            probs = np.array(value, dtype=np.float64)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"probs must be a numeric [num_layers, num_experts] matrix: {err}")
-        if probs.ndim != 2 or probs.size == 0:
-            raise ValueError(
-                f"probs must be a non-empty 2-D [num_layers, num_experts] matrix, got shape {probs.shape}"
-            )
-        bad = np.argwhere(~np.isfinite(probs) | (probs < 0) | (probs > 1))
-        if len(bad):
-            layer, expert = bad[0]
-            raise ValueError(
-                f"probs[{layer}, {expert}] = {float(probs[layer, expert])!r}: every probability must be "
-                "a finite number in [0, 1] (fix or re-profile that layer)"
-            )
+        probs = as_probs_matrix(value)  # the same check as profile files get
         probs.setflags(write=False)
         return probs
 
@@ -233,8 +219,12 @@ class PlacementProblem(BaseModel):
 
     @classmethod
     def from_file(cls, path: str | Path) -> PlacementProblem:
-        """Read a problem from YAML or JSON (format: `placement.io`)."""
-        return build_problem(**read_problem_fields(path))
+        """Read a problem from YAML or JSON (format: `placement.io`); errors name the file."""
+        fields = read_problem_fields(path)
+        try:
+            return build_problem(**fields)
+        except ValueError as err:
+            raise ValueError(f"problem file {path}: {err}") from None
 
     @classmethod
     def uniform(
@@ -270,8 +260,9 @@ class PlacementProblem(BaseModel):
 def build_problem(**fields: Any) -> PlacementProblem:
     """`PlacementProblem(**fields)`, with validation errors as one plain ValueError.
 
-    One line per error, `field: what is wrong and how to fix it`, without
-    pydantic's echo of the whole input (for command-line users).
+    `field: what is wrong and how to fix it`, without pydantic's echo of the
+    whole input (for command-line users): on the same line when there is one
+    error (the usual case), one indented line each when there are several.
     """
     try:
         return PlacementProblem(**fields)
@@ -281,7 +272,8 @@ def build_problem(**fields: Any) -> PlacementProblem:
             f"{error['msg'].removeprefix('Value error, ')}"
             for error in err.errors()
         ]
-        raise ValueError("invalid placement problem:\n  " + "\n  ".join(lines)) from None
+        separator = " " if len(lines) == 1 else "\n  "
+        raise ValueError("invalid placement problem:" + separator + separator.join(lines)) from None
 
 
 def synthetic_probs(

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, computed_field, model_validator
 
-from placement.cost import check_expert_to_worker, step_time
+from placement.cost import check_expert_to_worker, check_table, experts_per_worker, step_time
 from placement.greedy import greedy_placement
+from placement.io import read_json
 from placement.lp import solve_lp
 from placement.problem import PlacementProblem
 from placement.rounding import round_relaxed
@@ -65,23 +66,11 @@ class Placement(BaseModel):
 
     @model_validator(mode="after")
     def _fits_its_workers(self) -> Placement:
-        sizes = {len(row) for row in self.expert_to_worker}
-        if not self.expert_to_worker or len(sizes) != 1:
-            raise ValueError("expert_to_worker must be a non-empty [num_layers][num_experts] table")
         if len(self.capacities) != self.num_workers:
             raise ValueError(
                 f"capacities has {len(self.capacities)} entries for {self.num_workers} workers"
             )
-        workers = np.asarray(self.expert_to_worker)
-        if workers.min() < 0 or workers.max() >= self.num_workers:
-            raise ValueError(
-                f"expert_to_worker holds worker {workers.min() if workers.min() < 0 else workers.max()}"
-                f" but there are only workers 0..{self.num_workers - 1}"
-            )
-        counts = np.bincount(workers.ravel(), minlength=self.num_workers)
-        if np.any(counts > np.asarray(self.capacities)):
-            n = int(np.argmax(counts > np.asarray(self.capacities)))
-            raise ValueError(f"worker {n} holds {counts[n]} experts, over its capacity {self.capacities[n]}")
+        check_table(self.expert_to_worker, self.capacities)
         return self
 
     @computed_field
@@ -111,15 +100,20 @@ class Placement(BaseModel):
         """expert_to_worker as an int64 array [num_layers, num_experts]."""
         return np.asarray(self.expert_to_worker, dtype=np.int64)
 
-    def check_fits(self, problem: PlacementProblem) -> None:
-        """Raise ValueError unless this placement is a feasible one for `problem`."""
-        wanted = (problem.num_layers, problem.num_experts, problem.num_workers)
-        if self.shape != wanted:
+    def check_fits(self, problem: PlacementProblem, source: str | None = None) -> None:
+        """Raise ValueError unless this placement is a feasible one for `problem`.
+
+        `source` (e.g. the placement file's path) starts every message, so a user
+        who points a job at the wrong file learns which file it was.
+        """
+        if self.shape != (problem.num_layers, problem.num_experts, problem.num_workers):
+            what = f"placement {source}" if source else "placement"
             raise ValueError(
-                "placement is for {} layers x {} experts on {} workers, but the problem has "
-                "{} x {} on {}: solve again for this problem (vela place)".format(*self.shape, *wanted)
+                f"{what} is for {_size(*self.shape)}, but the problem has "
+                f"{_size(problem.num_layers, problem.num_experts, problem.num_workers)}: "
+                "solve again for this problem (vela place)"
             )
-        check_expert_to_worker(problem, self.as_array())
+        check_table(self.expert_to_worker, problem.capacities, source=source)
 
     def to_json(self, path: str | Path) -> None:
         """Write the placement (both mappings and its metadata) as JSON."""
@@ -129,14 +123,35 @@ class Placement(BaseModel):
 
     @classmethod
     def from_json(cls, path: str | Path, problem: PlacementProblem | None = None) -> Placement:
-        """Read a placement; with `problem`, also check that it fits that problem."""
-        data = json.loads(Path(path).read_text())
-        for derived in ("gap", "worker_to_experts"):
-            data.pop(derived, None)
-        placement = cls.model_validate(data)
+        """Read a placement; with `problem`, also check that it fits that problem.
+
+        Every error is one ValueError that names the file (it is often a file a
+        job's config points to, written long before).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"placement {str(path)!r} does not exist or is not a file (write one with vela place)")
+        try:
+            data = read_json(path)
+            if not isinstance(data, dict):
+                raise ValueError("must be a JSON object as `vela place --out` writes")
+            for derived in ("gap", "worker_to_experts"):
+                data.pop(derived, None)
+            placement = cls.model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(part) for part in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            raise ValueError(f"placement {path}: {field + ': ' if field else ''}{message}") from None
+        except ValueError as err:
+            raise ValueError(f"placement {path}: {err}") from None
         if problem is not None:
-            placement.check_fits(problem)
+            placement.check_fits(problem, source=str(path))
         return placement
+
+
+def _size(num_layers: int, num_experts: int, num_workers: int) -> str:
+    return f"{num_layers} layers x {num_experts} experts on {num_workers} workers"
 
 
 def _compact_json(value: object) -> str:
@@ -149,8 +164,28 @@ def _compact_json(value: object) -> str:
 # --- solvers -------------------------------------------------------------------
 
 
+def sequential_table(num_layers: int, num_experts: int, num_workers: int) -> np.ndarray:
+    """[num_layers, num_experts] expert e of every layer on worker e mod N.
+
+    Expert parallelism's table (the paper's baseline), in one place: the
+    `sequential` solver starts from it and the expert-parallel ranks own by it.
+    """
+    for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("num_workers", num_workers)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    return np.tile(np.arange(num_experts, dtype=np.int64) % num_workers, (num_layers, 1))
+
+
 def sequential_placement(problem: PlacementProblem, **_: object) -> tuple[np.ndarray, None]:
-    """Expert e on worker e mod N; a full worker passes it to the next one with room."""
+    """`sequential_table` where capacities allow; else a full worker passes the expert to the next one with room."""
+    table = sequential_table(problem.num_layers, problem.num_experts, problem.num_workers)
+    if np.all(experts_per_worker(problem.num_workers, table) <= np.asarray(problem.capacities)):
+        return table, None
+    return _sequential_with_overflow(problem), None
+
+
+def _sequential_with_overflow(problem: PlacementProblem) -> np.ndarray:
+    """Expert e on worker e mod N, layers in order; a full worker passes it on (e + 1, e + 2, ... mod N)."""
     room = np.array(problem.capacities)
     assignment = np.empty(problem.probs.shape, dtype=np.int64)
     for layer in range(problem.num_layers):
@@ -160,7 +195,7 @@ def sequential_placement(problem: PlacementProblem, **_: object) -> tuple[np.nda
                 worker = (worker + 1) % problem.num_workers
             assignment[layer, expert] = worker
             room[worker] -= 1
-    return assignment, None
+    return assignment
 
 
 def random_placement(problem: PlacementProblem, *, seed: int = 0, **_: object) -> tuple[np.ndarray, None]:

@@ -21,7 +21,7 @@ from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
 from vela_ray.training.optim import OptimizerConfig, ShardTrainer, lr_at, make_adamw
-from vela_ray.training.step import LocalWorkers, build_master, import_adapter, train_step
+from vela_ray.training.step import ExpertWorkers, build_master, import_adapter, train_step
 from vela_ray.model.transport import InProcessTransport
 
 LORA = LoraSpec(r=4, alpha=8)
@@ -72,7 +72,7 @@ def build_pair(family: str, make_transport: Callable | None = None, dtype=torch.
     ]
     transport = (make_transport or InProcessTransport)(shards)
     master = build_master(model, table, transport, LORA, OPTIM)
-    workers = LocalWorkers([ShardTrainer(s, OPTIM) for s in shards])
+    workers = ExpertWorkers.in_process([ShardTrainer(s, OPTIM) for s in shards])
     import_adapter(master, workers, adapter_dir)
     ref_optimizer = make_adamw([p for p in reference.parameters() if p.requires_grad], OPTIM)
     return Pair(reference, ref_optimizer, master, workers, adapter_dir)

@@ -6,7 +6,16 @@ from pathlib import Path
 
 import yaml
 
+import torch
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from vela_ray.config import JobConfig
+from vela_ray.data.datasets import batch_at
+from vela_ray.model.adapters import full_lora_config
+from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
+from vela_ray.training.optim import lr_at
 from vela_ray.paths import data_dir
 from vela_ray.training.tiny_model import train_tokenizer
 
@@ -42,3 +51,43 @@ def job_dict(model_dir: Path, out_dir: Path, steps: int = 3, **sections) -> dict
 def write_job(path: Path, job: dict) -> Path:
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+def init_adapter(model_dir: Path, out: Path) -> Path:
+    """A random (non-zero B) adapter both sides start from."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    cfg = full_lora_config(model, LoraSpec(r=4, alpha=8))
+    cfg.init_lora_weights = False
+    torch.manual_seed(5)
+    get_peft_model(model, cfg).save_pretrained(out)
+    return out
+
+
+def reference_losses(config: JobConfig) -> tuple[list[float], dict]:
+    """Plain transformers + peft over the very batches, learning rates and clipping of the job."""
+    train = config.training
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    train_set, _ = config.data.build(tokenizer).split(train.eval_fraction, train.seed)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config.model.path),
+                                      config.lora.init_adapter, is_trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=train.optimizer.lr, betas=train.optimizer.betas,
+                            eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
+    model.train()
+    losses = []
+    for step in range(train.steps):
+        batch = batch_at(train_set, step, train.batch_size, train.seed)
+        size = train.micro_batch_size
+        total = 0.0
+        for i in range(0, train.batch_size, size):
+            micro = {k: v[i:i + size] for k, v in batch.items()}
+            loss = model(**micro).loss / train.grad_accumulation
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, train.optimizer.max_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(train.optimizer, step, train.steps)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, get_peft_model_state_dict(model)

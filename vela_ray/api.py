@@ -2,19 +2,31 @@
 
     from vela_ray.api import VelaJob
     from vela_ray.config import JobConfig
-    summary = VelaJob(JobConfig.from_yaml("job.yaml")).run()
+    summary = VelaJob(JobConfig.from_yaml("job.yaml")).run()     # a RunSummary
 
-The config is validated and pre-flighted (model, MoE layers, capacity) before
-Ray starts. Then the driver connects to Ray (the given address, else
-RAY_ADDRESS as set by `ray job submit`, else a fresh local Ray), starts the
-MasterActor on its own node and waits for it. A worker's exception reaches
-the caller as a RayTaskError carrying the worker's traceback.
+The config is validated and pre-flighted (model files, data, output dir, resume
+point, capacity) before Ray starts. Then the driver connects to Ray (the given
+address, else RAY_ADDRESS as set by `ray job submit`, else a fresh local Ray),
+checks the cluster's resources against the request, starts the MasterActor on its
+own node and waits for it.
+
+Errors reach the caller as the exception the actor raised (a ValueError for bad input,
+`WorkerLostError`, `RunInterrupted`, ...), not as Ray's wrapper: `ray.get`'s
+RayTaskError is unwrapped to its cause, and its full traceback goes to the log at DEBUG.
+Ctrl-C and SIGTERM ask the master to stop after the step in flight and its checkpoint
+(a second Ctrl-C kills it at once); the run then raises `RunInterrupted` naming the
+checkpoint to resume from.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -23,8 +35,15 @@ from actors.expert_parallel import run_expert_parallel
 from actors.master import MasterActor
 from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
+from vela_ray.errors import RunInterrupted, VelaActorError
+from vela_ray.preflight import check_cluster_resources
+from vela_ray.quiet import silence_known_warnings
+from vela_ray.training import checkpoint
+from vela_ray.training.summary import RunSummary
 
 logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 600  # how long a stopping run may take to finish its step and checkpoint
 
 
 class VelaJob:
@@ -32,24 +51,57 @@ class VelaJob:
         config.preflight()
         self.config = config
 
-    def run(self) -> dict:
+    def run(self) -> RunSummary:
+        silence_known_warnings()
         started_ray = self._connect()
         try:
+            check_cluster_resources(self.config, ray.cluster_resources())
             if self.config.mode == "expert_parallel":
-                return run_expert_parallel(self.config)
-            node_id = ray.get_runtime_context().get_node_id()
-            cluster = self.config.cluster
-            master = ray.remote(MasterActor).options(
-                num_cpus=0, max_restarts=0,
-                runtime_env={"env_vars": data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)},
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(self.config)
-            summary = ray.get(master.run.remote())
-            ray.kill(master)
-            return summary
+                return _unwrapped(lambda: run_expert_parallel(self.config))
+            return self._run_master()
         finally:
             if started_ray:
                 ray.shutdown()
+
+    def _run_master(self) -> RunSummary:
+        cluster = self.config.cluster
+        master = ray.remote(MasterActor).options(
+            num_cpus=0, max_restarts=0, max_concurrency=2,  # `stop` must get through while `run` works
+            runtime_env={"env_vars": data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(self.config, os.getpid())
+        run = master.run.remote()
+        try:
+            with _stop_requests() as stop:
+                return self._wait(master, run, stop)
+        finally:
+            ray.kill(master)
+
+    def _wait(self, master: Any, run: ray.ObjectRef, stop: _StopRequest) -> RunSummary:
+        """Wait for the run; the first Ctrl-C/SIGTERM asks it to stop after its step, a second kills it."""
+        deadline = None
+        while True:
+            ready, _ = ray.wait([run], timeout=0.5)
+            if ready:
+                try:
+                    return _unwrapped(lambda: ray.get(run))
+                except ray.exceptions.RayActorError as err:  # the master process itself died
+                    raise self._master_lost(err) from None
+            if stop.count and deadline is None:
+                logger.warning("%s: stopping after the current step and its checkpoint (again to kill now)",
+                               stop.reason)
+                master.stop.remote(stop.reason)
+                deadline = time.monotonic() + STOP_GRACE_S
+            if stop.count > 1 or (deadline is not None and time.monotonic() > deadline):
+                last = checkpoint.latest(self.config.checkpoint_root)
+                raise RunInterrupted(None, str(last) if last else None, f"{stop.reason}; killed mid-step")
+
+    def _master_lost(self, err: Exception) -> VelaActorError:
+        last = checkpoint.latest(self.config.checkpoint_root)
+        resume = (f"resume from checkpoint {last} with `vela train --config ... --resume {last}`" if last
+                  else "no checkpoint was written; set checkpoint.every to keep progress")
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return VelaActorError(f"the MasterActor died ({cause}); {resume}")
 
     def _connect(self) -> bool:
         """Connect to Ray; returns True when this call started a local instance to shut down later."""
@@ -59,8 +111,43 @@ class VelaJob:
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
         if address:
             ray.init(address=address, runtime_env=env, log_to_driver=True)
-        else:
-            needed = 1 + self.config.cluster.num_workers * self.config.cluster.num_cpus_per_worker
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 1)), include_dashboard=False,
-                     runtime_env=env, log_to_driver=True)
+        else:  # this machine's cores, not more: the resource check must see what really is here
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=env, log_to_driver=True)
         return True
+
+
+def _unwrapped(call):
+    """`call()`, with Ray's RayTaskError replaced by the exception the actor raised."""
+    try:
+        return call()
+    except ray.exceptions.RayTaskError as err:
+        logger.debug("the run failed inside an actor:\n%s", err)
+        cause = err.cause if isinstance(err.cause, BaseException) else None
+        if cause is None:
+            raise
+        raise cause from None
+
+
+class _StopRequest:
+    reason: str | None = None
+    count: int = 0  # signals received
+
+
+@contextmanager
+def _stop_requests() -> Iterator[_StopRequest]:
+    """Ctrl-C and SIGTERM set `reason` instead of raising, so the driver can stop the run cleanly."""
+    request = _StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request  # signals are delivered to the main thread only
+        return
+
+    def handler(signum, frame):
+        request.reason = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        request.count += 1
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

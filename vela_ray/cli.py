@@ -34,8 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except ValueError as err:  # user-caused errors: message only, no traceback
-        print(f"vela {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(args, err, code=2)
+    except Exception as err:  # the run failed (a worker lost, an actor's error): one line, the cause
+        from vela_ray.errors import RunInterrupted
+
+        logging.getLogger("vela_ray.cli").debug("traceback", exc_info=True)
+        code = 130 if isinstance(err, RunInterrupted) else 1
+        return _fail(args, err, code, hint="" if args.verbose or code == 130 else " (-v for the traceback)")
+
+
+def _fail(args: argparse.Namespace, err: BaseException, code: int, hint: str = "") -> int:
+    kind = "" if isinstance(err, ValueError) or type(err).__module__.startswith("vela_ray") else f"{type(err).__name__}: "
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"vela {args.command}: error: {kind}{first}{hint}", file=sys.stderr)
+    return code
 
 
 # --- subcommands -------------------------------------------------------------
@@ -123,13 +135,14 @@ def _run_build_tiny_model(args: argparse.Namespace) -> int:
 def _add_place(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("place", help="place experts on workers to minimise expected communication time")
     p.add_argument("--problem", type=Path, help="YAML/JSON problem file (instead of the flags below)")
-    p.add_argument("--profile", help="routing profile [layers, experts]: .npy or .json")
+    p.add_argument("--profile", help="routing profile [layers, experts]: .npy or .json (e.g. vela profile's)")
     p.add_argument("--bandwidths", help="master-to-worker bandwidth per worker in GB/s: comma list or file")
     p.add_argument("--capacities", help="experts per worker: one integer for all, or a comma list")
     p.add_argument("--nodes", help="node id per worker, comma list (enables cross-node bytes)")
     p.add_argument("--master-node", help="node id of the master")
-    p.add_argument("--tokens", type=int, help="tokens per step entering each MoE layer (batch x sequence)")
-    p.add_argument("--hidden", type=int, help="hidden size (elements per token row)")
+    p.add_argument("--tokens", type=int, help="tokens per step entering each MoE layer (batch x sequence; "
+                   "default 4096: it scales the printed times, not the placement)")
+    p.add_argument("--hidden", type=int, help="hidden size, elements per token row (default 4096, likewise)")
     p.add_argument("--bits", type=int, default=16, help="bits per element (default 16)")
     p.add_argument("--top-k", type=int, help="experts per token (default: inferred from the profile's row sums)")
     p.add_argument("--forward-only", action="store_true", help="count the forward pass only (default: forward + backward)")
@@ -143,11 +156,14 @@ def _add_place(sub: argparse._SubParsersAction) -> None:
 
 def _run_place(args: argparse.Namespace) -> int:
     from placement import PlacementProblem, build_problem, solve, solve_lp
-    from placement.io import fields_from_options
+    from placement.io import assumed_sizes_note, check_writable, fields_from_options
     from placement.report import format_summary
 
     if args.problem and args.profile:
         raise ValueError("give either --problem or --profile (with --bandwidths, --capacities, ...), not both")
+    if args.out:
+        check_writable(args.out)  # before solving: a bad path must not cost the solve, nor follow its output
+    note = None
     if args.problem:
         problem = PlacementProblem.from_file(args.problem)
     elif args.profile and args.bandwidths and args.capacities:
@@ -157,16 +173,19 @@ def _run_place(args: argparse.Namespace) -> int:
             top_k=args.top_k, nodes=args.nodes, master_node=args.master_node,
             include_backward=not args.forward_only,
         ))
+        note = assumed_sizes_note(args.tokens, args.hidden)
     else:
         raise ValueError("give --problem FILE, or --profile with --bandwidths and --capacities")
     placement = solve(problem, args.solver, seed=args.seed, time_budget_s=args.time_budget, direct=args.direct)
     lower_bound = placement.lower_bound or solve_lp(problem, direct=args.direct)[0]
-    print(format_summary(problem, placement, lower_bound))
+    print("\n".join(filter(None, [note, format_summary(problem, placement, lower_bound)])))
     if args.out:
-        placement.to_json(args.out)
+        try:
+            placement.to_json(args.out)
+        except OSError as err:  # checked above, so only if the disk or permissions changed meanwhile
+            raise ValueError(f"--out {str(args.out)!r} cannot be written: {err.strerror}") from None
         print(f"placement written to {args.out}")
     return 0
-
 
 
 @_subcommand
@@ -179,11 +198,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from vela_ray.api import VelaJob
     from vela_ray.config import JobConfig
-    from vela_ray.demo import print_summary
 
-    print_summary(VelaJob(JobConfig.from_yaml(args.config).with_resume(args.resume)).run())
+    config = JobConfig.from_yaml(args.config).with_resume(args.resume)  # a typo fails here, before torch loads
+
+    from vela_ray.api import VelaJob
+    from vela_ray.observability.report import summary_text
+
+    print(summary_text(VelaJob(config).run()))
     return 0
 
 
@@ -197,9 +219,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from vela_ray.api import VelaJob
-    from vela_ray.demo import demo_config, print_summary
+    from vela_ray.demo import demo_config
+    from vela_ray.observability.report import summary_text
 
-    print_summary(VelaJob(demo_config(args.out, args.steps)).run())
+    print(summary_text(VelaJob(demo_config(args.out, args.steps)).run()))
     return 0
 
 

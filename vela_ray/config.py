@@ -1,22 +1,27 @@
 """The job config: one pydantic model per component, read from YAML, checked before any actor starts.
 
     job = JobConfig.from_yaml("job.yaml")     # field errors name the field and the fix
-    job.preflight()                           # cheap checks against the files: model, MoE, capacity
+    checked = job.preflight()                 # the files: weights, data, placement, resume, output dir
+    checked.config                            # the job to run, its resume pinned to one checkpoint
 
-`preflight` runs in the driver in a second or two, so a typo never costs a
-cluster start-up.
+Importing this module loads neither torch, transformers nor ray, so a typo
+costs well under a second; `preflight` (`vela_ray.preflight`) runs in the
+driver in a second or two, so a bad file never costs a cluster start-up.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vela_ray.data.datasets import DataConfig
 from vela_ray.training.optim import OptimizerConfig
+
+if TYPE_CHECKING:
+    from vela_ray.preflight import Preflight
 
 Solver = Literal["improved", "vela", "sequential", "random", "file"]
 TransportName = Literal["object_ref", "compiled_graph"]
@@ -138,6 +143,23 @@ class JobConfig(_Section):
     def checkpoint_root(self) -> Path:
         return self.checkpoint.dir or self.output.dir / "checkpoints"
 
+    # The one place where config strings become runtime objects (imported here lazily: a
+    # config is read and validated without torch).
+
+    @property
+    def lora_spec(self):
+        """`vela_ray.model.experts.LoraSpec` of the expert adapters."""
+        from vela_ray.model.experts import LoraSpec
+
+        return LoraSpec(self.lora.r, self.lora.alpha)
+
+    @property
+    def torch_dtype(self):
+        """`model.dtype` as a torch dtype."""
+        import torch
+
+        return getattr(torch, self.model.dtype)
+
     def with_resume(self, spec: str | None) -> "JobConfig":
         """This config resuming from `spec` (`latest` or a directory); None leaves it unchanged."""
         if spec is None:
@@ -146,10 +168,16 @@ class JobConfig(_Section):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "JobConfig":
+        """The job in a YAML file; a syntax error names the file and line, not a parser traceback."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _read_yaml(path)
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of sections (model:, data:, training:, ...), "
+                             f"got a YAML {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
@@ -159,24 +187,26 @@ class JobConfig(_Section):
         except ValidationError as err:
             raise ValueError(f"{source}: " + _readable(err)) from None
 
-    def preflight(self) -> None:
-        """File-level checks (model, MoE layers, capacity) in about a second; ValueError naming the field."""
-        from vela_ray.model.loading import moe_layout  # transformers import is the slow part; only here
+    def preflight(self) -> "Preflight":
+        """Every check against the files (weights, data, placement file, resume, output dir) before Ray.
 
-        model_dir = self.model.path
-        if not (model_dir / "config.json").is_file():
-            raise ValueError(f"model.path {model_dir}: no config.json; point it at a save_pretrained directory")
-        try:
-            num_layers, num_experts, _ = moe_layout(model_dir)
-        except ValueError as err:
-            raise ValueError(f"model.path {model_dir}: {err}") from None
-        capacity = self.placement.capacity
-        if capacity is not None and capacity * self.cluster.num_workers < num_layers * num_experts:
-            short = num_layers * num_experts - capacity * self.cluster.num_workers
-            raise ValueError(
-                f"placement.capacity {capacity} x cluster.num_workers {self.cluster.num_workers} holds "
-                f"{capacity * self.cluster.num_workers} experts but the model has {num_layers}x{num_experts}="
-                f"{num_layers * num_experts}: need {short} more expert slots (raise capacity or add workers)")
+        ValueError with one line naming the field or file and the fix. Writes nothing
+        but a probe file it deletes. Run the returned `.config`: its resume is pinned
+        to the checkpoint verified here, so the master cannot pick a different one.
+        """
+        from vela_ray.preflight import preflight  # torch and transformers load here, after validation
+
+        return preflight(self)
+
+
+def _read_yaml(path: Path) -> object:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1} column {mark.column + 1}: " if mark else ""
+        what = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{path}: {where}YAML syntax error ({what}); fix the YAML there") from None
 
 
 def _readable(err: ValidationError) -> str:

@@ -1,7 +1,8 @@
 """The demo job: the tiny pre-trained Mixtral, Tiny Shakespeare, experts over 3 ExpertManagers.
 
 `vela demo` builds (once, cached) the tiny model and fine-tunes it on a fresh
-local Ray cluster; `demo_config()` is the same job as a JobConfig to start from.
+local Ray cluster; `demo_config()` is the same job as a JobConfig to start from. What a
+finished run prints is `vela_ray.observability.report.summary_text`, the same for every run.
 """
 
 from __future__ import annotations
@@ -26,16 +27,3 @@ def demo_config(out_dir: str | Path = "runs/demo", steps: int = 30, model_dir: s
         "output": {"dir": str(out_dir)},
     }, source="demo config")
 
-
-def print_summary(summary: dict) -> None:
-    losses = summary["losses"]
-    tiers = summary["traffic_bytes_by_tier"]
-    plan = summary["placement"]
-    print(f"\nfine-tuned {summary['steps']} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-          f"eval loss {summary['eval_loss']:.4f}")
-    print(f"median step time {summary['median_step_time_s']:.3f} s; placement: {plan['solver']} "
-          f"(expected comm {plan['expected_step_time_s'] * 1e3:.3f} ms/step)")
-    print("expert traffic by link tier: " + ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in tiers.items()))
-    print(f"adapter: {summary['adapter_dir']}")
-    if summary.get("report"):
-        print(f"report: {summary['report']}")

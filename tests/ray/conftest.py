@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from actors.cluster import ExpertCluster
-from actors.expert_manager import ExpertManagerSpec
+from vela_ray.training.expert_manager import ExpertManagerSpec
 from tests.ray.helpers import (
     NUM_WORKERS, RAY_CPUS, spawn, specs_for, split_weights, synthetic_placement, synthetic_weights,
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from actors.cluster import ExpertCluster, spawn_expert_managers
-from actors.expert_manager import ExpertManagerSpec
+from vela_ray.training.expert_manager import ExpertManagerSpec
 from actors.transports import data_plane_env
 from tests.equivalence import LORA, OPTIM, scattered_placement
 from vela_ray.config import ClusterSection

@@ -14,7 +14,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from actors.errors import WorkerLostError
+from vela_ray.errors import WorkerLostError
 from tests.fixtures import job_dict, make_checkpoint
 from vela_ray.training import checkpoint
 from vela_ray.api import VelaJob

@@ -9,7 +9,7 @@ import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from actors.cluster import SpawnConfig, reserve_bundles, spawn_expert_managers
-from actors.errors import ClusterError
+from vela_ray.errors import ClusterError
 from tests.ray.helpers import DATA_PLANE_ENV, specs_for, split_weights, synthetic_placement, synthetic_weights
 
 

@@ -7,8 +7,9 @@ import ray
 import torch
 
 from actors.cluster import classify_link_tiers
-from actors.errors import ExpertWorkerError
-from actors.expert_manager import ExpertManager, ExpertManagerSpec
+from vela_ray.errors import ExpertWorkerError
+from vela_ray.runtime.pool import capacity_from_memory
+from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from tests.ray.helpers import ACTIVATION, HIDDEN, synthetic_weights
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
@@ -42,9 +43,9 @@ def test_bytes_per_expert_counts_weights_and_lora_with_adam_state():
     # frozen: (2I*D + D*I) fp32 = (48*16 + 16*24) * 4 = 4608 bytes
     # LoRA r=4: (r*D + 2I*r + r*I + D*r) * 4 = (64 + 192 + 96 + 64) * 4 = 1664 bytes, x4 (value, grad, 2 moments)
     assert manager.bytes_per_expert() == 4608 + 4 * 1664
-    assert manager.capacity(manager.bytes_per_expert()) > 1000  # this machine has far more than 11 MB free
+    assert capacity_from_memory([manager.free_bytes()], manager.bytes_per_expert())[0] > 1000  # > 11 MB free
     with pytest.raises(ValueError, match="bytes_per_expert must be positive"):
-        manager.capacity(0)
+        capacity_from_memory([manager.free_bytes()], 0)
 
 
 def test_seconds_per_row_times_an_expert_without_touching_training_state():

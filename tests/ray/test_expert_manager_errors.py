@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from actors.errors import ExpertWorkerError
+from vela_ray.errors import ExpertWorkerError
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport
 from tests.ray.helpers import HIDDEN, TIMEOUT_S, synthetic_placement
 from vela_ray.model.transport import ForwardRequest

@@ -34,14 +34,15 @@ FEEDER = f"""
 import sys, time
 import numpy as np
 import ray
+from actors.metrics import RayMetricsBackend
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.model.traffic import TrafficCounter
 
 @ray.remote(num_cpus=0)
 class Feeder:
     def feed(self, steps):
-        sink = MetricsSink.for_ray()
-        sink.set_placement(3, [[0, 0, 1, 2], [1, 2, 0, 0]], expected_step_time_s=0.5)
+        sink = MetricsSink(RayMetricsBackend())
+        sink.set_placement(3, [[0, 0, 1, 2], [1, 2, 0, 0]], num_workers=3, expected_comm_time_s=0.5)
         counter = TrafficCounter(2, 3, {TIERS!r})
         for step in range(steps):
             before = counter.snapshot()

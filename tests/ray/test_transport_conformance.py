@@ -17,9 +17,9 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from actors.errors import ExpertWorkerError
+from vela_ray.errors import ExpertWorkerError
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport
-from actors.workers import RayWorkers
+from actors.workers import actor_workers
 from tests.equivalence import LORA, OPTIM, build_pair, reference_adapter_state, run_both
 from tests.ray.helpers import (
     ACTIVATION, HIDDEN, NUM_WORKERS, TIMEOUT_S, random_lora_state, specs_from_shards, split_weights,
@@ -28,7 +28,7 @@ from tests.ray.helpers import (
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_config
 from vela_ray.training.optim import ShardTrainer
-from vela_ray.training.step import LocalWorkers, export
+from vela_ray.training.step import ExpertWorkers, export
 from vela_ray.model.transport import ForwardRequest, InProcessTransport
 
 BACKENDS = ["in_process", "object_refs", "compiled_graph"]
@@ -52,7 +52,7 @@ def _in_process_backend() -> Backend:
         return {k: {n: p.grad.clone() for n, p in s.expert(*k).named_parameters()} for s in shards for k in s.keys}
 
     return Backend("in_process", InProcessTransport(shards),
-                   LocalWorkers([ShardTrainer(s, OPTIM) for s in shards]), grads, close=lambda: None)
+                   ExpertWorkers.in_process([ShardTrainer(s, OPTIM) for s in shards]), grads, close=lambda: None)
 
 
 def _ray_backend(name: str, cluster) -> Backend:
@@ -64,7 +64,7 @@ def _ray_backend(name: str, cluster) -> Backend:
             merged.update(part)
         return merged
 
-    return Backend(name, transport, RayWorkers(cluster.handles, timeout_s=TIMEOUT_S), grads, transport.close)
+    return Backend(name, transport, actor_workers(cluster.handles, timeout_s=TIMEOUT_S), grads, transport.close)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def _ray_pair(family: str, kind: str, ray_pool):
         return ray_pool.track(RAY_TRANSPORTS[kind](cluster.handles, cluster.worker_tiers(), timeout_s=TIMEOUT_S))
 
     pair = build_pair(family, make_transport)
-    ray_workers = RayWorkers(clusters[0].handles, timeout_s=TIMEOUT_S)
+    ray_workers = actor_workers(clusters[0].handles, timeout_s=TIMEOUT_S)
     ray_workers.load_lora_state(pair.workers.lora_state())  # build_pair imported the adapter in-process
     pair.workers = ray_workers
     return pair

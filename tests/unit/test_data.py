@@ -75,7 +75,7 @@ def test_text_too_short_for_one_block_is_an_error(tokenizer, tmp_path):
 def test_empty_text_file_is_an_error(tokenizer, tmp_path):
     path = tmp_path / "empty.txt"
     path.write_text("")
-    with pytest.raises(ValueError, match=r"empty\.txt: 0 tokens"):
+    with pytest.raises(ValueError, match=r"empty\.txt: 0 tokens: the file is empty"):
         pack_text(tokenizer, path, seq_len=4)
 
 
@@ -145,8 +145,8 @@ def test_the_shipped_instruction_files_load():
     ([{"instruction": "  ", "output": "b"}], r"record 0: field 'instruction' is empty"),
     (["just a string"], r"record 0: expected a JSON object, got str"),
     ([{"instruction": "a", "instances": [{"input": "x"}]}], r"record 0 instance 0: missing field 'output'"),
-    ({"instruction": "a"}, r"bad\.json: expected a JSON list of records, got dict"),
-    ([], r"bad\.json: no instruction records"),
+    ({"instruction": "a"}, r"bad\.json: expected a JSON list of records .*, got a dict"),
+    ([], r"bad\.json: holds no instruction records"),
 ])
 def test_malformed_instruction_records_name_file_record_and_field(tmp_path, records, message):
     path = _write_json(tmp_path / "bad.json", records)
@@ -156,9 +156,23 @@ def test_malformed_instruction_records_name_file_record_and_field(tmp_path, reco
 
 def test_broken_jsonl_line_names_the_record(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": \n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl: record 1 \(line 2\) is not JSON"):
+    path.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line 3: record 1 is not valid JSON"):
         load_instruct_examples(path)
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n {"instruction": "a", "output": "b"},\n {"instruction": "c" "output": "d"}\n]\n')
+    with pytest.raises(ValueError, match=r"bad\.json: line 3 column \d+: not valid JSON"):
+        load_instruct_examples(path)
+
+
+@pytest.mark.parametrize("name", ["empty.json", "empty.jsonl"])
+def test_an_empty_instruction_file_says_it_is_empty(tmp_path, name):
+    (tmp_path / name).write_text("\n")
+    with pytest.raises(ValueError, match=rf"{name}: the file is empty"):
+        load_instruct_examples(tmp_path / name)
 
 
 # --- batching --------------------------------------------------------------------------

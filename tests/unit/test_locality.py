@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from placement.io import load_profile
 from vela_ray.model.families import FAMILIES, debug_model
 from vela_ray.data.locality import (
     AccessProfile,
     DriftTracker,
     RoutingRecorder,
-    load_probs,
     profile_model,
     skew,
     skew_per_layer,
@@ -157,7 +157,9 @@ def test_profile_round_trips_through_json_and_npy(tmp_path):
     loaded = AccessProfile.load(tmp_path / "p.json")
     assert loaded == profile
     assert np.array_equal(np.load(tmp_path / "p.npy"), profile.probs_array())
-    assert np.array_equal(load_probs(tmp_path / "p.json"), load_probs(tmp_path / "p.npy"))
+    # placement.io.load_profile, the one profile reader, reads both files back the same (with top_k from the JSON)
+    assert np.array_equal(load_profile(tmp_path / "p.json")[0], load_profile(tmp_path / "p.npy")[0])
+    assert load_profile(tmp_path / "p.json")[1] == 2 and load_profile(tmp_path / "p.npy")[1] is None
     raw = (tmp_path / "p.json").read_text()
     assert '"probs"' in raw and '"top_k": 2' in raw and '"tokens": 36' in raw
 

@@ -1,4 +1,7 @@
-"""MetricsSink without Ray: what each call records, names that follow Prometheus conventions, no Ray import."""
+"""MetricsSink without Ray: what each call records, names that follow Prometheus conventions, no Ray import.
+
+(`actors.metrics.RayMetricsBackend` is exercised against a real Prometheus scrape in
+tests/ray/test_metrics_scrape.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from vela_ray.observability.metrics import METRICS, MemoryMetricsBackend, MetricsSink, predicted_row_share
+from vela_ray.observability.metrics import METRICS, MemoryMetricsBackend, MetricsSink
 from vela_ray.model.traffic import TrafficCounter
 
 UNITS = ("_seconds", "_bytes_total", "_total", "_ratio", "_per_second", "_version", "_experts", "_loss", "_step",
@@ -58,8 +61,8 @@ def test_record_step_feeds_traffic_routing_drift_and_gauges():
 def test_load_ratio_is_dispatched_rows_over_the_placement_prediction():
     sink, mem = _sink()
     # worker 0 holds experts with P 0.5 + 0.5 (layer 0) and 1.0 (layer 1): 2 rows per token; worker 1: 2
-    sink.set_placement(2, [[0, 0, 1], [1, 0, 1]], probs_LE=np.array([[0.5, 0.5, 1.0], [0.5, 1.0, 0.5]]),
-                       expected_step_time_s=0.02)
+    sink.set_placement(2, [[0, 0, 1], [1, 0, 1]], num_workers=2,
+                       probs_LE=np.array([[0.5, 0.5, 1.0], [0.5, 1.0, 0.5]]), expected_comm_time_s=0.02)
     sink.record_step(1, 1.0, 0.1, tokens=2, traffic_delta=_step_traffic().snapshot())
     assert mem.value("vela_worker_load_ratio", worker=0) == pytest.approx(3 / 4)  # 3 rows, 2 tokens x 2 predicted
     assert mem.value("vela_worker_load_ratio", worker=1) == pytest.approx(1 / 4)
@@ -72,7 +75,7 @@ def test_explicit_predicted_rows_override_the_placement_share():
     sink.record_step(1, 1.0, 0.1, tokens=2, traffic_delta=_step_traffic().snapshot(),
                      predicted_rows_per_worker=np.array([3.0, 0.0]))
     assert mem.value("vela_worker_load_ratio", worker=0) == 1.0
-    assert ("worker", "1") not in dict(mem.gauges["vela_worker_load_ratio"])  # nothing predicted: no ratio
+    assert (("worker", "1"),) not in mem.gauges["vela_worker_load_ratio"]  # nothing predicted: no ratio
 
 
 def test_an_empty_step_records_no_counter_increments():
@@ -92,17 +95,28 @@ def test_latency_recorder_times_a_block_per_layer_and_phase():
     assert series[(("layer", "3"), ("phase", "forward"))] == [0.002]
 
 
-def test_predicted_row_share_sums_p_per_worker_and_checks_shapes():
-    share = predicted_row_share(np.array([[0, 1], [1, 1]]), np.array([[0.25, 0.75], [0.5, 0.5]]))
-    np.testing.assert_allclose(share, [0.25, 1.75])
-    with pytest.raises(ValueError, match=r"expert_to_worker has shape \(1, 2\) but probs_LE \(2, 2\)"):
-        predicted_row_share(np.array([[0, 1]]), np.ones((2, 2)))
+def test_a_worker_without_experts_gets_a_zero_expert_gauge_and_no_load_ratio():
+    sink, mem = _sink()
+    # 3 workers, worker 2 holds nothing (the table alone would suggest 2 workers)
+    sink.set_placement(1, [[0, 0, 1], [1, 0, 1]], num_workers=3,
+                       probs_LE=np.array([[0.5, 0.5, 1.0], [0.5, 1.0, 0.5]]))
+    assert mem.gauges["vela_worker_experts"][(("worker", "2"),)] == 0
+    counter = TrafficCounter(2, 3, ["same_node", "cross_node", "cross_node"])
+    counter.record(0, 0, "dispatch", 4, 400)
+    sink.record_step(1, 1.0, 0.1, tokens=2, traffic_delta=counter.snapshot())
+    assert mem.value("vela_worker_load_ratio", worker=0) == 1.0
+    assert (("worker", "2"),) not in mem.gauges["vela_worker_load_ratio"]  # nothing predicted: no ratio
 
 
-def test_outside_ray_the_sink_keeps_metrics_in_memory_and_never_imports_ray():
-    code = ("import sys; from vela_ray.observability.metrics import MetricsSink; s = MetricsSink.for_ray(); "
-            "s.record_step(1, 1.0, 0.1, 10); assert 'ray' not in sys.modules, 'ray imported'; "
-            "print(type(s.backend).__name__)")
+def test_a_profile_of_another_shape_is_refused():
+    with pytest.raises(ValueError, match=r"expert_to_worker has shape \(1, 2\) but the profile \(2, 2\)"):
+        MetricsSink().set_placement(1, [[0, 1]], num_workers=2, probs_LE=np.ones((2, 2)))
+
+
+def test_the_model_side_sink_never_imports_ray():
+    code = ("import sys; from vela_ray.observability.metrics import MetricsSink; s = MetricsSink(); "
+            "s.set_placement(1, [[0, 1]], num_workers=2, probs_LE=[[1.0, 1.0]]); s.record_step(1, 1.0, 0.1, 10); "
+            "assert 'ray' not in sys.modules, 'ray imported'; print(type(s.backend).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "MemoryMetricsBackend"

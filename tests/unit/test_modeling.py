@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -64,9 +66,17 @@ def test_an_unknown_experts_layout_is_refused_by_class_name():
 
 def test_gradient_checkpointing_is_refused_with_the_fix():
     model = debug_model("mixtral")
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match=r"gradient checkpointing.*gradient_checkpointing_disable"):
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"checkpointing enabled.*model\.activation_checkpointing_disable\(\)"):
         _split(model, torch.zeros(2, 6, dtype=torch.long))
+
+
+def test_attaching_brokers_reads_no_deprecated_transformers_api():
+    """attach_brokers asks `is_activation_checkpointing`; the old alias warns in every master (issue 12)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _split(debug_model("mixtral"), torch.zeros(2, 6, dtype=torch.long))
+    assert [str(w.message) for w in caught] == []
 
 
 def test_placement_table_of_the_wrong_shape_is_refused():
@@ -104,3 +114,35 @@ def test_a_shard_handed_zero_rows_keeps_forward_and_backward_paired():
     assert shard.backward_rows("k", torch.zeros(0, 4)).shape == (0, 4)
     with pytest.raises(KeyError, match="backward_rows called twice"):
         shard.backward_rows("k", torch.zeros(0, 4))
+
+
+def _two_layer_weights(layers=range(2), experts=range(4)) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {(l, e): (torch.randn(8, 4, generator=g), torch.randn(4, 4, generator=g)) for l in layers for e in experts}
+
+
+def test_seeded_lora_init_leaves_the_global_rng_alone():
+    before = torch.get_rng_state()
+    ExpertShard.from_weights(_two_layer_weights(), LoraSpec(2, 4), "silu", seed=7)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_an_experts_lora_init_depends_on_seed_layer_and_expert_not_on_its_shard():
+    weights = _two_layer_weights()
+    alone = ExpertShard.from_weights({(1, 2): weights[(1, 2)]}, LoraSpec(2, 4), "silu", seed=7)
+    with_others = ExpertShard.from_weights(weights, LoraSpec(2, 4), "silu", seed=7)
+    other_seed = ExpertShard.from_weights(weights, LoraSpec(2, 4), "silu", seed=8)
+    want = alone.lora_state()[(1, 2)]
+    for name, value in with_others.lora_state()[(1, 2)].items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=0)
+    a_of = {key: state["lora_A_gate_up"] for key, state in with_others.lora_state().items()}
+    assert not torch.equal(a_of[(1, 2)], a_of[(1, 3)]) and not torch.equal(a_of[(1, 2)], a_of[(0, 2)])
+    assert not torch.equal(other_seed.lora_state()[(1, 2)]["lora_A_gate_up"], a_of[(1, 2)])
+
+
+def test_lora_a_is_drawn_within_nn_linear_bounds_and_b_is_zero():
+    """peft (like nn.Linear) draws A from U(-1/sqrt(in), 1/sqrt(in)) and zeroes B: the adapter starts as identity."""
+    expert = ExpertShard.from_weights(_two_layer_weights(), LoraSpec(8, 16), "silu", seed=0).expert(0, 0)
+    for a, fan_in in ((expert.lora_A_gate_up, 4), (expert.lora_A_down, 4)):
+        assert 0.5 / fan_in**0.5 < float(a.detach().abs().max()) <= 1 / fan_in**0.5
+    assert not expert.lora_B_gate_up.any() and not expert.lora_B_down.any()

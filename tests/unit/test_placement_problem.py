@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from placement import PlacementProblem, cost_report, cross_node_bytes, layer_worker_times, step_time, worker_bytes
-from placement.io import infer_top_k, load_profile, parse_capacities
+from placement.io import infer_top_k, load_profile, parse_capacities, probs_from_counts
 from placement.problem import build_problem, synthetic_probs
 
 
@@ -73,8 +73,10 @@ def test_cost_model_rejects_placements_that_do_not_fit():
         cost_report(problem, np.array([[0, 1, 1]]))
     with pytest.raises(ValueError, match="workers 0..1"):
         cost_report(problem, np.array([[0, 2]]))
-    with pytest.raises(ValueError, match=r"worker 0 holds 2 experts but capacities\[0\] = 1"):
+    with pytest.raises(ValueError, match=r"puts 2 experts on worker 0, over its capacity 1 \(capacities\[0\]\)"):
         cost_report(problem, np.array([[0, 0]]))
+    with pytest.raises(ValueError, match="integer worker ids"):
+        cost_report(problem, np.array([[0.0, 1.0]]))
 
 
 # --- validation -------------------------------------------------------------------
@@ -137,8 +139,11 @@ def test_uniform_problem_has_tightest_capacity_by_default():
 
 
 def test_build_problem_reports_one_plain_line_per_field():
-    with pytest.raises(ValueError, match=r"(?s)invalid placement problem:\n  bandwidths: bandwidths\[0\]"):
-        build_problem(probs=[[1.0]], top_k=1, tokens_per_step=1, hidden_size=1, bandwidths=[0.0], capacities=[1])
+    fields = dict(probs=[[1.0]], top_k=1, tokens_per_step=1, hidden_size=1, capacities=[1])
+    with pytest.raises(ValueError, match=r"^invalid placement problem: bandwidths: bandwidths\[0\] = 0.0[^\n]*$"):
+        build_problem(**fields, bandwidths=[0.0])
+    with pytest.raises(ValueError, match=r"(?s)invalid placement problem:\n  top_k: .*\n  bandwidths: "):
+        build_problem(**{**fields, "top_k": 0}, bandwidths=[0.0])
 
 
 # --- synthetic profiles and io -------------------------------------------------------
@@ -151,36 +156,79 @@ def test_synthetic_probs_sum_to_top_k_and_cap_at_one():
     assert (probs == 1.0).any()  # steep enough that some expert is used by every token
 
 
-def test_load_profile_reads_npy_list_probs_and_counts(tmp_path):
+def test_load_profile_reads_npy_list_probs_counts_and_access_profiles(tmp_path):
     probs = synthetic_probs(2, 4, 2, concentration=1.0, seed=0)
     np.save(tmp_path / "p.npy", probs)
     (tmp_path / "list.json").write_text(json.dumps(probs.tolist()))
     (tmp_path / "obj.json").write_text(json.dumps({"probs": probs.tolist(), "top_k": 2}))
     # counts: layer 0 routes 30 (token, expert) rows, so P = counts * 2 / 30
     (tmp_path / "counts.json").write_text(json.dumps({"counts": [[15, 10, 5, 0], [5, 5, 10, 10]], "top_k": 2}))
+    # what AccessProfile.save writes (vela profile, a run's profile.json): 15 tokens, top-2
+    access = {"counts": [[15, 10, 5, 0], [5, 5, 10, 10]], "top_k": 2, "tokens": 15, "source": "x",
+              "scoring": "softmax", "probs": [[1.0, 2 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 2 / 3, 2 / 3]]}
+    (tmp_path / "access.json").write_text(json.dumps(access, indent=1))
     np.testing.assert_allclose(load_profile(tmp_path / "p.npy")[0], probs)
     np.testing.assert_allclose(load_profile(tmp_path / "list.json")[0], probs)
     assert load_profile(tmp_path / "obj.json")[1] == 2
     from_counts, top_k = load_profile(tmp_path / "counts.json")
     np.testing.assert_allclose(from_counts, [[1.0, 2 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 2 / 3, 2 / 3]])
     assert top_k == 2
+    from_access, top_k = load_profile(tmp_path / "access.json")
+    np.testing.assert_allclose(from_access, from_counts)
+    assert top_k == 2
 
 
-def test_load_profile_errors_name_the_problem(tmp_path):
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("p.csv", "1,2", r"must be a .npy or .json file, got '.csv'"),
+        ("keys.json", {"weights": []}, r"got keys \['weights'\]"),
+        ("number.json", 3, r"got a JSON int"),
+        ("flat.json", [0.5, 0.5], r"probs must be a non-empty 2-D .* got shape \(2,\)"),
+        ("ragged.json", [[0.5, 0.5], [1.0]], r"probs rows have different lengths \(2, 1\)"),
+        ("words.json", [["a", "b"]], r"holds non-numbers"),
+        ("nan.json", [[0.5, None]], r"probs\[0, 1\] = nan: every probability must be a finite number"),
+        ("counts-as-probs.json", [[15, 5]], r"probs\[0, 0\] = 15.0: .*counts go in a JSON profile"),
+        ("zero-layer.json", {"counts": [[1, 1], [0, 0]], "top_k": 1}, r"counts of layer 1 are all zero"),
+        ("bad-k.json", {"counts": [[1, 1]], "top_k": "2"}, r'"top_k" must be a positive integer'),
+        ("broken.json", '{"probs": [[0.5, 0.5]\n  "top_k": 1}', r"not valid JSON: Expecting ',' delimiter at line 2"),
+        ("garbage.npy", b"\x93NUMPY garbage", r"not a readable .npy array: write .* numpy.save"),
+        ("empty.npy", b"", r"not a readable .npy array"),
+    ],
+)
+def test_load_profile_errors_are_one_line_naming_the_file_and_the_fix(tmp_path, name, content, message):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError, match=message) as caught:
+        load_profile(path)
+    assert str(caught.value).startswith(f"profile {path}: ") and "\n" not in str(caught.value)
+
+
+def test_load_profile_names_a_missing_file_and_a_one_dimensional_npy(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_profile(tmp_path / "missing.npy")
-    (tmp_path / "p.csv").write_text("1,2")
-    with pytest.raises(ValueError, match=r"must be a .npy or .json file, got '.csv'"):
-        load_profile(tmp_path / "p.csv")
-    (tmp_path / "bad.json").write_text(json.dumps({"weights": []}))
-    with pytest.raises(ValueError, match=r"got keys \['weights'\]"):
-        load_profile(tmp_path / "bad.json")
+    np.save(tmp_path / "flat.npy", np.full(4, 0.5))
+    with pytest.raises(ValueError, match=r"flat.npy: probs must be a non-empty 2-D .* got shape \(4,\)"):
+        load_profile(tmp_path / "flat.npy")
+
+
+def test_probs_from_counts_normalises_each_layer_and_rejects_bad_counts():
+    np.testing.assert_allclose(probs_from_counts([[3, 1], [1, 1]], 1), [[0.75, 0.25], [0.5, 0.5]])
+    with pytest.raises(ValueError, match=r"counts must be a non-empty 2-D .* got shape \(2,\)"):
+        probs_from_counts([1, 1], 1)
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        probs_from_counts([[1, -1]], 1)
 
 
 def test_infer_top_k_needs_whole_equal_row_sums():
     assert infer_top_k(np.array([[0.5, 0.5, 1.0], [1.0, 1.0, 0.0]])) == 2
-    with pytest.raises(ValueError, match=r"cannot infer top_k: profile rows sum to 1..1.5"):
+    with pytest.raises(ValueError, match=r"cannot infer top_k: rows sum to 1..1.5"):
         infer_top_k(np.array([[0.5, 0.5], [1.0, 0.5]]))
+    with pytest.raises(ValueError, match=r"^profile p.npy: cannot infer top_k"):
+        infer_top_k(np.zeros((2, 2)), source="p.npy")
 
 
 def test_parse_capacities_accepts_one_integer_or_a_list():
@@ -202,5 +250,8 @@ def test_problem_file_accepts_profile_path_gb_per_s_and_one_capacity(tmp_path):
     assert problem.top_k == 2  # inferred from the row sums
     assert problem.bandwidths == [18.3e9, 1.17e9] and problem.capacities == [4, 4]
     (tmp_path / "typo.yaml").write_text("profile: profile.npy\ntokens: 1\n")
-    with pytest.raises(ValueError, match=r"tokens: Extra inputs are not permitted"):
+    with pytest.raises(ValueError, match=r"(?s)typo.yaml: invalid placement problem:\n.*tokens: Extra inputs are not permitted"):
         PlacementProblem.from_file(tmp_path / "typo.yaml")
+    (tmp_path / "broken.yaml").write_text("profile: profile.npy\ncapacities: [4, 4\n")
+    with pytest.raises(ValueError, match=r"broken.yaml is not valid YAML: .* at line 3"):
+        PlacementProblem.from_file(tmp_path / "broken.yaml")

@@ -7,7 +7,16 @@ import itertools
 import numpy as np
 import pytest
 
-from placement import SOLVERS, Placement, PlacementProblem, round_relaxed, solve, solve_lp, synthetic_probs
+from placement import (
+    SOLVERS,
+    Placement,
+    PlacementProblem,
+    round_relaxed,
+    sequential_table,
+    solve,
+    solve_lp,
+    synthetic_probs,
+)
 from placement.cost import cost_report
 from placement.greedy import greedy_placement
 from placement.lp import disaggregate, solve_class_lp, worker_classes
@@ -291,16 +300,63 @@ def test_placement_round_trips_through_json_and_checks_the_problem(tmp_path):
     np.testing.assert_array_equal(loaded.as_array(), placement.as_array())
 
     other = random_problem(np.random.default_rng(9), 3, 5, 3, slack=2)
-    wrong_shape = r"placement is for 3 layers x 4 experts on 3 workers, but the problem has 3 x 5 on 3"
+    wrong_shape = r"placement\.json is for 3 layers x 4 experts on 3 workers, but the problem has 3 layers x 5"
     with pytest.raises(ValueError, match=wrong_shape):
         Placement.from_json(tmp_path / "placement.json", other)
 
 
 def test_placement_rejects_tables_that_break_capacity_or_worker_ids():
     fields = dict(num_workers=2, capacities=[1, 1], solver="vela", expected_step_time=1.0)
-    with pytest.raises(ValueError, match="worker 0 holds 2 experts, over its capacity 1"):
+    with pytest.raises(ValueError, match="puts 2 experts on worker 0, over its capacity 1"):
         Placement(expert_to_worker=[[0, 0]], **fields)
     with pytest.raises(ValueError, match=r"holds worker 2 but there are only workers 0..1"):
         Placement(expert_to_worker=[[0, 2]], **fields)
     with pytest.raises(ValueError, match="non-empty"):
         Placement(expert_to_worker=[[0], [0, 1]], **fields)
+    with pytest.raises(ValueError, match="non-empty"):
+        Placement(expert_to_worker=[], **fields)
+
+
+def test_check_fits_names_the_file_it_was_given():
+    problem = PlacementProblem.uniform(2, 4, 2, 2)  # capacity 4 each
+    placement = solve(problem, "sequential")
+    placement.check_fits(problem, source="p.json")
+    three_workers = PlacementProblem.uniform(2, 4, 2, 3)
+    with pytest.raises(ValueError, match=r"^placement p.json is for 2 layers x 4 experts on 2 workers, but the "
+                                         r"problem has 2 layers x 4 experts on 3 workers: solve again"):
+        placement.check_fits(three_workers, source="p.json")
+    tighter = problem.model_copy(update={"capacities": [3, 5]})
+    with pytest.raises(ValueError, match=r"^placement p.json puts 4 experts on worker 0, over its capacity 3"):
+        placement.check_fits(tighter, source="p.json")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", r"not valid JSON: .* at line 1, column 2"),
+        ("[1, 2]", r"must be a JSON object"),
+        ('{"expert_to_worker": [[0, 0]], "num_workers": 2, "capacities": [1, 1], "solver": "x", '
+         '"expected_step_time": 1.0}', r"puts 2 experts on worker 0"),
+        ('{"expert_to_worker": [[0, 1]], "num_workers": 2, "capacities": [1, 1]}', r"solver: Field required"),
+    ],
+)
+def test_placement_from_json_errors_are_one_line_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "placement.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as caught:
+        Placement.from_json(path)
+    assert str(caught.value).startswith(f"placement {path}: ") and "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match="does not exist"):
+        Placement.from_json(tmp_path / "missing.json")
+
+
+def test_sequential_table_is_expert_e_on_worker_e_mod_n_in_every_layer():
+    np.testing.assert_array_equal(sequential_table(2, 5, 3), [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]])
+    assert sequential_table(1, 2, 4).tolist() == [[0, 1]]  # more workers than experts: some hold none
+    with pytest.raises(ValueError, match="num_workers must be at least 1, got 0"):
+        sequential_table(1, 2, 0)
+
+
+def test_sequential_solver_is_the_table_whenever_capacities_allow():
+    problem = PlacementProblem.uniform(3, 8, 2, 3, capacity=9)  # e mod 3 puts 9, 9, 6 experts
+    np.testing.assert_array_equal(solve(problem, "sequential").as_array(), sequential_table(3, 8, 3))

@@ -11,7 +11,9 @@ path and one autograd Function for both systems.
 Legend: N = ranks, E = experts per layer, D = hidden, R = rows this rank routes
 in one layer, Q = rows it receives for its own experts.
 
-Stages of one training step (`train_step_ep`), on every rank:
+Stages of one training step, on every rank: `vela_ray.training.step.train_step`, the
+step vela-ray's master runs, given this rank's loss (`ExpertParallelRank.loss`) and its
+replicas (`ProcessGroupReplicas`, the data-parallel hook):
   1. shard: rank r takes its contiguous slice of each micro-batch's rows
      (`shard_rows`); its loss is the summed token loss divided by the
      *micro-batch's* label count, so the ranks' losses add up to the loss of
@@ -31,50 +33,42 @@ Stages of one training step (`train_step_ep`), on every rank:
 
 Traffic: the broker's `TrafficCounter` counts what this rank sends to and
 gets back from every other rank, with each rank's link tier given by the node
-it runs on (`rank_link_tiers`); summed over ranks, every transfer is counted
-once. The backbone all-reduce is reported apart (`allreduce_bytes`).
+it runs on (`vela_ray.model.traffic.link_tiers`); summed over ranks, every transfer is
+counted once. The backbone all-reduce is reported apart (`ProcessGroupReplicas.grad_bytes`).
 
 Usage (inside an initialised process group; `actors.expert_parallel` launches it on Ray):
 
     rank = build_rank(model_dir, "float32", LoraSpec(8, 16), OptimizerConfig(), seed=0,
                       rank_nodes=["a", "a", "b", "b"])
-    loss = train_step_ep(rank, micro_batches, lr, max_grad_norm=1.0)
+    loss = train_step(rank.master, rank.workers, micro_batches, lr, max_grad_norm=1.0,
+                      loss_fn=rank.loss, replicas=rank.replicas)
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from vela_ray.model.experts import ExpertShard, LoraSpec
-from vela_ray.model.loading import load_backbone, read_experts
+from placement import sequential_table
+from vela_ray.model.experts import LoraSpec
+from vela_ray.model.loading import load_backbone
 from vela_ray.model.modeling import find_moe_blocks
-from vela_ray.training.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm
-from vela_ray.model.traffic import LinkTier
-from vela_ray.training.step import LocalWorkers, MasterModel, build_master, import_adapter
+from vela_ray.model.traffic import LinkTier, link_tiers
 from vela_ray.model.transport import ForwardRequest
+from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
+from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.replicas import ProcessGroupReplicas
+from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, import_adapter
 
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
-
-
-def sequential_table(num_layers: int, num_experts: int, num_ranks: int) -> np.ndarray:
-    """[L, E] owner rank of each expert: e mod N, the same in every block (the paper's EP)."""
-    return np.tile(np.arange(num_experts) % num_ranks, (num_layers, 1))
-
-
-def rank_link_tiers(rank: int, rank_nodes: Sequence[str]) -> list[LinkTier]:
-    """Link tier from `rank` to every rank: itself, a rank on its node, or one on another node."""
-    mine = rank_nodes[rank]
-    return ["same_process" if r == rank else "same_node" if node == mine else "cross_node"
-            for r, node in enumerate(rank_nodes)]
 
 
 @dataclass
@@ -90,11 +84,12 @@ class AllToAllTransport:
 
     Every call is collective: all ranks must call `forward` (and later
     `backward`) for the same layer in the same order, each with its own requests.
+    `experts` is this rank's own `ExpertManager`, the class vela-ray's workers run.
     """
 
-    def __init__(self, shard: ExpertShard, num_experts: int, hidden_size: int, worker_tiers: Sequence[LinkTier],
-                 group: dist.ProcessGroup | None = None):
-        self.shard = shard
+    def __init__(self, experts: ExpertManager, num_experts: int, hidden_size: int,
+                 worker_tiers: Sequence[LinkTier], group: dist.ProcessGroup | None = None):
+        self.experts = experts
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_workers = dist.get_world_size(group)
@@ -121,7 +116,7 @@ class AllToAllTransport:
         rows_QD = self._exchange(_cat_by_rank(requests, self.num_workers, first.rows), recv, send)
         expert_ids_Q = torch.repeat_interleave(
             torch.arange(self.num_experts).repeat(self.num_workers), counts_NE.reshape(-1))
-        out_QD = self.shard.forward_rows(first.layer, expert_ids_Q, rows_QD, first.key)
+        out_QD = self.experts.forward_rows(first.layer, expert_ids_Q, rows_QD, first.key)
         if first.key is not None:
             self._splits[first.key] = _Splits(send, recv)
         out_RD = self._exchange(out_QD, send, recv)
@@ -132,10 +127,7 @@ class AllToAllTransport:
         splits = self._splits.pop(key)
         like = next(iter(grads.values()))
         grad_out_QD = self._exchange(_cat_by_rank(grads, self.num_workers, like), splits.recv, splits.send)
-        if sum(splits.recv):
-            grad_rows_QD = self.shard.backward_rows(key, grad_out_QD)
-        else:  # nothing arrived in forward, so the shard kept no graph
-            grad_rows_QD = grad_out_QD
+        grad_rows_QD = self.experts.backward_rows(key, grad_out_QD)  # zeros when no rows arrived
         grad_RD = self._exchange(grad_rows_QD.contiguous(), splits.send, splits.recv)
         return _split_by_rank(grad_RD, splits.send, grads)
 
@@ -178,48 +170,68 @@ def _split_by_rank(tensor: torch.Tensor, sizes: list[int], wanted: dict) -> dict
 
 @dataclass
 class ExpertParallelRank:
-    """One rank's replica: the backbone with brokers (peft-wrapped) and its local experts."""
+    """One rank's replica: the backbone with brokers (peft-wrapped), its own experts, its peers."""
 
     rank: int
     num_ranks: int
     master: MasterModel
+    experts: ExpertManager
     transport: AllToAllTransport
-    trainer: ShardTrainer | None  # None when the rank hosts no expert (more ranks than experts)
+    replicas: ProcessGroupReplicas
     aux_loss_coef: float
-    allreduce_bytes: int = field(default=0)
+    device: str = "cpu"
+
+    @property
+    def workers(self) -> ExpertWorkers:
+        """This rank's experts as `train_step` steps them (disjoint from every other rank's)."""
+        return ExpertWorkers.in_process([self.experts])
+
+    def loss(self, model: torch.nn.Module, full: Batch) -> torch.Tensor:
+        """This rank's share of the micro-batch loss: summed token loss / the micro-batch's label count.
+
+        The `loss_fn` of `train_step`/`eval_loss`: summed over ranks it is the loss of `full`.
+        """
+        part = {k: v.to(self.device) for k, v in shard_rows(full, self.rank, self.num_ranks).items()}
+        out = model(**part, num_items_in_batch=max(1, label_count(full)))
+        loss = out.loss
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None and self.aux_loss_coef:
+            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))
+            share = float(shard_rows({"m": mask}, self.rank, self.num_ranks)["m"].sum() / mask.sum().clamp(min=1))
+            loss = loss - self.aux_loss_coef * (1.0 - share) * aux  # the model added coef * aux in full
+        return loss
 
 
 def build_rank(model_dir, dtype: str, lora: LoraSpec, optim: OptimizerConfig, seed: int, rank_nodes: Sequence[str],
                device: str = "cpu", init_adapter=None, group: dist.ProcessGroup | None = None) -> ExpertParallelRank:
     """This rank's replica: backbone from `model_dir`, experts e mod N read from the checkpoint.
 
-    Seeding and build order follow vela-ray's MasterActor (seed, load the backbone,
-    wrap with peft), and the expert LoRA init is seeded per (layer, expert), so EP
-    and vela-ray start from the same adapters; `init_adapter` (a peft adapter
-    directory of the original model) replaces them, as `lora.init_adapter` does.
+    Seeding and build order follow vela-ray's master (seed, load the backbone, wrap with
+    peft) and the experts are an `ExpertManager` like vela-ray's workers (LoRA init seeded
+    per (layer, expert)), so EP and vela-ray start from the same adapters; `init_adapter`
+    (a peft adapter directory of the original model) replaces them, as `lora.init_adapter` does.
     """
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     if len(rank_nodes) != num_ranks:
         raise ValueError(f"rank_nodes names {len(rank_nodes)} nodes for {num_ranks} ranks")
     torch.manual_seed(seed)
-    torch_dtype = getattr(torch, dtype)
-    model = load_backbone(model_dir, torch_dtype)
+    model = load_backbone(model_dir, getattr(torch, dtype))
     blocks = find_moe_blocks(model)
     layout = blocks[0].layout
     table = sequential_table(len(blocks), layout.num_experts, num_ranks)
-    keys = [tuple(k) for k in np.argwhere(table == rank).tolist()]
-    weights = read_experts(model_dir, keys, dtype=torch_dtype)
-    shard = ExpertShard.from_weights(weights, lora, layout.activation, seed=seed).to(device)
-    transport = AllToAllTransport(shard, layout.num_experts, layout.hidden_size,
-                                  rank_link_tiers(rank, rank_nodes), group)
+    experts = ExpertManager(ExpertManagerSpec(
+        worker=rank, keys=[tuple(k) for k in np.argwhere(table == rank).tolist()], model_dir=str(model_dir),
+        activation=layout.activation, lora=lora, optim=optim, seed=seed, dtype=dtype, device=device))
+    transport = AllToAllTransport(experts, layout.num_experts, layout.hidden_size,
+                                  link_tiers(rank_nodes[rank], rank_nodes, origin_index=rank), group)
     master = build_master(model, table, transport, lora, optim)
     master.peft_model.to(device)  # after the brokers replaced the (unallocated, meta) experts
-    trainer = ShardTrainer(shard, optim) if keys else None
+    ep_rank = ExpertParallelRank(rank, num_ranks, master, experts, transport, ProcessGroupReplicas(group),
+                                 float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0), device)
     if init_adapter is not None:
-        import_adapter(master, LocalWorkers([trainer] if trainer else []), init_adapter)
-    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
-    logger.info("EP rank %d/%d: %d experts, node %s", rank, num_ranks, len(keys), rank_nodes[rank])
-    return ExpertParallelRank(rank, num_ranks, master, transport, trainer, coef)
+        import_adapter(master, ep_rank.workers, init_adapter)
+    logger.info("EP rank %d/%d: %d experts, node %s", rank, num_ranks, len(experts.keys), rank_nodes[rank])
+    return ep_rank
 
 
 def shard_rows(batch: Batch, rank: int, num_ranks: int) -> Batch:
@@ -235,68 +247,3 @@ def shard_rows(batch: Batch, rank: int, num_ranks: int) -> Batch:
 def label_count(batch: Batch) -> int:
     """Tokens that carry a loss in the whole micro-batch (labels shifted by one, as causal LMs do)."""
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-
-
-def rank_loss(rank: ExpertParallelRank, full: Batch, device: str = "cpu") -> torch.Tensor:
-    """This rank's share of the micro-batch loss: summed token loss / the micro-batch's label count."""
-    part = {k: v.to(device) for k, v in shard_rows(full, rank.rank, rank.num_ranks).items()}
-    out = rank.master.peft_model(**part, num_items_in_batch=max(1, label_count(full)))
-    loss = out.loss
-    aux = getattr(out, "aux_loss", None)
-    if aux is not None and rank.aux_loss_coef:
-        mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))
-        share = float(shard_rows({"m": mask}, rank.rank, rank.num_ranks)["m"].sum() / mask.sum().clamp(min=1))
-        loss = loss - rank.aux_loss_coef * (1.0 - share) * aux  # the model added coef * aux in full
-    return loss
-
-
-def train_step_ep(rank: ExpertParallelRank, micro_batches: Sequence[Batch], lr: float,
-                  max_grad_norm: float | None, device: str = "cpu") -> float:
-    """One optimizer step of the whole EP group (call on every rank); returns the global-batch loss."""
-    model = rank.master.peft_model
-    model.train()
-    local = 0.0
-    for batch in micro_batches:
-        loss = rank_loss(rank, batch, device) / len(micro_batches)
-        loss.backward()
-        local += float(loss.detach())
-    params = rank.master.trainable_parameters()
-    _allreduce_grads(rank, params)
-    experts_sq = rank.trainer.grad_sq_norm() if rank.trainer else 0.0
-    total_sq = grad_sq_norm(params) + _allreduce_scalar(experts_sq, rank.transport.group)
-    clip_coef = clip_coefficient(total_sq, max_grad_norm)
-    apply_step(rank.master.optimizer, lr, clip_coef)
-    if rank.trainer:
-        rank.trainer.step(lr, clip_coef)
-    return _allreduce_scalar(local, rank.transport.group)
-
-
-@torch.no_grad()
-def eval_loss_ep(rank: ExpertParallelRank, batches: Sequence[Batch], device: str = "cpu") -> float:
-    """Mean over batches of the global-batch loss, as `vela_ray.training.step.eval_loss` computes it."""
-    model = rank.master.peft_model
-    model.eval()
-    local = sum(float(rank_loss(rank, b, device)) for b in batches)
-    if rank.trainer:
-        rank.trainer.shard.release()
-    return _allreduce_scalar(local, rank.transport.group) / max(1, len(batches))
-
-
-def _allreduce_grads(rank: ExpertParallelRank, params: list[torch.nn.Parameter]) -> None:
-    """Sum the backbone LoRA gradients over ranks in one flat buffer."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=rank.transport.group)
-    rank.allreduce_bytes += flat.numel() * flat.element_size()
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
-        offset += g.numel()
-
-
-def _allreduce_scalar(value: float, group: dist.ProcessGroup | None) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if dist.get_backend(group) == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, group=group)
-    return float(tensor.item())

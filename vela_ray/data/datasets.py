@@ -31,16 +31,18 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # torch and transformers load inside the functions: `vela_ray.config` imports
+    import torch   # DataConfig, and a config typo must be reported without paying their import
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
-Batch = dict[str, torch.Tensor]
+Batch = dict[str, "torch.Tensor"]
 IGNORE_INDEX = -100
 TEXT_SUFFIXES = (".txt", ".text", ".raw", ".tokens")
 INSTRUCT_SUFFIXES = (".json", ".jsonl")
@@ -82,6 +84,8 @@ class TokenizedDataset:
         return int(self.attention_mask.sum())
 
     def rows(self, index: torch.Tensor | np.ndarray | list[int]) -> Batch:
+        import torch
+
         index = torch.as_tensor(index, dtype=torch.long)
         return {"input_ids": self.input_ids[index], "labels": self.labels[index],
                 "attention_mask": self.attention_mask[index]}
@@ -202,6 +206,10 @@ def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int 
 
 def pack_tokens(stream: list[int], seq_len: int, source: str) -> TokenizedDataset:
     """Cut a token stream into [N, seq_len] blocks (labels = input_ids); the short tail is dropped."""
+    import torch
+
+    if not stream:
+        raise ValueError(f"{source}: 0 tokens: the file is empty; give it some text")
     num_blocks = len(stream) // seq_len
     if num_blocks == 0:
         raise ValueError(
@@ -257,7 +265,8 @@ def _string_field(record: dict, name: str, where: str, required: bool) -> str:
     value = record.get(name)
     if value is None:
         if required:
-            raise ValueError(f"{where}: missing field {name!r}")
+            raise ValueError(f"{where}: missing field {name!r}; every record needs 'instruction' and 'output' "
+                             "(optional 'input')")
         return ""
     if not isinstance(value, str):
         raise ValueError(f"{where}: field {name!r} must be a string, got {type(value).__name__} {value!r:.60}")
@@ -288,27 +297,39 @@ def _parse_record(record: object, where: str) -> list[InstructExample]:
 
 
 def _raw_records(path: Path) -> list[object]:
+    """The file's records, unparsed; errors name the file and the line, as a user fixes it in an editor."""
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    if path.suffix == ".json":
-        try:
-            records = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from err
-        if not isinstance(records, list):
-            raise ValueError(f"{path}: expected a JSON list of records, got {type(records).__name__}")
-        return records
-    if path.suffix == ".jsonl":
-        records = []
-        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(
-                        f"{path}: record {len(records)} (line {line_no + 1}) is not JSON ({err})") from err
-        return records
-    raise ValueError(f"{path}: unknown instruction file type {path.suffix!r}; expected one of {INSTRUCT_SUFFIXES}")
+    if path.suffix not in INSTRUCT_SUFFIXES:
+        raise ValueError(f"{path}: unknown instruction file type {path.suffix!r}; expected one of "
+                         f"{INSTRUCT_SUFFIXES}")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty; expected "
+                         + ("a JSON list of records" if path.suffix == ".json" else "one JSON record per line"))
+    return _json_list(path, text) if path.suffix == ".json" else _jsonl_records(path, text)
+
+
+def _json_list(path: Path, text: str) -> list[object]:
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg})") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON list of records [{{...}}, ...], got a {type(records).__name__}")
+    return records
+
+
+def _jsonl_records(path: Path, text: str) -> list[object]:
+    records = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {line_no}: record {len(records)} is not valid JSON "
+                                 f"({err.msg})") from None
+    return records
 
 
 def load_instruct_examples(path: Path, limit: int | None = None) -> list[InstructExample]:
@@ -319,7 +340,7 @@ def load_instruct_examples(path: Path, limit: int | None = None) -> list[Instruc
         if limit is not None and len(examples) >= limit:
             return examples[:limit]
     if not examples:
-        raise ValueError(f"{path}: no instruction records")
+        raise ValueError(f"{path}: holds no instruction records; add records with 'instruction' and 'output'")
     return examples
 
 
@@ -340,6 +361,8 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 def encode_instruct(tokenizer: PreTrainedTokenizerBase, examples: list[InstructExample], seq_len: int,
                     source: str) -> TokenizedDataset:
     """[BOS] prompt response [EOS], truncated / right-padded to `seq_len`; prompt and pad labels are -100."""
+    import torch
+
     prompts = tokenizer([render_prompt(e) for e in examples], add_special_tokens=False)["input_ids"]
     responses = tokenizer([e.output for e in examples], add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []

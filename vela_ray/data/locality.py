@@ -13,7 +13,8 @@ as the input of expert placement. This module measures exactly that:
   attention mask the caller sets before each forward.
 * `profile_model(model, batches) -> AccessProfile`: the inference-mode pass.
 * `AccessProfile`: counts, P, confidence histograms; JSON and ``.npy`` (P only,
-  the input of ``vela place``).
+  the input of ``vela place``). Read either back with ``placement.io.load_profile``,
+  the one profile reader.
 * `DriftTracker`: per-step counts during fine-tuning (``record_step(counts)``)
   compared with the initial profile by total variation, plus the skew metric G.
 
@@ -43,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 from torch import nn
 from tqdm.auto import tqdm
 
+from placement.io import probs_from_counts  # the one home; DriftTracker turns step counts into P with it
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 
 log = logging.getLogger(__name__)
@@ -72,16 +74,6 @@ def skew_per_layer(probs_LE: np.ndarray, top_k: int) -> np.ndarray:
 def skew(probs_LE: np.ndarray, top_k: int) -> float:
     """G = (1/L) sum_l sum_e p_{l,e}^2 with p normalised per layer; 1/E for uniform routing."""
     return float(skew_per_layer(probs_LE, top_k).mean())
-
-
-def probs_from_counts(counts_LE: np.ndarray, top_k: int) -> np.ndarray:
-    """[L, E] access probabilities from counts: counts / tokens, tokens = row sum / top_k."""
-    counts_LE = np.asarray(counts_LE, dtype=np.float64)
-    totals_L = counts_LE.sum(axis=1, keepdims=True)
-    if counts_LE.ndim != 2 or (totals_L == 0).any():
-        raise ValueError(f"counts must be [L, E] with tokens in every layer, got shape "
-                         f"{counts_LE.shape} and row sums {totals_L.ravel().tolist()}")
-    return counts_LE * top_k / totals_L
 
 
 # --- the profile ---------------------------------------------------------------------------
@@ -156,16 +148,6 @@ class AccessProfile(BaseModel):
         data = json.loads(Path(path).read_text())
         data.pop("probs", None)
         return cls.model_validate(data)
-
-
-def load_probs(path: Path) -> np.ndarray:
-    """P [L, E] from a profile ``.json`` or a ``.npy`` written by `AccessProfile.save`."""
-    path = Path(path)
-    if path.suffix == ".npy":
-        return np.load(path)
-    if path.suffix == ".json":
-        return AccessProfile.load(path).probs_array()
-    raise ValueError(f"{path}: unknown profile file type {path.suffix!r}; expected .json or .npy")
 
 
 # --- hooks -------------------------------------------------------------------------------------

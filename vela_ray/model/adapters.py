@@ -20,7 +20,6 @@ The router (`gate`) and `lm_head` are never adapted (the paper: all linear layer
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -194,10 +193,3 @@ def _num_experts(config: PretrainedConfig) -> int:
             return int(getattr(config, name))
     raise ValueError(f"{type(config).__name__} names no expert count")
 
-
-def lora_spec_of(lora_config: LoraConfig) -> LoraSpec:
-    return LoraSpec(r=int(lora_config.r), alpha=float(lora_config.lora_alpha))
-
-
-def adapter_config_json(adapter_dir: str | Path) -> dict:
-    return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())

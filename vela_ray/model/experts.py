@@ -51,7 +51,9 @@ class LoraSpec:
 class LoraExpert(nn.Module):
     """One expert FFN: frozen `gate_up` [2I, D] and `down` [D, I], trainable LoRA factors."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, lora: LoraSpec, activation: str):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, lora: LoraSpec, activation: str,
+                 generator: torch.Generator | None = None):
+        """`generator` draws the LoRA A init; None draws from torch's global RNG, as nn.Linear does."""
         super().__init__()
         two_i, hidden = gate_up.shape
         inter = two_i // 2
@@ -63,8 +65,8 @@ class LoraExpert(nn.Module):
         self.lora_A_down = nn.Parameter(torch.empty(lora.r, inter, dtype=dtype))
         self.lora_B_down = nn.Parameter(torch.zeros(hidden, lora.r, dtype=dtype))
         # peft's default init: kaiming-uniform A (as nn.Linear), zero B, so the adapter starts as identity.
-        nn.init.kaiming_uniform_(self.lora_A_gate_up, a=math.sqrt(5))
-        nn.init.kaiming_uniform_(self.lora_A_down, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self.lora_A_gate_up, a=math.sqrt(5), generator=generator)
+        nn.init.kaiming_uniform_(self.lora_A_down, a=math.sqrt(5), generator=generator)
         self.scaling = lora.scaling
         self.act_fn = ACT2FN[activation]
 
@@ -76,6 +78,14 @@ class LoraExpert(nn.Module):
         h = self.act_fn(gate) * up
         out = nn.functional.linear(h, self.down)
         return out + s * nn.functional.linear(nn.functional.linear(h, self.lora_A_down), self.lora_B_down)
+
+
+def expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
+    """A CPU generator for one expert's LoRA init, the same for (seed, layer, expert) in any process.
+
+    `hash` of a tuple of ints does not depend on PYTHONHASHSEED, so every worker derives the same seed.
+    """
+    return torch.Generator().manual_seed(hash((seed, layer, expert)) % (2**31))
 
 
 def _module_key(layer: int, expert: int) -> str:
@@ -108,15 +118,16 @@ class ExpertShard(nn.Module):
     ) -> "ExpertShard":
         """Build from {(layer, expert): (gate_up [2I, D], down [D, I])}.
 
-        With `seed`, each expert's LoRA init draws from a generator seeded by
-        (seed, layer, expert), so the init does not depend on which shard hosts it.
+        With `seed`, each expert's LoRA init draws from its own generator seeded by
+        (seed, layer, expert), so the init does not depend on which shard hosts it and
+        building a shard leaves torch's global RNG (the caller's data order, dropout) alone.
+        Without `seed`, the init draws from the global RNG like any nn.Module.
         """
         experts = {}
-        for layer, expert in sorted(weights):
-            if seed is not None:
-                torch.manual_seed(hash((seed, layer, expert)) % (2**31))
-            gate_up, down = weights[(layer, expert)]
-            experts[(layer, expert)] = LoraExpert(gate_up, down, lora, activation)
+        for key in sorted(weights):
+            gate_up, down = weights[key]
+            generator = None if seed is None else expert_generator(seed, *key)
+            experts[key] = LoraExpert(gate_up, down, lora, activation, generator)
         return cls(experts)
 
     def expert(self, layer: int, expert: int) -> LoraExpert:

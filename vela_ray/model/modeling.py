@@ -147,10 +147,12 @@ def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
     dispatch its rows to the workers a second time and overwrite the graph they
     keep for that backward.
     """
-    if getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)):
+    if _checkpointing_enabled(model):
+        new_name = hasattr(model, "activation_checkpointing_disable")  # transformers' name since the rename
+        disable = "activation_checkpointing_disable" if new_name else "gradient_checkpointing_disable"
         raise ValueError(
-            f"{type(model).__name__} has gradient checkpointing enabled; vela-ray's expert broker does not "
-            "support it (experts run remotely). Call model.gradient_checkpointing_disable()"
+            f"{type(model).__name__} has gradient (activation) checkpointing enabled; vela-ray's expert broker "
+            f"does not support it (experts run remotely). Call model.{disable}()"
         )
     blocks = find_moe_blocks(model)
     table_shape = tuple(dispatcher.expert_to_worker.shape)
@@ -165,3 +167,14 @@ def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
         block.block.experts = broker
         brokers.append(broker)
     return brokers
+
+
+def _checkpointing_enabled(model: nn.Module) -> bool:
+    """Whether activation checkpointing is on, read without touching transformers' deprecated alias.
+
+    transformers 5 renamed `is_gradient_checkpointing` to `is_activation_checkpointing`; reading
+    the old name emits a FutureWarning, so it is asked only of models that lack the new one.
+    """
+    if hasattr(model, "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))

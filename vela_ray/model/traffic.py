@@ -9,12 +9,12 @@ so the counts are what was really moved:
     grad_gather    worker -> master   d(rows) (backward)
 
 Each worker sits on a link tier seen from the master: `same_process`
-(in-process shards), `same_node` or `cross_node`.
+(in-process shards), `same_node` or `cross_node` (`link_tiers` decides which).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -74,3 +74,24 @@ class TrafficCounter:
     def reset(self) -> None:
         self.rows[:] = 0
         self.bytes[:] = 0
+
+
+LOCAL_NODE = "local"
+"""The node id of a worker built in this process without Ray (`ExpertManager.node_id()` outside Ray)."""
+
+
+def link_tiers(origin_node: str, nodes: Sequence[str], origin_index: int | None = None) -> list[LinkTier]:
+    """The link tier from a process on `origin_node` to each process on `nodes`.
+
+    "same_process" for the origin itself (`nodes[origin_index]`, an expert-parallel rank
+    seen from its own rank) and for in-process workers (node `LOCAL_NODE`); "same_node"
+    for another process on the origin's node; "cross_node" otherwise. The one classifier
+    for vela-ray's master -> worker links and for the baseline's rank -> rank links, so
+    both systems' traffic is binned the same way.
+    """
+    return [
+        "same_process" if n == origin_index or node == LOCAL_NODE
+        else "same_node" if node == origin_node
+        else "cross_node"
+        for n, node in enumerate(nodes)
+    ]

@@ -56,7 +56,11 @@ class Transport(Protocol):
 
 
 class InProcessTransport:
-    """Shards in the master's process: a direct call, no copies."""
+    """Experts in the master's process: a direct call, no copies.
+
+    `shards[n]` serves worker n: anything with ExpertShard's `forward_rows`/`backward_rows`
+    (an ExpertShard, or an ExpertManager, which also counts what it receives).
+    """
 
     def __init__(self, shards: list[ExpertShard]):
         self.shards = shards

@@ -2,8 +2,9 @@
 
 The master feeds a `MetricsSink` plain data it already has, once per step:
 
-    sink = MetricsSink.for_ray()                       # Ray metrics in a Ray process, else in memory
-    sink.set_placement(version=1, expert_to_worker=table, probs_LE=probs, expected_step_time_s=0.01)
+    sink = MetricsSink(backend)                        # MemoryMetricsBackend() here, RayMetricsBackend() in actors
+    sink.set_placement(version=1, expert_to_worker=table, num_workers=3, probs_LE=probs,
+                       expected_comm_time_s=0.01)
     sink.record_step(step=1, loss=2.3, step_time_s=0.8, tokens=1024,
                      traffic_delta=after - before,     # TrafficSnapshot of this step
                      expert_counts_LE=counts_LE,       # [L, E] rows routed to each expert
@@ -16,19 +17,17 @@ them through the node's metrics agent (`ray start --metrics-export-port`)
 with a `ray_` prefix, e.g. `ray_vela_expert_traffic_bytes_total`, but only from
 processes inside a Ray job (driver, actors, tasks).
 
-Backends: `RayMetricsBackend` wraps `ray.util.metrics` (imported when built, so
-importing this module never loads Ray, like the rest of the model side);
-`MemoryMetricsBackend` keeps values in dicts for tests and for runs outside
-Ray. Counters are cumulative, so the sink feeds them deltas and skips zeros
-(Ray refuses increments <= 0).
+Backends: `MemoryMetricsBackend` (here) keeps values in dicts, for tests and for
+runs outside Ray; `actors.metrics.RayMetricsBackend` wraps `ray.util.metrics`. It
+lives with the actors because this side of the code never imports Ray: the runtime
+that knows it is inside Ray builds `MetricsSink(RayMetricsBackend())`. Counters are
+cumulative, so the sink feeds them deltas and skips zeros (Ray refuses increments <= 0).
 
 Shape legend: L = MoE layers, E = experts per layer, N = workers.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from typing import Iterator, Literal, Protocol
 
 import numpy as np
 
+from placement.cost import routing_mass
 from vela_ray.model.traffic import DIRECTIONS, TrafficSnapshot
 
 MetricKind = Literal["counter", "gauge", "histogram"]
@@ -94,14 +94,6 @@ METRICS: dict[str, MetricSpec] = _specs(
 )
 
 
-def prometheus_names(spec: MetricSpec) -> list[str]:
-    """The series names a Prometheus scrape of Ray shows for `spec` (histograms have three)."""
-    base = PROMETHEUS_PREFIX + spec.name
-    if spec.kind == "histogram":
-        return [base + "_bucket", base + "_sum", base + "_count"]
-    return [base]
-
-
 # --- backends -----------------------------------------------------------------------------------
 
 
@@ -114,7 +106,8 @@ class MetricsBackend(Protocol):
 TagKey = tuple[tuple[str, str], ...]
 
 
-def _key(tags: dict[str, str]) -> TagKey:
+def tag_key(tags: dict[str, str]) -> TagKey:
+    """A hashable, order-free key for one series' tags (backends store values per series)."""
     return tuple(sorted(tags.items()))
 
 
@@ -128,76 +121,18 @@ class MemoryMetricsBackend:
 
     def inc(self, name: str, value: float, tags: dict[str, str]) -> None:
         series = self.counters.setdefault(name, {})
-        series[_key(tags)] = series.get(_key(tags), 0.0) + value
+        series[tag_key(tags)] = series.get(tag_key(tags), 0.0) + value
 
     def set(self, name: str, value: float, tags: dict[str, str]) -> None:
-        self.gauges.setdefault(name, {})[_key(tags)] = value
+        self.gauges.setdefault(name, {})[tag_key(tags)] = value
 
     def observe(self, name: str, value: float, tags: dict[str, str]) -> None:
-        self.histograms.setdefault(name, {}).setdefault(_key(tags), []).append(value)
+        self.histograms.setdefault(name, {}).setdefault(tag_key(tags), []).append(value)
 
     def value(self, name: str, **tags: str) -> float:
         """A counter's total or a gauge's value for exactly these tags (0 if never recorded)."""
         store = self.counters if METRICS[name].kind == "counter" else self.gauges
-        return store.get(name, {}).get(_key({k: str(v) for k, v in tags.items()}), 0.0)
-
-
-class RayMetricsBackend:
-    """`ray.util.metrics` objects, one per `METRICS` entry, created on first use in this process.
-
-    Ray exports a gauge only while it is being set: its metrics agent drops a series not
-    refreshed for two report intervals (RAY_metrics_report_interval_ms, 10 s by default).
-    A placement version set once, or a loss between two 30-second steps, would vanish, so
-    a daemon thread re-sets every gauge's last value each `refresh_s` seconds.
-    """
-
-    def __init__(self, refresh_s: float = 2.0) -> None:
-        from ray.util import metrics as ray_metrics  # Ray only where metrics are exported
-
-        self._ray = ray_metrics
-        self._metrics: dict[str, object] = {}
-        self._gauges: dict[tuple[str, TagKey], float] = {}
-        self._lock = threading.Lock()
-        self._refresher = threading.Thread(target=self._refresh_gauges, args=(refresh_s,), daemon=True,
-                                           name="vela-metrics-gauges")
-        self._refresher.start()
-
-    def _metric(self, name: str):
-        if name not in self._metrics:
-            spec = METRICS[name]
-            if spec.kind == "counter":
-                # Ray's exporter appends `_total` to counters itself; declare the bare name.
-                metric = self._ray.Counter(spec.name.removesuffix("_total"), spec.description, spec.tags)
-            elif spec.kind == "gauge":
-                metric = self._ray.Gauge(spec.name, spec.description, spec.tags)
-            else:
-                metric = self._ray.Histogram(spec.name, spec.description, list(spec.boundaries), spec.tags)
-            self._metrics[name] = metric
-        return self._metrics[name]
-
-    def inc(self, name: str, value: float, tags: dict[str, str]) -> None:
-        self._metric(name).inc(value, tags=tags)
-
-    def set(self, name: str, value: float, tags: dict[str, str]) -> None:
-        with self._lock:
-            self._gauges[(name, _key(tags))] = value
-            self._metric(name).set(value, tags=tags)
-
-    def observe(self, name: str, value: float, tags: dict[str, str]) -> None:
-        self._metric(name).observe(value, tags=tags)
-
-    def _refresh_gauges(self, every_s: float) -> None:
-        while True:
-            time.sleep(every_s)
-            with self._lock:
-                for (name, tags), value in self._gauges.items():
-                    self._metric(name).set(value, tags=dict(tags))
-
-
-def ray_is_initialized() -> bool:
-    """True in a process connected to Ray (checked without importing Ray)."""
-    ray = sys.modules.get("ray")
-    return bool(ray is not None and ray.is_initialized())
+        return store.get(name, {}).get(tag_key({k: str(v) for k, v in tags.items()}), 0.0)
 
 
 # --- what the runtime calls -----------------------------------------------------------------------
@@ -229,26 +164,22 @@ class MetricsSink:
         self.latency = LatencyRecorder(self.backend)
         self._row_share_N: np.ndarray | None = None  # expected rows per token on each worker (sum of its P)
 
-    @classmethod
-    def for_ray(cls) -> MetricsSink:
-        """Exported through Ray when this process is connected to Ray; kept in memory otherwise."""
-        return cls(RayMetricsBackend() if ray_is_initialized() else MemoryMetricsBackend())
-
-    def set_placement(self, version: int, expert_to_worker: np.ndarray | list, probs_LE: np.ndarray | None = None,
-                      expected_step_time_s: float | None = None) -> None:
+    def set_placement(self, version: int, expert_to_worker: np.ndarray | list, num_workers: int,
+                      probs_LE: np.ndarray | None = None, expected_comm_time_s: float | None = None) -> None:
         """Publish a placement: its version, experts per worker, and the row shares load ratios compare with.
 
-        expert_to_worker: [L, E] worker of each expert; probs_LE: [L, E] the access profile it was solved
-        for (rows sum to top-k); without it no load ratio is exported.
+        expert_to_worker: [L, E] worker of each expert; num_workers: N, given because a worker may
+        hold no expert (the table alone would not show it); probs_LE: [L, E] the access profile it
+        was solved for (rows sum to top-k), without it no load ratio is exported;
+        expected_comm_time_s: the cost model's communication seconds per step (compute excluded).
         """
         table_LE = np.asarray(expert_to_worker, dtype=np.int64)
-        num_workers = int(table_LE.max()) + 1 if table_LE.size else 0
         self.backend.set("vela_placement_version", float(version), {})
         for worker, count in enumerate(np.bincount(table_LE.ravel(), minlength=num_workers)):
             self.backend.set("vela_worker_experts", float(count), {"worker": str(worker)})
-        if expected_step_time_s is not None:
-            self.backend.set("vela_placement_expected_comm_seconds", float(expected_step_time_s), {})
-        self._row_share_N = None if probs_LE is None else predicted_row_share(table_LE, probs_LE)
+        if expected_comm_time_s is not None:
+            self.backend.set("vela_placement_expected_comm_seconds", float(expected_comm_time_s), {})
+        self._row_share_N = None if probs_LE is None else routing_mass(probs_LE, table_LE, num_workers).sum(axis=1)
 
     def record_step(self, step: int, loss: float, step_time_s: float, tokens: int,
                     traffic_delta: TrafficSnapshot | None = None, expert_counts_LE: np.ndarray | None = None,
@@ -301,16 +232,3 @@ class MetricsSink:
         for layer, expert in zip(*np.nonzero(counts_LE > 0)):
             self.backend.inc("vela_tokens_routed_total", float(counts_LE[layer, expert]),
                              {"layer": str(layer), "expert": str(expert)})
-
-
-def predicted_row_share(expert_to_worker_LE: np.ndarray, probs_LE: np.ndarray) -> np.ndarray:
-    """[N] expected rows per token each worker receives, summed over layers: sum of P over its experts.
-
-    expert_to_worker_LE: [L, E] worker ids; probs_LE: [L, E] access probabilities (rows sum to top-k).
-    """
-    table_LE = np.asarray(expert_to_worker_LE, dtype=np.int64)
-    probs_LE = np.asarray(probs_LE, dtype=np.float64)
-    if table_LE.shape != probs_LE.shape:
-        raise ValueError(f"expert_to_worker has shape {table_LE.shape} but probs_LE {probs_LE.shape}; "
-                         "give the profile the placement was solved for")
-    return np.bincount(table_LE.ravel(), weights=probs_LE.ravel(), minlength=int(table_LE.max()) + 1)

@@ -1,7 +1,8 @@
-"""Pictures of expert locality (matplotlib, Agg backend; every function writes one PNG).
+"""Pictures of expert locality (matplotlib, Agg backend; every `plot_*` function writes one PNG).
 
-* `plot_access_heatmaps`: MoE layers x experts access probability, one panel per
-  data set (the VELA paper's Fig. 3a and Fig. 7).
+* `access_heatmap_figure`: MoE layers x experts access probability, one panel per
+  data set (the VELA paper's Fig. 3a and Fig. 7); the one heatmap drawing, used by
+  `plot_access_heatmaps` (PNG) and by the run report (inline SVG).
 * `plot_confidence_cdf`: CDF of the router confidence of one MoE layer, one curve
   per profile (Fig. 3b).
 * `plot_layer_drift`: access frequency of one layer's experts over fine-tuning
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -18,7 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from vela_ray.data.locality import AccessProfile  # noqa: E402
+if TYPE_CHECKING:  # a type only: the report imports this module, and it must not pay for torch
+    from vela_ray.data.locality import AccessProfile
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
@@ -29,34 +32,51 @@ def _save(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
-def plot_access_heatmaps(probs_by_name: dict[str, np.ndarray], path: Path, top_k: int) -> Path:
-    """One heatmap per named P [L, E] (layers down, experts across), on a shared 0..1 colour scale.
+def access_heatmap_figure(probs_by_name: dict[str, np.ndarray], top_k: int | None = None,
+                          owners_LE: np.ndarray | None = None) -> plt.Figure:
+    """One heatmap per named P [L, E] (layers down, experts across), on a shared colour scale from 0.
 
-    Cells show the fraction of a layer's tokens that visit the expert (P, rows sum
-    to `top_k`); the dashed line in the colour bar is uniform routing, top_k / E.
+    Cells show the fraction of a layer's tokens that visit the expert (P, rows sum to
+    `top_k`), labelled with the value, or with the expert's worker (`w2`) when
+    `owners_LE` [L, E] is given; labels and ticks only while cells are large enough
+    to read. With `top_k`, a dashed line in the colour bar marks uniform routing, top_k / E.
     """
     if not probs_by_name:
         raise ValueError("nothing to plot: probs_by_name is empty")
-    panels = list(probs_by_name.items())
-    num_layers, num_experts = np.asarray(panels[0][1]).shape
-    width = max(3.0, 0.45 * num_experts + 1.2)
-    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels) + 1.0, 0.45 * num_layers + 1.6),
-                             squeeze=False, constrained_layout=True)
-    vmax = max(float(np.max(p)) for _, p in panels)
+    panels = [(name, np.asarray(probs, dtype=np.float64)) for name, probs in probs_by_name.items()]
+    num_layers, num_experts = panels[0][1].shape
+    width = min(12.0, max(3.0, 0.45 * num_experts + 1.2))
+    height = min(14.0, max(2.2, 0.45 * num_layers + 1.6))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels) + 1.0, height), squeeze=False,
+                             constrained_layout=True)
+    vmax = max(float(p.max()) for _, p in panels) or 1.0
+    readable = num_experts <= 32 and num_layers <= 64
     for ax, (name, probs) in zip(axes[0], panels):
-        image = ax.imshow(np.asarray(probs), cmap="Blues", vmin=0.0, vmax=vmax, aspect="auto")
+        image = ax.imshow(probs, cmap="Blues", vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("expert")
-        ax.set_xticks(range(num_experts))
-        ax.set_yticks(range(num_layers))
-        for (layer, expert), value in np.ndenumerate(np.asarray(probs)):
-            ax.text(expert, layer, f"{value:.2f}", ha="center", va="center", fontsize=6,
-                    color="white" if value > 0.6 * vmax else "black")
+        if readable:
+            ax.set_xticks(range(num_experts))
+            ax.set_yticks(range(num_layers))
+            _label_cells(ax, probs, owners_LE, vmax)
     axes[0][0].set_ylabel("MoE layer")
     bar = fig.colorbar(image, ax=axes[0].tolist(), shrink=0.9)
     bar.set_label("access probability P")
-    bar.ax.axhline(top_k / num_experts, color="red", linestyle="--", linewidth=1)
-    return _save(fig, path)
+    if top_k is not None:
+        bar.ax.axhline(top_k / num_experts, color="red", linestyle="--", linewidth=1)
+    return fig
+
+
+def _label_cells(ax: plt.Axes, probs_LE: np.ndarray, owners_LE: np.ndarray | None, vmax: float) -> None:
+    for (layer, expert), value in np.ndenumerate(probs_LE):
+        text = f"{value:.2f}" if owners_LE is None else f"w{owners_LE[layer, expert]}"
+        ax.text(expert, layer, text, ha="center", va="center", fontsize=6 if owners_LE is None else 7,
+                color="white" if value > 0.6 * vmax else "black")
+
+
+def plot_access_heatmaps(probs_by_name: dict[str, np.ndarray], path: Path, top_k: int) -> Path:
+    """`access_heatmap_figure` of each named P [L, E], as a PNG at `path`."""
+    return _save(access_heatmap_figure(probs_by_name, top_k=top_k), path)
 
 
 def plot_confidence_cdf(profiles: dict[str, AccessProfile], layer: int, path: Path) -> Path:

@@ -1,29 +1,28 @@
 """The run report: one self-contained HTML page (and a terminal summary) of a finished `vela train` run.
 
     from vela_ray.observability.report import write_report, summary_text
-    print(summary_text("runs/demo"))
+    print(summary_text("runs/demo"))     # or summary_text(summary) with the RunSummary a run returned
     write_report("runs/demo")            # -> runs/demo/report.html  (or `vela report runs/demo`)
 
-It reads what the master writes into `output.dir`: `summary.json` (required),
-`profile.json` / `profile.npy` (P [L, E], when the profile was measured),
-`placement.json` and `config.json` (the job config; optional). Charts are
-inline SVG from matplotlib, so the page needs no network and no scripts
-beyond a tiny self-check (`window.onerror` and a count of rendered charts,
-written into `<body data-rendered=...>` for the browser test).
+It reads what a run writes into `output.dir`: `summary.json` as a typed `RunSummary`
+(required; both modes, vela and the expert-parallel baseline, write it) and
+`config.json` (the job config; optional). The access profile P [L, E] is the one
+the placement was solved for (`summary.placement.problem.probs`), else the run's
+`profile.json` / `profile.npy` read by `placement.io.load_profile`. Charts are
+inline SVG from matplotlib, so the page needs no network and no scripts beyond a
+tiny self-check (`window.onerror` and a count of rendered charts, written into
+`<body data-rendered=...>` for the browser test).
 
 Sections: the run at a glance; the placement map (layers x workers: which
 experts each worker holds, shaded by the routing mass it serves); the access
 heatmap P [L, E] with each expert's worker; traffic by link tier per step;
 predicted vs measured communication per worker; loss (+ eval loss); the config.
 
-Predicted vs measured communication: the cost model's constant bytes_per_row x
-tokens_per_step is recovered from the plan itself, c = expected_step_time_s /
-sum_l max_n (mass[n,l] / B_n) with mass[n,l] = sum of P over worker n's experts
-of layer l and B_n the probed bandwidth in `links`; a worker's predicted bytes
-per step are c x sum_l mass[n,l]. Measured bytes per step are the run's mean
-training bytes per step (history) split by each worker's share of all the run's
-expert traffic (`traffic_bytes_by_worker`, which also counts eval passes), or
-the per-worker history when steps record `bytes_by_worker`.
+Predicted bytes per worker and step are the cost model's (`PlacementRecord.predicted_bytes_per_worker`,
+i.e. `placement.cost.worker_bytes` of the problem the placement was solved for); a run that solved
+none (the expert-parallel baseline, a resumed run that kept its placement) has no prediction.
+Measured bytes per step are the per-worker history when steps record `bytes_by_worker`, else the
+run's mean training bytes per step split by each worker's share of all its expert traffic.
 
 Shape legend: L = MoE layers, E = experts per layer, N = workers.
 """
@@ -43,10 +42,14 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from vela_ray.observability.metrics import predicted_row_share  # noqa: E402
+from placement.cost import experts_per_worker, routing_mass  # noqa: E402
+from placement.io import load_profile  # noqa: E402
+from vela_ray.observability.plots import access_heatmap_figure  # noqa: E402
+from vela_ray.training.summary import PlacementRecord, RunSummary, StepRecord  # noqa: E402
 
 MiB = 2**20
 TIER_COLOURS = {"same_process": "#9e9e9e", "same_node": "#1f77b4", "cross_node": "#d62728"}
+SOLVED_PROFILE = "the placement problem in summary.json"
 
 
 # --- reading a run ------------------------------------------------------------------------------
@@ -54,60 +57,61 @@ TIER_COLOURS = {"same_process": "#9e9e9e", "same_node": "#1f77b4", "cross_node":
 
 @dataclass(frozen=True)
 class Run:
-    """What a run directory holds: the summary, and the config and access profile when present."""
+    """A finished run: its summary, and the config and access profile when known."""
 
-    dir: Path
-    summary: dict
+    summary: RunSummary
+    dir: Path | None  # None: a summary given without its run directory (no config.json, no profile files)
     config: dict | None
-    probs_LE: np.ndarray | None  # [L, E] access probability the placement was solved for
-    profile_source: str | None  # the file P came from
+    probs_LE: np.ndarray | None  # [L, E] access probability of the placement's profile
+    profile_source: str | None  # where P came from (SOLVED_PROFILE or a file name)
 
     @property
-    def expert_to_worker_LE(self) -> np.ndarray:
-        return np.asarray(self.summary["placement"]["expert_to_worker"], dtype=np.int64)
+    def table_LE(self) -> np.ndarray:
+        return self.summary.placement.table
 
     @property
     def num_workers(self) -> int:
-        return len(self.summary.get("worker_tiers") or self.summary["traffic_bytes_by_worker"])
-
-    @property
-    def history(self) -> list[dict]:
-        return self.summary.get("history", [])
+        return self.summary.num_workers
 
 
-def load_run(run_dir: str | Path) -> Run:
-    """Read a run directory; ValueError if it has no summary.json (the run did not finish)."""
-    run_dir = Path(run_dir)
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
-        raise ValueError(f"{run_dir} has no summary.json: give the output.dir of a finished `vela train` run")
-    summary = json.loads(summary_path.read_text())
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else None
-    probs, source = _find_profile(run_dir, config)
-    if probs is not None and probs.shape != np.shape(summary["placement"]["expert_to_worker"]):
-        probs, source = None, None  # a profile of another model: better none than a wrong one
-    return Run(run_dir, summary, config, probs, source)
+def load_run(source: RunSummary | str | Path, run_dir: str | Path | None = None) -> Run:
+    """A run from its directory (ValueError without summary.json: it did not finish) or its summary.
+
+    With a RunSummary, `run_dir` (optional) is where its config.json and profile files are;
+    the runner passes both to report on a run before its summary.json is written.
+    """
+    if isinstance(source, RunSummary):
+        summary, run_dir = source, None if run_dir is None else Path(run_dir)
+    else:
+        run_dir = Path(source)
+        summary = RunSummary.load(run_dir)
+    config = _read_config(run_dir)
+    return Run(summary, run_dir, config, *_find_profile(summary, _profile_files(run_dir, config)))
 
 
-def _find_profile(run_dir: Path, config: dict | None) -> tuple[np.ndarray | None, str | None]:
-    candidates = [run_dir / "profile.json", run_dir / "profile.npy"]
+def _read_config(run_dir: Path | None) -> dict | None:
+    path = None if run_dir is None else run_dir / "config.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def _profile_files(run_dir: Path | None, config: dict | None) -> list[Path]:
+    """Where a run keeps its measured profile, then the profile file its config named."""
+    candidates = [] if run_dir is None else [run_dir / "profile.json", run_dir / "profile.npy"]
     given = ((config or {}).get("placement") or {}).get("profile")
     if given not in (None, "measure", "uniform"):
         candidates.append(Path(given))
-    for path in candidates:
-        if path.is_file():
-            return _read_probs(path), str(path)
+    return [path for path in candidates if path.is_file()]
+
+
+def _find_profile(summary: RunSummary, files: list[Path]) -> tuple[np.ndarray | None, str | None]:
+    """P the placement was solved for; else the first profile file of the placement's shape."""
+    if summary.placement.problem is not None:
+        return np.asarray(summary.placement.problem.probs, dtype=np.float64), SOLVED_PROFILE
+    for path in files:
+        probs = np.asarray(load_profile(path)[0], dtype=np.float64)
+        if probs.shape == summary.placement.table.shape:  # a profile of another model: better none
+            return probs, path.name
     return None, None
-
-
-def _read_probs(path: Path) -> np.ndarray:
-    """P [L, E] from an AccessProfile JSON (its `probs` field) or a .npy (read here without torch)."""
-    if path.suffix == ".npy":
-        return np.asarray(np.load(path), dtype=np.float64)
-    data = json.loads(path.read_text())
-    if "probs" in data:
-        return np.asarray(data["probs"], dtype=np.float64)
-    return np.asarray(data["counts"], dtype=np.float64) / data["tokens"]
 
 
 # --- predicted vs measured communication -------------------------------------------------------------
@@ -136,67 +140,101 @@ class WorkerComm:
 
 
 def compare_comm(run: Run) -> list[WorkerComm]:
-    """Per worker: predicted and measured bytes per training step (see the module docstring)."""
-    table_LE = run.expert_to_worker_LE
-    n = run.num_workers
-    bandwidths = [link.get("bandwidth_bytes_per_s") for link in run.summary.get("links", [])] or [None] * n
-    predicted = _predicted_bytes(run, bandwidths)
-    measured = _measured_bytes(run)
-    tiers = run.summary.get("worker_tiers") or ["?"] * n
-    experts = np.bincount(table_LE.ravel(), minlength=n)
-    return [WorkerComm(w, tiers[w], int(experts[w]), bandwidths[w],
+    """Per worker (including any that holds no expert): predicted and measured bytes per training step."""
+    summary, n = run.summary, run.num_workers
+    predicted = summary.placement.predicted_bytes_per_worker()
+    bandwidths = _bandwidths(summary)
+    measured = _measured_bytes(summary)
+    experts = experts_per_worker(n, run.table_LE)
+    return [WorkerComm(w, summary.worker_tiers[w], int(experts[w]), bandwidths[w],
                        None if predicted is None else float(predicted[w]), float(measured[w])) for w in range(n)]
 
 
-def _predicted_bytes(run: Run, bandwidths: list) -> np.ndarray | None:
-    expected = run.summary["placement"].get("expected_step_time_s")
-    if run.probs_LE is None or not expected or None in bandwidths:
-        return None
-    table_LE, n = run.expert_to_worker_LE, run.num_workers
-    mass_NL = np.stack([np.where(table_LE == w, run.probs_LE, 0.0).sum(axis=1) for w in range(n)])
-    per_byte_s = float((mass_NL / np.asarray(bandwidths, dtype=np.float64)[:, None]).max(axis=0).sum())
-    if per_byte_s <= 0:
-        return None
-    return expected / per_byte_s * predicted_row_share(table_LE, run.probs_LE)[:n]
+def _bandwidths(summary: RunSummary) -> list[float | None]:
+    """[N] bytes/s to each worker: the probed links, else the problem's, else unknown."""
+    if summary.links:
+        return [link.bandwidth_bytes_per_s for link in summary.links]
+    if summary.placement.problem is not None:
+        return list(summary.placement.problem.bandwidths)
+    return [None] * summary.num_workers
 
 
-def _measured_bytes(run: Run) -> np.ndarray:
+def _measured_bytes(summary: RunSummary) -> np.ndarray:
     """[N] mean training bytes per step and worker."""
-    per_step = [h["bytes_by_worker"] for h in run.history if "bytes_by_worker" in h]
+    per_step = [h.bytes_by_worker for h in summary.history if h.bytes_by_worker]
     if per_step:
         return np.mean(np.asarray(per_step, dtype=np.float64), axis=0)
-    by_worker = np.asarray(run.summary["traffic_bytes_by_worker"], dtype=np.float64)
-    step_bytes = [sum(h.get("bytes_by_tier", {}).values()) for h in run.history]
+    by_worker = np.asarray(summary.traffic_bytes_by_worker, dtype=np.float64)
+    step_bytes = [sum(h.bytes_by_tier.values()) for h in summary.history]
     if not step_bytes or by_worker.sum() == 0:
-        return np.zeros_like(by_worker)
+        return np.zeros(summary.num_workers)
     return by_worker / by_worker.sum() * float(np.mean(step_bytes))
+
+
+# --- what the cost model expected ------------------------------------------------------------------------
+
+
+def expected_times(plan: PlacementRecord) -> dict[str, float]:
+    """Seconds per step the cost model expected, by label.
+
+    Communication alone is always "expected comm"; under `communication+compute` the solver's
+    objective also counts expert compute, so it is shown apart as the expected step, never
+    as communication.
+    """
+    comm = plan.expected_comm_time_s
+    if comm is None and plan.cost_model == "communication":
+        comm = plan.expected_step_time_s  # the objective is communication alone
+    times = {} if comm is None else {"expected comm": comm}
+    if plan.cost_model == "communication+compute" and plan.expected_step_time_s is not None:
+        times["expected step (comm + compute)"] = plan.expected_step_time_s
+    return times
+
+
+def _expected_texts(plan: PlacementRecord) -> dict[str, str]:
+    """`expected_times` as text; the LP bound goes with the solver's objective (the last entry)."""
+    texts = {label: f"{seconds * 1e3:.3f} ms/step" for label, seconds in expected_times(plan).items()}
+    if texts and plan.lower_bound_s and plan.expected_step_time_s:
+        last = list(texts)[-1]
+        gap = plan.expected_step_time_s / plan.lower_bound_s - 1
+        texts[last] += f" (LP bound {plan.lower_bound_s * 1e3:.3f} ms, gap {gap:.1%})"
+    return texts
 
 
 # --- terminal summary ------------------------------------------------------------------------------------
 
 
-def summary_text(run_dir: str | Path) -> str:
-    """A few lines for the terminal: loss, step time, placement, traffic by tier, predicted vs measured."""
-    run = load_run(run_dir)
-    s, plan = run.summary, run.summary["placement"]
-    losses = s["losses"]
+def summary_text(source: RunSummary | str | Path) -> str:
+    """A few lines for the terminal: loss, step time, placement, traffic by tier, predicted vs measured,
+    and where the adapter, report and last checkpoint went. `source`: a run directory or its RunSummary."""
+    run = load_run(source)
+    s = run.summary
+    expected = ", ".join(f"{label} {text}" for label, text in _expected_texts(s.placement).items())
     lines = [
-        f"run {run.dir}: {s['steps']} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, eval loss {s['eval_loss']:.4f}",
-        f"median step time {s['median_step_time_s']:.3f} s; placement {plan['solver']}: expected comm "
-        f"{plan['expected_step_time_s'] * 1e3:.3f} ms/step" + _bound_text(plan),
+        _headline(run),
+        f"median step time {s.median_step_time_s:.3f} s; placement {s.placement.solver}"
+        + (f": {expected}" if expected else ""),
         "expert traffic by link tier: " + ", ".join(
-            f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s["traffic_bytes_by_tier"].items()),
+            f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()),
     ]
     for c in compare_comm(run):
         predicted = "n/a" if c.predicted_bytes is None else f"{c.predicted_bytes / MiB:.2f}"
         lines.append(f"  worker {c.worker} ({c.tier}, {c.experts} experts): {predicted} MiB/step predicted, "
                      f"{c.measured_bytes / MiB:.2f} measured")
+    lines += [f"{name}: {path}" for name, path in
+              (("adapter", s.adapter_dir), ("report", s.report), ("checkpoint", s.checkpoint)) if path]
     return "\n".join(lines)
 
 
-def _bound_text(plan: dict) -> str:
-    bound = plan.get("lower_bound_s")
-    return "" if not bound else f" (LP bound {bound * 1e3:.3f} ms, gap {plan['expected_step_time_s'] / bound - 1:.1%})"
+def _headline(run: Run) -> str:
+    s = run.summary
+    where = f"run {run.dir}: " if run.dir is not None else ""
+    mode = "expert-parallel baseline, " if s.mode == "expert_parallel" else ""
+    return f"{where}{mode}{s.steps} steps, {_loss_text(s)}"
+
+
+def _loss_text(s: RunSummary) -> str:
+    loss = f"loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}" if s.losses else "no loss recorded"
+    return loss + ("" if s.eval_loss is None else f", eval loss {s.eval_loss:.4f}")
 
 
 # --- charts: matplotlib figures -> inline SVG ---------------------------------------------------------------
@@ -211,11 +249,10 @@ def _svg(fig: plt.Figure) -> str:
     return text[text.index("<svg"):]
 
 
-def loss_chart(history: list[dict]) -> str:
+def loss_chart(history: list[StepRecord]) -> str:
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    steps = [h["step"] for h in history]
-    ax.plot(steps, [h["loss"] for h in history], color="#1f77b4", label="train loss")
-    evals = [(h["step"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
+    ax.plot([h.step for h in history], [h.loss for h in history], color="#1f77b4", label="train loss")
+    evals = [(h.step, h.eval_loss) for h in history if h.eval_loss is not None]
     if evals:
         ax.plot(*zip(*evals), "o--", color="#ff7f0e", label="eval loss")
     ax.set_xlabel("step")
@@ -225,12 +262,12 @@ def loss_chart(history: list[dict]) -> str:
     return _svg(fig)
 
 
-def traffic_chart(history: list[dict], predicted_bytes: float | None = None) -> str:
+def traffic_chart(history: list[StepRecord], predicted_bytes: float | None = None) -> str:
     """Stacked MiB per step by link tier (tiers with no traffic are left out); dashed: the placement's prediction."""
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    steps = np.asarray([h["step"] for h in history])
-    tiers = [t for t in TIER_COLOURS if any(h.get("bytes_by_tier", {}).get(t, 0) for h in history)]
-    series = [np.asarray([h["bytes_by_tier"].get(t, 0) for h in history]) / MiB for t in tiers]
+    steps = np.asarray([h.step for h in history])
+    tiers = [t for t in TIER_COLOURS if any(h.bytes_by_tier.get(t, 0) for h in history)]
+    series = [np.asarray([h.bytes_by_tier.get(t, 0) for h in history]) / MiB for t in tiers]
     if series:
         ax.stackplot(steps, *series, labels=tiers, colors=[TIER_COLOURS[t] for t in tiers], alpha=0.85)
     if predicted_bytes is not None:
@@ -264,22 +301,9 @@ def comm_chart(comms: list[WorkerComm]) -> str:
     return _svg(fig)
 
 
-def heatmap_chart(probs_LE: np.ndarray, expert_to_worker_LE: np.ndarray) -> str:
-    """P [L, E] as a heatmap; each cell names the worker that holds the expert (when cells are large enough)."""
-    num_layers, num_experts = probs_LE.shape
-    width = min(12.0, max(4.0, 0.5 * num_experts + 1.5))
-    height = min(14.0, max(2.2, 0.4 * num_layers + 1.2))
-    fig, ax = plt.subplots(figsize=(width, height))
-    image = ax.imshow(probs_LE, cmap="Blues", vmin=0.0, aspect="auto", interpolation="nearest")
-    if num_experts <= 32 and num_layers <= 64:
-        vmax = float(probs_LE.max()) or 1.0
-        for (layer, expert), value in np.ndenumerate(probs_LE):
-            ax.text(expert, layer, f"w{expert_to_worker_LE[layer, expert]}", ha="center", va="center",
-                    fontsize=7, color="white" if value > 0.6 * vmax else "black")
-    ax.set_xlabel("expert")
-    ax.set_ylabel("MoE layer")
-    fig.colorbar(image, ax=ax, shrink=0.9).set_label("access probability P")
-    return _svg(fig)
+def heatmap_chart(probs_LE: np.ndarray, expert_to_worker_LE: np.ndarray, top_k: int | None = None) -> str:
+    """P [L, E] as a heatmap, each cell naming the worker that holds the expert (`plots.access_heatmap_figure`)."""
+    return _svg(access_heatmap_figure({"": probs_LE}, top_k=top_k, owners_LE=expert_to_worker_LE))
 
 
 # --- HTML ------------------------------------------------------------------------------------------------
@@ -287,22 +311,31 @@ def heatmap_chart(probs_LE: np.ndarray, expert_to_worker_LE: np.ndarray) -> str:
 
 def placement_table(run: Run) -> str:
     """Layers down, workers across; a cell lists the worker's experts, shaded by the routing mass it serves."""
-    table_LE, n = run.expert_to_worker_LE, run.num_workers
-    tiers = run.summary.get("worker_tiers") or ["?"] * n
+    table_LE, n, tiers = run.table_LE, run.num_workers, run.summary.worker_tiers
+    share_NL = _mass_share(run)
     head = "".join(f"<th>w{w}<br><small>{html.escape(tiers[w])}</small></th>" for w in range(n))
     rows = []
     for layer, owners_E in enumerate(table_LE):
-        total = float(run.probs_LE[layer].sum()) if run.probs_LE is not None else 0.0
-        cells = []
-        for w in range(n):
-            experts = np.flatnonzero(owners_E == w)
-            share = float(run.probs_LE[layer, experts].sum()) / total if total else 0.0
-            label = " ".join(map(str, experts)) if len(experts) <= 12 else f"{len(experts)} experts"
-            title = f"layer {layer}, worker {w}: {share:.0%} of the layer's routed rows"
-            cells.append(f'<td style="background: rgba(31,119,180,{0.08 + 0.6 * share:.2f})" '
-                         f'title="{title}">{label or "&ndash;"}</td>')
-        rows.append(f"<tr><th>layer {layer}</th>{''.join(cells)}</tr>")
+        cells = "".join(_placement_cell(layer, w, np.flatnonzero(owners_E == w), share_NL[w, layer])
+                        for w in range(n))
+        rows.append(f"<tr><th>layer {layer}</th>{cells}</tr>")
     return f'<table class="placement"><tr><th></th>{head}</tr>{"".join(rows)}</table>'
+
+
+def _mass_share(run: Run) -> np.ndarray:
+    """[N, L] share of each layer's routed rows each worker serves (zeros without a profile)."""
+    if run.probs_LE is None:
+        return np.zeros((run.num_workers, run.table_LE.shape[0]))
+    mass_NL = routing_mass(run.probs_LE, run.table_LE, run.num_workers)
+    totals_L = run.probs_LE.sum(axis=1)
+    return np.divide(mass_NL, totals_L, out=np.zeros_like(mass_NL), where=totals_L > 0)
+
+
+def _placement_cell(layer: int, worker: int, experts: np.ndarray, share: float) -> str:
+    label = " ".join(map(str, experts)) if len(experts) <= 12 else f"{len(experts)} experts"
+    title = f"layer {layer}, worker {worker}: {share:.0%} of the layer's routed rows"
+    return (f'<td style="background: rgba(31,119,180,{0.08 + 0.6 * share:.2f})" '
+            f'title="{title}">{label or "&ndash;"}</td>')
 
 
 def comm_table(comms: list[WorkerComm]) -> str:
@@ -317,23 +350,24 @@ def comm_table(comms: list[WorkerComm]) -> str:
         f"<td>{'n/a' if not c.bandwidth_bytes_per_s else f'{c.bandwidth_bytes_per_s / 1e9:.2f}'}</td>"
         f"<td>{mib(c.predicted_bytes)}</td><td>{mib(c.measured_bytes)}</td>"
         f"<td>{ms(c.predicted_link_s)}</td><td>{ms(c.measured_link_s)}</td></tr>" for c in comms)
-    head = ("<tr><th>worker</th><th>link tier</th><th>experts</th><th>probed GB/s</th><th>predicted MiB/step</th>"
+    head = ("<tr><th>worker</th><th>link tier</th><th>experts</th><th>link GB/s</th><th>predicted MiB/step</th>"
             "<th>measured MiB/step</th><th>predicted link ms/step</th><th>measured link ms/step</th></tr>")
     return f'<table class="comm">{head}{rows}</table>'
 
 
 def overview(run: Run) -> str:
-    s, plan = run.summary, run.summary["placement"]
+    s = run.summary
     facts = {
-        "steps": s["steps"],
-        "loss": f"{s['losses'][0]:.4f} &rarr; {s['losses'][-1]:.4f}",
-        "eval loss": f"{s['eval_loss']:.4f}",
-        "median step time": f"{s['median_step_time_s']:.3f} s",
-        "placement": html.escape(plan["solver"]),
-        "expected comm": f"{plan['expected_step_time_s'] * 1e3:.3f} ms/step" + html.escape(_bound_text(plan)),
-        "workers": f"{run.num_workers} on {len(set(s.get('worker_nodes', []))) or '?'} node(s)",
+        "mode": "expert-parallel baseline" if s.mode == "expert_parallel" else "vela",
+        "steps": s.steps,
+        "loss": f"{s.losses[0]:.4f} &rarr; {s.losses[-1]:.4f}" if s.losses else "n/a",
+        "eval loss": "n/a" if s.eval_loss is None else f"{s.eval_loss:.4f}",
+        "median step time": f"{s.median_step_time_s:.3f} s",
+        "placement": html.escape(f"{s.placement.solver} (cost model: {s.placement.cost_model})"),
+        **{label: html.escape(text) for label, text in _expected_texts(s.placement).items()},
+        "workers": f"{run.num_workers} on {len(set(s.worker_nodes)) or '?'} node(s)",
     }
-    facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s["traffic_bytes_by_tier"].items()})
+    facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'
                     for k, v in facts.items())
     return f'<div class="cards">{cards}</div>'
@@ -341,8 +375,7 @@ def overview(run: Run) -> str:
 
 def config_block(run: Run) -> str:
     if run.config is None:
-        return ('<p class="note">No <code>config.json</code> in this run directory '
-                "(runs written before the master saved its config).</p>")
+        return '<p class="note">No <code>config.json</code> with this run.</p>'
     return f"<pre>{html.escape(yaml.safe_dump(run.config, sort_keys=False))}</pre>"
 
 
@@ -365,15 +398,17 @@ def render_html(run: Run) -> str:
                  "A cell lists the experts the worker holds in that layer; the shade is the share of the layer's "
                  "routed rows it serves (from the access profile)."),
         _heatmap_section(run),
-        _section("traffic", "Traffic by link tier", _chart("traffic", traffic_chart(run.history, _total(comms))),
+        _section("traffic", "Traffic by link tier",
+                 _chart("traffic", traffic_chart(run.summary.history, _total(comms))),
                  "Bytes the broker moved per training step (dispatch, gather and their gradients), by the "
                  "link tier between the master and the worker."),
         _section("comm", "Predicted vs measured communication",
-                 _chart("comm", comm_chart(comms)) + comm_table(comms), html.escape(_COMM_NOTE)),
-        _section("loss", "Loss", _chart("loss", loss_chart(run.history))),
+                 _chart("comm", comm_chart(comms)) + comm_table(comms), html.escape(_comm_note(run))),
+        _section("loss", "Loss", _chart("loss", loss_chart(run.summary.history))),
         _section("config", "Configuration", config_block(run)),
     ]
-    title = f"vela-ray run {html.escape(run.dir.name or str(run.dir))}"
+    name = "" if run.dir is None else run.dir.name or str(run.dir)
+    title = f"vela-ray run {html.escape(name)}"
     return _PAGE.format(title=title, css=_CSS, body="".join(sections), script=_SCRIPT)
 
 
@@ -386,28 +421,38 @@ def _total(comms: list[WorkerComm]) -> float | None:
 def _heatmap_section(run: Run) -> str:
     if run.probs_LE is None:
         return _section("access", "Expert access heatmap",
-                        '<p class="note">No access profile in this run (placement.profile was uniform).</p>')
-    return _section("access", "Expert access heatmap",
-                    _chart("heatmap", heatmap_chart(run.probs_LE, run.expert_to_worker_LE)),
+                        '<p class="note">No access profile in this run (the placement was not solved for a '
+                        "measured or given profile).</p>")
+    problem = run.summary.placement.problem
+    chart = heatmap_chart(run.probs_LE, run.table_LE, None if problem is None else problem.top_k)
+    return _section("access", "Expert access heatmap", _chart("heatmap", chart),
                     f"P[layer, expert]: the share of a layer's tokens routed to the expert (rows sum to top-k), "
-                    f"from {html.escape(Path(run.profile_source).name)}; each cell names the expert's worker.")
+                    f"from {html.escape(run.profile_source or '?')}; each cell names the expert's worker.")
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write `run_dir/report.html` (or `out`) and return its path."""
-    run = load_run(run_dir)
-    path = Path(out) if out else run.dir / "report.html"
+def write_report(run_dir: str | Path, out: str | Path | None = None, summary: RunSummary | None = None) -> Path:
+    """Write `run_dir/report.html` (or `out`) and return its path.
+
+    The run is `summary` when given (a runner reports before writing summary.json, so that the
+    summary can name the report), else the summary.json in `run_dir`.
+    """
+    run = load_run(run_dir if summary is None else summary, run_dir)
+    path = Path(out) if out else Path(run_dir) / "report.html"
     path.write_text(render_html(run), encoding="utf-8")
     return path
 
 
-
-_COMM_NOTE = (
-    "Predicted: the placement's cost model (bytes per row x tokens per step, recovered from its expected "
-    "communication time, the access profile and the probed link bandwidths) times the routing mass of each "
-    "worker's experts. Measured: the mean training bytes per step, split by each worker's share of all expert "
-    "traffic of the run. Link ms/step = bytes / probed bandwidth. Measured step time includes compute."
-)
+def _comm_note(run: Run) -> str:
+    """How the comparison was made, and why there is no prediction when there is none."""
+    if run.summary.placement.problem is None:
+        predicted = ("Predicted: none, this run solved no placement problem (the expert-parallel baseline, or a "
+                     "resumed run that kept its placement).")
+    else:
+        predicted = ("Predicted: the cost model's bytes per step (placement.cost.worker_bytes: the routing mass of "
+                     "each worker's experts under the profile the placement was solved for, x tokens per step x "
+                     "bytes per row).")
+    return (f"{predicted} Measured: the mean training bytes per step, split by each worker's share of all expert "
+            "traffic of the run. Link ms/step = bytes / bandwidth (probed). Measured step time includes compute.")
 
 _CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1180px; color: #222; }

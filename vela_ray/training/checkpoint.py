@@ -3,18 +3,20 @@
 Layout of one checkpoint (`<root>/step-000120/`):
 
     manifest.json              written last: step, files with sizes and sha256, expert index, meta
-    trainer.json               step, data position, lr schedule, RNG states, placement, config
-    backbone.safetensors       backbone LoRA (peft state-dict names) + its AdamW moments
-    backbone_optim.json        backbone AdamW step counts and hyper-parameters
+    trainer.json               step, data position, total steps, next lr, placement, config
+    backbone.safetensors       backbone LoRA (peft parameter names), its AdamW state ("<name>.exp_avg",
+                               ".exp_avg_sq", ".step") and the torch RNG state ("rng.torch")
     experts/part-<n>.safetensors   written by ExpertManager n, tensors named by *logical* expert:
                                "l{layer}.e{expert}.{lora_A_gate_up|...}" and ".exp_avg"/".exp_avg_sq"
 
 Atomicity: everything goes into `<root>/.step-000120.tmp-<uuid>/`, files are
 fsynced, the manifest (with checksums) is written and fsynced last, then the
 directory is renamed into place and the parent fsynced. A directory without a
-valid manifest is never "the latest checkpoint". Workers write their own
-parts in parallel into the staging directory; the master never holds expert
-state.
+valid manifest is never "the latest checkpoint", and `resolve("latest")` falls
+back past corrupt ones to the newest that passes its checksums. Staging
+directories a crash left behind are deleted by the next `prune`. Workers write
+their own parts in parallel into the staging directory; the master never holds
+expert state.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
-EXPERT_STATE_NAMES = ("lora_A_gate_up", "lora_B_gate_up", "lora_A_down", "lora_B_down")
+_STAGING_DIR = re.compile(r"^\.step-\d{6,}\.tmp-[0-9a-f]+$")
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -93,13 +95,25 @@ def finalize(staging: Path, step: int, meta: dict, keep: int | None = None) -> P
     return final
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` valid checkpoints, and stale staging directories."""
-    removed = []
-    for old in valid_checkpoints(root)[:-keep]:
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` valid checkpoints, and the staging directories crashes left.
+
+    `finalize` calls it right after publishing, when no other staging directory of this
+    run can be in progress: any left is from a writer that died (SIGKILL mid-write) and
+    would otherwise stay forever.
+    """
+    removed = staging_dirs(root) + valid_checkpoints(root)[:-keep]
+    for old in removed:
         shutil.rmtree(old, ignore_errors=True)
-        removed.append(old)
     return removed
+
+
+def staging_dirs(root: str | Path) -> list[Path]:
+    """`.step-*.tmp-*` directories under `root`: checkpoints being written, or left by a crash."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STAGING_DIR.match(p.name) and p.is_dir())
 
 
 def _expert_index(staging: Path) -> dict[str, str]:
@@ -116,20 +130,25 @@ def _expert_index(staging: Path) -> dict[str, str]:
 # --- reading ------------------------------------------------------------------------------
 
 
-def valid_checkpoints(root: str | Path) -> list[Path]:
-    """Checkpoints under `root` whose manifest exists and whose files have the recorded sizes, oldest first."""
+def step_dirs(root: str | Path) -> list[Path]:
+    """`step-*` directories under `root`, valid or not, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        if _STEP_DIR.match(path.name) and path.is_dir():
-            try:
-                verify(path, checksums=False)
-                found.append(path)
-            except ValueError as err:
-                logger.warning("skipping invalid checkpoint %s: %s", path, err)
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def valid_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoints under `root` whose manifest exists and whose files have the recorded sizes, oldest first."""
+    found = []
+    for path in step_dirs(root):
+        try:
+            verify(path, checksums=False)
+            found.append(path)
+        except ValueError as err:
+            logger.warning("skipping invalid checkpoint %s: %s", path, err)
+    return found
 
 
 def latest(root: str | Path) -> Path | None:
@@ -138,15 +157,47 @@ def latest(root: str | Path) -> Path | None:
 
 
 def resolve(spec: str | Path, root: str | Path) -> Path:
-    """`latest` -> newest valid checkpoint under `root`; a path -> that checkpoint, verified."""
+    """The checkpoint `checkpoint.resume` names, fully verified (sizes and sha256).
+
+    `latest`: the newest checkpoint under `root` that verifies; corrupt newer ones are
+    skipped with a warning naming them, so a crash that damaged the last checkpoint
+    costs one interval, not the run. A path: that checkpoint, or an error saying
+    whether it does not exist, is a checkpoint root, or is damaged.
+    """
     if str(spec) == "latest":
-        found = latest(root)
-        if found is None:
-            raise ValueError(f"--resume latest: no valid checkpoint under {root}")
-        return found
+        return _newest_verified(Path(root))
     path = Path(spec)
-    verify(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint.resume (--resume) {path} does not exist; give a checkpoint directory "
+                         f"such as {Path(root) / 'step-000100'}, or `latest`")
+    if not (path / MANIFEST).exists() and step_dirs(path):
+        raise ValueError(f"checkpoint.resume (--resume) {path} is a checkpoint root, not a checkpoint; give one "
+                         f"of its step-* directories, e.g. {step_dirs(path)[-1]}, or `latest`")
+    try:
+        verify(path)
+    except ValueError as err:
+        raise ValueError(f"checkpoint.resume (--resume) {err}; resume from another checkpoint, "
+                         "e.g. `latest`") from None
     return path
+
+
+def _newest_verified(root: Path) -> Path:
+    """The newest checkpoint under `root` that passes `verify`, warning about each newer one skipped."""
+    skipped = []
+    for path in reversed(step_dirs(root)):
+        try:
+            verify(path)
+        except ValueError as err:
+            logger.warning("skipping corrupt checkpoint %s (%s); trying the one before it", path, err)
+            skipped.append(path.name)
+            continue
+        if skipped:
+            logger.warning("resuming from %s, the newest valid checkpoint (skipped corrupt %s)",
+                           path, ", ".join(skipped))
+        return path
+    corrupt = f" ({len(skipped)} corrupt: {', '.join(skipped)})" if skipped else ""
+    raise ValueError(f"checkpoint.resume (--resume) latest: no valid checkpoint under {root}{corrupt}; "
+                     "start without --resume")
 
 
 def verify(path: str | Path, checksums: bool = True) -> dict:
@@ -159,6 +210,8 @@ def verify(path: str | Path, checksums: bool = True) -> dict:
         manifest = json.loads(manifest_file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: {MANIFEST} is not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or "step" not in manifest or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{path}: {MANIFEST} lacks 'step' or 'files' (not written by vela-ray?)")
     for name, entry in manifest["files"].items():
         file = path / name
         if not file.is_file():

@@ -12,12 +12,14 @@ all adapters of the original model with global grad-norm clipping, so:
 from __future__ import annotations
 
 import math
-from typing import Iterable, Literal
+from typing import TYPE_CHECKING, Iterable, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from vela_ray.model.experts import ExpertShard
+if TYPE_CHECKING:  # torch loads inside the functions: `vela_ray.config` imports OptimizerConfig,
+    import torch   # and a config typo must be reported without paying torch's import
+
+    from vela_ray.model.experts import ExpertShard
 
 
 class OptimizerConfig(BaseModel):
@@ -47,6 +49,8 @@ def lr_at(cfg: OptimizerConfig, step: int, total_steps: int) -> float:
 
 
 def make_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    import torch
+
     return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
@@ -81,6 +85,8 @@ class ShardTrainer:
     """An ExpertShard with its own AdamW: what an ExpertManager runs per step."""
 
     def __init__(self, shard: ExpertShard, cfg: OptimizerConfig):
+        import torch
+
         self.shard = shard
         self.params = list(shard.lora_parameters())
         for p in self.params:
@@ -98,8 +104,16 @@ class ShardTrainer:
         self.optimizer.zero_grad(set_to_none=False)
         self.shard.release()
 
+    def lora_state(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+        return self.shard.lora_state()
+
+    def load_lora_state(self, state: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
+        self.shard.load_lora_state({key: state[key] for key in self.shard.keys})
+
     def optimizer_state(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         """AdamW moments and step per logical expert: {(l, e): {"lora_A_down.exp_avg": ..., ...}}."""
+        import torch
+
         out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for key in self.shard.keys:
             for name, param in self.shard.expert(*key).named_parameters():

@@ -3,17 +3,18 @@
 `train_step` is the whole step: forward/backward over the micro-batches
 (experts run wherever the placement put them, through the brokers), global
 grad-norm clipping across master and workers, and the optimizer steps on
-both sides. The MasterActor calls the same function with Ray-backed workers;
-tests call it with `LocalWorkers`.
+both sides. Every runtime calls the same function: the job runner with
+ExpertManagers in this process or behind Ray actors (`ExpertWorkers`), tests
+with in-process ShardTrainers.
 
 `build_local` splits an in-memory model into a master-side peft model with
-brokers and in-process shards: the single-process form of vela-ray.
+brokers and in-process ExpertManagers: the single-process form of vela-ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from peft import PeftModel, get_peft_model
@@ -21,50 +22,70 @@ from torch import nn
 
 from vela_ray.model.adapters import backbone_lora_config, backbone_state_of, export_adapter, full_lora_config
 from vela_ray.model.broker import ExpertDispatcher
-from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
+from vela_ray.model.experts import ExpertKey, LoraSpec
 from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
-from vela_ray.training.optim import OptimizerConfig, ShardTrainer, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
+from vela_ray.training.optim import OptimizerConfig, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+from vela_ray.training.replicas import SINGLE, Replicas
 from vela_ray.model.transport import InProcessTransport, Transport
 
 Batch = dict[str, torch.Tensor]
+LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
 
 
-class ExpertWorkers(Protocol):
-    """Control plane to all expert workers (the data plane is the Transport)."""
+class ExpertWorkers:
+    """The control plane over every expert worker (the data plane is the Transport).
 
-    def grad_sq_norm(self) -> float: ...  # summed over workers
-    def step(self, lr: float, clip_coef: float) -> None: ...
-    def zero_grad(self) -> None: ...
-    def lora_state(self) -> dict[ExpertKey, dict[str, torch.Tensor]]: ...
-    def load_lora_state(self, state: dict[ExpertKey, dict[str, torch.Tensor]]) -> None: ...
+    Each call fans out to all workers and gathers their answers, so the workers step, zero
+    and report in parallel. One class for every runtime; only the fan-out differs:
+    `ExpertWorkers.in_process(objs)` calls objects in this process (ExpertManagers, or
+    ShardTrainers in tests), `actors.workers.actor_workers(handles)` calls Ray actors.
+    """
 
+    def __init__(self, call_all: Callable[..., list[Any]], num_workers: int):
+        self._call_all = call_all  # (method name, *args) -> one result per worker
+        self.num_workers = num_workers
 
-class LocalWorkers:
-    """ExpertWorkers over in-process ShardTrainers."""
-
-    def __init__(self, trainers: list[ShardTrainer]):
-        self.trainers = trainers
+    @classmethod
+    def in_process(cls, workers: Sequence[Any]) -> "ExpertWorkers":
+        workers = list(workers)
+        return cls(lambda method, *args: [getattr(w, method)(*args) for w in workers], len(workers))
 
     def grad_sq_norm(self) -> float:
-        return sum(t.grad_sq_norm() for t in self.trainers)
+        """Sum over workers of their experts' squared gradient norms."""
+        return float(sum(self._call_all("grad_sq_norm")))
 
     def step(self, lr: float, clip_coef: float) -> None:
-        for t in self.trainers:
-            t.step(lr, clip_coef)
+        self._call_all("step", lr, clip_coef)
 
     def zero_grad(self) -> None:
-        for t in self.trainers:
-            t.zero_grad()
+        self._call_all("zero_grad")
 
-    def lora_state(self) -> dict[ExpertKey, dict[str, torch.Tensor]]:
-        state: dict[ExpertKey, dict[str, torch.Tensor]] = {}
-        for t in self.trainers:
-            state.update(t.shard.lora_state())
+    def lora_state(self) -> LoraState:
+        """All experts' adapters, keyed by logical (layer, expert)."""
+        state: LoraState = {}
+        for part in self._call_all("lora_state"):
+            state.update(part)
         return state
 
-    def load_lora_state(self, state: dict[ExpertKey, dict[str, torch.Tensor]]) -> None:
-        for t in self.trainers:
-            t.shard.load_lora_state(state)
+    def load_lora_state(self, state: LoraState) -> None:
+        """Each worker takes its own experts from `state`."""
+        self._call_all("load_lora_state", state)
+
+    def save_checkpoint_parts(self, staging_dir: str) -> list[str]:
+        """Every worker writes its experts' LoRA and AdamW state into the staging directory."""
+        return self._call_all("save_checkpoint_part", staging_dir)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        self._call_all("load_checkpoint", checkpoint_dir)
+
+    def received(self) -> list[int]:
+        """Per worker: bytes of rows and gradients received so far."""
+        return self._call_all("received")
+
+    def compute_seconds(self) -> list[float]:
+        """Per worker: seconds of expert compute so far."""
+        return self._call_all("compute_seconds")
 
 
 @dataclass
@@ -94,47 +115,66 @@ def build_master(
 
 def build_local(
     model: nn.Module, expert_to_worker, lora: LoraSpec, optim: OptimizerConfig, seed: int = 0
-) -> tuple[MasterModel, LocalWorkers]:
-    """Single-process vela-ray: shards built from `model`'s own experts, in-process transport."""
+) -> tuple[MasterModel, ExpertWorkers]:
+    """Single-process vela-ray: ExpertManagers built from `model`'s own experts, in-process transport."""
     table = torch.as_tensor(expert_to_worker, dtype=torch.long)
     blocks = find_moe_blocks(model)
-    activation = blocks[0].layout.activation
-    num_workers = int(table.max()) + 1
     weights = expert_weights(blocks)
-    shards = [
-        ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == worker}, lora, activation, seed)
-        for worker in range(num_workers)
+    managers = [
+        ExpertManager(ExpertManagerSpec(
+            worker=worker, keys=[k for k in weights if table[k] == worker],
+            weights={k: w for k, w in weights.items() if table[k] == worker},
+            activation=blocks[0].layout.activation, lora=lora, optim=optim, seed=seed))
+        for worker in range(int(table.max()) + 1)
     ]
-    master = build_master(model, table, InProcessTransport(shards), lora, optim)
-    return master, LocalWorkers([ShardTrainer(s, optim) for s in shards])
+    master = build_master(model, table, InProcessTransport(managers), lora, optim)
+    return master, ExpertWorkers.in_process(managers)
+
+
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+"""(peft model, micro-batch) -> this replica's share of the micro-batch's mean loss."""
+
+
+def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The model's own loss of the whole micro-batch: what a lone master trains on."""
+    return model(**batch).loss
 
 
 def train_step(
     master: MasterModel, workers: ExpertWorkers, micro_batches: Sequence[Batch], lr: float,
-    max_grad_norm: float | None,
+    max_grad_norm: float | None, *, loss_fn: LossFn = model_loss, replicas: Replicas = SINGLE,
 ) -> float:
-    """Forward/backward all micro-batches, clip globally, step master and workers. Returns mean loss."""
+    """Forward/backward all micro-batches, clip globally, step master and workers. Returns mean loss.
+
+    With data-parallel `replicas` (e.g. expert-parallel ranks) every replica calls this at once,
+    `loss_fn` gives its share of each micro-batch, and `workers` are its own experts (disjoint
+    from the other replicas'): the backbone gradients and the scalars are summed over replicas,
+    so all of them clip with the global norm and return the loss of the whole batch.
+    """
     model = master.peft_model
     model.train()
     total_loss = 0.0
     for batch in micro_batches:
-        loss = model(**batch).loss / len(micro_batches)
+        loss = loss_fn(model, batch) / len(micro_batches)
         loss.backward()
         total_loss += float(loss.detach())
     params = master.trainable_parameters()
-    total_sq = grad_sq_norm(params) + workers.grad_sq_norm()
+    replicas.sync_grads(params)
+    total_sq = grad_sq_norm(params) + replicas.sum(workers.grad_sq_norm())
     clip_coef = clip_coefficient(total_sq, max_grad_norm)
     apply_step(master.optimizer, lr, clip_coef)
     workers.step(lr, clip_coef)
-    return total_loss
+    return replicas.sum(total_loss)
 
 
 @torch.no_grad()
-def eval_loss(master: MasterModel, batches: Sequence[Batch]) -> float:
+def eval_loss(master: MasterModel, batches: Sequence[Batch], *, loss_fn: LossFn = model_loss,
+              replicas: Replicas = SINGLE) -> float:
+    """Mean over `batches` of each batch's loss (summed over `replicas`' shares, as in `train_step`)."""
     model = master.peft_model
     model.eval()
-    losses = [float(model(**b).loss) for b in batches]
-    return sum(losses) / max(1, len(losses))
+    local = sum(float(loss_fn(model, b)) for b in batches)
+    return replicas.sum(local) / max(1, len(batches))
 
 
 def export(master: MasterModel, workers: ExpertWorkers, out_dir) -> None:

@@ -1,8 +1,9 @@
 """ExpertManager: hosts the experts one worker owns and trains their LoRA adapters.
 
-A plain class (Ray Train v2 style): `actors.cluster.spawn_expert_managers` is the
-one place that turns it into a Ray actor (one per GPU, or per CPU bundle in
-tests); unit tests build it in-process.
+A plain class with no Ray in it (Ray Train v2 style): `actors.cluster.spawn_expert_managers`
+is the one place that turns it into a Ray actor (one per GPU, or per CPU bundle in tests);
+`vela_ray.training.step.build_local` and the in-process job runtime
+(`vela_ray.runtime.local`) build it in this process.
 
     spec = ExpertManagerSpec(worker=0, model_dir="/ckpt", keys=[(0, 3), (1, 5)])
     manager = ExpertManager(spec)          # reads only experts (0, 3) and (1, 5)
@@ -36,11 +37,12 @@ import psutil
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.errors import ExpertWorkerError
+from vela_ray.errors import ExpertWorkerError
 from vela_ray.training import checkpoint
 from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
 from vela_ray.model.loading import moe_layout, read_experts
 from vela_ray.training.optim import OptimizerConfig, ShardTrainer
+from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,13 @@ class ExpertManager:
     def backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         """d(rows) [R, D] for the forward saved under `key`, on the CPU."""
         return self._backward(key, grad).cpu()
+
+    def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor, key: Hashable | None = None):
+        """`ExpertShard.forward_rows`'s call, so an `InProcessTransport` can serve rows from managers."""
+        return self._forward(ForwardRequest(layer, expert_ids, rows, key))
+
+    def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        return self._backward(key, grad)
 
     def execute(self, message: WorkerMessage, on_device: bool = False) -> torch.Tensor | None:
         """One compiled-graph call: a forward, a backward, or nothing (None).
@@ -235,7 +244,7 @@ class ExpertManager:
         """The Ray node this worker runs on, or "local" outside Ray."""
         import ray  # actors are built in-process by unit tests, where Ray is not needed
 
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else LOCAL_NODE
 
     def pid(self) -> int:
         return os.getpid()
@@ -286,12 +295,11 @@ class ExpertManager:
         lora = sum(p.numel() * p.element_size() for p in self.shard.lora_parameters())
         return (frozen + _LORA_COPIES * lora) // len(self.keys)
 
-    def capacity(self, bytes_per_expert: int) -> int:
-        """How many more experts of `bytes_per_expert` fit in this worker's free device memory."""
-        if bytes_per_expert <= 0:
-            raise ValueError(f"bytes_per_expert must be positive, got {bytes_per_expert}")
+    def free_bytes(self) -> int:
+        """Free memory on this worker's device: what more experts could fill."""
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            free = psutil.virtual_memory().available
-        return int(free // bytes_per_expert)
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        return int(psutil.virtual_memory().available)
+
+    def num_experts(self) -> int:
+        return len(self.keys)

@@ -1,4 +1,4 @@
-"""Errors of the Ray runtime: which worker failed, and a message that says how to fix it.
+"""Errors of a vela-ray run: which worker failed, and a message that says how to fix it.
 
 Every error raised inside an actor crosses a process boundary: Ray pickles it,
 wraps it in a `RayTaskError` carrying the worker's traceback text, and re-raises
@@ -40,3 +40,17 @@ class WorkerLostError(VelaActorError):
 
     def __reduce__(self):
         return (type(self), (self.workers, self.message))
+
+
+class RunInterrupted(VelaActorError):
+    """The run stopped between steps on request (Ctrl-C, SIGTERM, its driver gone), after a checkpoint."""
+
+    def __init__(self, step: int | None, checkpoint: str | None, reason: str):
+        where = f"stopped after step {step}" if step is not None else "stopped"
+        resume = (f"continue from checkpoint {checkpoint} with `vela train --config ... --resume {checkpoint}`"
+                  if checkpoint else "no checkpoint was written; set checkpoint.every to keep progress")
+        super().__init__(f"{reason}: {where}; {resume}")
+        self.step, self.checkpoint, self.reason = step, checkpoint, reason
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.checkpoint, self.reason))

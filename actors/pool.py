@@ -1,0 +1,96 @@
+"""RayWorkerPool: the job runner's `WorkerPool` over ExpertManager actors.
+
+Workers are spawned with one placement-group bundle each (`actors.cluster`), the data
+plane is a Ray transport (object refs or a compiled graph), and links and compute are
+measured by the PlacementService on the master's node. A dead actor shows up as a
+`RayActorError`; `lost_workers` pings every worker to name the dead ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import ray
+
+from actors.cluster import ExpertCluster, SpawnConfig, spawn_expert_managers
+from actors.placement_service import spawn_placement_service
+from actors.transports import CompiledGraphTransport, RayObjectRefTransport, data_plane_env
+from actors.workers import actor_workers
+from vela_ray.config import JobConfig
+from vela_ray.model.loading import moe_layout
+from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
+from vela_ray.training.summary import LinkRecord
+
+logger = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 10
+
+
+class RayWorkerPool:
+    """`WorkerPool` of ExpertManager actors laid out by `config.cluster`, seen from `master_node`."""
+
+    def __init__(self, config: JobConfig, master_node: str):
+        self.config = config
+        self.master_node = master_node
+        self.activation = moe_layout(config.model.path)[2]
+        cluster = config.cluster
+        self.env_vars = data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)
+        self.spawn_config = SpawnConfig(
+            num_cpus_per_worker=cluster.num_cpus_per_worker, num_gpus_per_worker=cluster.num_gpus_per_worker,
+            workers_per_node=cluster.workers_per_node,
+            master_node=master_node if cluster.workers_per_node else None, env_vars=self.env_vars)
+        self.cluster: ExpertCluster | None = None
+        self.transport: Any = None
+
+    def start(self, table: np.ndarray) -> HostedExperts:
+        self.close()
+        device = "cuda" if self.config.cluster.num_gpus_per_worker else "cpu"
+        self.cluster = spawn_expert_managers(manager_specs(self.config, table, self.activation, device),
+                                             self.spawn_config)
+        tiers = self.cluster.worker_tiers(self.master_node)
+        if self.config.cluster.transport == "compiled_graph":
+            self.transport = CompiledGraphTransport(self.cluster.handles, tiers)
+        else:
+            self.transport = RayObjectRefTransport(self.cluster.handles, tiers,
+                                                   zero_copy=self.config.cluster.zero_copy_tensors)
+        return HostedExperts(actor_workers(self.cluster.handles), self.transport, self.cluster.node_ids)
+
+    def measure_links(self) -> list[LinkRecord]:
+        service = spawn_placement_service(self.master_node, self.env_vars)
+        try:
+            return ray.get(service.probe.remote(self.cluster.handles))
+        finally:
+            ray.kill(service)
+
+    def measure_compute(self, num_rows: int) -> list[float]:
+        return fill_unmeasured(ray.get([h.seconds_per_row.remote(num_rows) for h in self.cluster.handles]))
+
+    def capacities(self) -> list[int]:
+        handles = self.cluster.handles
+        hosting = [h for h, n in zip(handles, ray.get([h.num_experts.remote() for h in handles])) if n]
+        per_expert = ray.get(hosting[0].bytes_per_expert.remote())
+        return capacity_from_memory(ray.get([h.free_bytes.remote() for h in handles]), per_expert)
+
+    def pids(self) -> list[int]:
+        return ray.get([h.pid.remote() for h in self.cluster.handles])
+
+    def lost_workers(self, error: BaseException) -> list[int] | None:
+        if not isinstance(error, ray.exceptions.RayActorError):
+            return None
+        dead = []
+        for worker, handle in enumerate(self.cluster.handles):
+            try:
+                ray.get(handle.ping.remote(), timeout=PING_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(worker)
+        return dead
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None

@@ -1,0 +1,107 @@
+"""A whole vela-ray job in one process, without Ray: JobRunner over InProcessPool.
+
+Profile -> place -> train -> checkpoint -> export -> summary -> report, against plain
+transformers + peft on the same batches; and a run in which a worker holds no experts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from placement import Placement
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from vela_ray.config import JobConfig
+from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
+from vela_ray.runtime.local import InProcessPool
+from vela_ray.runtime.runner import JobRunner
+from vela_ray.training import checkpoint
+from vela_ray.training.summary import RunSummary
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "mixtral")
+
+
+def _run(job: dict) -> tuple[RunSummary, MemoryMetricsBackend]:
+    backend = MemoryMetricsBackend()
+    config = JobConfig.from_dict(job)
+    config.preflight()
+    return JobRunner(config, InProcessPool(config), MetricsSink(backend)).run(), backend
+
+
+def _assert_same_adapter(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_a_whole_job_in_one_process_equals_peft(model_dir, tmp_path):
+    out = tmp_path / "out"
+    job = job_dict(model_dir, out, steps=STEPS, lora={"r": 4, "alpha": 8,
+                                                       "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
+                   placement={"solver": "improved", "profile": "measure"}, checkpoint={"every": 2},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    summary, metrics = _run(job)
+
+    ref_losses, ref_state = reference_losses(JobConfig.from_dict(job))
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    exported = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert exported.keys() == ref_state.keys()
+    for key, value in ref_state.items():
+        assert float((exported[key] - value).abs().max()) <= 2e-3 * float(value.abs().max()), key
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out / "adapter")
+
+    assert RunSummary.load(out).model_dump_json() == summary.model_dump_json()  # written = returned
+    assert summary.placement.problem is not None and (out / "profile.npy").is_file()
+    assert summary.worker_tiers == ["same_process"] * 3
+    assert [int(p.name[5:]) for p in checkpoint.valid_checkpoints(out / "checkpoints")] == [2, 4]
+    assert summary.checkpoint == str(out / "checkpoints" / "step-000004")
+    assert "<svg" in (out / "report.html").read_text()
+    assert metrics.value("vela_train_step") == STEPS
+
+
+def _empty_worker_placement(model_dir: Path, path: Path, empty: int = 1) -> Path:
+    """Every expert on workers other than `empty`."""
+    from vela_ray.model.loading import moe_layout
+
+    layers, experts, _ = moe_layout(model_dir)
+    others = [w for w in range(3) if w != empty]
+    table = [[others[e % 2] for e in range(experts)] for _ in range(layers)]
+    counts = np.bincount(np.ravel(table), minlength=3).tolist()
+    Placement(expert_to_worker=table, num_workers=3, capacities=[max(counts)] * 3, solver="file",
+              expected_step_time=0.0).to_json(path)
+    return path
+
+
+def test_a_worker_without_experts_trains_checkpoints_reports_and_resumes(model_dir, tmp_path):
+    plan = _empty_worker_placement(model_dir, tmp_path / "placement.json")
+    job = job_dict(model_dir, tmp_path / "full", steps=STEPS, checkpoint={"every": 2, "keep": 5},
+                   placement={"solver": "file", "file": str(plan), "profile": "measure"},
+                   training={"optimizer": {"lr": 3e-3}})
+    full, metrics = _run(job)
+    assert np.bincount(np.ravel(full.placement.expert_to_worker), minlength=3)[1] == 0
+    assert full.worker_received_bytes[1] == 0 and full.traffic_bytes_by_worker[1] == 0
+    assert full.placement.predicted_bytes_per_worker()[1] == 0
+    assert metrics.value("vela_worker_experts", worker="1") == 0
+    assert (tmp_path / "full" / "report.html").is_file()
+    manifest = checkpoint.verify(tmp_path / "full" / "checkpoints" / "step-000002")
+    assert {Path(f).name for f in manifest["files"] if f.startswith("experts/")} == {
+        f"part-{n}.safetensors" for n in range(3)}  # the empty worker writes an empty part
+
+    job["output"]["dir"] = str(tmp_path / "resumed")
+    job["checkpoint"]["dir"] = str(tmp_path / "full" / "checkpoints")
+    job["checkpoint"]["resume"] = str(tmp_path / "full" / "checkpoints" / "step-000002")
+    resumed, _ = _run(job)
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[2:]), rtol=1e-5, atol=0)
+    _assert_same_adapter(load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors"),
+                         load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))

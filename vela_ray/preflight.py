@@ -1,0 +1,263 @@
+"""Preflight: a job checked against its files in the driver, before Ray starts.
+
+    checked = JobConfig.from_yaml("job.yaml").preflight()   # ValueError: one line, field or file + fix
+    run(checked.config)                                      # resume pinned to `checked.resume`
+    ...after ray.init: check_cluster_resources(config, ray.available_resources())
+
+Everything a MasterActor would otherwise find 30 s into a run, behind a Ray
+traceback, is found here in a second or two: unreadable weights, data that is
+empty or malformed or too short for one batch, a `seq_len` past the model's
+positions, a placement file for another shape, a resume that cannot happen, an
+output directory that cannot be written. Preflight writes nothing but one probe
+file that it deletes, and only after every other check passed, so a refused
+job leaves `output.dir` as it was.
+
+The heavy imports (torch, transformers) are inside the functions, so
+`check_cluster_resources` stays a pure function a caller can import cheaply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vela_ray.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checks need to know of `model.path`, read without loading weights."""
+
+    model_type: str
+    num_layers: int
+    num_experts: int
+    max_positions: int | None
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """A checked job. Run `config`: its `checkpoint.resume` is `resume`, the verified directory."""
+
+    config: JobConfig
+    model: ModelFacts
+    train_rows: int
+    resume: Path | None = None
+    resume_step: int = 0
+
+
+def preflight(config: JobConfig) -> Preflight:
+    """All checks, cheapest first; the only write (the output dir probe) comes last."""
+    model = check_model(config)
+    check_capacity(config, model)
+    check_seq_len(config, model)
+    check_placement_file(config, model)
+    train_rows = check_data(config)
+    resume, resume_step = check_resume(config, model)
+    check_output_dirs(config)
+    pinned = config.with_resume(str(resume)) if resume else config
+    return Preflight(config=pinned, model=model, train_rows=train_rows, resume=resume, resume_step=resume_step)
+
+
+# --- model ------------------------------------------------------------------------------
+
+
+def check_model(config: JobConfig) -> ModelFacts:
+    """config.json, readable safetensors headers, MoE blocks: what every actor will load."""
+    from transformers import AutoConfig
+
+    from vela_ray.model.loading import moe_layout
+
+    model_dir = config.model.path
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model.path {model_dir}: no config.json; point it at a save_pretrained directory")
+    check_weights(model_dir)
+    try:
+        num_layers, num_experts, _ = moe_layout(model_dir)
+        text_config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(f"model.path {model_dir}: {_first_line(err)}") from None
+    return ModelFacts(model_type=text_config.model_type, num_layers=num_layers, num_experts=num_experts,
+                      max_positions=getattr(text_config, "max_position_embeddings", None))
+
+
+def check_weights(model_dir: Path) -> None:
+    """Every safetensors file's header reads (a truncated download fails here, by name), and a
+    sharded checkpoint's index names only files that exist. Headers only: no tensor is read."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.path {model_dir}: config.json but no *.safetensors weights; save the model "
+                         "with save_pretrained(..., safe_serialization=True)")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        missing = sorted(set(json.loads(index.read_text())["weight_map"].values()) - {f.name for f in files})
+        if missing:
+            raise ValueError(f"model.path {model_dir}: {index.name} lists missing shards {missing[:3]}; "
+                             "download the checkpoint again")
+    for file in files:
+        try:
+            with safe_open(str(file), "numpy") as f:
+                f.keys()
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"model.path: {file} is not a readable safetensors file ({_first_line(err)}); "
+                             "download or save it again") from None
+
+
+def check_capacity(config: JobConfig, model: ModelFacts) -> None:
+    capacity, workers = config.placement.capacity, config.cluster.num_workers
+    total = model.num_layers * model.num_experts
+    if capacity is not None and capacity * workers < total:
+        raise ValueError(
+            f"placement.capacity {capacity} x cluster.num_workers {workers} holds {capacity * workers} experts "
+            f"but the model has {model.num_layers}x{model.num_experts}={total}: need {total - capacity * workers} "
+            "more expert slots (raise capacity or add workers)")
+
+
+def check_seq_len(config: JobConfig, model: ModelFacts) -> None:
+    """Rows longer than the model's positions train on positions it never learned (or index past RoPE)."""
+    seq_len, limit = config.data.seq_len, model.max_positions
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"data.seq_len {seq_len} exceeds the model's max_position_embeddings {limit} "
+                         f"({config.model.path / 'config.json'}); set data.seq_len to at most {limit}")
+
+
+def check_placement_file(config: JobConfig, model: ModelFacts) -> None:
+    """A `solver: file` placement must be for this model's layers x experts and this worker count."""
+    from placement import Placement
+
+    file = config.placement.file
+    if config.placement.solver != "file" or file is None:
+        return
+    try:
+        plan = Placement.from_json(file)
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(f"placement.file {file} is not a placement JSON ({_first_line(err)}); "
+                         "write one with `vela place --out`") from None
+    layers, experts, workers = plan.shape
+    wanted = (model.num_layers, model.num_experts, config.cluster.num_workers)
+    if (layers, experts, workers) != wanted:
+        raise ValueError(
+            f"placement.file {file} places {layers}x{experts} experts on {workers} workers, but this job has "
+            f"{wanted[0]}x{wanted[1]} (model.path) on {wanted[2]} (cluster.num_workers); solve again with "
+            "`vela place` for this job or match cluster.num_workers")
+
+
+# --- data -------------------------------------------------------------------------------
+
+
+def check_data(config: JobConfig) -> int:
+    """Build the data set exactly as the master does (tokenizer, build, split) and return the
+    training rows; refuse data that is empty, malformed, or too short for one batch."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
+    except (ValueError, OSError) as err:
+        raise ValueError(f"model.path {config.model.path}: no usable tokenizer ({_first_line(err)}); save it "
+                         "next to the model with tokenizer.save_pretrained") from None
+    training = config.training
+    try:
+        train, _ = config.data.build(tokenizer).split(training.eval_fraction, training.seed)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data.path {config.data.path}: not UTF-8 text ({err.reason} at byte {err.start})") \
+            from None
+    except ValueError as err:
+        raise ValueError(f"data: {_first_line(err)}") from None
+    if len(train) < training.batch_size:
+        raise ValueError(
+            f"training.batch_size {training.batch_size} exceeds the {len(train)} training rows of data.path "
+            f"{config.data.path} (seq_len {config.data.seq_len}, eval_fraction {training.eval_fraction} held "
+            f"out); lower training.batch_size to at most {len(train)} or use more data")
+    return len(train)
+
+
+# --- resume -----------------------------------------------------------------------------
+
+
+def check_resume(config: JobConfig, model: ModelFacts) -> tuple[Path | None, int]:
+    """(checkpoint, its step) to continue from, fully verified; (None, 0) for a fresh run.
+
+    Refuses a checkpoint of another model or LoRA config, and one that already reached
+    `training.steps` (the run is complete: there is nothing to continue)."""
+    from vela_ray.training import checkpoint
+
+    spec = config.checkpoint.resume
+    if spec is None:
+        return None, 0
+    path = checkpoint.resolve(spec, config.checkpoint_root)
+    manifest = checkpoint.verify(path, checksums=False)  # resolve checked the checksums
+    expected = {"model_type": model.model_type, "moe_layers": model.num_layers, "experts": model.num_experts,
+                "lora_r": config.lora.r, "lora_alpha": config.lora.alpha}
+    try:
+        checkpoint.check_compatible(manifest, expected, path)
+    except ValueError as err:
+        raise ValueError(f"checkpoint.resume (--resume): {err}; resume a checkpoint of this job") from None
+    step, steps = int(manifest["step"]), config.training.steps
+    if step >= steps:
+        raise ValueError(f"checkpoint.resume (--resume): {path} is at step {step}: the run is complete at step "
+                         f"{step} (training.steps {steps}); raise training.steps above {step} to continue")
+    logger.info("will resume from %s (step %d of %d)", path, step, steps)
+    return path.resolve(), step
+
+
+# --- output -----------------------------------------------------------------------------
+
+
+def check_output_dirs(config: JobConfig) -> None:
+    """output.dir (and checkpoint.dir when set apart) can be created and written."""
+    check_writable(config.output.dir, "output.dir")
+    if config.checkpoint.dir is not None:
+        check_writable(config.checkpoint.dir, "checkpoint.dir")
+
+
+def check_writable(directory: Path, field: str) -> None:
+    """Create `directory` and a probe file in it, then delete the probe: the one write preflight does."""
+    probe = directory / f".vela-preflight-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"{field} {directory} cannot be created or written ({err.strerror or err}); "
+                         f"choose a writable directory for {field}") from None
+
+
+# --- cluster ----------------------------------------------------------------------------
+
+
+def check_cluster_resources(config: JobConfig, available: dict[str, float]) -> None:
+    """The Ray cluster can hold the workers the job asks for; else name the shortage and the fix.
+
+    Call right after connecting, with `ray.available_resources()` (or, for a local Ray,
+    what the machine has): without it Ray leaves the actors pending for minutes and
+    then blames CPUs even when GPUs are what is missing. Pure: no Ray import.
+    """
+    cluster = config.cluster
+    workers = cluster.num_workers
+    gpus_needed, gpus = workers * cluster.num_gpus_per_worker, float(available.get("GPU", 0.0))
+    if gpus_needed > gpus:
+        raise ValueError(
+            f"cluster.num_gpus_per_worker {cluster.num_gpus_per_worker} x cluster.num_workers {workers} needs "
+            f"{gpus_needed} GPUs but the Ray cluster has {gpus:g}; set cluster.num_gpus_per_worker: 0 to train "
+            "on CPUs, lower cluster.num_workers, or add GPU nodes")
+    cpus_needed, cpus = workers * cluster.num_cpus_per_worker, float(available.get("CPU", 0.0))
+    if cpus_needed > cpus + 1e-9:
+        raise ValueError(
+            f"cluster.num_workers {workers} x cluster.num_cpus_per_worker {cluster.num_cpus_per_worker:g} needs "
+            f"{cpus_needed:g} CPUs but the Ray cluster has {cpus:g}; lower cluster.num_cpus_per_worker or "
+            "cluster.num_workers, or add nodes")
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message: the errors shown here must stay one line."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,50 @@
+"""The warnings vela-ray triggers knowingly, silenced one by one so that real ones stand out.
+
+    from vela_ray.quiet import silence_known_warnings
+    silence_known_warnings()   # first thing in the driver, the master and every ExpertManager
+
+Each filter names the message, the category and the module that warns, so the same
+text from anywhere else still shows. What vela-ray could fix in its own code is fixed
+there instead (e.g. `modeling.attach_brokers` reads `is_activation_checkpointing`,
+not transformers' deprecated alias). Importing this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+
+def silence_known_warnings() -> None:
+    """Ignore the three warnings every vela-ray process would otherwise repeat.
+
+    Call it after `import ray` in a process that pickles tensors through Ray: Ray's
+    import puts its own "once" filter for ZeroCopyTensorsWarning in front of earlier
+    filters. Ray worker processes (the master, ExpertManagers) import Ray before any
+    actor code runs, so calling it in an actor's `__init__` is late enough.
+    """
+    # peft's PeftModel.__init__ (get_peft_model: the master's model and the meta skeletons that
+    # export_adapter/read_adapter build) reads transformers' deprecated `is_gradient_checkpointing`.
+    # The alias returns `is_activation_checkpointing` unchanged, and vela-ray refuses checkpointing
+    # anyway (modeling.attach_brokers), so the answer peft gets is right; the fix belongs to peft.
+    warnings.filterwarnings(
+        "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+        module=r"transformers\.modeling_utils",
+    )
+    # cluster.zero_copy_tensors (default on) starts vela's actors with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS,
+    # and Ray then warns on the first tensor each process sends. Zero-copy is only unsafe for tensors
+    # someone writes in place after receiving them, and vela-ray only reads what crosses Ray: workers
+    # compute on received rows and gradients, the master concatenates outputs into new tensors, and
+    # adapter and optimizer states are copied into parameters (`copy_`, `.clone()`). Ray's other
+    # ZeroCopyTensorsWarning (a non-contiguous tensor was copied) stays visible: it costs a copy.
+    warnings.filterwarnings(
+        "ignore", message=r"Zero-copy tensor serialization is enabled", category=UserWarning,
+        module=r"ray\.",
+    )
+    # The receiving side of the same choice: Ray rebuilds each zero-copy tensor with torch.from_numpy
+    # over its read-only receive buffer, and torch warns that writing to it is undefined. Safe for the
+    # reason above (received tensors are only read). Limited to Ray's deserializer: the same warning
+    # from our own code (e.g. a read-only np.load) would be a real bug and still shows.
+    warnings.filterwarnings(
+        "ignore", message=r"The given NumPy array is not writable", category=UserWarning,
+        module=r"ray\._private\.tensor_serialization_utils",
+    )

@@ -1,0 +1,94 @@
+"""WorkerPool: what the job runner needs from wherever the experts live.
+
+A pool starts ExpertManagers for a placement table and hands back their control plane
+(`ExpertWorkers`) and data plane (`Transport`); it measures what the placement needs
+(links, compute per row, capacity) and says whether an error means a worker died. Two
+implementations: `vela_ray.runtime.local.InProcessPool` (this process) and
+`actors.pool.RayWorkerPool` (Ray actors, one per GPU or CPU bundle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from vela_ray.config import JobConfig
+from vela_ray.model.traffic import LinkTier
+from vela_ray.model.transport import Transport
+from vela_ray.training.expert_manager import ExpertManagerSpec
+from vela_ray.training.step import ExpertWorkers
+from vela_ray.training.summary import LinkRecord
+
+
+@dataclass
+class HostedExperts:
+    """ExpertManagers hosting one placement table: worker n runs on `node_ids[n]`."""
+
+    workers: ExpertWorkers
+    transport: Transport
+    node_ids: list[str]
+
+    @property
+    def tiers(self) -> list[LinkTier]:
+        return self.transport.worker_tiers()
+
+
+class WorkerPool(Protocol):
+    master_node: str
+
+    def start(self, table: np.ndarray) -> HostedExperts:
+        """(Re)start the workers so that worker n hosts the experts `table` gives n."""
+        ...
+
+    def measure_links(self) -> list[LinkRecord]:
+        """The master's link to each worker."""
+        ...
+
+    def measure_compute(self, num_rows: int) -> list[float]:
+        """Seconds per routed row of expert forward+backward on each worker."""
+        ...
+
+    def capacities(self) -> list[int]:
+        """Experts each worker could hold in its free device memory (measured, before any config cap)."""
+        ...
+
+    def pids(self) -> list[int]:
+        ...
+
+    def lost_workers(self, error: BaseException) -> list[int] | None:
+        """The workers that died if `error` means a worker was lost, else None."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def manager_specs(config: JobConfig, table: np.ndarray, activation: str, device: str = "cpu"
+                  ) -> list[ExpertManagerSpec]:
+    """One ExpertManagerSpec per worker: the experts `table` gives it, read from the model's checkpoint."""
+    return [
+        ExpertManagerSpec(
+            worker=n, keys=[tuple(k) for k in np.argwhere(table == n).tolist()],
+            model_dir=str(config.model.path.resolve()), activation=activation, lora=config.lora_spec,
+            optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
+        )
+        for n in range(config.cluster.num_workers)
+    ]
+
+
+def capacity_from_memory(free_bytes: list[int], bytes_per_expert: int) -> list[int]:
+    """Experts of `bytes_per_expert` that fit in each worker's free memory."""
+    if bytes_per_expert <= 0:
+        raise ValueError(f"bytes_per_expert must be positive, got {bytes_per_expert}")
+    return [int(free // bytes_per_expert) for free in free_bytes]
+
+
+def fill_unmeasured(per_row_s: list[float | None]) -> list[float]:
+    """A worker without experts cannot time one: it gets the median of the others."""
+    known = [s for s in per_row_s if s is not None]
+    if not known:
+        raise ValueError("no worker hosts an expert, so compute per row cannot be measured")
+    fallback = float(np.median(known))
+    return [fallback if s is None else s for s in per_row_s]

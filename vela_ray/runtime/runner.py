@@ -1,0 +1,396 @@
+"""JobRunner: one vela-ray run, from a JobConfig to `output.dir`, over any WorkerPool.
+
+Stages of `JobRunner.run()`:
+  1. resume point verified; nothing is written before (a refused resume leaves no trace);
+  2. tokenizer, data split and backbone loaded (`Backbone`); `config.json` written;
+  3. `pool.start(table)`: workers host the resumed placement, or the sequential one;
+  4. settle the placement: the profile (measured through the brokers, read from a file, or
+     uniform), links, compute and capacities from the pool, `placement_problem` (pure),
+     solve; restart the workers if the placement moved and rebind the brokers;
+  5. start state (checkpoint or init adapter), then train: `train_step` per step, a
+     checkpoint every `checkpoint.every` steps and at the end, eval loss, metrics;
+  6. export the peft adapter, write `summary.json` (a `RunSummary`) and `report.html`.
+
+The MasterActor (`actors.master`) is a thin shell that runs this over `RayWorkerPool`;
+tests run it in one process over `InProcessPool`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from placement import Placement, PlacementProblem, sequential_table, solve
+from placement.io import load_profile
+from vela_ray.config import JobConfig
+from vela_ray.data.datasets import TokenizedDataset, batch_at, micro_batches, sequential_batches
+from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model
+from vela_ray.errors import RunInterrupted, WorkerLostError
+from vela_ray.model.loading import load_backbone
+from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
+from vela_ray.model.traffic import TrafficSnapshot
+from vela_ray.observability.metrics import MetricsSink
+from vela_ray.observability.report import write_report
+from vela_ray.runtime.pool import HostedExperts, WorkerPool
+from vela_ray.training import checkpoint
+from vela_ray.training.optim import lr_at
+from vela_ray.training.step import (
+    MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state, train_step,
+)
+from vela_ray.training.summary import LinkRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown
+
+logger = logging.getLogger(__name__)
+
+StopCheck = Callable[[], "str | None"]  # why the run should stop now, or None to go on
+
+
+@dataclass
+class Backbone:
+    """What the master holds before any worker starts: tokenizer, data, the model and its MoE blocks."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train_set: TokenizedDataset
+    eval_set: TokenizedDataset
+    model: nn.Module
+    blocks: list[MoeBlock]
+
+    @classmethod
+    def load(cls, config: JobConfig) -> Backbone:
+        torch.manual_seed(config.training.seed)  # the order of seeding and building matches peft's reference
+        tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
+        train_set, eval_set = config.data.build(tokenizer).split(config.training.eval_fraction, config.training.seed)
+        model = load_backbone(config.model.path, config.torch_dtype)
+        return cls(tokenizer, train_set, eval_set, model, find_moe_blocks(model))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(MoE layers, experts per layer)."""
+        return len(self.blocks), self.blocks[0].layout.num_experts
+
+
+@dataclass
+class RunState:
+    """What the run has decided and measured so far; each stage fills its part."""
+
+    plan: Placement | None = None
+    problem: PlacementProblem | None = None
+    links: list[LinkRecord] = field(default_factory=list)
+    start_step: int = 0
+    history: list[StepRecord] = field(default_factory=list)
+    last_checkpoint: Path | None = None
+    tokens_routed_LE: np.ndarray | None = None
+    timings_s: dict[str, float | list[float]] = field(default_factory=dict)
+
+
+def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
+                      capacities: list[int], worker_nodes: list[str], master_node: str,
+                      compute_seconds_per_row: list[float] | None = None) -> PlacementProblem:
+    """The placement problem of this job: its profile (uniform if None), tokens, row size, links and capacities."""
+    num_layers, num_experts = backbone.shape
+    top_k = top_k_of(backbone.model)
+    if probs_LE is None:
+        probs_LE = np.full((num_layers, num_experts), top_k / num_experts)
+    return PlacementProblem(
+        probs=probs_LE, top_k=top_k,
+        tokens_per_step=config.training.batch_size * config.data.seq_len,
+        hidden_size=backbone.blocks[0].layout.hidden_size,
+        bits_per_element=torch.finfo(config.torch_dtype).bits,
+        bandwidths=[link.bandwidth_bytes_per_s for link in links], capacities=capacities,
+        worker_nodes=worker_nodes, master_node=master_node, compute_seconds_per_row=compute_seconds_per_row,
+    )
+
+
+class JobRunner:
+    """Runs one job over `pool`; see the module docstring for the stages."""
+
+    def __init__(self, config: JobConfig, pool: WorkerPool, metrics: MetricsSink | None = None,
+                 should_stop: StopCheck = lambda: None):
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics or MetricsSink()
+        self.should_stop = should_stop
+        self.out_dir = Path(config.output.dir)
+        self.state = RunState()
+
+    # --- the run ---------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        resume = self._resume_point()
+        backbone = self.backbone = Backbone.load(self.config)
+        if resume:
+            checkpoint.check_compatible(resume["manifest"], self._checkpoint_meta(), resume["path"])
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(self.config.model_dump_json(indent=1))
+        table = self._initial_table(resume)
+        hosted = self.pool.start(table)
+        try:
+            master = build_master(backbone.model, table, hosted.transport, self.config.lora_spec,
+                                  self.config.training.optimizer)
+            master.dispatcher.latency = self.metrics.latency
+            hosted = self._settle_placement(backbone, master, hosted, table, resume)
+            self._publish_placement(backbone)
+            self.state.start_step = self._load_start_state(master, hosted, resume)
+            self._train(backbone, master, hosted)
+            export(master, hosted.workers, self.out_dir / "adapter")
+            summary = self._summary(master, hosted)
+            summary.report = str((self.out_dir / "report.html").resolve())
+            summary.write(self.out_dir)  # the report reads it back
+            write_report(self.out_dir)
+            return summary
+        finally:
+            self.pool.close()
+
+    # --- resume ----------------------------------------------------------------------------
+
+    def _resume_point(self) -> dict | None:
+        """The checkpoint to continue from (path, manifest, trainer state); refused if it does not match."""
+        spec = self.config.checkpoint.resume
+        if spec is None:
+            return None
+        path = checkpoint.resolve(spec, self.config.checkpoint_root)
+        manifest = checkpoint.verify(path)  # full checksums
+        trainer = json.loads((path / "trainer.json").read_text())
+        checkpoint.check_compatible(manifest, {"lora_r": self.config.lora.r, "lora_alpha": self.config.lora.alpha},
+                                    path)
+        if manifest["step"] >= self.config.training.steps:
+            raise ValueError(f"{path}: the run is complete at step {manifest['step']} (training.steps = "
+                             f"{self.config.training.steps}); raise training.steps to train further")
+        logger.info("resuming from %s (step %d of %d)", path, manifest["step"], self.config.training.steps)
+        return {"path": path, "manifest": manifest, "trainer": trainer}
+
+    def _checkpoint_meta(self) -> dict:
+        backbone = self.backbone
+        layout = backbone.blocks[0].layout
+        return {"model_type": backbone.model.config.model_type, "moe_layers": len(backbone.blocks),
+                "experts": layout.num_experts, "hidden_size": layout.hidden_size,
+                "lora_r": self.config.lora.r, "lora_alpha": self.config.lora.alpha}
+
+    def _saved_placement(self, resume: dict | None) -> Placement | None:
+        """A resumed run keeps its placement when the worker count is unchanged."""
+        saved = resume["trainer"]["placement"] if resume else None
+        if saved and saved["num_workers"] == self.config.cluster.num_workers:
+            return Placement.model_validate(saved)
+        return None
+
+    def _initial_table(self, resume: dict | None) -> np.ndarray:
+        saved = self._saved_placement(resume)
+        if saved:
+            return saved.as_array()
+        return sequential_table(*self.backbone.shape, self.config.cluster.num_workers)
+
+    def _load_start_state(self, master: MasterModel, hosted: HostedExperts, resume: dict | None) -> int:
+        """Adapters and optimizer state to start from; returns the first step to run."""
+        if resume:
+            hosted.workers.load_checkpoint(str(resume["path"]))
+            load_master_state(master, checkpoint.read_tensors(resume["path"] / "backbone.safetensors"))
+            return int(resume["manifest"]["step"])
+        if self.config.lora.init_adapter:
+            import_adapter(master, hosted.workers, self.config.lora.init_adapter)
+        return 0
+
+    # --- placement -------------------------------------------------------------------------
+
+    def _settle_placement(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts, table: np.ndarray,
+                          resume: dict | None) -> HostedExperts:
+        """Profile, measure and solve (or keep a resumed run's placement); restart the workers if it moved."""
+        start = time.perf_counter()
+        saved = self._saved_placement(resume)
+        if saved:
+            self.state.plan = saved
+        else:
+            self.state.plan = self._place(backbone, master, hosted)
+        if self.state.plan.expert_to_worker != table.tolist():
+            self.pool.close()
+            hosted = self.pool.start(self.state.plan.as_array())
+            master.dispatcher.rebind(self.state.plan.as_array(), hosted.transport)
+        self.state.timings_s["placement_s"] = time.perf_counter() - start
+        (self.out_dir / "workers.json").write_text(json.dumps({"pids": self.pool.pids(), "nodes": hosted.node_ids}))
+        self.state.plan.to_json(self.out_dir / "placement.json")
+        logger.info("placement %s: %s experts per worker", self.state.plan.solver,
+                    np.bincount(self.state.plan.as_array().ravel(), minlength=self.config.cluster.num_workers).tolist())
+        return hosted
+
+    def _place(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts) -> Placement:
+        cfg = self.config
+        probs = self._profile(backbone, master)
+        self.state.links = self.pool.measure_links()
+        compute = None
+        if cfg.placement.cost_model == "communication+compute":  # rows a worker gets per layer, on average
+            rows = max(1, cfg.training.batch_size * cfg.data.seq_len * top_k_of(backbone.model)
+                       // cfg.cluster.num_workers)
+            compute = self.pool.measure_compute(rows)
+        problem = placement_problem(cfg, backbone, probs, self.state.links, self._capacities(backbone),
+                                    hosted.node_ids, self.pool.master_node, compute)
+        self.state.problem = problem
+        if cfg.placement.solver == "file":
+            return Placement.from_json(cfg.placement.file, problem)
+        plan = solve(problem, cfg.placement.solver, seed=cfg.placement.seed)
+        logger.info("placement solved (%s): expected %.3g s/step, LP bound %s", plan.solver,
+                    plan.expected_step_time, plan.lower_bound)
+        return plan
+
+    def _profile(self, backbone: Backbone, master: MasterModel) -> np.ndarray | None:
+        """P [L, E] to place by: measured through the brokers, read from a file, or None (uniform)."""
+        spec = self.config.placement.profile
+        if spec == "uniform":
+            return None
+        if spec != "measure":
+            return load_profile(Path(spec))[0]
+        batches = sequential_batches(backbone.train_set, self.config.training.batch_size,
+                                     max_batches=self.config.placement.profile_batches)
+        profile = profile_model(master.peft_model, batches, blocks=backbone.blocks, source=str(self.config.data.path))
+        profile.save(self.out_dir / "profile.json", npy_path=self.out_dir / "profile.npy")
+        return profile.probs_array()
+
+    def _capacities(self, backbone: Backbone) -> list[int]:
+        total = int(np.prod(backbone.shape))
+        cap = self.config.placement.capacity
+        capacities = [min(m, cap or total) for m in self.pool.capacities()]
+        if sum(capacities) < total:
+            raise ValueError(
+                f"workers hold {sum(capacities)} experts ({capacities}) but the model has {total}: "
+                f"need {total - sum(capacities)} more expert slots (add workers or raise placement.capacity)")
+        return capacities
+
+    def _publish_placement(self, backbone: Backbone) -> None:
+        """Placement metrics, and the drift tracker against the profile it was solved for."""
+        problem, plan = self.state.problem, self.state.plan
+        record = PlacementRecord.of(plan, problem, self.config.placement.cost_model)
+        self.metrics.set_placement(1, plan.expert_to_worker, self.config.cluster.num_workers,
+                                   probs_LE=None if problem is None else problem.probs,
+                                   expected_comm_time_s=record.expected_comm_time_s)
+        self.drift = None if problem is None else DriftTracker(problem.probs, top_k_of(backbone.model))
+
+    # --- training --------------------------------------------------------------------------
+
+    def _train(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts) -> None:
+        cfg = self.config.training
+        master.dispatcher.counter.reset()
+        self.state.last_checkpoint = checkpoint.latest(self.config.checkpoint_root)
+        received_before, compute_before = hosted.workers.received(), hosted.workers.compute_seconds()
+        routing = RoutingRecorder(backbone.blocks, top_k_of(backbone.model), record_confidence=False).attach()
+        train_start = time.perf_counter()
+        try:
+            for step in range(self.state.start_step, cfg.steps):
+                self._guarded(hosted, step, lambda: self._step(backbone, master, hosted, routing, step))
+                self._stop_if_asked(master, hosted, step + 1)
+        finally:
+            routing.detach()
+        self.state.timings_s["train_s"] = time.perf_counter() - train_start
+        history = self.state.history
+        if history and history[-1].eval_loss is None:
+            history[-1].eval_loss = self._eval(backbone, master)
+        self.received = [a - b for a, b in zip(hosted.workers.received(), received_before)]
+        self.state.timings_s["worker_compute_s"] = [
+            a - b for a, b in zip(hosted.workers.compute_seconds(), compute_before)]
+
+    def _guarded(self, hosted: HostedExperts, step: int, work: Callable[[], None]) -> None:
+        """Run `work`; a lost worker becomes a WorkerLostError naming it and the checkpoint to resume from."""
+        try:
+            work()
+        except Exception as err:
+            dead = self.pool.lost_workers(err)
+            if dead is None:
+                raise
+            raise WorkerLostError(dead, f"ExpertManager worker(s) {dead} died during step {step + 1}; training "
+                                        f"stopped and its in-memory state since the last checkpoint is discarded; "
+                                        f"{self._resume_hint()}. Cause: {err}") from None
+
+    def _resume_hint(self) -> str:
+        last = self.state.last_checkpoint
+        if last is None:
+            return "no checkpoint was written yet; set checkpoint.every to bound lost work"
+        return f"resume from checkpoint {last} with `vela train --config ... --resume {last}`"
+
+    def _step(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts, routing: RoutingRecorder,
+              step: int) -> None:
+        cfg = self.config.training
+        counter = master.dispatcher.counter
+        micro = micro_batches(batch_at(backbone.train_set, step, cfg.batch_size, cfg.seed),
+                              cfg.micro_batch_size or cfg.batch_size)
+        before, waited_before = counter.snapshot(), sum(master.dispatcher.round_trip_s.values())
+        start = time.perf_counter()
+        loss = train_step(master, hosted.workers, micro, lr_at(cfg.optimizer, step, cfg.steps),
+                          cfg.optimizer.max_grad_norm)
+        step_time = time.perf_counter() - start
+        delta: TrafficSnapshot = counter.snapshot() - before
+        counts_LE = routing.take_counts().numpy()
+        routed = self.state.tokens_routed_LE
+        self.state.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE  # training steps only
+        record = StepRecord(step=step + 1, loss=loss, step_time_s=step_time,
+                            expert_round_trip_s=sum(master.dispatcher.round_trip_s.values()) - waited_before,
+                            bytes_by_tier=delta.bytes_by_tier(), bytes_by_worker=delta.bytes_by_worker())
+        self.metrics.record_step(step + 1, loss, step_time, tokens=sum(m["input_ids"].numel() for m in micro),
+                                 traffic_delta=delta, expert_counts_LE=counts_LE,
+                                 drift_L=self.drift.record_step(counts_LE) if self.drift else None)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            record.eval_loss = self._eval(backbone, master)
+            routing.take_counts()  # the eval pass's routing is not training traffic
+        self.state.history.append(record)
+        every = self.config.checkpoint.every
+        if step + 1 == cfg.steps or (every and (step + 1) % every == 0):
+            self.state.last_checkpoint = self._save_checkpoint(master, hosted, step + 1)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            logger.info("step %d/%d loss %.4f%s (%.2f s)", step + 1, cfg.steps, loss,
+                        "" if record.eval_loss is None else f" eval {record.eval_loss:.4f}", step_time)
+
+    def _stop_if_asked(self, master: MasterModel, hosted: HostedExperts, done: int) -> None:
+        """Between steps: stop cleanly when asked (Ctrl-C, SIGTERM, the driver gone), with a checkpoint."""
+        reason = self.should_stop()
+        if reason is None or done == self.config.training.steps:
+            return
+        if self.state.last_checkpoint is None or not self.state.last_checkpoint.name.endswith(f"{done:06d}"):
+            self.state.last_checkpoint = self._save_checkpoint(master, hosted, done)
+        raise RunInterrupted(done, str(self.state.last_checkpoint), reason)
+
+    def _eval(self, backbone: Backbone, master: MasterModel) -> float:
+        cfg = self.config.training
+        return eval_loss(master, list(sequential_batches(backbone.eval_set, cfg.batch_size, cfg.eval_batches)))
+
+    def _save_checkpoint(self, master: MasterModel, hosted: HostedExperts, step: int) -> Path:
+        """Atomic checkpoint of `step`: workers write their experts' parts in parallel, the master the rest."""
+        cfg = self.config
+        start = time.perf_counter()
+        staging = checkpoint.begin(cfg.checkpoint_root, step)
+        tensors = master_state(master)
+        tensors["rng.torch"] = torch.get_rng_state()
+        checkpoint.write_tensors(staging / "backbone.safetensors", tensors)
+        checkpoint.write_json(staging / "trainer.json", {
+            "step": step, "data_position": step, "total_steps": cfg.training.steps,
+            "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),
+            "placement": self.state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
+        })
+        hosted.workers.save_checkpoint_parts(str(staging))
+        final = checkpoint.finalize(staging, step, self._checkpoint_meta(), keep=cfg.checkpoint.keep)
+        logger.info("checkpoint %s written in %.2f s", final, time.perf_counter() - start)
+        return final
+
+    # --- summary ---------------------------------------------------------------------------
+
+    def _summary(self, master: MasterModel, hosted: HostedExperts) -> RunSummary:
+        state, traffic = self.state, master.dispatcher.counter.snapshot()
+        history = state.history
+        routed = state.tokens_routed_LE
+        return RunSummary(
+            mode="vela", steps=len(history), losses=[h.loss for h in history],
+            eval_loss=history[-1].eval_loss if history else None,
+            median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
+            history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),
+            traffic_bytes_by_tier=traffic.bytes_by_tier(), traffic_bytes_by_worker=traffic.bytes_by_worker(),
+            sent_bytes_by_worker=traffic.bytes_by_worker(("dispatch", "grad_dispatch")),
+            worker_received_bytes=self.received, tokens_routed=[] if routed is None else routed.astype(int).tolist(),
+            worker_tiers=list(traffic.worker_tiers), worker_nodes=hosted.node_ids, master_node=self.pool.master_node,
+            placement=PlacementRecord.of(state.plan, state.problem, self.config.placement.cost_model),
+            links=state.links, timings_s=state.timings_s,
+            adapter_dir=str((self.out_dir / "adapter").resolve()),
+            checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
+        )
