@@ -93,7 +93,7 @@ def as_probs_matrix(value: Any) -> np.ndarray:
 
     The one check of a routing matrix: profile files and `PlacementProblem.probs` both use it.
     """
-    probs = numeric_matrix(value, "probs")
+    probs = _numeric_matrix(value, "probs")
     bad = np.argwhere(~np.isfinite(probs) | (probs < 0) | (probs > 1))
     if len(bad):
         layer, expert = bad[0]
@@ -106,7 +106,7 @@ def as_probs_matrix(value: Any) -> np.ndarray:
     return probs
 
 
-def numeric_matrix(value: Any, name: str) -> np.ndarray:
+def _numeric_matrix(value: Any, name: str) -> np.ndarray:
     """`value` as a non-empty 2-D float64 [num_layers, num_experts] array; ValueError naming `name` otherwise."""
     if isinstance(value, list):
         lengths = [len(row) if isinstance(row, list) else None for row in value]
@@ -138,7 +138,7 @@ def probs_from_counts(counts: Any, top_k: int) -> np.ndarray:
     Each token is counted once per expert it uses, so a row sums to top_k * tokens;
     normalising per row keeps layers with different token counts comparable.
     """
-    counts = numeric_matrix(counts, "counts")
+    counts = _numeric_matrix(counts, "counts")
     if not np.all(np.isfinite(counts)) or counts.min() < 0:
         raise ValueError("counts must be finite numbers >= 0 (tokens routed to each expert)")
     row_sums = counts.sum(axis=1, keepdims=True)

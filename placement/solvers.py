@@ -7,9 +7,10 @@
 Solvers (registered in `SOLVERS`, all `(problem, *, seed, time_budget_s, direct)
 -> (expert_to_worker [L, E], lower_bound | None)`):
 
-- `sequential`: the paper's baseline, expert e of every layer on worker e mod N,
-  as in expert parallelism. A worker that is full passes the expert on to the
-  next worker (e + 1, e + 2, ... mod N) with room; layers are filled in order.
+- `sequential`: the paper's baseline, expert e of every layer on worker e mod N
+  (`sequential_table`, expert parallelism's table). Only when capacities do not
+  allow that table, a worker that is full passes the expert on to the next
+  worker (e + 1, e + 2, ... mod N) with room; layers are filled in order.
 - `random`: the paper's other baseline, a seeded uniformly random assignment of
   all L * E experts to capacity slots.
 - `vela`: the paper's method, the LP relaxation (`placement.lp`, class-aggregated

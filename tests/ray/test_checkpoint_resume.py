@@ -35,7 +35,7 @@ def uninterrupted(ray_session, tmp_path_factory):
 
 
 def _adapter(summary) -> dict[str, torch.Tensor]:
-    return load_file(Path(summary["adapter_dir"]) / "adapter_model.safetensors")
+    return load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
 
 
 def _assert_same_adapter(a: dict, b: dict) -> None:
@@ -65,8 +65,8 @@ def test_resume_continues_with_identical_losses_and_adapter(uninterrupted, tmp_p
     mid = STEPS // 2
     ckpt = uninterrupted["root"] / "out" / "checkpoints" / f"step-{mid:06d}"
     summary = _resumed(uninterrupted, tmp_path / "out", str(ckpt), num_workers=num_workers)
-    torch.testing.assert_close(torch.tensor(summary["losses"]),
-                               torch.tensor(uninterrupted["summary"]["losses"][mid:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(summary.losses),
+                               torch.tensor(uninterrupted["summary"].losses[mid:]), rtol=1e-5, atol=0)
     _assert_same_adapter(_adapter(summary), _adapter(uninterrupted["summary"]))
 
 
@@ -90,11 +90,10 @@ def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(unin
 
     killer = threading.Thread(target=kill_worker_after_first_checkpoint, daemon=True)
     killer.start()
-    with pytest.raises(ray.exceptions.RayTaskError) as err:
+    with pytest.raises(WorkerLostError) as err:  # the actor's own error, not Ray's wrapper
         VelaJob(JobConfig.from_dict(job)).run()
     killer.join(timeout=10)
     assert killed, "the worker was never killed"
-    assert isinstance(err.value, WorkerLostError) or "WorkerLostError" in str(err.value)
     message = str(err.value)
     assert "ExpertManager worker(s) [1] died" in message
     last = checkpoint.latest(ckpt_root)
@@ -105,8 +104,8 @@ def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(unin
     job["checkpoint"]["resume"] = "latest"
     summary = VelaJob(JobConfig.from_dict(job)).run()
     done = int(last.name.split("-")[1])
-    torch.testing.assert_close(torch.tensor(summary["losses"]),
-                               torch.tensor(uninterrupted["summary"]["losses"][done:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(summary.losses),
+                               torch.tensor(uninterrupted["summary"].losses[done:]), rtol=1e-5, atol=0)
     _assert_same_adapter(_adapter(summary), _adapter(uninterrupted["summary"]))
 
 
@@ -115,5 +114,5 @@ def test_resume_with_another_lora_rank_is_refused(uninterrupted, tmp_path):
     job["output"]["dir"] = str(tmp_path / "out")
     job["checkpoint"]["dir"] = str(uninterrupted["root"] / "out" / "checkpoints")
     job["lora"] = {"r": 4}
-    with pytest.raises(ray.exceptions.RayTaskError, match=r"lora_r: checkpoint 8 vs this job 4"):
+    with pytest.raises(ValueError, match=r"lora_r: checkpoint 8 vs this job 4"):
         VelaJob(JobConfig.from_dict(job).with_resume("latest")).run()

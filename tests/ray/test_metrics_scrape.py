@@ -153,7 +153,7 @@ ray.init(address=sys.argv[1], log_to_driver=False)
 config = JobConfig.from_dict(json.loads(sys.argv[2]))
 config.preflight()
 master = ray.remote(MasterActor).options(num_cpus=0).remote(config)  # as VelaJob does, kept alive after run
-print("SUMMARY " + json.dumps(ray.get(master.run.remote())), flush=True)
+print("SUMMARY " + ray.get(master.run.remote()).model_dump_json(), flush=True)
 sys.stdin.read()  # the master's metrics stay exported until the test closes stdin
 """
 

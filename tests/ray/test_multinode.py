@@ -21,7 +21,7 @@ for _ in range(2):
     cluster.add_node(num_cpus=2)
 ray.init(address=cluster.address)
 try:
-    summary = VelaJob(JobConfig.from_dict(json.loads(sys.argv[1]))).run()
+    summary = VelaJob(JobConfig.from_dict(json.loads(sys.argv[1]))).run().model_dump(mode="json")
     summary["nodes"] = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     print("SUMMARY " + json.dumps(summary))
 finally:
