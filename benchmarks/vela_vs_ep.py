@@ -167,7 +167,7 @@ def serial_compute(args, dataset: str) -> dict:
 
     from vela_ray.config import JobConfig
     from vela_ray.data.datasets import batch_at
-    from vela_ray.baselines.expert_parallel import sequential_table
+    from placement import sequential_table
     from vela_ray.model.experts import LoraSpec
     from vela_ray.training.step import build_local, train_step
 

@@ -250,7 +250,8 @@ def test_problem_file_accepts_profile_path_gb_per_s_and_one_capacity(tmp_path):
     assert problem.top_k == 2  # inferred from the row sums
     assert problem.bandwidths == [18.3e9, 1.17e9] and problem.capacities == [4, 4]
     (tmp_path / "typo.yaml").write_text("profile: profile.npy\ntokens: 1\n")
-    with pytest.raises(ValueError, match=r"(?s)typo.yaml: invalid placement problem:\n.*tokens: Extra inputs are not permitted"):
+    typo = r"(?s)typo.yaml: invalid placement problem:\n.*tokens: Extra inputs are not permitted"
+    with pytest.raises(ValueError, match=typo):
         PlacementProblem.from_file(tmp_path / "typo.yaml")
     (tmp_path / "broken.yaml").write_text("profile: profile.npy\ncapacities: [4, 4\n")
     with pytest.raises(ValueError, match=r"broken.yaml is not valid YAML: .* at line 3"):
