@@ -73,11 +73,6 @@ class ExpertCluster:
         remove_placement_group(self.placement_group)
 
 
-def classify_link_tiers(master_node_id: str, worker_node_ids: Sequence[str]) -> list[LinkTier]:
-    """Deprecated name of `vela_ray.model.traffic.link_tiers`, kept until its last callers move."""
-    return link_tiers(master_node_id, worker_node_ids)
-
-
 def spawn_expert_managers(
     specs: Sequence[ExpertManagerSpec], config: SpawnConfig | None = None, **options: Any
 ) -> ExpertCluster:

@@ -12,7 +12,7 @@ conformance suite (tests/ray/test_transport_conformance.py):
   rows), so the graph has a fixed shape. Call `close()` when done: an open graph
   pins its actors' execution loops and shared memory.
 
-    transport = RayObjectRefTransport(handles, classify_link_tiers(master_node, nodes))
+    transport = RayObjectRefTransport(handles, link_tiers(master_node, nodes))
     outputs = transport.forward({0: ForwardRequest(...), 2: ForwardRequest(...)})
 """
 
@@ -63,7 +63,7 @@ def compact_request(request: ForwardRequest) -> ForwardRequest:
 def _check_tiers(handles: Sequence, worker_tiers: Sequence[LinkTier]) -> list[LinkTier]:
     if len(worker_tiers) != len(handles):
         raise ValueError(f"worker_tiers has {len(worker_tiers)} entries for {len(handles)} workers; "
-                         "give one tier per handle (actors.cluster.classify_link_tiers)")
+                         "give one tier per handle (vela_ray.model.traffic.link_tiers)")
     return list(worker_tiers)
 
 

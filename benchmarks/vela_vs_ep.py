@@ -148,7 +148,7 @@ def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | Non
     wire_before = wire_bytes(spec) if spec else None
     start = time.perf_counter()
     try:
-        run_expert_parallel(config, mode="expert_parallel") if method == "ep" else VelaJob(config).run()
+        run_expert_parallel(config) if method == "ep" else VelaJob(config).run()
         summary = RunSummary.load(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -6,7 +6,7 @@ import pytest
 import ray
 import torch
 
-from actors.cluster import classify_link_tiers
+from vela_ray.model.traffic import link_tiers
 from vela_ray.errors import ExpertWorkerError
 from vela_ray.runtime.pool import capacity_from_memory
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
@@ -91,7 +91,7 @@ def test_topology_outside_ray():
     assert manager.ping() == 3 and manager.pid() > 0
     if not ray.is_initialized():
         assert manager.node_id() == "local"
-    assert classify_link_tiers("a", ["local", "a", "b"]) == ["same_process", "same_node", "cross_node"]
+    assert link_tiers("a", ["local", "a", "b"]) == ["same_process", "same_node", "cross_node"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -50,9 +50,9 @@ def test_every_lora_gradient_matches_peft(family):
             torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-4, atol=1e-7, msg=name)
     # experts: fuse the shards' per-expert grads the way peft stores them, then compare
     shard_grads = {}
-    for trainer in pair.workers.trainers:
-        for key in trainer.shard.keys:
-            shard_grads[key] = {n: p.grad for n, p in trainer.shard.expert(*key).named_parameters()}
+    for shard in pair.master.dispatcher.transport.shards:  # build_pair's InProcessTransport
+        for key in shard.keys:
+            shard_grads[key] = {n: p.grad for n, p in shard.expert(*key).named_parameters()}
     checked = 0
     for name, grad in ref_grads.items():
         if ".experts." not in name or ".lora_A." not in name:
