@@ -48,8 +48,7 @@ STOP_GRACE_S = 600  # how long a stopping run may take to finish its step and ch
 
 class VelaJob:
     def __init__(self, config: JobConfig):
-        config.preflight()
-        self.config = config
+        self.config = config.preflight().config  # resume pinned to the checkpoint preflight verified
 
     def run(self) -> RunSummary:
         silence_known_warnings()

@@ -11,6 +11,7 @@ driver in a second or two, so a bad file never costs a cluster start-up.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -213,5 +214,26 @@ def _readable(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         where = ".".join(str(x) for x in e["loc"]) or "config"
-        parts.append(f"{where}: {e['msg']}")
+        msg = _unknown_field(e["loc"]) if e["type"] == "extra_forbidden" else e["msg"]
+        parts.append(f"{where}: {msg}")
     return "; ".join(parts)
+
+
+def _unknown_field(loc: tuple) -> str:
+    """A misspelt key: the closest field of its section, which is what the user meant to type."""
+    names = _section_fields(loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    if close:
+        return f"unknown field (did you mean {close[0]!r}?)"
+    return "unknown field" + (f"; the fields here are {', '.join(names)}" if names else "")
+
+
+def _section_fields(loc: tuple) -> list[str]:
+    """Field names of the pydantic model at `loc` below JobConfig ([] if it is not a model)."""
+    model: type[BaseModel] = JobConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)

@@ -99,7 +99,12 @@ def check_weights(model_dir: Path) -> None:
                          "with save_pretrained(..., safe_serialization=True)")
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        missing = sorted(set(json.loads(index.read_text())["weight_map"].values()) - {f.name for f in files})
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"model.path: {index} is not a safetensors index ({_first_line(err)}); download "
+                             "the checkpoint again") from None
+        missing = sorted(shards - {f.name for f in files})
         if missing:
             raise ValueError(f"model.path {model_dir}: {index.name} lists missing shards {missing[:3]}; "
                              "download the checkpoint again")
@@ -222,6 +227,8 @@ def check_output_dirs(config: JobConfig) -> None:
 def check_writable(directory: Path, field: str) -> None:
     """Create `directory` and a probe file in it, then delete the probe: the one write preflight does."""
     probe = directory / f".vela-preflight-{os.getpid()}"
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{field} {directory} is a file, not a directory; choose a directory for {field}")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")

@@ -76,6 +76,57 @@ def test_resolve_latest_without_checkpoints_says_where_it_looked(tmp_path):
         checkpoint.resolve("latest", tmp_path)
 
 
+def _corrupt(path):
+    data = bytearray((path / "backbone.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum can tell
+    (path / "backbone.safetensors").write_bytes(bytes(data))
+
+
+def test_resolve_latest_falls_back_past_a_corrupt_newest_checkpoint_and_names_it(tmp_path, caplog):
+    good = _write(tmp_path, 1)
+    _corrupt(_write(tmp_path, 2))
+    with caplog.at_level("WARNING", logger="vela_ray.training.checkpoint"):
+        assert checkpoint.resolve("latest", tmp_path) == good
+    assert "skipping corrupt checkpoint" in caplog.text and "step-000002" in caplog.text
+    assert "resuming from" in caplog.text and str(good) in caplog.text
+
+
+def test_resolve_latest_with_only_corrupt_checkpoints_counts_them(tmp_path):
+    _corrupt(_write(tmp_path, 1))
+    with pytest.raises(ValueError, match=r"no valid checkpoint under .* \(1 corrupt: step-000001\)"):
+        checkpoint.resolve("latest", tmp_path)
+
+
+def test_resolve_a_mistyped_directory_says_it_does_not_exist_and_names_the_newest(tmp_path):
+    with pytest.raises(ValueError, match=r"step-00012 does not exist \(.* holds no checkpoint\)"):
+        checkpoint.resolve(tmp_path / "step-00012", tmp_path)
+    newest = _write(tmp_path, 12)
+    with pytest.raises(ValueError, match=rf"step-00012 does not exist \(the newest under .* is {newest}\)"):
+        checkpoint.resolve(tmp_path / "step-00012", tmp_path)
+
+
+def test_resolve_a_checkpoint_root_names_a_checkpoint_in_it(tmp_path):
+    _write(tmp_path, 1)
+    with pytest.raises(ValueError, match=r"is a checkpoint root, not a checkpoint; .*step-000001"):
+        checkpoint.resolve(tmp_path, tmp_path)
+
+
+def test_resolve_a_corrupt_directory_says_what_is_wrong(tmp_path):
+    path = _write(tmp_path, 1)
+    _corrupt(path)
+    with pytest.raises(ValueError, match=r"backbone.safetensors fails its sha256 checksum"):
+        checkpoint.resolve(path, tmp_path)
+
+
+def test_prune_deletes_staging_directories_left_by_a_crash(tmp_path):
+    stale = checkpoint.begin(tmp_path, 7)  # a writer that died before finalize
+    (stale / "experts" / "part-0.safetensors").write_bytes(b"half")
+    _write(tmp_path, 1, keep=3)
+    assert not stale.exists()
+    assert checkpoint.staging_dirs(tmp_path) == []
+    assert [p.name for p in checkpoint.valid_checkpoints(tmp_path)] == ["step-000001"]
+
+
 _SLOW_WRITER = """
 import sys, time, torch
 from pathlib import Path
@@ -100,3 +151,5 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_latest(tmp_path)
     assert any(p.name.startswith(".step-000002.tmp-") for p in tmp_path.iterdir())  # the half-written one
     assert checkpoint.latest(tmp_path) == previous
     checkpoint.verify(previous)
+    _write(tmp_path, 3, keep=3)  # the next checkpoint's prune removes the dead writer's staging dir
+    assert checkpoint.staging_dirs(tmp_path) == []

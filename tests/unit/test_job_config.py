@@ -1,16 +1,25 @@
-"""Bad job configs are refused before any actor starts, with the field named."""
+"""Bad job configs are refused before any actor starts, with the field named.
+
+The one-line message and nothing-written checks of each bad input are in
+test_bad_input.py; here: what a passing preflight returns (rows, the pinned
+resume), the cluster-resource check, and that a config typo costs no heavy import.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.fixtures import job_dict, make_checkpoint, write_job
 from vela_ray.config import JobConfig
+from vela_ray.preflight import check_cluster_resources
+from vela_ray.training import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +31,64 @@ def _config(checkpoint, tmp_path, **sections) -> JobConfig:
     return JobConfig.from_dict(job_dict(checkpoint, tmp_path / "out", **sections))
 
 
-def test_a_good_config_passes_preflight(checkpoint, tmp_path):
-    _config(checkpoint, tmp_path).preflight()
+def test_a_good_config_passes_preflight_and_counts_the_rows_the_master_trains_on(checkpoint, tmp_path):
+    from transformers import AutoTokenizer
+
+    config = _config(checkpoint, tmp_path)
+    checked = config.preflight()
+    # what MasterActor does with the same config
+    train, _ = config.data.build(AutoTokenizer.from_pretrained(str(checkpoint))).split(
+        config.training.eval_fraction, config.training.seed)
+    assert checked.train_rows == len(train) == 190
+    assert (checked.model.num_layers, checked.model.num_experts, checked.model.max_positions) == (2, 6, 128)
+    assert checked.config == config and checked.resume is None
+    assert list((tmp_path / "out").iterdir()) == []  # the write probe is gone
+
+
+def _ckpt(root: Path, step: int) -> Path:
+    staging = ckpt.begin(root, step)
+    ckpt.write_tensors(staging / "backbone.safetensors", {"w": torch.zeros(4)})
+    meta = {"model_type": "mixtral", "moe_layers": 2, "experts": 6, "hidden_size": 32, "lora_r": 8,
+            "lora_alpha": 16.0}
+    return ckpt.finalize(staging, step, meta)
+
+
+def test_preflight_pins_resume_latest_to_the_newest_valid_checkpoint(checkpoint, tmp_path, caplog):
+    good = _ckpt(tmp_path / "out" / "checkpoints", 1)
+    bad = _ckpt(tmp_path / "out" / "checkpoints", 2)
+    (bad / "backbone.safetensors").write_bytes(bytes(reversed((bad / "backbone.safetensors").read_bytes())))
+    with caplog.at_level("WARNING"):
+        checked = _config(checkpoint, tmp_path).with_resume("latest").preflight()
+    assert checked.resume == good.resolve() and checked.resume_step == 1
+    assert checked.config.checkpoint.resume == str(good.resolve())  # the master resolves this, not `latest`
+    assert "skipping corrupt checkpoint" in caplog.text and "step-000002" in caplog.text
+
+
+def test_resume_continues_when_training_steps_was_raised(checkpoint, tmp_path):
+    done = _ckpt(tmp_path / "out" / "checkpoints", 3)
+    with pytest.raises(ValueError, match="the run is complete at step 3"):
+        _config(checkpoint, tmp_path, training={"steps": 3}).with_resume("latest").preflight()
+    checked = _config(checkpoint, tmp_path, training={"steps": 5}).with_resume(str(done)).preflight()
+    assert (checked.resume, checked.resume_step) == (done.resolve(), 3)
+
+
+@pytest.mark.parametrize("cluster, available, message", [
+    ({"num_workers": 3, "num_gpus_per_worker": 1}, {"CPU": 16.0},
+     r"num_gpus_per_worker 1 x cluster.num_workers 3 needs 3 GPUs but the Ray cluster has 0; set "
+     r"cluster.num_gpus_per_worker: 0"),
+    ({"num_workers": 3, "num_gpus_per_worker": 1}, {"CPU": 16.0, "GPU": 2.0}, r"needs 3 GPUs .* has 2;"),
+    ({"num_workers": 10, "num_cpus_per_worker": 0.5}, {"CPU": 2.0},
+     r"cluster.num_workers 10 x cluster.num_cpus_per_worker 0.5 needs 5 CPUs but the Ray cluster has 2;"),
+    ({"num_workers": 3, "num_cpus_per_worker": 0.5}, {"CPU": 1.5, "GPU": 0.0}, None),
+    ({"num_workers": 2, "num_gpus_per_worker": 1, "num_cpus_per_worker": 1}, {"CPU": 8.0, "GPU": 2.0}, None),
+])
+def test_cluster_resources_name_the_real_shortage(checkpoint, tmp_path, cluster, available, message):
+    config = _config(checkpoint, tmp_path, cluster=cluster)
+    if message is None:
+        check_cluster_resources(config, available)
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_cluster_resources(config, available)
 
 
 def test_missing_model_path_is_named(tmp_path):
@@ -65,10 +130,54 @@ def test_placement_file_solver_needs_a_file(checkpoint, tmp_path):
         _config(checkpoint, tmp_path, placement={"solver": "file"})
 
 
-def test_cli_refuses_a_bad_config_before_starting_ray(checkpoint, tmp_path):
+def test_cli_refuses_a_bad_config_without_starting_ray(checkpoint, tmp_path, capsys):
+    import ray
+
+    from vela_ray.cli import main
+
     job = write_job(tmp_path / "job.yaml", job_dict(checkpoint, tmp_path / "out", placement={"capacity": 1}))
-    result = subprocess.run([sys.executable, "-m", "vela_ray.cli", "train", "--config", str(job)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "need 9 more expert slots" in result.stderr
-    assert "Ray" not in result.stderr + result.stdout  # failed before ray.init
+    assert main(["train", "--config", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "need 9 more expert slots" in err and len(err.strip().splitlines()) == 1
+    assert not ray.is_initialized()
+    assert not (tmp_path / "out").exists()
+
+
+_HEAVY = ("torch", "transformers", "ray")
+_TYPO_IN_A_FRESH_PROCESS = """
+import json, sys
+{call}
+print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+
+def _run_fresh(call: str) -> subprocess.CompletedProcess:
+    code = _TYPO_IN_A_FRESH_PROCESS.format(call=call, heavy=_HEAVY)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+
+
+def _typo_job(checkpoint: Path, tmp_path: Path) -> Path:
+    return write_job(tmp_path / "typo.yaml", job_dict(checkpoint, tmp_path / "out", training={"stpes": 3}))
+
+
+def test_a_config_typo_is_reported_without_importing_torch_transformers_or_ray(checkpoint, tmp_path):
+    job = _typo_job(checkpoint, tmp_path)
+    result = _run_fresh("from vela_ray.config import JobConfig\n"
+                        "try:\n"
+                        f"    JobConfig.from_yaml({str(job)!r})\n"
+                        "except ValueError as err:\n"
+                        "    print(err)\n")
+    assert result.returncode == 0, result.stderr
+    message, loaded = result.stdout.strip().splitlines()
+    assert "training.stpes: unknown field (did you mean 'steps'?)" in message
+    assert json.loads(loaded) == []
+
+
+def test_vela_train_with_a_config_typo_imports_no_heavy_module(checkpoint, tmp_path):
+    job = _typo_job(checkpoint, tmp_path)
+    result = _run_fresh("from vela_ray.cli import main\n"
+                        f"assert main(['train', '--config', {str(job)!r}]) == 2\n")
+    assert result.returncode == 0, result.stderr
+    assert "did you mean 'steps'" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

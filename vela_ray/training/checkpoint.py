@@ -168,8 +168,10 @@ def resolve(spec: str | Path, root: str | Path) -> Path:
         return _newest_verified(Path(root))
     path = Path(spec)
     if not path.exists():
-        raise ValueError(f"checkpoint.resume (--resume) {path} does not exist; give a checkpoint directory "
-                         f"such as {Path(root) / 'step-000100'}, or `latest`")
+        newest = step_dirs(root)
+        hint = f"the newest under {root} is {newest[-1]}" if newest else f"{root} holds no checkpoint"
+        raise ValueError(f"checkpoint.resume (--resume) {path} does not exist ({hint}); give a checkpoint "
+                         "directory or `latest`")
     if not (path / MANIFEST).exists() and step_dirs(path):
         raise ValueError(f"checkpoint.resume (--resume) {path} is a checkpoint root, not a checkpoint; give one "
                          f"of its step-* directories, e.g. {step_dirs(path)[-1]}, or `latest`")

@@ -38,6 +38,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vela_ray.errors import ExpertWorkerError
+from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
 from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
 from vela_ray.model.loading import moe_layout, read_experts
@@ -115,6 +116,7 @@ class ExpertManager:
     """One worker's experts: an `ExpertShard` with its own AdamW (`ShardTrainer`)."""
 
     def __init__(self, spec: ExpertManagerSpec):
+        silence_known_warnings()  # an actor process: Ray is imported by now, so the filters stay in front
         self.worker = spec.worker
         self.keys: list[ExpertKey] = sorted(spec.keys)
         self.device = torch.device(spec.device)
