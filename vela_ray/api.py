@@ -36,7 +36,7 @@ from actors.master import MasterActor
 from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
 from vela_ray.errors import RunInterrupted, VelaActorError
-from vela_ray.preflight import check_cluster_resources
+from vela_ray.preflight import Preflight, check_cluster_resources
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
 from vela_ray.training.summary import RunSummary
@@ -47,8 +47,10 @@ STOP_GRACE_S = 600  # how long a stopping run may take to finish its step and ch
 
 
 class VelaJob:
-    def __init__(self, config: JobConfig):
-        self.config = config.preflight().config  # resume pinned to the checkpoint preflight verified
+    def __init__(self, config: JobConfig | Preflight):
+        """Checks `config` against its files now, unless it is already a `Preflight` result."""
+        checked = config if isinstance(config, Preflight) else config.preflight()
+        self.config = checked.config  # resume pinned to the checkpoint preflight verified
 
     def run(self) -> RunSummary:
         silence_known_warnings()

@@ -201,11 +201,12 @@ def _run_train(args: argparse.Namespace) -> int:
     from vela_ray.config import JobConfig
 
     config = JobConfig.from_yaml(args.config).with_resume(args.resume)  # a typo fails here, before torch loads
+    checked = config.preflight()  # and a file or capacity problem here, before Ray loads
 
     from vela_ray.api import VelaJob
     from vela_ray.observability.report import summary_text
 
-    print(summary_text(VelaJob(config).run()))
+    print(summary_text(VelaJob(checked).run()))
     return 0
 
 

@@ -130,16 +130,15 @@ def test_placement_file_solver_needs_a_file(checkpoint, tmp_path):
         _config(checkpoint, tmp_path, placement={"solver": "file"})
 
 
-def test_cli_refuses_a_bad_config_without_starting_ray(checkpoint, tmp_path, capsys):
-    import ray
-
-    from vela_ray.cli import main
-
+def test_cli_refuses_a_bad_config_without_starting_ray(checkpoint, tmp_path):
+    # a fresh process: the Ray tests' session-wide Ray instance must not hide a start here
     job = write_job(tmp_path / "job.yaml", job_dict(checkpoint, tmp_path / "out", placement={"capacity": 1}))
-    assert main(["train", "--config", str(job)]) == 2
-    err = capsys.readouterr().err
-    assert "need 9 more expert slots" in err and len(err.strip().splitlines()) == 1
-    assert not ray.is_initialized()
+    result = _run_fresh("from vela_ray.cli import main\n"
+                        f"assert main(['train', '--config', {str(job)!r}]) == 2\n")
+    assert result.returncode == 0, result.stderr
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and "need 9 more expert slots" in err[0]
+    assert "ray" not in json.loads(result.stdout.strip().splitlines()[-1])
     assert not (tmp_path / "out").exists()
 
 
