@@ -7,7 +7,8 @@
 Everything a MasterActor would otherwise find 30 s into a run, behind a Ray
 traceback, is found here in a second or two: unreadable weights, data that is
 empty or malformed or too short for one batch, a `seq_len` past the model's
-positions, a placement file for another shape, a resume that cannot happen, an
+positions, a placement file or profile for another shape, an initial adapter of
+another rank or model, a resume that cannot happen, an
 output directory that cannot be written. Preflight writes nothing but one probe
 file that it deletes, and only after every other check passed, so a refused
 job leaves `output.dir` as it was.
@@ -57,6 +58,8 @@ def preflight(config: JobConfig) -> Preflight:
     check_capacity(config, model)
     check_seq_len(config, model)
     check_placement_file(config, model)
+    check_profile_file(config, model)
+    check_init_adapter(config)
     train_rows = check_data(config)
     resume, resume_step = check_resume(config, model)
     check_output_dirs(config)
@@ -154,6 +157,41 @@ def check_placement_file(config: JobConfig, model: ModelFacts) -> None:
             f"placement.file {file} places {layers}x{experts} experts on {workers} workers, but this job has "
             f"{wanted[0]}x{wanted[1]} (model.path) on {wanted[2]} (cluster.num_workers); solve again with "
             "`vela place` for this job or match cluster.num_workers")
+
+
+def check_profile_file(config: JobConfig, model: ModelFacts) -> None:
+    """A `placement.profile` file must give one probability per expert of every MoE layer of the model."""
+    from placement.io import load_profile
+
+    path = config.placement.profile
+    if not isinstance(path, Path):
+        return
+    try:
+        probs, _ = load_profile(path)
+    except ValueError as err:
+        raise ValueError(f"placement.profile: {_first_line(err)}; write one with `vela profile`") from None
+    wanted = (model.num_layers, model.num_experts)
+    if probs.shape != wanted:
+        raise ValueError(
+            f"placement.profile {path} is {probs.shape[0]}x{probs.shape[1]} (layers x experts) but model.path "
+            f"has {wanted[0]}x{wanted[1]}; profile this model with `vela profile --model {config.model.path}`")
+
+
+def check_init_adapter(config: JobConfig) -> None:
+    """`lora.init_adapter` must be a peft adapter of this model's experts, with the job's rank and alpha."""
+    from transformers import AutoConfig
+
+    from vela_ray.model.adapters import check_adapter_matches, read_adapter
+
+    adapter = config.lora.init_adapter
+    if adapter is None:
+        return
+    try:
+        model_config = AutoConfig.from_pretrained(str(config.model.path))
+        lora_config, _, _ = read_adapter(adapter, model_config)
+        check_adapter_matches(lora_config, config.lora.r, config.lora.alpha, adapter)
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(f"lora.init_adapter: {_first_line(err)}") from None
 
 
 # --- data -------------------------------------------------------------------------------

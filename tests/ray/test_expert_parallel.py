@@ -13,8 +13,8 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from actors.expert_parallel import run_expert_parallel
-from tests.fixtures import init_adapter, job_dict, reference_losses
+from tests.fixtures import init_adapter, job_dict, reference_losses, write_job
+from vela_ray import cli
 from vela_ray.config import JobConfig
 from vela_ray.model.families import debug_model
 from vela_ray.paths import data_dir
@@ -45,7 +45,7 @@ class EpRun:
 
 @pytest.fixture(scope="module")
 def ep_run(ray_session, tmp_path_factory) -> EpRun:
-    """One 3-rank EP job and the plain-peft reference of it (the job is the slow part: run it once)."""
+    """One 3-rank EP job through `vela train` and its plain-peft reference (the job is slow: run it once)."""
     tmp = tmp_path_factory.mktemp("ep")
     model_dir = _checkpoint_for_instructions(tmp / "model")
     # 4 rows over 3 ranks (2, 1, 1) of padded instruction data with masked prompts: uneven shards with
@@ -58,7 +58,8 @@ def ep_run(ray_session, tmp_path_factory) -> EpRun:
                                                                      "warmup_steps": 1}})
     job["mode"] = "expert_parallel"
     config = JobConfig.from_dict(job)
-    summary = run_expert_parallel(config)
+    assert cli.main(["train", "--config", str(write_job(tmp / "job.yaml", job))]) == 0  # as a user runs it
+    summary = RunSummary.load(config.output.dir)
     ref_losses, ref_state = reference_losses(config.model_copy(update={"training": config.training.model_copy(
         update={"micro_batch_size": config.training.batch_size})}))
     return EpRun(config, summary, ref_losses, ref_state)

@@ -13,12 +13,14 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from placement import Placement
-from tests.fixtures import job_dict, make_checkpoint, write_job
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, write_job
 from vela_ray.config import JobConfig
+from vela_ray.model.families import debug_model
 from vela_ray.training import checkpoint
 
 # what MasterActor records for the fixture model (2 MoE layers x 6 experts) with the default LoRA
@@ -97,6 +99,21 @@ def _output_is_a_file(tmp: Path, model: Path) -> tuple[Path, None]:
     return _job(tmp, model), None
 
 
+def _profile(tmp: Path, name: str, probs) -> dict:
+    path = tmp / name
+    if path.suffix == ".npy":
+        np.save(path, np.asarray(probs))
+    else:
+        path.write_text(json.dumps(probs))
+    return {"profile": str(path)}
+
+
+def _adapter_of_another_model(tmp: Path, model: Path) -> tuple[Path, None]:
+    other = tmp / "wider"  # same family, another hidden size
+    debug_model("mixtral", hidden_size=48).save_pretrained(other)
+    return _job(tmp, model, lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(other, tmp / "adapter"))}), None
+
+
 def _yaml(tmp: Path, text: str) -> Path:
     (tmp / "job.yaml").write_text(text)
     return tmp / "job.yaml"
@@ -149,6 +166,19 @@ CASES: dict[str, tuple[Case, str]] = {
     "placement file for another model": (
         lambda t, m: (_job(t, m, placement={"solver": "file", "file": _placement_file(t, 3, 6, 3)}), None),
         r"placement\.file .*places 3x6 experts on 3 workers, but this job has 2x6"),
+    "profile for another model": (
+        lambda t, m: (_job(t, m, placement=_profile(t, "p.npy", np.full((3, 6), 1 / 3))), None),
+        r"placement\.profile .*p\.npy is 3x6 \(layers x experts\) but model\.path has 2x6; profile this model"),
+    "profile that is not a profile": (
+        lambda t, m: (_job(t, m, placement=_profile(t, "p.json", {"layers": 2})), None),
+        r"placement\.profile: profile .*p\.json: must be a \[layers\]\[experts\] list.*; write one with `vela profile`"),
+    "initial adapter of another rank": (
+        lambda t, m: (_job(t, m, lora={"init_adapter": str(init_adapter(m, t / "adapter"))}), None),
+        r"lora\.init_adapter: .*adapter has r=4, alpha=8 but the job trains r=8, alpha=16\.0; set lora\.r"),
+    "initial adapter of another model": (
+        _adapter_of_another_model,
+        r"lora\.init_adapter: .*adapter: \S+ has shape \[\d+, 48\] but this model needs \[\d+, 32\]; "
+        r"use an adapter of this model"),
     "output dir under a file": (
         _output_under_a_file, r"output\.dir .*blocker/out cannot be created or written"),
     "output dir is a file": (

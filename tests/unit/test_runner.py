@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from placement import Placement
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.config import JobConfig
+from vela_ray.errors import RunInterrupted
 from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.runner import JobRunner
@@ -104,4 +105,31 @@ def test_a_worker_without_experts_trains_checkpoints_reports_and_resumes(model_d
     resumed, _ = _run(job)
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[2:]), rtol=1e-5, atol=0)
     _assert_same_adapter(load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors"),
+                         load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))
+
+
+def test_a_stop_request_checkpoints_the_step_it_stopped_after_and_resume_finishes_the_run(model_dir, tmp_path):
+    """What Ctrl-C / SIGTERM / a vanished driver do through the master: stop between steps, off the
+    checkpoint cadence, with a verified checkpoint of that step; resuming it ends where an unstopped run does."""
+    job = job_dict(model_dir, tmp_path / "full", steps=STEPS, checkpoint={"every": 2, "keep": 5},
+                   training={"optimizer": {"lr": 3e-3}})
+    full, _ = _run(job)
+
+    job["output"]["dir"] = str(tmp_path / "stopped")
+    config = JobConfig.from_dict(job)
+    steps_seen = MemoryMetricsBackend()
+    runner = JobRunner(config, InProcessPool(config), MetricsSink(steps_seen),
+                       should_stop=lambda: "interrupted (Ctrl-C)" if steps_seen.value("vela_train_step") == 3 else None)
+    with pytest.raises(RunInterrupted) as stopped:
+        runner.run()
+    last = tmp_path / "stopped" / "checkpoints" / "step-000003"
+    assert (stopped.value.step, stopped.value.checkpoint) == (3, str(last))
+    assert str(stopped.value).startswith("interrupted (Ctrl-C): stopped after step 3;")
+    assert f"--resume {last}" in str(stopped.value)
+    checkpoint.verify(last)
+    assert not (tmp_path / "stopped" / "adapter").exists()  # no export of an unfinished run
+
+    resumed, _ = _run({**job, "checkpoint": {**job["checkpoint"], "resume": "latest"}})
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[3:]), rtol=1e-5, atol=0)
+    _assert_same_adapter(load_file(tmp_path / "stopped" / "adapter" / "adapter_model.safetensors"),
                          load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))

@@ -20,6 +20,7 @@ The router (`gate`) and `lm_head` are never adapted (the paper: all linear layer
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from pathlib import Path
@@ -113,18 +114,42 @@ def split_expert_factors(lora_A: torch.Tensor, lora_B: torch.Tensor, num_experts
     return [(A_ErI[e].clone(), B_OrE[:, :, e].clone()) for e in range(num_experts)]
 
 
-def _expert_param_keys(config: PretrainedConfig, lora_config: LoraConfig) -> dict[tuple[int, str], str]:
-    """{(moe layer, "gate_up"|"down"): state-dict key prefix} from a meta-device peft skeleton."""
+def _peft_skeleton(config: PretrainedConfig, lora_config: LoraConfig):
+    """The original model with `lora_config` applied, on the meta device: names and shapes, no memory.
+
+    peft rewrites the config's `base_model_name_or_path` to the model it wraps (and warns when that
+    changes it); the skeleton gets a copy, so the caller's config keeps the adapter's own base path."""
+    lora_config = copy.copy(lora_config)
+    lora_config.base_model_name_or_path = None
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-        layer_of = {b.experts_path: b.index for b in find_moe_blocks(skeleton)}
-        peft_skeleton = get_peft_model(skeleton, lora_config)
+        blocks = find_moe_blocks(skeleton)  # before peft wraps the experts
+        return get_peft_model(skeleton, lora_config), blocks
+
+
+def _expert_param_keys(peft_skeleton, blocks) -> dict[tuple[int, str], str]:
+    """{(moe layer, "gate_up"|"down"): state-dict key prefix} of a `_peft_skeleton`."""
+    layer_of = {b.experts_path: b.index for b in blocks}
     prefixes = {}
     for name, module in peft_skeleton.named_modules():
         if isinstance(module, ParamWrapper) and module.parameter_name in _EXPERT_SLOTS:
             experts_path = re.sub(r"^base_model\.model\.|(\.base_layer)+$", "", name)
             prefixes[(layer_of[experts_path], _EXPERT_SLOTS[module.parameter_name])] = name
     return prefixes
+
+
+def _check_shapes(adapter_dir: Path, state: dict[str, torch.Tensor], peft_skeleton) -> None:
+    """Every tensor of the adapter exists in this model's peft state with the same shape: an adapter
+    of another model (hidden size, expert count, layers) or rank is refused before any is loaded."""
+    wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_skeleton).items()}
+    unknown = sorted(set(state) - set(wanted))
+    if unknown:
+        raise ValueError(f"{adapter_dir}: adapter keys not in this model: {unknown[:3]}; use an adapter of "
+                         "this model")
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != wanted[key]:
+            raise ValueError(f"{adapter_dir}: {key} has shape {list(tensor.shape)} but this model needs "
+                             f"{list(wanted[key])}; use an adapter of this model")
 
 
 def export_adapter(
@@ -140,7 +165,7 @@ def export_adapter(
     expert_state: {(layer, expert): {"lora_A_gate_up", "lora_B_gate_up", "lora_A_down", "lora_B_down"}}.
     Raises ValueError if any expert of any MoE layer has no adapter.
     """
-    prefixes = _expert_param_keys(config, lora_config)
+    prefixes = _expert_param_keys(*_peft_skeleton(config, lora_config))
     num_layers = 1 + max(layer for layer, _ in prefixes)
     num_experts = _num_experts(config)
     missing = [(l, e) for l in range(num_layers) for e in range(num_experts) if (l, e) not in expert_state]
@@ -164,13 +189,17 @@ def export_adapter(
 
 
 def read_adapter(adapter_dir: str | Path, config: PretrainedConfig):
-    """Read a peft adapter dir -> (LoraConfig, backbone_state, expert_state keyed by (layer, expert))."""
+    """Read a peft adapter dir -> (LoraConfig, backbone_state, expert_state keyed by (layer, expert)).
+
+    Every tensor must have the name and shape this model's peft state has (ValueError naming it)."""
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / ADAPTER_FILE).is_file():
         raise ValueError(f"{adapter_dir} is not a peft adapter directory (no {ADAPTER_FILE})")
     lora_config = LoraConfig.from_pretrained(str(adapter_dir))
     state = load_file(str(adapter_dir / ADAPTER_FILE))
-    prefixes = _expert_param_keys(config, lora_config)
+    skeleton, blocks = _peft_skeleton(config, lora_config)
+    _check_shapes(adapter_dir, state, skeleton)
+    prefixes = _expert_param_keys(skeleton, blocks)
     num_experts = _num_experts(config)
     expert_state: dict[ExpertKey, dict[str, torch.Tensor]] = {}
     for (layer, slot), prefix in prefixes.items():
@@ -181,6 +210,13 @@ def read_adapter(adapter_dir: str | Path, config: PretrainedConfig):
             expert_state.setdefault((layer, e), {})[f"lora_A_{slot}"] = a
             expert_state[(layer, e)][f"lora_B_{slot}"] = b
     return lora_config, state, expert_state
+
+
+def check_adapter_matches(lora_config: LoraConfig, r: int, alpha: float, adapter_dir: str | Path) -> None:
+    """An adapter trained with another rank or alpha cannot continue as this job's: refuse it by name."""
+    if (lora_config.r, lora_config.lora_alpha) != (r, alpha):
+        raise ValueError(f"{adapter_dir}: adapter has r={lora_config.r}, alpha={lora_config.lora_alpha} but the "
+                         f"job trains r={r}, alpha={alpha}; set lora.r/lora.alpha to match")
 
 
 def backbone_state_of(peft_model) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,7 +214,8 @@ class JobRunner:
             hosted = self.pool.start(self.state.plan.as_array())
             master.dispatcher.rebind(self.state.plan.as_array(), hosted.transport)
         self.state.timings_s["placement_s"] = time.perf_counter() - start
-        (self.out_dir / "workers.json").write_text(json.dumps({"pids": self.pool.pids(), "nodes": hosted.node_ids}))
+        (self.out_dir / "workers.json").write_text(json.dumps(
+            {"pids": self.pool.pids(), "nodes": hosted.node_ids, "master_pid": os.getpid()}))
         self.state.plan.to_json(self.out_dir / "placement.json")
         logger.info("placement %s: %s experts per worker", self.state.plan.solver,
                     np.bincount(self.state.plan.as_array().ravel(), minlength=self.config.cluster.num_workers).tolist())

@@ -187,14 +187,11 @@ def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -
     """Load a peft adapter directory of the original model into master and workers (any placement)."""
     from peft import set_peft_model_state_dict
 
-    from vela_ray.model.adapters import read_adapter
+    from vela_ray.model.adapters import check_adapter_matches, read_adapter
 
     config = master.peft_model.base_model.model.config
     lora_config, backbone_state, expert_state = read_adapter(adapter_dir, config)
-    ours = master.full_lora_config
-    if (lora_config.r, lora_config.lora_alpha) != (ours.r, ours.lora_alpha):
-        raise ValueError(f"{adapter_dir}: adapter has r={lora_config.r}, alpha={lora_config.lora_alpha} but the "
-                         f"job trains r={ours.r}, alpha={ours.lora_alpha}; set lora.r/lora.alpha to match")
+    check_adapter_matches(lora_config, master.full_lora_config.r, master.full_lora_config.lora_alpha, adapter_dir)
     result = set_peft_model_state_dict(master.peft_model, backbone_state)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
