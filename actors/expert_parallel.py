@@ -239,7 +239,7 @@ def _step_record(records: tuple[dict, ...]) -> StepRecord:
 
 
 def _table(config: JobConfig, num_ranks: int) -> list[list[int]]:
-    num_layers, num_experts, _ = moe_layout(config.model.path)
+    num_layers, num_experts = moe_layout(config.model.path)
     return sequential_table(num_layers, num_experts, num_ranks).tolist()
 
 

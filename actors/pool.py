@@ -19,7 +19,6 @@ from actors.placement_service import spawn_placement_service
 from actors.transports import CompiledGraphTransport, RayObjectRefTransport, data_plane_env
 from actors.workers import actor_workers
 from vela_ray.config import JobConfig
-from vela_ray.model.loading import moe_layout
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.training.summary import LinkRecord
 
@@ -34,7 +33,6 @@ class RayWorkerPool:
     def __init__(self, config: JobConfig, master_node: str):
         self.config = config
         self.master_node = master_node
-        self.activation = moe_layout(config.model.path)[2]
         cluster = config.cluster
         self.env_vars = data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)
         self.spawn_config = SpawnConfig(
@@ -47,7 +45,7 @@ class RayWorkerPool:
     def start(self, table: np.ndarray) -> HostedExperts:
         self.close()
         device = "cuda" if self.config.cluster.num_gpus_per_worker else "cpu"
-        self.cluster = spawn_expert_managers(manager_specs(self.config, table, self.activation, device),
+        self.cluster = spawn_expert_managers(manager_specs(self.config, table, device),
                                              self.spawn_config)
         tiers = self.cluster.worker_tiers(self.master_node)
         if self.config.cluster.transport == "compiled_graph":

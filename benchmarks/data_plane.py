@@ -70,15 +70,19 @@ def child(args) -> dict:
     from actors.cluster import spawn_expert_managers
     from vela_ray.training.expert_manager import ExpertManagerSpec
     from actors.transports import RayObjectRefTransport
+    from transformers import MixtralConfig
+
     from vela_ray.model.broker import ExpertDispatcher
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     g = torch.Generator().manual_seed(0)
     D, I, E, N = args.hidden, args.intermediate, args.experts, args.workers
     table = torch.tensor([[e % N for e in range(E)]])
-    specs = [ExpertManagerSpec(worker=n, keys=[(0, e) for e in range(E) if e % N == n], activation="silu",
-                               weights={(0, e): (torch.randn(2 * I, D, generator=g) * 0.05,
-                                                 torch.randn(D, I, generator=g) * 0.05) for e in range(E) if e % N == n})
+    config = MixtralConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_hidden_layers=1)
+    specs = [ExpertManagerSpec(worker=n, keys=[(0, e) for e in range(E) if e % N == n], hf_config=config,
+                               weights={(0, e): {"gate_up_proj": torch.randn(2 * I, D, generator=g) * 0.05,
+                                                 "down_proj": torch.randn(D, I, generator=g) * 0.05}
+                                        for e in range(E) if e % N == n})
              for n in range(N)]
     cluster = spawn_expert_managers(specs, num_cpus_per_worker=0.25, env_vars=setting_env(args.child))
     transport = RayObjectRefTransport(cluster.handles, cluster.worker_tiers(),

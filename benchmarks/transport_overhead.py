@@ -93,7 +93,8 @@ def make_inputs(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 
 
 def expert_weights(experts: MixtralExperts) -> dict:
-    return {(0, e): (experts.gate_up_proj[e], experts.down_proj[e]) for e in range(experts.num_experts)}
+    return {(0, e): {"gate_up_proj": experts.gate_up_proj[e].clone(), "down_proj": experts.down_proj[e].clone()}
+            for e in range(experts.num_experts)}
 
 
 def peft_experts(experts: MixtralExperts, lora: LoraSpec) -> nn.Module:
@@ -138,13 +139,13 @@ def ray_cluster(weights: dict, table: torch.Tensor, lora: LoraSpec, args):
     specs = []
     for n in range(args.workers):
         part = {k: w for k, w in weights.items() if int(table[k]) == n}
-        specs.append(ExpertManagerSpec(worker=n, keys=sorted(part), weights=part, activation="silu", lora=lora))
+        specs.append(ExpertManagerSpec(worker=n, keys=sorted(part), weights=part, hf_config=args.config, lora=lora))
     return spawn_expert_managers(specs, num_cpus_per_worker=args.cpus_per_worker)
 
 
 def run_transports(weights: dict, table: torch.Tensor, lora: LoraSpec, inputs, args) -> dict[str, dict]:
-    shards = [ExpertShard.from_weights({k: w for k, w in weights.items() if int(table[k]) == n}, lora, "silu", seed=0)
-              for n in range(args.workers)]
+    shards = [ExpertShard.from_weights({k: w for k, w in weights.items() if int(table[k]) == n}, lora,
+                                       args.prototype, seed=0) for n in range(args.workers)]
     cluster = ray_cluster(weights, table, lora, args)
     try:
         time.sleep(args.settle_s)  # let Ray's start-up work finish before timing anything
@@ -163,7 +164,7 @@ def run_transports(weights: dict, table: torch.Tensor, lora: LoraSpec, inputs, a
 
 def run_module_baselines(experts: MixtralExperts, weights: dict, lora: LoraSpec, inputs, args) -> dict[str, dict]:
     table = torch.tensor([[0] * args.experts])
-    shard = ExpertShard.from_weights(weights, lora, "silu", seed=0)
+    shard = ExpertShard.from_weights(weights, lora, experts, seed=0)
     with_lora = peft_experts(copy.deepcopy(experts), lora)
     results = {
         "MixtralExperts + peft LoRA": time_layer(with_lora, inputs, args.warmup, args.iters),
@@ -190,7 +191,8 @@ def main() -> None:
     torch.manual_seed(0)
     lora = LoraSpec(r=args.rank, alpha=2.0 * args.rank)
     experts = make_experts(args)
-    weights = {k: (gu.clone(), d.clone()) for k, (gu, d) in expert_weights(experts).items()}
+    weights = expert_weights(experts)
+    args.config, args.prototype = experts.config, experts  # what the shards' experts compute as
     inputs = make_inputs(args)
     table = torch.tensor([[e % args.workers for e in range(args.experts)]])
     ray.init(num_cpus=max(os.cpu_count() or 1, args.workers * args.cpus_per_worker), include_dashboard=False,

@@ -19,7 +19,7 @@ from peft import get_peft_model, get_peft_model_state_dict
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.families import debug_model
-from vela_ray.model.modeling import expert_weights, find_moe_blocks
+from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.training.optim import OptimizerConfig, ShardTrainer, lr_at, make_adamw
 from vela_ray.training.step import ExpertWorkers, build_master, import_adapter, train_step
 from vela_ray.model.transport import InProcessTransport
@@ -67,7 +67,7 @@ def build_pair(family: str, make_transport: Callable | None = None, dtype=torch.
     weights = expert_weights(blocks)
     shards = [
         ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, LORA,
-                                 blocks[0].layout.activation)
+                                 experts_prototypes(model.config))
         for n in range(num_workers)
     ]
     transport = (make_transport or InProcessTransport)(shards)

@@ -81,7 +81,7 @@ def check_model(config: JobConfig) -> ModelFacts:
         raise ValueError(f"model.path {model_dir}: no config.json; point it at a save_pretrained directory")
     check_weights(model_dir)
     try:
-        num_layers, num_experts, _ = moe_layout(model_dir)
+        num_layers, num_experts = moe_layout(model_dir)
         text_config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
     except (ValueError, OSError, KeyError) as err:
         raise ValueError(f"model.path {model_dir}: {_first_line(err)}") from None

@@ -14,7 +14,9 @@ from vela_ray.training.expert_manager import ExpertManagerSpec
 from actors.transports import data_plane_env
 from tests.equivalence import LORA, OPTIM, scattered_placement
 from vela_ray.config import ClusterSection
-from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
+from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
+from vela_ray.model.families import mixtral_debug
+from vela_ray.model.modeling import experts_prototypes
 
 RAY_CPUS = 4
 CPUS_PER_WORKER = 0.25  # actors mostly wait; this lets a few clusters coexist on a 2-core machine
@@ -22,16 +24,23 @@ TIMEOUT_S = 60.0  # every remote wait in these tests; a hang fails instead of bl
 
 # The synthetic model: 2 MoE layers of 6 experts, hidden 16, intermediate 24, 3 workers.
 NUM_LAYERS, NUM_EXPERTS, HIDDEN, INTER, NUM_WORKERS = 2, 6, 16, 24, 3
-ACTIVATION = "silu"
+# the synthetic experts compute as Mixtral's (SwiGLU) do: its config is the experts' `hf_config`
+SYNTHETIC_CONFIG = mixtral_debug(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=NUM_EXPERTS,
+                                 num_hidden_layers=NUM_LAYERS)
 DATA_PLANE_ENV = data_plane_env(ClusterSection().inline_bytes, ClusterSection().zero_copy_tensors)
 
 
-def synthetic_weights(seed: int = 0) -> dict[ExpertKey, tuple[torch.Tensor, torch.Tensor]]:
+def synthetic_weights(seed: int = 0) -> ExpertWeights:
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for key in [(layer, expert) for layer in range(NUM_LAYERS) for expert in range(NUM_EXPERTS)]:
-        weights[key] = (0.3 * torch.randn(2 * INTER, HIDDEN, generator=g), 0.3 * torch.randn(HIDDEN, INTER, generator=g))
+        weights[key] = {"gate_up_proj": 0.3 * torch.randn(2 * INTER, HIDDEN, generator=g),
+                        "down_proj": 0.3 * torch.randn(HIDDEN, INTER, generator=g)}
     return weights
+
+
+def synthetic_prototypes() -> dict:
+    return experts_prototypes(SYNTHETIC_CONFIG)
 
 
 def synthetic_placement() -> torch.Tensor:
@@ -50,17 +59,16 @@ def split_weights(weights, placement: torch.Tensor, num_workers: int) -> list[di
     return [{k: w for k, w in weights.items() if int(placement[k]) == n} for n in range(num_workers)]
 
 
-def specs_for(parts: list[dict], activation: str = ACTIVATION, lora: LoraSpec = LORA) -> list[ExpertManagerSpec]:
+def specs_for(parts: list[dict], hf_config=SYNTHETIC_CONFIG, lora: LoraSpec = LORA) -> list[ExpertManagerSpec]:
     return [
-        ExpertManagerSpec(worker=n, keys=sorted(part), weights=part, activation=activation, lora=lora, optim=OPTIM)
+        ExpertManagerSpec(worker=n, keys=sorted(part), weights=part, hf_config=hf_config, lora=lora, optim=OPTIM)
         for n, part in enumerate(parts)
     ]
 
 
-def specs_from_shards(shards: list[ExpertShard], activation: str) -> list[ExpertManagerSpec]:
+def specs_from_shards(shards: list[ExpertShard], hf_config) -> list[ExpertManagerSpec]:
     """Specs hosting exactly the experts (and frozen weights) of in-process shards."""
-    parts = [{k: (s.expert(*k).gate_up, s.expert(*k).down) for k in s.keys} for s in shards]
-    return specs_for(parts, activation)
+    return specs_for([s.weights() for s in shards], hf_config)
 
 
 def spawn(specs: list[ExpertManagerSpec]) -> ExpertCluster:

@@ -10,7 +10,7 @@ from vela_ray.model.traffic import link_tiers
 from vela_ray.errors import ExpertWorkerError
 from vela_ray.runtime.pool import capacity_from_memory
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
-from tests.ray.helpers import ACTIVATION, HIDDEN, synthetic_weights
+from tests.ray.helpers import HIDDEN, SYNTHETIC_CONFIG, synthetic_weights
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
@@ -22,7 +22,7 @@ LORA = LoraSpec(r=4, alpha=8)
 def _manager(keys, worker: int = 0) -> ExpertManager:
     weights = synthetic_weights()
     spec = ExpertManagerSpec(worker=worker, keys=keys, weights={k: weights[k] for k in keys},
-                             activation=ACTIVATION, lora=LORA)
+                             hf_config=SYNTHETIC_CONFIG, lora=LORA)
     return ExpertManager(spec)
 
 
@@ -33,9 +33,11 @@ def test_reads_only_its_experts_from_the_checkpoint(tmp_path):
     manager = ExpertManager(ExpertManagerSpec(worker=2, keys=keys, model_dir=str(tmp_path), lora=LORA))
     assert manager.shard.keys == sorted(keys)
     expected = expert_weights(find_moe_blocks(model), keys)
+    hosted = manager.shard.weights()
     for key in keys:
-        torch.testing.assert_close(manager.shard.expert(*key).gate_up, expected[key][0], rtol=0, atol=0)
-        torch.testing.assert_close(manager.shard.expert(*key).down, expected[key][1], rtol=0, atol=0)
+        assert hosted[key].keys() == expected[key].keys() == {"gate_up_proj", "down_proj"}
+        for name, value in expected[key].items():
+            torch.testing.assert_close(hosted[key][name], value, rtol=0, atol=0)
 
 
 def test_bytes_per_expert_counts_weights_and_lora_with_adam_state():
@@ -96,12 +98,12 @@ def test_topology_outside_ray():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"model_dir": "/ckpt"}, "exactly one of `model_dir` and `weights`"),
-    ({"activation": None}, "need `activation`"),
+    ({"hf_config": None}, "need the `hf_config`"),
     ({"keys": [(0, 0), (0, 0)]}, "lists an expert twice"),
     ({"keys": [(0, 0), (9, 9)]}, r"lacks experts \[\(9, 9\)\]"),
 ])
 def test_spec_errors_name_the_worker_and_the_fix(overrides, message):
     weights = synthetic_weights()
-    fields = dict(worker=4, keys=[(0, 0)], weights={(0, 0): weights[(0, 0)]}, activation=ACTIVATION)
+    fields = dict(worker=4, keys=[(0, 0)], weights={(0, 0): weights[(0, 0)]}, hf_config=SYNTHETIC_CONFIG)
     with pytest.raises(ValueError, match=f"worker 4: .*{message}"):
         ExpertManagerSpec(**{**fields, **overrides})

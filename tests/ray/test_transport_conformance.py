@@ -22,8 +22,8 @@ from actors.transports import CompiledGraphTransport, RayObjectRefTransport
 from actors.workers import actor_workers
 from tests.equivalence import LORA, OPTIM, build_pair, reference_adapter_state, run_both
 from tests.ray.helpers import (
-    ACTIVATION, HIDDEN, NUM_WORKERS, TIMEOUT_S, random_lora_state, specs_from_shards, split_weights,
-    synthetic_placement, synthetic_weights,
+    HIDDEN, NUM_WORKERS, TIMEOUT_S, random_lora_state, specs_from_shards, split_weights,
+    synthetic_placement, synthetic_prototypes, synthetic_weights,
 )
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_config
@@ -45,7 +45,7 @@ class Backend:
 
 
 def _in_process_backend() -> Backend:
-    shards = [ExpertShard.from_weights(part, LORA, ACTIVATION)
+    shards = [ExpertShard.from_weights(part, LORA, synthetic_prototypes())
               for part in split_weights(synthetic_weights(), synthetic_placement(), NUM_WORKERS)]
 
     def grads():
@@ -70,7 +70,7 @@ def _ray_backend(name: str, cluster) -> Backend:
 @pytest.fixture(scope="module")
 def reference() -> ExpertShard:
     """All synthetic experts in one shard, with the adapters every backend gets."""
-    shard = ExpertShard.from_weights(synthetic_weights(), LORA, ACTIVATION)
+    shard = ExpertShard.from_weights(synthetic_weights(), LORA, synthetic_prototypes())
     shard.load_lora_state(random_lora_state(shard.keys))
     return shard
 
@@ -166,11 +166,11 @@ def test_unknown_expert_error_names_the_expert_and_the_transport_survives(backen
 
 def _ray_pair(family: str, kind: str, ray_pool):
     """build_pair with the experts in ExpertManager actors behind a Ray transport."""
-    activation = debug_config(family).hidden_act
+    hf_config = debug_config(family)
     clusters = []
 
     def make_transport(shards):
-        clusters.append(ray_pool.spawn(specs_from_shards(shards, activation)))
+        clusters.append(ray_pool.spawn(specs_from_shards(shards, hf_config)))
         cluster = clusters[0]
         return ray_pool.track(RAY_TRANSPORTS[kind](cluster.handles, cluster.worker_tiers(), timeout_s=TIMEOUT_S))
 

@@ -86,7 +86,7 @@ def test_one_ranks_step_is_the_single_masters_step_with_data_parallel_hooks(one_
     model_dir = make_checkpoint(tmp_path / "model")
     rank = build_rank(model_dir, "float32", LORA, OPTIM, seed=0, rank_nodes=["a"])
     export(rank.master, rank.workers, tmp_path / "init")  # the single master starts from the rank's adapters
-    num_layers, num_experts, _ = moe_layout(model_dir)
+    num_layers, num_experts = moe_layout(model_dir)
     master, workers = build_local(AutoModelForCausalLM.from_pretrained(model_dir),  # its experts on 2 workers
                                   sequential_table(num_layers, num_experts, 2), LORA, OPTIM)
     import_adapter(master, workers, tmp_path / "init")

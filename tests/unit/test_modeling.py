@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
 from vela_ray.model.experts import ExpertShard, LoraSpec
-from vela_ray.model.families import FAMILIES, debug_model
-from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.model.families import FAMILIES, debug_model, mixtral_debug
+from vela_ray.model.modeling import attach_brokers, expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.model.transport import InProcessTransport
 
 
@@ -20,7 +20,7 @@ def _split(model, table):
     weights = expert_weights(blocks)
     num_workers = int(table.max()) + 1
     shards = [ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, LoraSpec(),
-                                       blocks[0].layout.activation) for n in range(num_workers)]
+                                       experts_prototypes(model.config)) for n in range(num_workers)]
     dispatcher = ExpertDispatcher(table, InProcessTransport(shards))
     attach_brokers(model, dispatcher)
     return dispatcher
@@ -57,10 +57,26 @@ def test_a_model_without_moe_blocks_is_refused_by_class_name():
         find_moe_blocks(dense)
 
 
-def test_an_unknown_experts_layout_is_refused_by_class_name():
+def test_experts_called_another_way_are_refused_naming_the_class():
+    """Llama 4 style: every expert on all tokens, `experts(hidden_states)`: no per-row routing to reproduce."""
     model = debug_model("mixtral")
-    find_moe_blocks(model)[0].block.experts.has_bias = True
-    with pytest.raises(ValueError, match=r"MixtralForCausalLM: unknown experts layout in MixtralExperts \(has_bias\)"):
+    experts = find_moe_blocks(model)[0].block.experts
+
+    class AllTokenExperts(type(experts)):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    experts.__class__ = AllTokenExperts
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM: AllTokenExperts\.forward\(hidden_states\) is not called "
+                                         r"as experts\(hidden_states, expert_index, expert_weights\)"):
+        find_moe_blocks(model)
+
+
+def test_experts_with_a_parameter_that_is_not_per_expert_are_refused():
+    model = debug_model("mixtral")
+    experts = find_moe_blocks(model)[0].block.experts
+    experts.scale = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"MixtralExperts has parameters that are not one row per expert \(\['scale'\]\)"):
         find_moe_blocks(model)
 
 
@@ -108,7 +124,7 @@ def test_an_empty_batch_gives_an_empty_output():
 
 
 def test_a_shard_handed_zero_rows_keeps_forward_and_backward_paired():
-    shard = ExpertShard.from_weights({(0, 0): (torch.randn(8, 4), torch.randn(4, 4))}, LoraSpec(2, 4), "silu")
+    shard = ExpertShard.from_weights(_two_layer_weights(layers=[0], experts=[0]), LoraSpec(2, 4), _TINY_EXPERTS)
     out = shard.forward_rows(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, 4), key="k")
     assert out.shape == (0, 4)
     assert shard.backward_rows("k", torch.zeros(0, 4)).shape == (0, 4)
@@ -116,22 +132,27 @@ def test_a_shard_handed_zero_rows_keeps_forward_and_backward_paired():
         shard.backward_rows("k", torch.zeros(0, 4))
 
 
+# Mixtral's experts class at D = I = 4 with 4 experts, for every layer of the shards below
+_TINY_EXPERTS = experts_prototypes(mixtral_debug(hidden_size=4, intermediate_size=4, num_local_experts=4))[0]
+
+
 def _two_layer_weights(layers=range(2), experts=range(4)) -> dict:
     g = torch.Generator().manual_seed(0)
-    return {(l, e): (torch.randn(8, 4, generator=g), torch.randn(4, 4, generator=g)) for l in layers for e in experts}
+    return {(l, e): {"gate_up_proj": torch.randn(8, 4, generator=g), "down_proj": torch.randn(4, 4, generator=g)}
+            for l in layers for e in experts}
 
 
 def test_seeded_lora_init_leaves_the_global_rng_alone():
     before = torch.get_rng_state()
-    ExpertShard.from_weights(_two_layer_weights(), LoraSpec(2, 4), "silu", seed=7)
+    ExpertShard.from_weights(_two_layer_weights(), LoraSpec(2, 4), _TINY_EXPERTS, seed=7)
     assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_an_experts_lora_init_depends_on_seed_layer_and_expert_not_on_its_shard():
     weights = _two_layer_weights()
-    alone = ExpertShard.from_weights({(1, 2): weights[(1, 2)]}, LoraSpec(2, 4), "silu", seed=7)
-    with_others = ExpertShard.from_weights(weights, LoraSpec(2, 4), "silu", seed=7)
-    other_seed = ExpertShard.from_weights(weights, LoraSpec(2, 4), "silu", seed=8)
+    alone = ExpertShard.from_weights({(1, 2): weights[(1, 2)]}, LoraSpec(2, 4), _TINY_EXPERTS, seed=7)
+    with_others = ExpertShard.from_weights(weights, LoraSpec(2, 4), _TINY_EXPERTS, seed=7)
+    other_seed = ExpertShard.from_weights(weights, LoraSpec(2, 4), _TINY_EXPERTS, seed=8)
     want = alone.lora_state()[(1, 2)]
     for name, value in with_others.lora_state()[(1, 2)].items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=0)
@@ -142,7 +163,7 @@ def test_an_experts_lora_init_depends_on_seed_layer_and_expert_not_on_its_shard(
 
 def test_lora_a_is_drawn_within_nn_linear_bounds_and_b_is_zero():
     """peft (like nn.Linear) draws A from U(-1/sqrt(in), 1/sqrt(in)) and zeroes B: the adapter starts as identity."""
-    expert = ExpertShard.from_weights(_two_layer_weights(), LoraSpec(8, 16), "silu", seed=0).expert(0, 0)
+    expert = ExpertShard.from_weights(_two_layer_weights(), LoraSpec(8, 16), _TINY_EXPERTS, seed=0).expert(0, 0)
     for a, fan_in in ((expert.lora_A_gate_up, 4), (expert.lora_A_down, 4)):
         assert 0.5 / fan_in**0.5 < float(a.detach().abs().max()) <= 1 / fan_in**0.5
     assert not expert.lora_B_gate_up.any() and not expert.lora_B_down.any()

@@ -75,7 +75,7 @@ def _empty_worker_placement(model_dir: Path, path: Path, empty: int = 1) -> Path
     """Every expert on workers other than `empty`."""
     from vela_ray.model.loading import moe_layout
 
-    layers, experts, _ = moe_layout(model_dir)
+    layers, experts = moe_layout(model_dir)
     others = [w for w in range(3) if w != empty]
     table = [[others[e % 2] for e in range(experts)] for _ in range(layers)]
     counts = np.bincount(np.ravel(table), minlength=3).tolist()

@@ -221,7 +221,7 @@ def build_rank(model_dir, dtype: str, lora: LoraSpec, optim: OptimizerConfig, se
     table = sequential_table(len(blocks), layout.num_experts, num_ranks)
     experts = ExpertManager(ExpertManagerSpec(
         worker=rank, keys=[tuple(k) for k in np.argwhere(table == rank).tolist()], model_dir=str(model_dir),
-        activation=layout.activation, lora=lora, optim=optim, seed=seed, dtype=dtype, device=device))
+        lora=lora, optim=optim, seed=seed, dtype=dtype, device=device))
     transport = AllToAllTransport(experts, layout.num_experts, layout.hidden_size,
                                   link_tiers(rank_nodes[rank], rank_nodes, origin_index=rank), group)
     master = build_master(model, table, transport, lora, optim)

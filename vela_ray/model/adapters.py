@@ -32,13 +32,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from vela_ray.model.experts import ExpertKey, LoraSpec
+from vela_ray.model.experts import ExpertKey, LoraSpec, slot_name
 from vela_ray.model.modeling import find_moe_blocks
 
 logger = logging.getLogger(__name__)
 
-EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
-_EXPERT_SLOTS = {"gate_up_proj": "gate_up", "down_proj": "down"}
 _ROUTER_NAMES = re.compile(r"(^gate$|_gate$|router)")
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -87,8 +85,13 @@ def full_lora_config(model: nn.Module, lora: LoraSpec) -> LoraConfig:
         lora_alpha=lora.alpha,
         lora_dropout=0.0,
         target_modules=linear_targets(model),
-        target_parameters=list(EXPERT_PARAMETERS),
+        target_parameters=expert_parameters(model),
     )
+
+
+def expert_parameters(model: nn.Module) -> list[str]:
+    """peft `target_parameters` of the experts: every weight stack of every MoE block's experts class."""
+    return sorted({f"experts.{stack}" for block in find_moe_blocks(model) for stack in block.layout.stacks})
 
 
 def backbone_lora_config(full: LoraConfig) -> LoraConfig:
@@ -132,10 +135,14 @@ def _expert_param_keys(peft_skeleton, blocks) -> dict[tuple[int, str], str]:
     layer_of = {b.experts_path: b.index for b in blocks}
     prefixes = {}
     for name, module in peft_skeleton.named_modules():
-        if isinstance(module, ParamWrapper) and module.parameter_name in _EXPERT_SLOTS:
-            experts_path = re.sub(r"^base_model\.model\.|(\.base_layer)+$", "", name)
-            prefixes[(layer_of[experts_path], _EXPERT_SLOTS[module.parameter_name])] = name
+        if isinstance(module, ParamWrapper) and layer_of.get(_experts_path(name)) is not None:
+            prefixes[(layer_of[_experts_path(name)], slot_name(module.parameter_name))] = name
     return prefixes
+
+
+def _experts_path(peft_name: str) -> str:
+    """`base_model.model.<experts path>.base_layer...` -> `<experts path>`."""
+    return re.sub(r"^base_model\.model\.|(\.base_layer)+$", "", peft_name)
 
 
 def _check_shapes(adapter_dir: Path, state: dict[str, torch.Tensor], peft_skeleton) -> None:

@@ -153,7 +153,10 @@ class ExpertBroker(nn.Module):
         self.dispatcher = dispatcher
         self.layout = layout  # modeling.ExpertsLayout of the experts this broker stands in for
 
-    def forward(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor):
+    def forward(self, hidden_TD: torch.Tensor, *index_and_weights: torch.Tensor, **by_name: torch.Tensor):
+        """`experts(hidden, top_k_index, top_k_weights)`, positional or under the family's names
+        (e.g. gpt-oss's `router_indices=`, `routing_weights=`)."""
+        top_k_index_TK, top_k_weights_TK = [*index_and_weights, *by_name.values()]
         plan = self.dispatcher.plan(self.layer, top_k_index_TK)
         track_grad = torch.is_grad_enabled()
         key = self.dispatcher.new_key(self.layer) if track_grad else None

@@ -1,22 +1,28 @@
-"""ExpertShard: the experts one worker hosts, with frozen base weights and LoRA.
+"""ExpertShard: the experts one worker hosts, computed by the model family's own experts code.
 
-Legend: R = rows routed to this shard in one call, D = hidden size,
-I = expert intermediate size, r = LoRA rank.
+Legend: R = rows routed to this shard in one call, D = hidden size, E = experts of
+one MoE layer hosted here, r = LoRA rank.
 
-An expert (layer l, expert e) computes, for its rows x_RD,
+Exact by construction: for each MoE layer the shard holds an instance of the
+family's experts class (MixtralExperts, GptOssExperts, DeepseekV4Experts, ...)
+that keeps only this worker's experts, and runs that class's own `forward`, so
+gate functions, clamps, biases, transposed or interleaved layouts are the
+family's, never a re-implementation. LoRA is peft's math on the fused weight
+stacks (`LoraConfig(target_parameters=[...])`, `peft.tuners.lora.ParamWrapper`):
+each stack W [E, a, b] is used as
 
-    gate_up = x W_gu^T + s (x A_gu^T) B_gu^T          W_gu: [2I, D]
-    h       = act(gate_up[:, :I]) * gate_up[:, I:]
-    out     = h W_d^T  + s (h A_d^T)  B_d^T           W_d:  [D, I]
+    W' = baddbmm(W, lhs, rhs, alpha=s)      s = alpha / r
+    lhs, rhs = B_e [a, r], A_e [r, b]       when W stores [out, in] (is_transposed False)
+    lhs, rhs = A_e^T [a, r], B_e^T [r, b]   when W stores [in, out] (is_transposed True)
 
-with s = alpha / r. This is peft's LoRA on the fused 3-D parameters
-(`LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`):
-peft's fused A is [r*E, in] (expert e owns rows e*r:(e+1)*r) and its fused B is
-[out, r*E] with expert e owning the interleaved columns e::E, so each expert's
-slices map one to one onto A_* and B_* here (see `vela_ray.model.adapters`).
+which is what peft folds into the parameter for the original model; each expert's
+A_e [r, in] and B_e [out, r] map one to one onto peft's fused factors (see
+`vela_ray.model.adapters`). Per-expert factors live in an `ExpertAdapter`, so the
+optimizer state and checkpoints stay keyed by logical expert.
 
-The routing weights are applied by the broker on the master, not here, so the
-shard returns unweighted expert outputs and gradients flow to the router there.
+The routing weights are applied by the broker on the master, not here: the
+family's forward is called with weight 1 per row, so the shard returns unweighted
+expert outputs and gradients flow to the router there.
 
 Backward: `forward_rows(..., key=k)` keeps the autograd graph of that call;
 `backward_rows(k, grad_out_RD)` runs it, accumulating LoRA gradients here and
@@ -25,15 +31,18 @@ returning d(loss)/d(rows) for the master.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Mapping
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
+from torch.func import functional_call
 
 ExpertKey = tuple[int, int]  # (MoE layer index, expert index): a *logical* expert
+ExpertParams = dict[str, torch.Tensor]  # one expert's slice of each per-expert parameter, by parameter name
+ExpertWeights = dict[ExpertKey, ExpertParams]
 
 
 @dataclass(frozen=True)
@@ -48,36 +57,35 @@ class LoraSpec:
         return self.alpha / self.r
 
 
-class LoraExpert(nn.Module):
-    """One expert FFN: frozen `gate_up` [2I, D] and `down` [D, I], trainable LoRA factors."""
+def weight_stacks(experts: nn.Module) -> list[str]:
+    """The experts' 3-D weight parameters [E, a, b]: what peft's `target_parameters` adapts (biases are not)."""
+    return [name for name, p in experts.named_parameters(recurse=False) if p.dim() == 3]
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, lora: LoraSpec, activation: str,
+
+def slot_name(stack: str) -> str:
+    """Short name of a weight stack in LoRA state keys: gate_up_proj -> gate_up, down_proj -> down."""
+    return stack.removesuffix("_proj")
+
+
+def lora_in_out(experts: nn.Module, stack: str) -> tuple[int, int]:
+    """(in, out) features of one expert of `stack`, by peft's rule: [E, out, in] unless `is_transposed`."""
+    _, a, b = getattr(experts, stack).shape
+    return (a, b) if getattr(experts, "is_transposed", False) else (b, a)
+
+
+class ExpertAdapter(nn.Module):
+    """One expert's LoRA factors: `lora_A_<slot>` [r, in] and `lora_B_<slot>` [out, r] per weight stack."""
+
+    def __init__(self, in_out: dict[str, tuple[int, int]], lora: LoraSpec, dtype: torch.dtype,
                  generator: torch.Generator | None = None):
-        """`generator` draws the LoRA A init; None draws from torch's global RNG, as nn.Linear does."""
+        """`generator` draws the A inits; None draws from torch's global RNG, as nn.Linear does."""
         super().__init__()
-        two_i, hidden = gate_up.shape
-        inter = two_i // 2
-        self.register_buffer("gate_up", gate_up.detach().clone(), persistent=True)
-        self.register_buffer("down", down.detach().clone(), persistent=True)
-        dtype = gate_up.dtype
-        self.lora_A_gate_up = nn.Parameter(torch.empty(lora.r, hidden, dtype=dtype))
-        self.lora_B_gate_up = nn.Parameter(torch.zeros(two_i, lora.r, dtype=dtype))
-        self.lora_A_down = nn.Parameter(torch.empty(lora.r, inter, dtype=dtype))
-        self.lora_B_down = nn.Parameter(torch.zeros(hidden, lora.r, dtype=dtype))
+        for slot, (fan_in, fan_out) in in_out.items():
+            setattr(self, f"lora_A_{slot}", nn.Parameter(torch.empty(lora.r, fan_in, dtype=dtype)))
+            setattr(self, f"lora_B_{slot}", nn.Parameter(torch.zeros(fan_out, lora.r, dtype=dtype)))
         # peft's default init: kaiming-uniform A (as nn.Linear), zero B, so the adapter starts as identity.
-        nn.init.kaiming_uniform_(self.lora_A_gate_up, a=math.sqrt(5), generator=generator)
-        nn.init.kaiming_uniform_(self.lora_A_down, a=math.sqrt(5), generator=generator)
-        self.scaling = lora.scaling
-        self.act_fn = ACT2FN[activation]
-
-    def forward(self, x_RD: torch.Tensor) -> torch.Tensor:
-        s = self.scaling
-        gate_up = nn.functional.linear(x_RD, self.gate_up)
-        gate_up = gate_up + s * nn.functional.linear(nn.functional.linear(x_RD, self.lora_A_gate_up), self.lora_B_gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = self.act_fn(gate) * up
-        out = nn.functional.linear(h, self.down)
-        return out + s * nn.functional.linear(nn.functional.linear(h, self.lora_A_down), self.lora_B_down)
+        for slot in in_out:
+            nn.init.kaiming_uniform_(getattr(self, f"lora_A_{slot}"), a=math.sqrt(5), generator=generator)
 
 
 def expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
@@ -88,8 +96,78 @@ def expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, layer, expert)) % (2**31))
 
 
-def _module_key(layer: int, expert: int) -> str:
-    return f"l{layer}_e{expert}"
+def local_experts_module(prototype: nn.Module, per_expert: list[ExpertParams]) -> nn.Module:
+    """An instance of `prototype`'s class holding exactly `per_expert` (in that order), frozen.
+
+    `prototype` is the model's experts module (on the meta device, from a skeleton); every
+    per-expert parameter or buffer (leading dim = the layer's expert count) becomes the stack
+    of the given slices, and `num_experts` the local count, so the class's own forward runs
+    over local indices 0..len(per_expert)-1.
+    """
+    total = _num_experts(prototype)
+    module = copy.deepcopy(prototype)
+    for name, tensor in list(prototype.named_parameters(recurse=False)) + list(prototype.named_buffers(recurse=False)):
+        if tensor.dim() == 0 or tensor.shape[0] != total:
+            raise ValueError(f"{type(prototype).__name__}.{name} {tuple(tensor.shape)} is not per expert "
+                             f"(leading dim {total}); vela-ray cannot split it over workers")
+        stacked = torch.stack([p[name] for p in per_expert]) if per_expert else tensor.new_empty((0, *tensor.shape[1:]))
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(stacked, requires_grad=False)
+        else:
+            module._buffers[name] = stacked
+    if getattr(module, "num_experts", None) == total:
+        module.num_experts = len(per_expert)
+    return module
+
+
+def _num_experts(experts: nn.Module) -> int:
+    stacks = weight_stacks(experts)
+    if not stacks:
+        raise ValueError(f"{type(experts).__name__} has no 3-D expert weights")
+    return getattr(experts, stacks[0]).shape[0]
+
+
+class LayerExperts(nn.Module):
+    """The shard's experts of one MoE layer: the family's experts class over them, plus their adapters."""
+
+    def __init__(self, layer: int, prototype: nn.Module, weights: dict[int, ExpertParams], lora: LoraSpec,
+                 seed: int | None = None):
+        super().__init__()
+        self.layer = layer
+        self.expert_ids = sorted(weights)
+        self.module = local_experts_module(prototype, [weights[e] for e in self.expert_ids])
+        self.stacks = weight_stacks(prototype)
+        self.transposed = bool(getattr(prototype, "is_transposed", False))
+        self.scaling = lora.scaling
+        in_out = {slot_name(s): lora_in_out(prototype, s) for s in self.stacks}
+        self.hidden_size = in_out[slot_name(self.stacks[0])][0]  # the first stack reads the hidden states
+        dtype = next(iter(weights.values()))[self.stacks[0]].dtype if weights else torch.float32
+        self.adapters = nn.ModuleDict({
+            str(e): ExpertAdapter(in_out, lora, dtype, None if seed is None else expert_generator(seed, layer, e))
+            for e in self.expert_ids
+        })
+        local_of = torch.full((_num_experts(prototype),), -1, dtype=torch.long)
+        local_of[self.expert_ids] = torch.arange(len(self.expert_ids))
+        self.register_buffer("local_of", local_of, persistent=False)
+
+    def forward(self, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs, row i through expert `expert_ids_R[i]` (global id in the layer)."""
+        local_R = self.local_of[expert_ids_R.to(self.local_of.device)]
+        if bool((local_R < 0).any()):
+            missing = [(self.layer, e) for e in sorted(set(expert_ids_R[local_R < 0].tolist()))]
+            raise KeyError(f"experts {missing} are not hosted here (hosted of layer {self.layer}: {self.expert_ids})")
+        adapted = {stack: self._adapted(stack) for stack in self.stacks}
+        ones_R1 = rows_RD.new_ones(rows_RD.shape[0], 1)
+        return functional_call(self.module, adapted, (rows_RD, local_R[:, None], ones_R1))
+
+    def _adapted(self, stack: str) -> torch.Tensor:
+        """peft's fold of the LoRA update into the stack (see the module docstring)."""
+        slot = slot_name(stack)
+        A_ErI = torch.stack([getattr(self.adapters[str(e)], f"lora_A_{slot}") for e in self.expert_ids])
+        B_EOr = torch.stack([getattr(self.adapters[str(e)], f"lora_B_{slot}") for e in self.expert_ids])
+        lhs, rhs = (A_ErI.transpose(-2, -1), B_EOr.transpose(-2, -1)) if self.transposed else (B_EOr, A_ErI)
+        weight = getattr(self.module, stack)
+        return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=self.scaling)
 
 
 class ExpertShard(nn.Module):
@@ -102,55 +180,55 @@ class ExpertShard(nn.Module):
          here, d(rows) goes back to the master.
     """
 
-    def __init__(self, experts: dict[ExpertKey, LoraExpert]):
+    def __init__(self, layers: Mapping[int, LayerExperts]):
         super().__init__()
-        self.experts = nn.ModuleDict({_module_key(*key): mod for key, mod in sorted(experts.items())})
-        self.keys: list[ExpertKey] = sorted(experts)
+        self.layers = nn.ModuleDict({str(layer): mod for layer, mod in sorted(layers.items())})
+        self.keys: list[ExpertKey] = sorted((layer, e) for layer, mod in layers.items() for e in mod.expert_ids)
         self._saved: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     @classmethod
     def from_weights(
         cls,
-        weights: dict[ExpertKey, tuple[torch.Tensor, torch.Tensor]],
+        weights: ExpertWeights,
         lora: LoraSpec,
-        activation: str,
+        prototypes: Mapping[int, nn.Module] | nn.Module,
         seed: int | None = None,
     ) -> "ExpertShard":
-        """Build from {(layer, expert): (gate_up [2I, D], down [D, I])}.
+        """Build from {(layer, expert): {parameter name: that expert's slice}}.
 
-        With `seed`, each expert's LoRA init draws from its own generator seeded by
-        (seed, layer, expert), so the init does not depend on which shard hosts it and
-        building a shard leaves torch's global RNG (the caller's data order, dropout) alone.
+        `prototypes`: the model's experts module of each MoE layer (`modeling.experts_prototypes`),
+        or one module for every layer. With `seed`, each expert's LoRA init draws from its own
+        generator seeded by (seed, layer, expert), so the init does not depend on which shard hosts
+        it and building a shard leaves torch's global RNG (the caller's data order, dropout) alone.
         Without `seed`, the init draws from the global RNG like any nn.Module.
         """
-        experts = {}
-        for key in sorted(weights):
-            gate_up, down = weights[key]
-            generator = None if seed is None else expert_generator(seed, *key)
-            experts[key] = LoraExpert(gate_up, down, lora, activation, generator)
-        return cls(experts)
+        by_layer: dict[int, dict[int, ExpertParams]] = {}
+        for (layer, expert), params in sorted(weights.items()):
+            by_layer.setdefault(layer, {})[expert] = params
+        proto = (lambda layer: prototypes) if isinstance(prototypes, nn.Module) else prototypes.__getitem__
+        return cls({layer: LayerExperts(layer, proto(layer), experts, lora, seed)
+                    for layer, experts in by_layer.items()})
 
-    def expert(self, layer: int, expert: int) -> LoraExpert:
-        return self.experts[_module_key(layer, expert)]
+    def expert(self, layer: int, expert: int) -> ExpertAdapter:
+        """The LoRA factors of one hosted expert."""
+        return self.layers[str(layer)].adapters[str(expert)]
 
     def forward_rows(
         self, layer: int, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor, key: Hashable | None = None
     ) -> torch.Tensor:
         """Expert outputs for `rows_RD`, row i through expert `expert_ids_R[i]` of `layer`.
 
-        Rows must be grouped by expert (the broker sends them sorted). With `key`,
-        the graph is kept for `backward_rows(key, ...)`; without it no graph is built.
+        With `key`, the graph is kept for `backward_rows(key, ...)`; without it no graph is built.
         """
         if rows_RD.shape[0] == 0:  # nothing routed here: an empty entry keeps backward_rows(key) valid
             if key is not None:
                 self._saved[key] = None
             return rows_RD.new_zeros(rows_RD.shape)
+        if str(layer) not in self.layers:
+            raise KeyError(f"no experts of MoE layer {layer} are hosted here")
         with torch.enable_grad() if key is not None else torch.no_grad():
             rows_RD = rows_RD.detach().requires_grad_(key is not None)
-            out_RD = torch.cat([
-                self.expert(layer, int(expert))(rows_RD[start:end])
-                for expert, start, end in _runs(expert_ids_R)
-            ])
+            out_RD = self.layers[str(layer)](expert_ids_R, rows_RD)
         if key is not None:
             self._saved[key] = (rows_RD, out_RD)
         return out_RD.detach()
@@ -172,6 +250,15 @@ class ExpertShard(nn.Module):
         self._saved.clear()
         return count
 
+    def weights(self) -> ExpertWeights:
+        """The hosted experts' frozen tensors, as `from_weights` takes them (e.g. to host them elsewhere)."""
+        out: ExpertWeights = {}
+        for layer, mod in self.layers.items():
+            tensors = [*mod.module.named_parameters(recurse=False), *mod.module.named_buffers(recurse=False)]
+            for local, expert in enumerate(mod.expert_ids):
+                out[(int(layer), expert)] = {name: t[local].detach() for name, t in tensors}
+        return out
+
     def lora_parameters(self) -> Iterable[nn.Parameter]:
         return (p for p in self.parameters() if p.requires_grad)
 
@@ -190,11 +277,3 @@ class ExpertShard(nn.Module):
             for key in self.keys:
                 for name, param in self.expert(*key).named_parameters():
                     param.copy_(state[key][name])
-
-
-def _runs(expert_ids_R: torch.Tensor) -> list[tuple[int, int, int]]:
-    """[(expert, start, end)] for each run of equal ids in a grouped id vector."""
-    ids, counts = torch.unique_consecutive(expert_ids_R, return_counts=True)
-    ends = torch.cumsum(counts, 0).tolist()
-    starts = [0] + ends[:-1]
-    return list(zip(ids.tolist(), starts, ends))

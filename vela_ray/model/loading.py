@@ -26,20 +26,18 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from vela_ray.model.modeling import find_moe_blocks
+from vela_ray.model.modeling import experts_prototypes, find_moe_blocks
 
 _PER_EXPERT_KEY = re.compile(
     r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.)(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
     r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
-_FUSED_KEY = re.compile(
-    r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.)(?:block_sparse_moe|mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)$"
-)
+_FUSED_KEY = re.compile(r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.)(?:\w+\.)*?experts\.(?P<proj>\w+)$")
 _PROJ_SLOT = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 # checkpoint name -> transformers-5 module name, for backbone tensors
 _BACKBONE_RENAMES = [(re.compile(r"\.block_sparse_moe\."), ".mlp.")]
 
-ExpertWeights = dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+from vela_ray.model.experts import ExpertParams, ExpertWeights
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
@@ -62,38 +60,49 @@ def is_expert_tensor(name: str) -> bool:
 
 
 @lru_cache(maxsize=8)
-def _moe_decoder_layers(model_dir: str) -> tuple[int, ...]:
-    """Decoder-layer number of each MoE layer index, from a meta-device skeleton (allocates nothing)."""
+def _moe_skeleton(model_dir: str) -> tuple[tuple[int, ...], dict]:
+    """(decoder layer of each MoE layer, {MoE layer: experts module on meta}) of a checkpoint."""
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    return tuple(b.decoder_layer for b in find_moe_blocks(skeleton))
+    blocks = find_moe_blocks(skeleton)
+    return tuple(b.decoder_layer for b in blocks), {b.index: b.block.experts for b in blocks}
 
 
-def moe_layout(model_dir: str | Path) -> tuple[int, int, str]:
-    """(MoE layers, experts per layer, activation) of a checkpoint, without loading weights."""
-    config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device("meta"):
-        blocks = find_moe_blocks(AutoModelForCausalLM.from_config(config))
-    return len(blocks), blocks[0].layout.num_experts, blocks[0].layout.activation
+def moe_layout(model_dir: str | Path) -> tuple[int, int]:
+    """(MoE layers, experts per layer) of a checkpoint, without loading weights."""
+    decoder_layers, prototypes = _moe_skeleton(str(model_dir))
+    return len(decoder_layers), _leading_dim(prototypes[0])
+
+
+def checkpoint_prototypes(model_dir: str | Path) -> dict:
+    """{MoE layer: experts module on the meta device} of a checkpoint (see `modeling.experts_prototypes`)."""
+    return _moe_skeleton(str(model_dir))[1]
+
+
+def _leading_dim(experts) -> int:
+    return next(p.shape[0] for p in experts.parameters(recurse=False) if p.dim() == 3)
 
 
 def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torch.dtype | None = None) -> ExpertWeights:
-    """{(layer, expert): (gate_up [2I, D], down [D, I])} for exactly `keys`, memory-mapped reads."""
+    """{(layer, expert): {parameter name: slice}} for exactly `keys`, memory-mapped reads.
+
+    The names are the experts class's own parameters (and buffers); a fused checkpoint tensor
+    `...experts.<name>` is sliced at the expert, and the per-expert hub layout (w1/w3/w2 or
+    gate_proj/up_proj/down_proj) is assembled into `gate_up_proj` [gate; up] and `down_proj`.
+    """
     by_slot = _expert_tensor_names(checkpoint_index(model_dir))
-    decoder_layers = _moe_decoder_layers(str(model_dir))
+    decoder_layers, prototypes = _moe_skeleton(str(model_dir))
     out: ExpertWeights = {}
     with _OpenFiles() as files:
         for layer, expert in keys:
             if not 0 <= layer < len(decoder_layers):
                 raise ValueError(f"MoE layer {layer} out of range: {model_dir} has {len(decoder_layers)} MoE layers")
-            parts = {slot: _read_slot(files, by_slot, decoder_layers[layer], expert, slot, model_dir)
-                     for slot in ("gate", "up", "down")}
-            gate_up = torch.cat([parts["gate"], parts["up"]], dim=0)
-            down = parts["down"]
-            if dtype is not None:
-                gate_up, down = gate_up.to(dtype), down.to(dtype)
-            out[(layer, expert)] = (gate_up, down)
+            proto = prototypes[layer]
+            names = [n for n, _ in [*proto.named_parameters(recurse=False), *proto.named_buffers(recurse=False)]]
+            params: ExpertParams = {
+                name: _read_param(files, by_slot, decoder_layers[layer], expert, name, model_dir) for name in names}
+            out[(layer, expert)] = {n: t.to(dtype) if dtype is not None else t for n, t in params.items()}
     return out
 
 
@@ -108,19 +117,16 @@ def _expert_tensor_names(index: dict[str, Path]) -> dict[tuple, tuple[str, Path]
     return names
 
 
-def _read_slot(files, names, decoder_layer: int, expert: int, slot: str, model_dir) -> torch.Tensor:
-    if (decoder_layer, expert, slot) in names:
-        name, path = names[(decoder_layer, expert, slot)]
-        return files.get(path).get_tensor(name)
-    fused = "down_proj" if slot == "down" else "gate_up_proj"
-    if (decoder_layer, None, fused) not in names:
-        raise ValueError(f"{model_dir}: no weights for expert {expert} ({slot}) of decoder layer {decoder_layer}")
-    name, path = names[(decoder_layer, None, fused)]
-    tensor = files.get(path).get_slice(name)[expert]  # reads one expert's rows only
-    if slot == "down":
-        return tensor
-    half = tensor.shape[0] // 2
-    return tensor[:half] if slot == "gate" else tensor[half:]
+def _read_param(files, names, decoder_layer: int, expert: int, param: str, model_dir) -> torch.Tensor:
+    if (decoder_layer, None, param) in names:
+        name, path = names[(decoder_layer, None, param)]
+        return files.get(path).get_slice(name)[expert]  # reads one expert's rows only
+    hub = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}.get(param)
+    if hub and all((decoder_layer, expert, slot) in names for slot in hub):
+        parts = [files.get(names[(decoder_layer, expert, slot)][1]).get_tensor(names[(decoder_layer, expert, slot)][0])
+                 for slot in hub]
+        return torch.cat(parts, dim=0)
+    raise ValueError(f"{model_dir}: no weights for {param} of expert {expert} of decoder layer {decoder_layer}")
 
 
 class _OpenFiles(contextlib.ExitStack):

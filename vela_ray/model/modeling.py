@@ -1,20 +1,24 @@
 """Find the MoE blocks of a transformers-5 model and describe their experts.
 
-Every transformers-5 MoE family (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
-GLM4-MoE, ...) stores a block's experts in one `experts` submodule with fused
-3-D weights and calls it as `experts(hidden_states, top_k_index, top_k_weights)`:
+A MoE block is found by structure, not by attribute names: a module whose
+`experts` child is an experts module, i.e. a module whose own parameters are
+stacks with one row per expert (`gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`,
+gpt-oss's transposed `[E, D, 2I]` with biases, ...), called by its block as
+`experts(hidden_states, expert_index, expert_weights)`. The router may be named
+`gate`, `router` or anything else: the broker replaces only `experts`, so the
+block's own routing code runs unchanged. The shards compute with the family's own
+experts class (see `vela_ray.model.experts`), so its gate, clamps, biases and
+layout need no description here; what cannot be reproduced exactly is refused,
+naming the class and the reason.
 
-    gate_up_proj: [E, 2*I, D]   rows [0, I) are the gate, [I, 2I) the up projection
-    down_proj:    [E, D, I]
-    out = down(act(gate(x)) * up(x))
-
-`find_moe_blocks` returns those blocks in model order; their position in that
-list is the *MoE layer index* used by placement, profiles and adapters (a
-DeepSeek model with dense first layers has fewer MoE layers than decoder layers).
+`find_moe_blocks` returns the blocks in model order; their position in that list
+is the *MoE layer index* used by placement, profiles and adapters (a DeepSeek model
+with dense first layers has fewer MoE layers than decoder layers).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -22,19 +26,20 @@ import torch
 from torch import nn
 
 from vela_ray.model.broker import ExpertBroker
+from vela_ray.model.experts import weight_stacks
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class ExpertsLayout:
-    """Shapes and activation of one MoE block's experts (E experts, D hidden, I intermediate)."""
+    """One MoE block's experts: E experts of hidden size D, their class and weight stacks."""
 
     num_experts: int
     hidden_size: int
-    intermediate_size: int
-    activation: str
     dtype: torch.dtype
+    experts_class: str
+    stacks: tuple[str, ...]  # the 3-D weight parameters LoRA adapts
 
 
 @dataclass(frozen=True)
@@ -52,45 +57,37 @@ class MoeBlock:
         return f"{self.path}.experts"
 
 
-def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
-    """Check that `experts` uses the fused gated layout vela-ray supports and describe it.
+def is_experts_module(module: nn.Module) -> bool:
+    """A module holding expert weight stacks: 3-D parameters of its own with one leading row per expert."""
+    if isinstance(module, ExpertBroker):
+        return True
+    stacks = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    return bool(stacks) and len({p.shape[0] for p in stacks}) == 1
 
-    Raises ValueError naming `owner` (the model class) for any other layout
-    (biases, transposed or interleaved weights, non-gated experts).
-    """
+
+def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
+    """Describe `experts`, or refuse (ValueError naming `owner` and the class) what vela-ray cannot
+    run exactly: another call signature, parameters that are not per expert, nested parameters."""
     if isinstance(experts, ExpertBroker):
         return experts.layout
-    gate_up = getattr(experts, "gate_up_proj", None)
-    down = getattr(experts, "down_proj", None)
-    unsupported = {
-        "has_bias": getattr(experts, "has_bias", False),
-        "is_transposed": getattr(experts, "is_transposed", False),
-        "has_post_expert_norm": getattr(experts, "has_post_expert_norm", False),
-        "not is_concatenated": not getattr(experts, "is_concatenated", True),
-        "not has_gate": not getattr(experts, "has_gate", True),
-    }
-    bad = [name for name, flag in unsupported.items() if flag]
-    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or bad:
+    cls = type(experts).__name__
+    params = list(inspect.signature(type(experts).forward).parameters)[1:]
+    if len(params) != 3 or any(inspect.signature(type(experts).forward).parameters[p].kind
+                               in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in params):
         raise ValueError(
-            f"{owner}: unknown experts layout in {type(experts).__name__} "
-            f"({', '.join(bad) or 'no 3-D gate_up_proj/down_proj parameters'}); vela-ray supports "
-            "fused gated experts (gate_up_proj [E, 2I, D], down_proj [E, D, I], no bias)"
-        )
-    if gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError(f"{owner}: experts weights must be 3-D [E, ...], got {tuple(gate_up.shape)}")
-    num_experts, two_i, hidden = gate_up.shape
-    if tuple(down.shape) != (num_experts, hidden, two_i // 2):
+            f"{owner}: {cls}.forward({', '.join(params)}) is not called as experts(hidden_states, expert_index, "
+            "expert_weights); vela-ray routes rows to experts by index and cannot reproduce this call exactly")
+    stacks = weight_stacks(experts)
+    num_experts = getattr(experts, stacks[0]).shape[0]
+    not_per_expert = [n for n, p in experts.named_parameters(recurse=False) if p.dim() == 0 or p.shape[0] != num_experts]
+    nested = [n for n, _ in experts.named_parameters() if "." in n]
+    if not_per_expert or nested:
         raise ValueError(
-            f"{owner}: down_proj shape {tuple(down.shape)} does not match gate_up_proj "
-            f"{tuple(gate_up.shape)}; expected {(num_experts, hidden, two_i // 2)}"
-        )
-    return ExpertsLayout(
-        num_experts=num_experts,
-        hidden_size=hidden,
-        intermediate_size=two_i // 2,
-        activation=getattr(config, "hidden_act", "silu"),
-        dtype=gate_up.dtype,
-    )
+            f"{owner}: {cls} has parameters that are not one row per expert ({(not_per_expert + nested)[:3]}); "
+            "vela-ray cannot split them over workers")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ExpertsLayout(num_experts=num_experts, hidden_size=int(text.hidden_size),
+                         dtype=getattr(experts, stacks[0]).dtype, experts_class=cls, stacks=tuple(stacks))
 
 
 def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
@@ -100,20 +97,28 @@ def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
     blocks: list[MoeBlock] = []
     for path, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        if not isinstance(experts, nn.Module) or path.endswith("experts"):
+        if not isinstance(experts, nn.Module) or path.endswith("experts") or not is_experts_module(experts):
             continue
-        if not hasattr(module, "gate"):
-            continue
-        layout = experts_layout(experts, getattr(experts, "config", config), owner)
+        layout = experts_layout(experts, config, owner)
         match = _LAYER_RE.search(path + ".")
         decoder_layer = int(match.group(1)) if match else len(blocks)
         blocks.append(MoeBlock(len(blocks), decoder_layer, path, module, layout))
     if not blocks:
         raise ValueError(
-            f"{owner} has no MoE block (a module with `gate` and `experts` submodules); "
+            f"{owner} has no MoE block (a module with an `experts` child holding one weight row per expert); "
             "vela-ray fine-tunes transformers-5 MoE models such as Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3"
         )
     return blocks
+
+
+def experts_prototypes(config) -> dict[int, nn.Module]:
+    """{MoE layer: the model's experts module} on the meta device: each layer's class, config and
+    shapes without any memory, for `ExpertShard.from_weights`."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return {b.index: b.block.experts for b in find_moe_blocks(skeleton)}
 
 
 def top_k_of(model: nn.Module) -> int:
@@ -125,8 +130,8 @@ def top_k_of(model: nn.Module) -> int:
     return int(top_k)
 
 
-def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
-    """{(layer, expert): (gate_up [2I, D], down [D, I])} sliced from in-memory fused experts.
+def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """{(layer, expert): {parameter name: that expert's slice}} from in-memory experts modules.
 
     For building shards from a model already in memory (tests, single-process
     runs); the runtime reads experts from the checkpoint instead (`vela_ray.model.loading`).
@@ -136,7 +141,8 @@ def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], t
     out = {}
     for layer, expert in wanted:
         experts = by_index[layer].block.experts
-        out[(layer, expert)] = (experts.gate_up_proj[expert].detach(), experts.down_proj[expert].detach())
+        tensors = [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]
+        out[(layer, expert)] = {name: t[expert].detach() for name, t in tensors}
     return out
 
 

@@ -14,7 +14,6 @@ import os
 import numpy as np
 
 from vela_ray.config import JobConfig
-from vela_ray.model.loading import moe_layout
 from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
@@ -32,11 +31,10 @@ class InProcessPool:
 
     def __init__(self, config: JobConfig):
         self.config = config
-        self.activation = moe_layout(config.model.path)[2]
         self.managers: list[ExpertManager] = []
 
     def start(self, table: np.ndarray) -> HostedExperts:
-        self.managers = [ExpertManager(spec) for spec in manager_specs(self.config, table, self.activation)]
+        self.managers = [ExpertManager(spec) for spec in manager_specs(self.config, table)]
         return HostedExperts(ExpertWorkers.in_process(self.managers), InProcessTransport(self.managers),
                              [LOCAL_NODE] * len(self.managers))
 

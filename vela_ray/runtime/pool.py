@@ -65,13 +65,12 @@ class WorkerPool(Protocol):
         ...
 
 
-def manager_specs(config: JobConfig, table: np.ndarray, activation: str, device: str = "cpu"
-                  ) -> list[ExpertManagerSpec]:
+def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> list[ExpertManagerSpec]:
     """One ExpertManagerSpec per worker: the experts `table` gives it, read from the model's checkpoint."""
     return [
         ExpertManagerSpec(
             worker=n, keys=[tuple(k) for k in np.argwhere(table == n).tolist()],
-            model_dir=str(config.model.path.resolve()), activation=activation, lora=config.lora_spec,
+            model_dir=str(config.model.path.resolve()), lora=config.lora_spec,
             optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
         )
         for n in range(config.cluster.num_workers)

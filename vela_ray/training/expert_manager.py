@@ -31,24 +31,25 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable, Literal
+from typing import Any, Hashable, Literal
 
 import psutil
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import PretrainedConfig
 
 from vela_ray.errors import ExpertWorkerError
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
-from vela_ray.model.experts import ExpertKey, ExpertShard, LoraSpec
-from vela_ray.model.loading import moe_layout, read_experts
+from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
+from vela_ray.model.loading import checkpoint_prototypes, read_experts
+from vela_ray.model.modeling import experts_prototypes
 from vela_ray.training.optim import OptimizerConfig, ShardTrainer
 from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
 
-ExpertWeights = dict[ExpertKey, tuple[torch.Tensor, torch.Tensor]]
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,11 +65,12 @@ class ExpertManagerSpec(BaseModel):
     worker: int = Field(ge=0, description="index of this worker in the placement table")
     keys: list[tuple[int, int]] = Field(description="the (MoE layer, expert) pairs this worker hosts")
     model_dir: str | None = Field(None, description="checkpoint to read the experts from (safetensors)")
-    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = Field(
-        None, description="in-memory {(layer, expert): (gate_up [2I, D], down [D, I])} instead of model_dir (tests)"
+    weights: dict[tuple[int, int], dict[str, torch.Tensor]] | None = Field(
+        None, description="in-memory {(layer, expert): {parameter: slice}} instead of model_dir (tests)"
     )
-    activation: str | None = Field(
-        None, description="expert activation (e.g. 'silu'); required with `weights`, read from `model_dir` if None"
+    # Any, checked below: transformers' configs are dataclasses whose annotations pydantic cannot resolve
+    hf_config: Any = Field(
+        None, description="the model's PretrainedConfig, whose experts classes compute; required with `weights`"
     )
     lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA rank and alpha of the expert adapters")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW of the expert adapters")
@@ -84,8 +86,9 @@ class ExpertManagerSpec(BaseModel):
             missing = [k for k in self.keys if k not in self.weights]
             if missing:
                 raise ValueError(f"worker {self.worker}: `weights` lacks experts {missing[:8]} listed in `keys`")
-            if self.activation is None:
-                raise ValueError(f"worker {self.worker}: in-memory `weights` need `activation` (e.g. 'silu')")
+            if not isinstance(self.hf_config, PretrainedConfig):
+                raise ValueError(f"worker {self.worker}: in-memory `weights` need the `hf_config` of their model "
+                                 f"(a transformers PretrainedConfig, got {type(self.hf_config).__name__})")
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"worker {self.worker}: `keys` lists an expert twice")
         return self
@@ -102,14 +105,13 @@ class BackwardRequest:
 WorkerMessage = ForwardRequest | BackwardRequest | None  # None: nothing for this worker in this call
 
 
-def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, str]:
-    """The spec's experts as {(layer, expert): (gate_up, down)} and their activation."""
+def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
+    """The spec's experts as {(layer, expert): {parameter: slice}} and each layer's experts prototype."""
     dtype = _DTYPES[spec.dtype] if spec.dtype else None
     if spec.weights is not None:
-        weights = {k: tuple(w.to(dtype) if dtype else w for w in spec.weights[k]) for k in spec.keys}
-        return weights, spec.activation
-    activation = spec.activation or moe_layout(spec.model_dir)[2]  # the master can pass it and save the read
-    return read_experts(spec.model_dir, list(spec.keys), dtype=dtype), activation
+        weights = {k: {n: t.to(dtype) if dtype else t for n, t in spec.weights[k].items()} for k in spec.keys}
+        return weights, experts_prototypes(spec.hf_config)
+    return read_experts(spec.model_dir, list(spec.keys), dtype=dtype), checkpoint_prototypes(spec.model_dir)
 
 
 class ExpertManager:
@@ -120,11 +122,11 @@ class ExpertManager:
         self.worker = spec.worker
         self.keys: list[ExpertKey] = sorted(spec.keys)
         self.device = torch.device(spec.device)
-        weights, activation = load_expert_weights(spec)
-        self.shard = ExpertShard.from_weights(weights, spec.lora, activation, seed=spec.seed).to(self.device)
+        weights, prototypes = load_expert_weights(spec)
+        self.shard = ExpertShard.from_weights(weights, spec.lora, prototypes, seed=spec.seed).to(self.device)
         # A placement may leave a worker without experts; torch's AdamW refuses an empty parameter list.
         self.trainer = ShardTrainer(self.shard, spec.optim) if self.keys else None
-        self.dtype = next(iter(weights.values()))[0].dtype if weights else torch.float32
+        self.dtype = next(iter(next(iter(weights.values())).values())).dtype if weights else torch.float32
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
         self.compute_s = 0.0  # wall seconds spent in expert forward/backward (the data plane's arithmetic)
         logger.info("expert worker %d: hosting %d experts on %s", self.worker, len(self.keys), self.device)
@@ -276,14 +278,17 @@ class ExpertManager:
         """
         if not self.keys:
             return None
-        expert = self.shard.expert(*self.keys[0])
-        rows_RD = torch.randn(num_rows, expert.gate_up.shape[1], dtype=self.dtype, device=self.device)
+        layer, expert = self.keys[0]
+        experts = self.shard.layers[str(layer)]
+        ids_R = torch.full((num_rows,), expert, dtype=torch.long, device=self.device)
+        rows_RD = torch.randn(num_rows, experts.hidden_size, dtype=self.dtype, device=self.device)
         rows_RD.requires_grad_(True)
         timings = []
         for _ in range(repeats + 1):  # the first call warms kernels and the allocator
             start = time.perf_counter()
-            out_RD = expert(rows_RD)
-            torch.autograd.grad(out_RD, [rows_RD, *expert.parameters()], torch.ones_like(out_RD))
+            out_RD = experts(ids_R, rows_RD)
+            torch.autograd.grad(out_RD, [rows_RD, *self.shard.expert(layer, expert).parameters()],
+                                torch.ones_like(out_RD))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             timings.append(time.perf_counter() - start)
@@ -293,7 +298,7 @@ class ExpertManager:
         """Mean bytes one hosted expert needs: frozen weights + LoRA with its gradient and AdamW moments."""
         if not self.keys:
             raise ExpertWorkerError(self.worker, "hosts no experts, so it cannot estimate bytes per expert")
-        frozen = sum(b.numel() * b.element_size() for b in self.shard.buffers())
+        frozen = sum(t.numel() * t.element_size() for params in self.shard.weights().values() for t in params.values())
         lora = sum(p.numel() * p.element_size() for p in self.shard.lora_parameters())
         return (frozen + _LORA_COPIES * lora) // len(self.keys)
 

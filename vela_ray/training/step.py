@@ -124,7 +124,7 @@ def build_local(
         ExpertManager(ExpertManagerSpec(
             worker=worker, keys=[k for k in weights if table[k] == worker],
             weights={k: w for k, w in weights.items() if table[k] == worker},
-            activation=blocks[0].layout.activation, lora=lora, optim=optim, seed=seed))
+            hf_config=model.config, lora=lora, optim=optim, seed=seed))
         for worker in range(int(table.max()) + 1)
     ]
     master = build_master(model, table, InProcessTransport(managers), lora, optim)
