@@ -100,7 +100,9 @@ def run_both(pair: Pair, steps: int = 5) -> tuple[list[float], list[float]]:
     for step in range(steps):
         batches = micro_batches(step)
         lr = lr_at(OPTIM, step, steps)
+        torch.manual_seed(step)  # both sides draw the same numbers (PhiMoE's router samples in training)
         ref_losses.append(reference_step(pair, batches, lr))
+        torch.manual_seed(step)
         vela_losses.append(train_step(pair.master, pair.workers, batches, lr, OPTIM.max_grad_norm))
     return ref_losses, vela_losses
 

@@ -58,11 +58,14 @@ class MoeBlock:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """A module holding expert weight stacks: 3-D parameters of its own with one leading row per expert."""
+    """A module holding a layer's experts: 3-D weight stacks of its own with one leading row per expert,
+    or an `...Experts` class keeping its weights some other way (found, so it can be refused by name)."""
     if isinstance(module, ExpertBroker):
         return True
     stacks = [p for p in module.parameters(recurse=False) if p.dim() == 3]
-    return bool(stacks) and len({p.shape[0] for p in stacks}) == 1
+    if stacks:
+        return len({p.shape[0] for p in stacks}) == 1
+    return type(module).__name__.endswith("Experts") and any(True for _ in module.parameters())
 
 
 def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
@@ -78,6 +81,11 @@ def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
             f"{owner}: {cls}.forward({', '.join(params)}) is not called as experts(hidden_states, expert_index, "
             "expert_weights); vela-ray routes rows to experts by index and cannot reproduce this call exactly")
     stacks = weight_stacks(experts)
+    if not stacks:
+        flat = [f"{n} {list(p.shape)}" for n, p in experts.named_parameters()][:3]
+        raise ValueError(
+            f"{owner}: {cls} keeps its experts in flat 2-D matrices ({', '.join(flat)}); peft adapts each as one "
+            "matrix, so a LoRA factor is shared by all experts and cannot be split over workers")
     num_experts = getattr(experts, stacks[0]).shape[0]
     not_per_expert = [n for n, p in experts.named_parameters(recurse=False) if p.dim() == 0 or p.shape[0] != num_experts]
     nested = [n for n, _ in experts.named_parameters() if "." in n]
