@@ -172,9 +172,10 @@ def export_adapter(
     expert_state: {(layer, expert): {"lora_A_gate_up", "lora_B_gate_up", "lora_A_down", "lora_B_down"}}.
     Raises ValueError if any expert of any MoE layer has no adapter.
     """
-    prefixes = _expert_param_keys(*_peft_skeleton(config, lora_config))
+    skeleton, blocks = _peft_skeleton(config, lora_config)
+    prefixes = _expert_param_keys(skeleton, blocks)
     num_layers = 1 + max(layer for layer, _ in prefixes)
-    num_experts = _num_experts(config)
+    num_experts = blocks[0].layout.num_experts
     missing = [(l, e) for l in range(num_layers) for e in range(num_experts) if (l, e) not in expert_state]
     if missing:
         raise ValueError(
@@ -207,7 +208,7 @@ def read_adapter(adapter_dir: str | Path, config: PretrainedConfig):
     skeleton, blocks = _peft_skeleton(config, lora_config)
     _check_shapes(adapter_dir, state, skeleton)
     prefixes = _expert_param_keys(skeleton, blocks)
-    num_experts = _num_experts(config)
+    num_experts = blocks[0].layout.num_experts
     expert_state: dict[ExpertKey, dict[str, torch.Tensor]] = {}
     for (layer, slot), prefix in prefixes.items():
         keys = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
@@ -229,10 +230,4 @@ def check_adapter_matches(lora_config: LoraConfig, r: int, alpha: float, adapter
 def backbone_state_of(peft_model) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(peft_model)
 
-
-def _num_experts(config: PretrainedConfig) -> int:
-    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    raise ValueError(f"{type(config).__name__} names no expert count")
 

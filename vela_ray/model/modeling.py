@@ -111,6 +111,12 @@ def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
         match = _LAYER_RE.search(path + ".")
         decoder_layer = int(match.group(1)) if match else len(blocks)
         blocks.append(MoeBlock(len(blocks), decoder_layer, path, module, layout))
+    moe_like = sorted({type(m).__name__ for m in model.modules() if re.search(r"(Experts|MoE|MoA|Moe|MoeBlock)$", type(m).__name__)})
+    if not blocks and moe_like:
+        raise ValueError(
+            f"{owner}: its MoE modules ({', '.join(moe_like[:3])}) do not keep a layer's experts as an `experts` "
+            "child with one weight row per expert, called as experts(hidden_states, expert_index, expert_weights); "
+            "vela-ray cannot route rows to them exactly")
     if not blocks:
         raise ValueError(
             f"{owner} has no MoE block (a module with an `experts` child holding one weight row per expert); "
