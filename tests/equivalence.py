@@ -52,8 +52,8 @@ class Pair:
 
 
 def build_pair(family: str, make_transport: Callable | None = None, dtype=torch.float32,
-               num_workers: int = 3) -> Pair:
-    reference = debug_model(family, seed=0).to(dtype)
+               num_workers: int = 3, **config_overrides) -> Pair:
+    reference = debug_model(family, seed=0, **config_overrides).to(dtype)
     cfg = full_lora_config(reference, LORA)
     cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
     torch.manual_seed(1)
@@ -61,7 +61,7 @@ def build_pair(family: str, make_transport: Callable | None = None, dtype=torch.
     adapter_dir = tempfile.mkdtemp(prefix="vela-eq-")
     reference.save_pretrained(adapter_dir)
 
-    model = debug_model(family, seed=0).to(dtype)
+    model = debug_model(family, seed=0, **config_overrides).to(dtype)
     blocks = find_moe_blocks(model)
     table = scattered_placement(len(blocks), blocks[0].layout.num_experts, num_workers)
     weights = expert_weights(blocks)

@@ -58,17 +58,26 @@ def test_a_model_without_moe_blocks_is_refused_by_class_name():
 
 
 def test_experts_called_another_way_are_refused_naming_the_class():
-    """Llama 4 style: every expert on all tokens, `experts(hidden_states)`: no per-row routing to reproduce."""
+    """Neither routed rows nor rows grouped by expert: nothing vela-ray knows how to reproduce."""
     model = debug_model("mixtral")
     experts = find_moe_blocks(model)[0].block.experts
 
-    class AllTokenExperts(type(experts)):
-        def forward(self, hidden_states):
+    class IndexOnlyExperts(type(experts)):
+        def forward(self, hidden_states, top_k_index):
             return hidden_states
 
-    experts.__class__ = AllTokenExperts
-    with pytest.raises(ValueError, match=r"MixtralForCausalLM: AllTokenExperts\.forward\(hidden_states\) is not called "
-                                         r"as experts\(hidden_states, expert_index, expert_weights\)"):
+    experts.__class__ = IndexOnlyExperts
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM: IndexOnlyExperts\.forward\(hidden_states, top_k_index\) "
+                                         r"is called neither as experts\(hidden_states, expert_index, expert_weights\)"):
+        find_moe_blocks(model)
+
+
+def test_grouped_experts_with_biases_are_refused():
+    """A zero-padded row of a biased expert is not zero, so Llama-4-style groups could not be padded exactly."""
+    model = debug_model("llama4_text")
+    experts = find_moe_blocks(model)[0].block.experts
+    experts.down_bias = torch.nn.Parameter(torch.zeros(experts.down_proj.shape[0], experts.down_proj.shape[2]))
+    with pytest.raises(ValueError, match=r"Llama4TextExperts is called on rows grouped by expert and has biases"):
         find_moe_blocks(model)
 
 

@@ -53,8 +53,9 @@ def linear_targets(model: nn.Module) -> str:
     """
     paths = [
         path for path, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and not path.endswith("lm_head")
-        and not _ROUTER_NAMES.search(path.rsplit(".", 1)[-1])
+        if type(mod) is nn.Linear  # subclasses (DeepSeek-V4's grouped o_a_proj) have semantics peft's LoRA breaks
+        and not path.endswith("lm_head") and not _ROUTER_NAMES.search(path.rsplit(".", 1)[-1])
+        and _peft_accepts(model, path.rsplit(".", 1)[-1])
     ]
     rewritten = _leaf_names_peft_rewrites(model, {p.rsplit(".", 1)[-1] for p in paths})
     if rewritten:
@@ -65,6 +66,19 @@ def linear_targets(model: nn.Module) -> str:
         for path in paths if path.rsplit(".", 1)[-1] not in rewritten
     })
     return "^(?:" + "|".join(patterns) + ")$"
+
+
+def _peft_accepts(model: nn.Module, leaf_name: str) -> bool:
+    """peft's own per-architecture refusal (Mamba mixers' out_proj/conv1d), asked rather than copied."""
+    try:
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
+    except ImportError:  # a peft without the check refuses nothing
+        return True
+    try:
+        _check_lora_target_modules_mamba(LoraConfig(r=1), model, leaf_name)
+    except ValueError:
+        return False
+    return True
 
 
 def _leaf_names_peft_rewrites(model: nn.Module, leaf_names: set[str]) -> set[str]:

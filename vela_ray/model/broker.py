@@ -156,7 +156,23 @@ class ExpertBroker(nn.Module):
     def forward(self, hidden_TD: torch.Tensor, *index_and_weights: torch.Tensor, **by_name: torch.Tensor):
         """`experts(hidden, top_k_index, top_k_weights)`, positional or under the family's names
         (e.g. gpt-oss's `router_indices=`, `routing_weights=`)."""
+        if self.layout is not None and self.layout.call == "grouped":
+            return self._grouped(hidden_TD)
         top_k_index_TK, top_k_weights_TK = [*index_and_weights, *by_name.values()]
+        return self._routed(hidden_TD, top_k_index_TK, top_k_weights_TK)
+
+    def _grouped(self, grouped_XD: torch.Tensor) -> torch.Tensor:
+        """Llama 4's call: `experts(x)`, x [E*T, D] with expert e's input (pre-scaled by its routing score)
+        in rows e*T:(e+1)*T, zero where e was not routed. Only the non-zero rows are sent, each as a token
+        routed to its one expert with weight 1; a zero row's output is zero, as in the original."""
+        num_experts = self.layout.num_experts
+        routed_X = grouped_XD.detach().ne(0).any(dim=1)
+        rows = routed_X.nonzero().squeeze(1)
+        expert_R1 = torch.div(rows, grouped_XD.shape[0] // num_experts, rounding_mode="floor")[:, None]
+        out_RD = self._routed(grouped_XD.index_select(0, rows), expert_R1, grouped_XD.new_ones(len(rows), 1))
+        return torch.zeros_like(grouped_XD).index_add(0, rows, out_RD)
+
+    def _routed(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor):
         plan = self.dispatcher.plan(self.layer, top_k_index_TK)
         track_grad = torch.is_grad_enabled()
         key = self.dispatcher.new_key(self.layer) if track_grad else None

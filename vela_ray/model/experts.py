@@ -32,9 +32,10 @@ returning d(loss)/d(rows) for the master.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
+from typing import Hashable, Iterable, Literal, Mapping
 
 import torch
 from torch import nn
@@ -60,6 +61,23 @@ class LoraSpec:
 def weight_stacks(experts: nn.Module) -> list[str]:
     """The experts' 3-D weight parameters [E, a, b]: what peft's `target_parameters` adapts (biases are not)."""
     return [name for name, p in experts.named_parameters(recurse=False) if p.dim() == 3]
+
+
+ExpertsCall = Literal["routed", "grouped"]
+
+
+def experts_call(experts: nn.Module) -> ExpertsCall | None:
+    """How a family calls its experts, from the class's forward signature:
+
+    - "routed": `experts(hidden_states, expert_index, expert_weights)`, each row to its top-k experts;
+    - "grouped": `experts(x)` with x [E*T, D] holding T rows for each expert in turn (Llama 4: every
+      expert sees every token, its input pre-scaled by the routing score, 0 where not routed);
+    - None: anything else.
+    """
+    params = list(inspect.signature(type(experts).forward).parameters.values())[1:]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    return {3: "routed", 1: "grouped"}.get(len(params))
 
 
 def slot_name(stack: str) -> str:
@@ -138,6 +156,7 @@ class LayerExperts(nn.Module):
         self.module = local_experts_module(prototype, [weights[e] for e in self.expert_ids])
         self.stacks = weight_stacks(prototype)
         self.transposed = bool(getattr(prototype, "is_transposed", False))
+        self.call = experts_call(prototype)
         self.scaling = lora.scaling
         in_out = {slot_name(s): lora_in_out(prototype, s) for s in self.stacks}
         self.hidden_size = in_out[slot_name(self.stacks[0])][0]  # the first stack reads the hidden states
@@ -157,8 +176,23 @@ class LayerExperts(nn.Module):
             missing = [(self.layer, e) for e in sorted(set(expert_ids_R[local_R < 0].tolist()))]
             raise KeyError(f"experts {missing} are not hosted here (hosted of layer {self.layer}: {self.expert_ids})")
         adapted = {stack: self._adapted(stack) for stack in self.stacks}
+        if self.call == "grouped":
+            return self._grouped(adapted, local_R, rows_RD)
         ones_R1 = rows_RD.new_ones(rows_RD.shape[0], 1)
         return functional_call(self.module, adapted, (rows_RD, local_R[:, None], ones_R1))
+
+    def _grouped(self, adapted: dict, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
+        """A "grouped" call: every local expert gets the same number of rows, zero-padded. A zero row gives
+        a zero output and no gradient (no bias: act(0) * 0 = 0), so the padding changes nothing."""
+        num_local = len(self.expert_ids)
+        counts = torch.bincount(local_R, minlength=num_local)
+        slot_R = torch.empty_like(local_R)  # each row's position among its expert's rows
+        order = torch.argsort(local_R, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        slot_R[order] = torch.arange(len(local_R), device=local_R.device) - starts[local_R[order]]
+        flat_R = local_R * int(counts.max()) + slot_R
+        packed = rows_RD.new_zeros(num_local * int(counts.max()), rows_RD.shape[1]).index_copy(0, flat_R, rows_RD)
+        return functional_call(self.module, adapted, (packed,)).index_select(0, flat_R)
 
     def _adapted(self, stack: str) -> torch.Tensor:
         """peft's fold of the LoRA update into the stack (see the module docstring)."""

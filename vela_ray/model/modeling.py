@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from vela_ray.model.broker import ExpertBroker
-from vela_ray.model.experts import weight_stacks
+from vela_ray.model.experts import ExpertsCall, experts_call, weight_stacks
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -40,6 +40,7 @@ class ExpertsLayout:
     dtype: torch.dtype
     experts_class: str
     stacks: tuple[str, ...]  # the 3-D weight parameters LoRA adapts
+    call: ExpertsCall = "routed"  # how the block calls them (see `experts.experts_call`)
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,12 @@ def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
     if isinstance(experts, ExpertBroker):
         return experts.layout
     cls = type(experts).__name__
-    params = list(inspect.signature(type(experts).forward).parameters)[1:]
-    if len(params) != 3 or any(inspect.signature(type(experts).forward).parameters[p].kind
-                               in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in params):
+    call = experts_call(experts)
+    if call is None:
+        params = list(inspect.signature(type(experts).forward).parameters)[1:]
         raise ValueError(
-            f"{owner}: {cls}.forward({', '.join(params)}) is not called as experts(hidden_states, expert_index, "
-            "expert_weights); vela-ray routes rows to experts by index and cannot reproduce this call exactly")
+            f"{owner}: {cls}.forward({', '.join(params)}) is called neither as experts(hidden_states, "
+            "expert_index, expert_weights) nor as experts(rows grouped by expert); vela-ray cannot reproduce it")
     stacks = weight_stacks(experts)
     if not stacks:
         flat = [f"{n} {list(p.shape)}" for n, p in experts.named_parameters()][:3]
@@ -93,9 +94,13 @@ def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
         raise ValueError(
             f"{owner}: {cls} has parameters that are not one row per expert ({(not_per_expert + nested)[:3]}); "
             "vela-ray cannot split them over workers")
+    if call == "grouped" and any(p.dim() != 3 for p in experts.parameters(recurse=False)):
+        raise ValueError(f"{owner}: {cls} is called on rows grouped by expert and has biases; a zero-padded "
+                         "row would not give a zero output, so vela-ray cannot pad its groups exactly")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ExpertsLayout(num_experts=num_experts, hidden_size=int(text.hidden_size),
-                         dtype=getattr(experts, stacks[0]).dtype, experts_class=cls, stacks=tuple(stacks))
+                         dtype=getattr(experts, stacks[0]).dtype, experts_class=cls, stacks=tuple(stacks),
+                         call=call)
 
 
 def find_moe_blocks(model: nn.Module) -> list[MoeBlock]:
