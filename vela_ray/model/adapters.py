@@ -49,7 +49,9 @@ def linear_targets(model: nn.Module) -> str:
     families (`gate_proj`/`up_proj`/`down_proj` in Qwen2-MoE and DeepSeek, whose
     shared experts and dense MLPs use those names): with them, peft would adapt the
     experts' gate_up_proj with a doubled rank and drop the shared experts, and an
-    exported adapter would not load. Those layers stay frozen (logged).
+    exported adapter would not load. Those layers stay frozen (logged), as do
+    layers whose saved keys peft renames on load, `nn.Linear` subclasses, and
+    modules peft refuses for the architecture (Mamba mixers).
     """
     paths = [
         path for path, mod in model.named_modules()
@@ -61,11 +63,28 @@ def linear_targets(model: nn.Module) -> str:
     if rewritten:
         logger.warning("%s: not adapting %s layers (peft maps these names onto experts for this family)",
                        type(model).__name__, sorted(rewritten))
+    paths = [p for p in paths if p.rsplit(".", 1)[-1] not in rewritten]
+    renamed = _paths_peft_renames_on_load(model, paths)
+    if renamed:
+        logger.warning("%s: not adapting %s (peft renames their adapter keys on load, so a saved adapter would "
+                       "not load back)", type(model).__name__, sorted({re.sub(r"\.\d+\.", ".N.", p) for p in renamed}))
     patterns = sorted({
-        re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(path))
-        for path in paths if path.rsplit(".", 1)[-1] not in rewritten
+        re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(path)) for path in paths if path not in renamed
     })
     return "^(?:" + "|".join(patterns) + ")$"
+
+
+def _paths_peft_renames_on_load(model: nn.Module, paths: list[str]) -> set[str]:
+    """Module paths whose saved LoRA keys peft's load-time conversion renames (peft 0.21 applies transformers'
+    checkpoint renames as regexes: laguna's "mlp.shared_expert." also hits "mlp.shared_experts.", inkling2's
+    rename hits "k_sconv.weight_proj"); an adapter on them would load into the wrong place, or nowhere."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+    except ImportError:  # older peft: no conversion on load
+        return set()
+    probe = {f"base_model.model.{p}.lora_A.weight": torch.zeros(1) for p in paths}
+    kept = convert_peft_adapter_state_dict_for_transformers(model, LoraConfig(r=1, target_modules=paths), probe)
+    return {p for p in paths if f"base_model.model.{p}.lora_A.weight" not in kept}
 
 
 def _peft_accepts(model: nn.Module, leaf_name: str) -> bool:

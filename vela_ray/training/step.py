@@ -13,6 +13,7 @@ brokers and in-process ExpertManagers: the single-process form of vela-ray.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -185,18 +186,38 @@ def export(master: MasterModel, workers: ExpertWorkers, out_dir) -> None:
 
 def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -> None:
     """Load a peft adapter directory of the original model into master and workers (any placement)."""
-    from peft import set_peft_model_state_dict
-
     from vela_ray.model.adapters import check_adapter_matches, read_adapter
 
     config = master.peft_model.base_model.model.config
     lora_config, backbone_state, expert_state = read_adapter(adapter_dir, config)
     check_adapter_matches(lora_config, master.full_lora_config.r, master.full_lora_config.lora_alpha, adapter_dir)
-    result = set_peft_model_state_dict(master.peft_model, backbone_state)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ValueError(f"{adapter_dir}: adapter keys not in this model: {unexpected[:5]}")
+    _load_backbone_adapter(master, backbone_state, adapter_dir)
     workers.load_lora_state(expert_state)
+
+
+def _load_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], adapter_dir) -> None:
+    """Copy a saved adapter's backbone factors into the master's LoRA parameters, by name.
+
+    Not `peft.set_peft_model_state_dict`: peft 0.21 applies transformers' checkpoint renames to
+    adapter keys at load time, and some rules are regexes that also match adapted names (laguna's
+    "mlp.shared_expert." hits "mlp.shared_experts.", giving "shared_experts..down_proj"; inkling2's
+    rename hits "k_sconv.weight_proj"), so the keys it loads no longer exist. The backbone adapts
+    only plain nn.Linear layers, whose saved key "<module>.lora_A.weight" is parameter
+    "<module>.lora_A.<adapter>.weight": no conversion is needed.
+    """
+    adapter = master.peft_model.active_adapter
+    params = {n: p for n, p in master.peft_model.named_parameters() if p.requires_grad}
+    by_key = {re.sub(rf"\.(lora_[AB])\.{adapter}\.weight$", r".\1.weight", n): p for n, p in params.items()}
+    unknown = sorted(set(state) - set(by_key))
+    if unknown:
+        raise ValueError(f"{adapter_dir}: adapter keys not in this model: {unknown[:5]}")
+    missing = sorted(set(by_key) - set(state))
+    if missing:
+        raise ValueError(f"{adapter_dir}: adapter lacks {missing[:3]} ({len(missing)} in all) of this model's "
+                         "backbone LoRA layers")
+    with torch.no_grad():
+        for key, value in state.items():
+            by_key[key].copy_(value)
 
 
 def master_state(master: MasterModel) -> dict[str, torch.Tensor]:
