@@ -38,7 +38,7 @@ def test_exception_in_expert_forward_names_worker_and_carries_its_traceback(tran
     text = str(caught.value)
     assert f"(0, {expert})" in text  # the experts involved
     assert "forward_rows" in text and "experts.py" in text  # the worker's own traceback
-    assert "mat1 and mat2 shapes cannot be multiplied" in text
+    assert "RuntimeError" in text  # the matmul's own error (its wording depends on the experts kernel)
 
 
 @pytest.mark.timeout(120)
