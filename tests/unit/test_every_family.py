@@ -7,8 +7,8 @@ require equal losses (rel 1e-5) and an equal exported adapter; or a ValueError n
 class and what vela-ray cannot reproduce. A family that trains without error but differs
 (a silent mismatch) fails here.
 
-`KNOWN_FAILURES` lists the families that fail loudly for a reason that is a vela-ray gap,
-not a refusal by design; they are strict xfails, so a fix shows up as XPASS to update.
+`tests.fixtures.REFUSED` lists the refusals; `KNOWN_FAILURES` the families that fail loudly on a
+vela-ray gap, not by design: strict xfails, so a fix shows up as XPASS to update.
 """
 
 from __future__ import annotations
@@ -19,19 +19,9 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from tests.equivalence import build_pair, reference_adapter_state, run_both
+from tests.fixtures import KNOWN_FAILURES, REFUSED
 from vela_ray.model.families import debug_model, moe_families
 from vela_ray.training.step import export
-
-REFUSED = {  # family -> what the refusal must say
-    "dbrx": r"DbrxExperts keeps its experts in flat 2-D matrices .* a LoRA factor is shared by all experts",
-    "doge": r"its MoE modules \(DogeCDMoE\) do not keep a layer's experts as an `experts` child",
-    "jetmoe": r"its MoE modules \(JetMoeMoA, JetMoeMoE, JetMoeParallelExperts\) do not keep",
-    "longcat_flash": r"its MoE modules \(LongcatFlashExperts, LongcatFlashMoE\) do not keep",
-}
-KNOWN_FAILURES = {
-    "mistral4": "Mistral4ForCausalLM is not in AutoModelForCausalLM's mapping",
-}
-
 
 def _params() -> list:
     return [pytest.param(family, id=family, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[family])]

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from vela_ray.model.broker import ExpertDispatcher
 from vela_ray.model.experts import ExpertShard, LoraSpec
-from vela_ray.model.families import FAMILIES, debug_model
+from tests.fixtures import KNOWN_FAILURES, REFUSED
+from vela_ray.model.families import debug_model, moe_families
 from vela_ray.model.loading import checkpoint_prototypes, load_backbone, moe_layout, read_experts
 from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
 from vela_ray.model.transport import InProcessTransport
@@ -31,8 +32,18 @@ def _split_model_from_checkpoint(model_dir, num_workers=3):
     return backbone
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+def _loadable_families() -> list:
+    """Every discovered MoE family vela-ray trains; the known gaps as strict xfails."""
+    return [pytest.param(f, id=f, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[f])]
+                         if f in KNOWN_FAILURES else []) for f in moe_families() if f not in REFUSED]
+
+
+@pytest.mark.parametrize("family", _loadable_families())
 def test_backbone_plus_expert_reads_reproduce_the_saved_model(family, tmp_path):
+    """The runtime's path: save_pretrained, then the master's backbone and the workers' expert reads,
+    through transformers' own key conversion for the family (renamed routers, hub per-expert layouts,
+    Granite's fused input_linear, inkling2's interleaved w13)."""
+    torch.set_num_threads(1)
     model = debug_model(family, seed=3)
     model.save_pretrained(tmp_path)
     split = _split_model_from_checkpoint(tmp_path)

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from placement.io import load_profile
-from vela_ray.model.families import FAMILIES, debug_model
+from tests.fixtures import KNOWN_FAILURES, REFUSED
+from vela_ray.model.families import FAMILIES, debug_model, moe_families
 from vela_ray.data.locality import (
     AccessProfile,
     DriftTracker,
@@ -211,3 +212,14 @@ def test_drift_tracker_rejects_bad_step_counts():
         tracker.record_step(np.zeros((2, 4)))
     with pytest.raises(ValueError, match="no recorded steps"):
         tracker.tv()
+
+
+@pytest.mark.parametrize("family", [f for f in moe_families() if f not in REFUSED and f not in KNOWN_FAILURES])
+def test_profiling_counts_every_tokens_top_k_choices_in_every_family(family):
+    """Routers named gate or router (or neither), keyword calls (gpt-oss), Llama 4's grouped call."""
+    torch.set_num_threads(1)
+    model = debug_model(family)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    profile = profile_model(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    assert profile.tokens == 24
+    assert all(sum(row) == profile.tokens * profile.top_k for row in profile.counts)

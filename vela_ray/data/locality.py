@@ -6,10 +6,13 @@ the access probabilities ``P[l, e] = counts[l, e] / tokens`` (rows sum to top-k)
 as the input of expert placement. This module measures exactly that:
 
 * `RoutingRecorder`: forward hooks on each MoE block. A forward pre-hook on the
-  block's ``experts`` submodule reads ``top_k_index`` (so it keeps working when
-  the runtime swaps ``experts`` for an ExpertBroker with the same call
-  signature); a forward hook on ``block.gate`` reads the router logits for the
-  router confidence (paper Fig. 3b). Padded positions are skipped using the
+  block's ``experts`` submodule reads the chosen experts from its call (so it
+  keeps working when the runtime swaps ``experts`` for an ExpertBroker with the
+  same call): ``top_k_index``, or for Llama 4's grouped call the experts whose
+  rows are non-zero. A forward hook on the router (``block.gate`` or
+  ``block.router``) reads the router logits for the router confidence (paper
+  Fig. 3b), where the router returns (logits, weights, index); for other
+  routers the profile has no confidence. Padded positions are skipped using the
   attention mask the caller sets before each forward.
 * `profile_model(model, batches) -> AccessProfile`: the inference-mode pass.
 * `AccessProfile`: counts, P, confidence histograms; JSON and ``.npy`` (P only,
@@ -158,6 +161,22 @@ def router_scoring(gate: nn.Module) -> Scoring:
     return "sigmoid" if hasattr(gate, "e_score_correction_bias") else "softmax"
 
 
+def router_of(block: nn.Module) -> nn.Module | None:
+    """A MoE block's router: its `gate` or `router` child (None when it has neither)."""
+    for name in ("gate", "router"):
+        if isinstance(getattr(block, name, None), nn.Module):
+            return getattr(block, name)
+    return None
+
+
+def _grouped_choices(grouped_XD: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, K] chosen experts from a grouped call's input [E*T, D] (expert e's rows e*T:(e+1)*T, zero when
+    not chosen); every token has the same K (Llama 4's top-k)."""
+    chosen_ET = grouped_XD.detach().ne(0).any(dim=1).reshape(num_experts, -1)
+    expert_E = torch.arange(num_experts)[:, None].expand_as(chosen_ET)
+    return expert_E.T[chosen_ET.T.cpu()].reshape(chosen_ET.shape[1], -1)
+
+
 def router_confidence(router_logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
                       scoring: Scoring) -> torch.Tensor:
     """[T] share of the routing score held by each token's selected experts (module docstring)."""
@@ -190,8 +209,10 @@ class RoutingRecorder:
         if not blocks or len(num_experts) != 1:
             raise ValueError(f"need MoE blocks with one common expert count, got {sorted(num_experts)}")
         self.blocks, self.top_k, self.num_experts = blocks, top_k, num_experts.pop()
-        self.record_confidence, self.confidence_bins = record_confidence, confidence_bins
-        self.scoring = router_scoring(blocks[0].block.gate)
+        routers = [router_of(b.block) for b in blocks]
+        self.record_confidence = record_confidence and all(r is not None for r in routers)
+        self.confidence_bins = confidence_bins
+        self.scoring = router_scoring(routers[0]) if routers[0] is not None else "softmax"
         self._mask_T: torch.Tensor | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.reset()
@@ -220,7 +241,7 @@ class RoutingRecorder:
             experts = moe.block.experts  # looked up now: the runtime may have swapped it
             self._handles.append(experts.register_forward_pre_hook(self._experts_hook(layer), with_kwargs=True))
             if self.record_confidence:
-                self._handles.append(moe.block.gate.register_forward_hook(self._gate_hook(layer)))
+                self._handles.append(router_of(moe.block).register_forward_hook(self._gate_hook(layer)))
         return self
 
     def detach(self) -> None:
@@ -251,7 +272,10 @@ class RoutingRecorder:
 
     def _experts_hook(self, layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            top_k_index_TK = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            if self.blocks[layer].layout.call == "grouped":
+                top_k_index_TK = _grouped_choices((args or tuple(kwargs.values()))[0], self.num_experts)
+            else:
+                top_k_index_TK = args[1] if len(args) > 1 else list(kwargs.values())[0]  # the family's own name
             top_k_index_TK = top_k_index_TK.detach().to("cpu")
             valid_T = self._valid_rows(top_k_index_TK.shape[0], layer)
             if valid_T is not None:
@@ -264,9 +288,11 @@ class RoutingRecorder:
 
     def _gate_hook(self, layer: int):
         def hook(module: nn.Module, args: tuple, output) -> None:
-            if not isinstance(output, tuple) or len(output) != 3:
-                raise ValueError(f"{type(module).__name__} returned {type(output).__name__}; expected "
-                                 "(router_logits, top_k_weights, top_k_index)")
+            if not isinstance(output, tuple) or len(output) != 3:  # another router: no confidence to read
+                log.info("%s returns %s, not (router_logits, top_k_weights, top_k_index): the profile has no "
+                            "router confidence", type(module).__name__, type(output).__name__)
+                self.record_confidence = False
+                return
             router_logits, _, top_k_index = output
             confidence_T = router_confidence(router_logits.detach(), top_k_index.detach(), self.scoring).cpu()
             valid_T = self._valid_rows(confidence_T.shape[0], layer)

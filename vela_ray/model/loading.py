@@ -3,15 +3,17 @@
 - `load_backbone(model_dir)`: the master's model with every tensor but the
   experts; expert parameters are created on the meta device, so they are never
   allocated, and are then replaced by brokers.
-- `read_experts(model_dir, keys)`: exactly the (layer, expert) FFNs an expert
-  host is given, read memory-mapped, one tensor at a time.
+- `read_experts(model_dir, keys)`: exactly the (layer, expert) weights an expert
+  host is given, read memory-mapped, one expert's rows at a time.
 
-transformers writes MoE checkpoints in the per-expert hub layout
-(`model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight` for Mixtral,
-`...mlp.experts.{e}.gate_proj.weight` for Qwen/DeepSeek/OLMoE); checkpoints
-with fused `...experts.gate_up_proj` / `...experts.down_proj` tensors are read
-too, by slicing one expert out of the memory map. Layer indices here are MoE
-layer indices (see `vela_ray.model.modeling`).
+Checkpoint names are mapped to the model's own names with transformers' conversion
+mapping for the family (`transformers.conversion_mapping`: the renames and merges
+`from_pretrained` applies), so the hub layouts load as transformers loads them:
+per-expert `experts.{e}.w1/w3/w2` or `gate_proj/up_proj/down_proj` tensors are
+assembled into one expert's `gate_up_proj` / `down_proj` rows, fused tensors under
+other names (Granite's `input_linear`) are sliced, and renamed routers load. A
+conversion vela-ray cannot apply one expert at a time is refused by name. Layer
+indices here are MoE layer indices (see `vela_ray.model.modeling`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,18 +29,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from vela_ray.model.modeling import experts_prototypes, find_moe_blocks
-
-_PER_EXPERT_KEY = re.compile(
-    r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.)(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
-    r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
-)
-_FUSED_KEY = re.compile(r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.)(?:\w+\.)*?experts\.(?P<proj>\w+)$")
-_PROJ_SLOT = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
-# checkpoint name -> transformers-5 module name, for backbone tensors
-_BACKBONE_RENAMES = [(re.compile(r"\.block_sparse_moe\."), ".mlp.")]
-
 from vela_ray.model.experts import ExpertParams, ExpertWeights
+from vela_ray.model.modeling import find_moe_blocks
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
@@ -55,29 +50,78 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def is_expert_tensor(name: str) -> bool:
-    return bool(_PER_EXPERT_KEY.match(name) or _FUSED_KEY.match(name))
+@dataclass(frozen=True)
+class _Source:
+    """Where a model tensor comes from: checkpoint tensors (in order) and how they combine."""
+
+    names: tuple[str, ...]
+    files: tuple[Path, ...]
+    ops: tuple[str, ...]  # transformers' conversion operations, e.g. ("MergeModulelist", "Concatenate")
+    concat_dim: int | None  # the Concatenate's dim in the merged tensor
+    interleave: object | None = None  # an Interleave op over the fused tensor (dim >= 1), applied per expert
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    decoder_layers: tuple[int, ...]  # decoder layer of each MoE layer
+    prototypes: dict  # {MoE layer: experts module on meta}
+    experts_paths: tuple[str, ...]  # model path of each MoE layer's experts
+    sources: dict  # {model tensor name: _Source}
 
 
 @lru_cache(maxsize=8)
-def _moe_skeleton(model_dir: str) -> tuple[tuple[int, ...], dict]:
-    """(decoder layer of each MoE layer, {MoE layer: experts module on meta}) of a checkpoint."""
+def _checkpoint(model_dir: str) -> _Checkpoint:
+    """The model's MoE structure (a meta-device skeleton) and where each of its tensors is in the checkpoint."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    index = checkpoint_index(model_dir)  # no weights: say so before anything else
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     blocks = find_moe_blocks(skeleton)
-    return tuple(b.decoder_layer for b in blocks), {b.index: b.block.experts for b in blocks}
+    conversions = get_model_conversion_mapping(skeleton)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = {p: c for c in conversions if isinstance(c, WeightConverter) for p in c.source_patterns}
+    meta_state = skeleton.state_dict()
+    prefix = getattr(skeleton, "base_model_prefix", None)
+    grouped: dict[str, list] = {}
+    # as transformers' convert_and_load_state_dict_in_model does: sorted keys (some renames are guarded by
+    # an earlier key), the base-model prefix, and no rename of a key that already names a model tensor
+    for name, path in sorted(index.items(), key=lambda kv: dot_natural_key(kv[0])):
+        target, pattern = rename_source_key(name, renamings, list(dict.fromkeys(converters.values())), prefix,
+                                            meta_state)
+        if target not in meta_state and name in meta_state:
+            target, pattern = rename_source_key(name, [], [], base_model_prefix=prefix, meta_state_dict=meta_state)
+        order = converters[pattern].source_patterns.index(pattern) if pattern else 0
+        grouped.setdefault(target, []).append((order, _expert_of(name) if pattern else -1, name, path, pattern))
+    sources = {}
+    for target, parts in grouped.items():
+        parts.sort(key=lambda p: (p[1], p[0]))  # by expert, then the converter's source order
+        converter = converters[parts[0][4]] if parts[0][4] else None
+        ops = tuple(type(op).__name__ for op in converter.operations) if converter else ()
+        concat = next((op.dim for op in converter.operations if type(op).__name__ == "Concatenate"), None) \
+            if converter else None
+        interleave = converter.operations[0] if ops == ("Interleave",) else None
+        sources[target] = _Source(tuple(p[2] for p in parts), tuple(p[3] for p in parts), ops, concat, interleave)
+    return _Checkpoint(tuple(b.decoder_layer for b in blocks), {b.index: b.block.experts for b in blocks},
+                       tuple(b.experts_path for b in blocks), sources)
+
+
+def _expert_of(name: str) -> int:
+    match = _EXPERT_INDEX.search(name)
+    return int(match.group(1)) if match else -1
 
 
 def moe_layout(model_dir: str | Path) -> tuple[int, int]:
     """(MoE layers, experts per layer) of a checkpoint, without loading weights."""
-    decoder_layers, prototypes = _moe_skeleton(str(model_dir))
-    return len(decoder_layers), _leading_dim(prototypes[0])
+    ckpt = _checkpoint(str(model_dir))
+    return len(ckpt.decoder_layers), _leading_dim(ckpt.prototypes[0])
 
 
 def checkpoint_prototypes(model_dir: str | Path) -> dict:
     """{MoE layer: experts module on the meta device} of a checkpoint (see `modeling.experts_prototypes`)."""
-    return _moe_skeleton(str(model_dir))[1]
+    return _checkpoint(str(model_dir)).prototypes
 
 
 def _leading_dim(experts) -> int:
@@ -87,46 +131,43 @@ def _leading_dim(experts) -> int:
 def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torch.dtype | None = None) -> ExpertWeights:
     """{(layer, expert): {parameter name: slice}} for exactly `keys`, memory-mapped reads.
 
-    The names are the experts class's own parameters (and buffers); a fused checkpoint tensor
-    `...experts.<name>` is sliced at the expert, and the per-expert hub layout (w1/w3/w2 or
-    gate_proj/up_proj/down_proj) is assembled into `gate_up_proj` [gate; up] and `down_proj`.
+    The names are the experts class's own parameters (and buffers), read as transformers
+    would load them (see the module docstring), one expert's rows at a time.
     """
-    by_slot = _expert_tensor_names(checkpoint_index(model_dir))
-    decoder_layers, prototypes = _moe_skeleton(str(model_dir))
+    ckpt = _checkpoint(str(model_dir))
     out: ExpertWeights = {}
     with _OpenFiles() as files:
         for layer, expert in keys:
-            if not 0 <= layer < len(decoder_layers):
-                raise ValueError(f"MoE layer {layer} out of range: {model_dir} has {len(decoder_layers)} MoE layers")
-            proto = prototypes[layer]
+            if not 0 <= layer < len(ckpt.decoder_layers):
+                raise ValueError(f"MoE layer {layer} out of range: {model_dir} has {len(ckpt.decoder_layers)} MoE layers")
+            proto = ckpt.prototypes[layer]
             names = [n for n, _ in [*proto.named_parameters(recurse=False), *proto.named_buffers(recurse=False)]]
             params: ExpertParams = {
-                name: _read_param(files, by_slot, decoder_layers[layer], expert, name, model_dir) for name in names}
+                name: _read_expert_tensor(files, ckpt, f"{ckpt.experts_paths[layer]}.{name}", expert, model_dir)
+                for name in names}
             out[(layer, expert)] = {n: t.to(dtype) if dtype is not None else t for n, t in params.items()}
     return out
 
 
-def _expert_tensor_names(index: dict[str, Path]) -> dict[tuple, tuple[str, Path]]:
-    """{(decoder_layer, expert|None, slot): (tensor name, file)}; expert None marks a fused tensor."""
-    names: dict[tuple, tuple[str, Path]] = {}
-    for name, path in index.items():
-        if m := _PER_EXPERT_KEY.match(name):
-            names[(int(m["layer"]), int(m["expert"]), _PROJ_SLOT[m["proj"]])] = (name, path)
-        elif m := _FUSED_KEY.match(name):
-            names[(int(m["layer"]), None, m["proj"])] = (name, path)
-    return names
-
-
-def _read_param(files, names, decoder_layer: int, expert: int, param: str, model_dir) -> torch.Tensor:
-    if (decoder_layer, None, param) in names:
-        name, path = names[(decoder_layer, None, param)]
-        return files.get(path).get_slice(name)[expert]  # reads one expert's rows only
-    hub = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}.get(param)
-    if hub and all((decoder_layer, expert, slot) in names for slot in hub):
-        parts = [files.get(names[(decoder_layer, expert, slot)][1]).get_tensor(names[(decoder_layer, expert, slot)][0])
-                 for slot in hub]
-        return torch.cat(parts, dim=0)
-    raise ValueError(f"{model_dir}: no weights for {param} of expert {expert} of decoder layer {decoder_layer}")
+def _read_expert_tensor(files, ckpt: _Checkpoint, target: str, expert: int, model_dir) -> torch.Tensor:
+    """One expert's rows of model tensor `target` [E, ...]."""
+    source = ckpt.sources.get(target)
+    if source is None:
+        raise ValueError(f"{model_dir}: the checkpoint has no tensor for {target}; it does not match its config.json")
+    if not source.ops:  # a fused tensor, maybe under another name: slice one expert out of the memory map
+        return files.get(source.files[0]).get_slice(source.names[0])[expert]
+    if source.ops in (("MergeModulelist",), ("MergeModulelist", "Concatenate")):
+        mine = [(n, f) for n, f in zip(source.names, source.files) if _expert_of(n) == expert]
+        if not mine:
+            raise ValueError(f"{model_dir}: no checkpoint tensors for expert {expert} of {target}")
+        parts = [files.get(f).get_tensor(n) for n, f in mine]
+        return torch.cat(parts, dim=(source.concat_dim or 1) - 1) if len(parts) > 1 else parts[0]
+    if source.interleave is not None and source.interleave.dim >= 1:  # reorders rows within each expert
+        per_expert = type(source.interleave)(source.interleave.dim - 1, inverse=source.interleave.inverse)
+        rows = files.get(source.files[0]).get_slice(source.names[0])[expert]
+        return per_expert.convert({"x": rows}, ["x"], ["y"])["y"]
+    raise ValueError(f"{model_dir}: {target} is stored as {list(source.names[:2])} and transformers converts it with "
+                     f"{list(source.ops)}, which vela-ray does not apply one expert at a time")
 
 
 class _OpenFiles(contextlib.ExitStack):
@@ -181,7 +222,8 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None) -> to
     if result.unexpected_keys:
         raise ValueError(f"{model_dir}: checkpoint tensors unknown to {type(model).__name__}: "
                          f"{result.unexpected_keys[:5]}")
-    missing = [k for k in result.missing_keys if ".experts." not in k and not _tied(model, k)]
+    experts = tuple(f"{path}." for path in _checkpoint(str(model_dir)).experts_paths)
+    missing = [k for k in result.missing_keys if not k.startswith(experts) and not _tied(model, k)]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks backbone tensors {missing[:5]} ({len(missing)} in all)")
     if getattr(config, "tie_word_embeddings", False):
@@ -190,15 +232,22 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None) -> to
 
 
 def _read_backbone_tensors(model_dir, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every model tensor outside the experts, under the model's names (see the module docstring)."""
+    ckpt = _checkpoint(str(model_dir))
+    experts = tuple(f"{path}." for path in ckpt.experts_paths)
     state = {}
     with _OpenFiles() as files:
-        for name, path in checkpoint_index(model_dir).items():
-            if is_expert_tensor(name):
+        for target, source in ckpt.sources.items():
+            if target.startswith(experts):
                 continue
-            target = name
-            for pattern, replacement in _BACKBONE_RENAMES:
-                target = pattern.sub(replacement, target)
-            state[target] = files.get(path).get_tensor(name).to(dtype)
+            parts = [files.get(f).get_tensor(n) for n, f in zip(source.names, source.files)]
+            if not source.ops:
+                state[target] = parts[0].to(dtype)
+            elif source.ops == ("Concatenate",):
+                state[target] = torch.cat(parts, dim=source.concat_dim).to(dtype)
+            else:
+                raise ValueError(f"{model_dir}: {target} is stored as {list(source.names[:2])} and transformers "
+                                 f"converts it with {list(source.ops)}, which vela-ray does not apply")
     return state
 
 

@@ -141,12 +141,12 @@ def experts_prototypes(config) -> dict[int, nn.Module]:
 
 
 def top_k_of(model: nn.Module) -> int:
-    """Experts per token (`num_experts_per_tok`) from the model config."""
-    config = model.config
-    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None)
-    if not top_k:
-        raise ValueError(f"{type(model).__name__}: config has no num_experts_per_tok")
-    return int(top_k)
+    """Experts per token, under whichever name the family's (text) config gives it."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_top_k"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise ValueError(f"{type(model).__name__}: config names no experts per token (num_experts_per_tok)")
 
 
 def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
