@@ -28,6 +28,21 @@ from torch import nn
 from vela_ray.model.broker import ExpertBroker
 from vela_ray.model.experts import ExpertsCall, experts_call, weight_stacks
 
+def _register_unmapped_causal_lms() -> None:
+    """transformers 5.23 defines Mistral4ForCausalLM but leaves it out of AutoModelForCausalLM's mapping
+    (`families.unmapped_causal_lms` finds such classes); registering it lets every Auto* call here and in
+    peft build the model from its config."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers import Mistral4Config, Mistral4ForCausalLM
+    except ImportError:  # another transformers: nothing to register
+        return
+    AutoModelForCausalLM.register(Mistral4Config, Mistral4ForCausalLM, exist_ok=True)
+
+
+_register_unmapped_causal_lms()
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
