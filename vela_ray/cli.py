@@ -211,6 +211,23 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 @_subcommand
+def _add_families(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("families", help="the MoE families of the installed transformers: trained, or refused and why")
+    p.set_defaults(handler=_run_families)
+
+
+def _run_families(args: argparse.Namespace) -> int:
+    from vela_ray.model.families import family_support
+
+    support = family_support()
+    width = max(map(len, support))
+    for family, reason in support.items():
+        print(f"{family:<{width}}  {'trained (equal to peft)' if reason is None else 'refused: ' + reason}")
+    print(f"{sum(r is None for r in support.values())} of {len(support)} families trained")
+    return 0
+
+
+@_subcommand
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="fine-tune the tiny pre-trained MoE on Tiny Shakespeare over 3 workers")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps")

@@ -13,6 +13,8 @@ vela-ray gap, not by design: strict xfails, so a fix shows up as XPASS to update
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
@@ -70,3 +72,17 @@ def test_a_clamped_gate_that_binds_trains_equal_to_peft(family):
     torch.testing.assert_close(torch.tensor(vela_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     unclamped_losses, _ = run_both(build_pair(family, swiglu_limit=1e6), steps=1)
     assert abs(unclamped_losses[0] - ref_losses[0]) > 1e-4  # the clamp changes the function: it binds
+
+
+def test_vela_families_prints_the_refusals_this_test_expects(capsys):
+    """`vela families` (the README's list) and this test come from one source: find_moe_blocks."""
+    from vela_ray.cli import main
+
+    assert main(["families"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    refused = {line.split()[0]: line for line in lines[:-1] if "  refused: " in line}
+    assert refused.keys() == REFUSED.keys()
+    for family, pattern in REFUSED.items():
+        assert re.search(pattern, refused[family]), refused[family]
+    trained = len(lines) - 1 - len(refused)
+    assert lines[-1] == f"{trained} of {len(lines) - 1} families trained" and trained >= 59

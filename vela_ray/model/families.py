@@ -519,6 +519,22 @@ def moe_families() -> list[str]:
     return found
 
 
+def family_support() -> dict[str, str | None]:
+    """{family: None if vela-ray trains it, else the one-line reason it refuses it}, for every discovered
+    family, decided by `modeling.find_moe_blocks` on its debug model (meta device): what `vela families`
+    prints. tests/unit/test_every_family.py shows each supported one equal to peft."""
+    from vela_ray.model.modeling import find_moe_blocks
+
+    support: dict[str, str | None] = {}
+    for family in moe_families():
+        try:
+            find_moe_blocks(build_model(debug_config(family), meta=True))
+            support[family] = None
+        except ValueError as err:
+            support[family] = str(err).splitlines()[0]
+    return support
+
+
 def discovery_failures() -> dict[str, str]:
     """Families that mention experts but whose debug model could not be built (after `moe_families()`)."""
     moe_families()
