@@ -135,18 +135,19 @@ def time_broker(transport, table: torch.Tensor, inputs, args) -> dict[str, float
 
 # -- transports --------------------------------------------------------------------------------
 
-def ray_cluster(weights: dict, table: torch.Tensor, lora: LoraSpec, args):
+def ray_cluster(weights: dict, table: torch.Tensor, lora: LoraSpec, experts: MixtralExperts, args):
     specs = []
     for n in range(args.workers):
         part = {k: w for k, w in weights.items() if int(table[k]) == n}
-        specs.append(ExpertManagerSpec(worker=n, keys=sorted(part), weights=part, hf_config=args.config, lora=lora))
+        specs.append(ExpertManagerSpec(worker=n, keys=sorted(part), weights=part, hf_config=experts.config, lora=lora))
     return spawn_expert_managers(specs, num_cpus_per_worker=args.cpus_per_worker)
 
 
-def run_transports(weights: dict, table: torch.Tensor, lora: LoraSpec, inputs, args) -> dict[str, dict]:
+def run_transports(weights: dict, table: torch.Tensor, lora: LoraSpec, experts: MixtralExperts, inputs, args
+                   ) -> dict[str, dict]:
     shards = [ExpertShard.from_weights({k: w for k, w in weights.items() if int(table[k]) == n}, lora,
-                                       args.prototype, seed=0) for n in range(args.workers)]
-    cluster = ray_cluster(weights, table, lora, args)
+                                       experts, seed=0) for n in range(args.workers)]
+    cluster = ray_cluster(weights, table, lora, experts, args)
     try:
         time.sleep(args.settle_s)  # let Ray's start-up work finish before timing anything
         results = {"in_process": time_broker(InProcessTransport(shards), table, inputs, args)}
@@ -192,13 +193,12 @@ def main() -> None:
     lora = LoraSpec(r=args.rank, alpha=2.0 * args.rank)
     experts = make_experts(args)
     weights = expert_weights(experts)
-    args.config, args.prototype = experts.config, experts  # what the shards' experts compute as
     inputs = make_inputs(args)
     table = torch.tensor([[e % args.workers for e in range(args.experts)]])
     ray.init(num_cpus=max(os.cpu_count() or 1, args.workers * args.cpus_per_worker), include_dashboard=False,
              log_to_driver=False)
     try:
-        transports = run_transports(weights, table, lora, inputs, args)
+        transports = run_transports(weights, table, lora, experts, inputs, args)
     finally:
         ray.shutdown()
     modules = run_module_baselines(experts, weights, lora, inputs, args)
