@@ -76,6 +76,7 @@ def parse_args() -> argparse.Namespace:
 def make_experts(args) -> MixtralExperts:
     config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
                            num_local_experts=args.experts, num_experts_per_tok=args.top_k)
+    config._experts_implementation = "grouped_mm"  # what a model built by from_config/from_pretrained runs
     experts = MixtralExperts(config)
     with torch.no_grad():
         for param in experts.parameters():

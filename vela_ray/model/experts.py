@@ -138,6 +138,19 @@ def local_experts_module(prototype: nn.Module, per_expert: list[ExpertParams]) -
     return module
 
 
+def _follows_transformers_contract(experts: nn.Module) -> bool:
+    """Whether `experts` computes as transformers' experts implementations (grouped_mm, batched_mm) do:
+    up = x W_gate_up (+ bias), h = `_apply_gate(up)` (or act(up) without gate), out = h W_down (+ bias),
+    under its layout flags. True for classes made with `use_experts_implementation` that the model runs
+    through one of those implementations (not "eager", where a class's own forward may differ), with no
+    post-expert norm. Only then may a shard keep LoRA low-rank instead of folding it into the weights."""
+    needed = {"gate_up_proj", "down_proj"} if getattr(experts, "has_gate", True) else {"up_proj", "down_proj"}
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    return (experts_call(experts) == "routed" and hasattr(experts, "has_gate") and hasattr(experts, "_apply_gate")
+            and implementation not in (None, "eager") and not getattr(experts, "has_post_expert_norm", False)
+            and set(weight_stacks(experts)) == needed)
+
+
 def _num_experts(experts: nn.Module) -> int:
     stacks = weight_stacks(experts)
     if not stacks:
@@ -157,6 +170,7 @@ class LayerExperts(nn.Module):
         self.stacks = weight_stacks(prototype)
         self.transposed = bool(getattr(prototype, "is_transposed", False))
         self.call = experts_call(prototype)
+        self.low_rank = _follows_transformers_contract(prototype)
         self.scaling = lora.scaling
         in_out = {slot_name(s): lora_in_out(prototype, s) for s in self.stacks}
         self.hidden_size = in_out[slot_name(self.stacks[0])][0]  # the first stack reads the hidden states
@@ -175,11 +189,40 @@ class LayerExperts(nn.Module):
         if bool((local_R < 0).any()):
             missing = [(self.layer, e) for e in sorted(set(expert_ids_R[local_R < 0].tolist()))]
             raise KeyError(f"experts {missing} are not hosted here (hosted of layer {self.layer}: {self.expert_ids})")
+        if self.low_rank:
+            return self._low_rank(local_R, rows_RD)
         adapted = {stack: self._adapted(stack) for stack in self.stacks}
         if self.call == "grouped":
             return self._grouped(adapted, local_R, rows_RD)
         ones_R1 = rows_RD.new_ones(rows_RD.shape[0], 1)
         return functional_call(self.module, adapted, (rows_RD, local_R[:, None], ones_R1))
+
+    def _low_rank(self, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
+        """transformers' experts contract (see `_follows_transformers_contract`) with LoRA kept low-rank:
+        x W + s (x A^T) B^T per weight stack, the family's `_apply_gate` (or activation) between them.
+        Equal to peft's fold up to rounding, without its full-size weight gradient in backward."""
+        module = self.module
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        order_R = torch.argsort(local_R, stable=True)
+        counts = torch.bincount(local_R, minlength=len(self.expert_ids)).tolist()
+        pieces = []
+        for local, x_rD in enumerate(rows_RD[order_R].split(counts)):
+            if len(x_rD):
+                h = self._linear(first, local, x_rD)
+                h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+                pieces.append(self._linear("down_proj", local, h))
+        return torch.cat(pieces)[torch.argsort(order_R)]
+
+    def _linear(self, stack: str, local: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's projection by `stack` with its bias and LoRA: peft's W + s B A, applied low-rank."""
+        weight = getattr(self.module, stack)[local]
+        y = x @ weight if self.transposed else nn.functional.linear(x, weight)
+        if getattr(self.module, "has_bias", False):
+            y = y + getattr(self.module, f"{stack}_bias")[local]
+        adapter, slot = self.adapters[str(self.expert_ids[local])], slot_name(stack)
+        low = nn.functional.linear(nn.functional.linear(x, getattr(adapter, f"lora_A_{slot}")),
+                                   getattr(adapter, f"lora_B_{slot}"))
+        return y + self.scaling * low
 
     def _grouped(self, adapted: dict, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
         """A "grouped" call: every local expert gets the same number of rows, zero-padded. A zero row gives
