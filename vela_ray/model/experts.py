@@ -5,11 +5,15 @@ one MoE layer hosted here, r = LoRA rank.
 
 Exact by construction: for each MoE layer the shard holds an instance of the
 family's experts class (MixtralExperts, GptOssExperts, DeepseekV4Experts, ...)
-that keeps only this worker's experts, and runs that class's own `forward`, so
-gate functions, clamps, biases, transposed or interleaved layouts are the
-family's, never a re-implementation. LoRA is peft's math on the fused weight
-stacks (`LoraConfig(target_parameters=[...])`, `peft.tuners.lora.ParamWrapper`):
-each stack W [E, a, b] is used as
+that keeps only this worker's experts, so gate functions, clamps, biases,
+transposed or interleaved layouts are the family's, never a re-implementation.
+Classes that follow transformers' experts contract (made with
+`use_experts_implementation`, run through grouped_mm/batched_mm) are computed as
+that contract says, with the class's own `_apply_gate` and LoRA kept low-rank,
+x W + s (x A^T) B^T (`LayerExperts._low_rank`); any other class runs its own
+`forward` with peft's fold. LoRA is peft's math on the fused weight stacks
+(`LoraConfig(target_parameters=[...])`, `peft.tuners.lora.ParamWrapper`): each
+stack W [E, a, b] is used as
 
     W' = baddbmm(W, lhs, rhs, alpha=s)      s = alpha / r
     lhs, rhs = B_e [a, r], A_e [r, b]       when W stores [out, in] (is_transposed False)
