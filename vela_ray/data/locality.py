@@ -48,6 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from placement.io import probs_from_counts  # the one home; DriftTracker turns step counts into P with it
+from vela_ray.model.broker import grouped_routing
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 
 log = logging.getLogger(__name__)
@@ -170,11 +171,11 @@ def router_of(block: nn.Module) -> nn.Module | None:
 
 
 def _grouped_choices(grouped_XD: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[T, K] chosen experts from a grouped call's input [E*T, D] (expert e's rows e*T:(e+1)*T, zero when
-    not chosen); every token has the same K (Llama 4's top-k)."""
-    chosen_ET = grouped_XD.detach().ne(0).any(dim=1).reshape(num_experts, -1)
-    expert_E = torch.arange(num_experts)[:, None].expand_as(chosen_ET)
-    return expert_E.T[chosen_ET.T.cpu()].reshape(chosen_ET.shape[1], -1)
+    """[T, K] chosen experts of a grouped call (`broker.grouped_routing`); every token has the same K."""
+    rows_R, expert_R = grouped_routing(grouped_XD, num_experts)
+    num_tokens = grouped_XD.shape[0] // num_experts
+    by_token = expert_R[torch.argsort(rows_R % num_tokens, stable=True)] if num_tokens else expert_R
+    return by_token.reshape(num_tokens, len(rows_R) // num_tokens if num_tokens else 0)
 
 
 def router_confidence(router_logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,

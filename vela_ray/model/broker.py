@@ -144,6 +144,13 @@ class _RemoteExperts(torch.autograd.Function):
         return grad_TD, None, None, None, None
 
 
+def grouped_routing(grouped_XD: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, their experts) that a grouped call `experts(x)` routes: x [E*T, D] holds expert e's inputs in
+    rows e*T:(e+1)*T, pre-scaled by the routing score, so exactly the non-zero rows were routed."""
+    rows_R = grouped_XD.detach().ne(0).any(dim=1).nonzero().squeeze(1)
+    return rows_R, torch.div(rows_R, grouped_XD.shape[0] // num_experts, rounding_mode="floor")
+
+
 class ExpertBroker(nn.Module):
     """Drop-in replacement for a MoE block's `experts`: same call, experts elsewhere."""
 
@@ -165,11 +172,8 @@ class ExpertBroker(nn.Module):
         """Llama 4's call: `experts(x)`, x [E*T, D] with expert e's input (pre-scaled by its routing score)
         in rows e*T:(e+1)*T, zero where e was not routed. Only the non-zero rows are sent, each as a token
         routed to its one expert with weight 1; a zero row's output is zero, as in the original."""
-        num_experts = self.layout.num_experts
-        routed_X = grouped_XD.detach().ne(0).any(dim=1)
-        rows = routed_X.nonzero().squeeze(1)
-        expert_R1 = torch.div(rows, grouped_XD.shape[0] // num_experts, rounding_mode="floor")[:, None]
-        out_RD = self._routed(grouped_XD.index_select(0, rows), expert_R1, grouped_XD.new_ones(len(rows), 1))
+        rows, expert_R = grouped_routing(grouped_XD, self.layout.num_experts)
+        out_RD = self._routed(grouped_XD.index_select(0, rows), expert_R[:, None], grouped_XD.new_ones(len(rows), 1))
         return torch.zeros_like(grouped_XD).index_add(0, rows, out_RD)
 
     def _routed(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor):
