@@ -104,3 +104,17 @@ def test_vela_families_prints_the_refusals_this_test_expects(capsys):
         assert re.search(pattern, refused[family]), refused[family]
     trained = len(lines) - 1 - len(refused)
     assert lines[-1] == f"{trained} of {len(lines) - 1} families trained" and trained >= 59
+
+
+def test_dbrx_is_refused_because_peft_itself_cannot_adapt_its_experts():
+    """The premise of Dbrx's refusal (see `modeling.experts_layout`): plain peft fails on DbrxExperts'
+    flat weights, so no reference adapter exists. When a peft release fixes this, this test fails: then
+    train Dbrx (peft's 2-D rule shares one LoRA A [r, D] by all experts of a matrix: keep it on the master,
+    send x A^T with the rows, combine h B_e before A on the way back) and move it out of REFUSED."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(debug_model("dbrx"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=[], target_parameters=["experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"]))
+    ids = torch.randint(3, 100, (1, 6))
+    with pytest.raises(AttributeError, match="'ParamWrapper' object has no attribute"):
+        model(input_ids=ids)

@@ -78,9 +78,8 @@ def is_experts_module(module: nn.Module) -> bool:
     or an `...Experts` class keeping its weights some other way (found, so it can be refused by name)."""
     if isinstance(module, ExpertBroker):
         return True
-    stacks = [p for p in module.parameters(recurse=False) if p.dim() == 3]
-    if stacks:
-        return len({p.shape[0] for p in stacks}) == 1
+    if any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        return True
     return type(module).__name__.endswith("Experts") and any(True for _ in module.parameters())
 
 
@@ -98,10 +97,19 @@ def experts_layout(experts: nn.Module, config, owner: str) -> ExpertsLayout:
             "expert_index, expert_weights) nor as experts(rows grouped by expert); vela-ray cannot reproduce it")
     stacks = weight_stacks(experts)
     if not stacks:
+        # Dbrx: DbrxExperts.forward slices self.mlp.w1/v1/w2 itself and passes the slices to DbrxExpertGLU.
+        # peft 0.21 wraps `mlp` in a ParamWrapper that hides those attributes (AttributeError in forward);
+        # tests/unit/test_every_family.py checks this still holds.
         flat = [f"{n} {list(p.shape)}" for n, p in experts.named_parameters()][:3]
         raise ValueError(
-            f"{owner}: {cls} keeps its experts in flat 2-D matrices ({', '.join(flat)}); peft adapts each as one "
-            "matrix, so a LoRA factor is shared by all experts and cannot be split over workers")
+            f"{owner}: {cls} keeps its experts in flat 2-D matrices ({', '.join(flat)}) that its forward slices "
+            "itself; peft cannot adapt them (its target_parameters wrapper hides them from this forward), so there "
+            "is no peft adapter of these experts for vela-ray to reproduce")
+    counts = {name: getattr(experts, name).shape[0] for name in stacks}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"{owner}: {cls}'s weight stacks hold different numbers of experts ({counts}); its forward computes the "
+            "extra ids another way (e.g. identity 'zero' experts), which vela-ray does not route")
     num_experts = getattr(experts, stacks[0]).shape[0]
     not_per_expert = [n for n, p in experts.named_parameters(recurse=False) if p.dim() == 0 or p.shape[0] != num_experts]
     nested = [n for n, _ in experts.named_parameters() if "." in n]
