@@ -45,7 +45,7 @@ from actors.cluster import SpawnConfig, reserve_bundles
 from placement import sequential_table
 from vela_ray.baselines.expert_parallel import ExpertParallelRank, build_rank
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import batch_at, micro_batches, sequential_batches
+from vela_ray.data.datasets import batch_rows, micro_batches, sequential_batches
 from vela_ray.model.adapters import backbone_state_of, export_adapter
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.loading import moe_layout
@@ -113,8 +113,8 @@ class RankActor:
 
     def _step(self, step: int) -> dict:
         cfg, replica = self.config.training, self.replica
-        batch = batch_at(self.train_set, step, cfg.batch_size, cfg.seed)
-        micro = micro_batches(batch, cfg.micro_batch_size or cfg.batch_size)
+        rows = batch_rows(self.train_set, step, cfg.batch_size, cfg.seed)
+        micro = micro_batches(self.train_set.rows(rows), cfg.micro_batch_size or cfg.batch_size)
         counter = replica.master.dispatcher.counter
         before, grad_bytes_before = counter.snapshot(), replica.replicas.grad_bytes
         dist.barrier()
@@ -125,6 +125,7 @@ class RankActor:
         if self.rank == 0 and (step + 1) % cfg.log_every == 0:
             logger.info("step %d/%d loss %.4f (%.2fs on rank 0)", step + 1, cfg.steps, loss, step_time)
         return {"step": step + 1, "loss": loss, "step_time_s": step_time,
+                "tokens": int(self.train_set.attention_mask[rows].sum()),
                 "bytes_by_tier": (counter.snapshot() - before).bytes_by_tier(),
                 "allreduce_bytes": replica.replicas.grad_bytes - grad_bytes_before}
 
@@ -233,7 +234,7 @@ def _step_record(records: tuple[dict, ...]) -> StepRecord:
     """One step over all ranks: rank 0's loss, the slowest rank's time, every rank's bytes."""
     tiers = [rec["bytes_by_tier"] for rec in records]
     return StepRecord(step=records[0]["step"], loss=records[0]["loss"],
-                      step_time_s=max(rec["step_time_s"] for rec in records),
+                      step_time_s=max(rec["step_time_s"] for rec in records), tokens=records[0]["tokens"],
                       bytes_by_tier={t: sum(b[t] for b in tiers) for t in tiers[0]},
                       allreduce_bytes=records[0]["allreduce_bytes"])
 

@@ -22,12 +22,15 @@ from vela_ray.training.tiny_model import train_tokenizer
 VOCAB = 256
 
 
-def make_checkpoint(out_dir: Path, family: str = "mixtral", seed: int = 0) -> Path:
-    """A random `family` model with a 256-token BPE tokenizer trained on Tiny Shakespeare."""
+def make_checkpoint(out_dir: Path, family: str = "mixtral", seed: int = 0, vocab: int = VOCAB,
+                    chat_template: str | None = None, **config_overrides) -> Path:
+    """A random `family` model with a `vocab`-token BPE tokenizer trained on Tiny Shakespeare (and
+    `chat_template`, if given)."""
     out_dir = Path(out_dir)
     text = (data_dir() / "tinyshakespeare" / "input.txt").read_text()[:200_000]
-    tokenizer = train_tokenizer(text, VOCAB)
-    model = debug_model(family, seed=seed, vocab_size=len(tokenizer))
+    tokenizer = train_tokenizer(text, vocab)
+    tokenizer.chat_template = chat_template
+    model = debug_model(family, seed=seed, vocab_size=len(tokenizer), **config_overrides)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
@@ -69,8 +72,9 @@ def reference_losses(config: JobConfig) -> tuple[list[float], dict]:
     train = config.training
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     train_set, _ = config.data.build(tokenizer).split(train.eval_fraction, train.seed)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config.model.path),
-                                      config.lora.init_adapter, is_trainable=True)
+    base = AutoModelForCausalLM.from_pretrained(config.model.path)
+    base.config.use_cache = False  # as vela-ray's master: packed rows need it (see vela_ray.data.examples)
+    model = PeftModel.from_pretrained(base, config.lora.init_adapter, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=train.optimizer.lr, betas=train.optimizer.betas,
                             eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)

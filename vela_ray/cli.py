@@ -65,7 +65,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure expert access probabilities P[L, E] of a model on data")
     p.add_argument("--model", required=True, type=Path, help="model directory (save_pretrained layout)")
     p.add_argument("--data", required=True, type=Path, help="text file / directory, or Alpaca .json / .jsonl")
-    p.add_argument("--kind", choices=["text", "instruct"], help="data kind (default: instruct for .json/.jsonl)")
+    p.add_argument("--kind", choices=["text", "instruct", "chat"],
+                   help="data kind (default: text for .txt files and directories of them, else instruct)")
+    p.add_argument("--chat-template", help="chat: Jinja template file or string (default: the tokenizer's)")
+    p.add_argument("--packing", action="store_true", help="instruct/chat: several examples per row")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
     p.add_argument("--batches", type=int, help="profile only the first N batches (default: all data)")
@@ -80,17 +83,20 @@ def _run_profile(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vela_ray.observability import plots
-    from vela_ray.data.datasets import DataConfig, sequential_batches
+    from vela_ray.data.datasets import TEXT_SUFFIXES, DataConfig, sequential_batches
     from vela_ray.data.locality import profile_model
 
     if not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model} is not a model directory (no config.json)")
-    kind = args.kind or ("instruct" if args.data.suffix in (".json", ".jsonl") else "text")
+    saved_dataset = (args.data / "dataset_info.json").is_file()  # a datasets save_to_disk directory
+    text = args.data.suffix in TEXT_SUFFIXES or (args.data.is_dir() and not saved_dataset)
+    kind = args.kind or ("text" if text else "instruct")
     limit = args.batches * args.batch_size if args.batches else None
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    dataset = DataConfig(kind=kind, path=args.data, seq_len=args.seq_len, limit=limit).build(tokenizer)
+    dataset = DataConfig(kind=kind, path=args.data, seq_len=args.seq_len, limit=limit, packing=args.packing,
+                         chat_template=args.chat_template).build(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    profile = profile_model(model, sequential_batches(dataset, args.batch_size), progress=True,
+    profile = profile_model(model, sequential_batches(dataset, args.batch_size, token_mask=True), progress=True,
                             source=f"{args.model} on {args.data} ({kind}, seq_len {args.seq_len})")
     profile.save(args.out, args.npy)
     if args.plot:

@@ -60,6 +60,7 @@ def preflight(config: JobConfig) -> Preflight:
     check_placement_file(config, model)
     check_profile_file(config, model)
     check_init_adapter(config)
+    check_packing(config)
     train_rows = check_data(config)
     resume, resume_step = check_resume(config, model)
     check_output_dirs(config)
@@ -195,6 +196,18 @@ def check_init_adapter(config: JobConfig) -> None:
 
 
 # --- data -------------------------------------------------------------------------------
+
+
+def check_packing(config: JobConfig) -> None:
+    """`data.packing` only where packed examples stay apart in this model's architecture (probed on a
+    debug-size copy, `vela_ray.data.examples.check_packing`)."""
+    if not config.data.packing:
+        return
+    from transformers import AutoConfig
+
+    from vela_ray.data.examples import check_packing as probe
+
+    probe(AutoConfig.from_pretrained(str(config.model.path)), f"model.path {config.model.path}")
 
 
 def check_data(config: JobConfig) -> int:

@@ -13,26 +13,13 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.fixtures import init_adapter, job_dict, reference_losses, write_job
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, write_job
 from vela_ray import cli
 from vela_ray.config import JobConfig
-from vela_ray.model.families import debug_model
 from vela_ray.paths import data_dir
 from vela_ray.training.summary import RunSummary
-from vela_ray.training.tiny_model import train_tokenizer
 
 STEPS = 3
-
-
-def _checkpoint_for_instructions(out_dir: Path) -> Path:
-    """Like tests.fixtures.make_checkpoint, with a 1024-token vocabulary and 256 positions, so the
-    Alpaca prompt leaves room for the response in 128 tokens."""
-    text = (data_dir() / "tinyshakespeare" / "input.txt").read_text()[:200_000]
-    tokenizer = train_tokenizer(text, 1024)
-    model = debug_model("mixtral", seed=0, vocab_size=len(tokenizer), max_position_embeddings=256)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 @dataclass
@@ -47,7 +34,8 @@ class EpRun:
 def ep_run(ray_session, tmp_path_factory) -> EpRun:
     """One 3-rank EP job through `vela train` and its plain-peft reference (the job is slow: run it once)."""
     tmp = tmp_path_factory.mktemp("ep")
-    model_dir = _checkpoint_for_instructions(tmp / "model")
+    # a 1024-token vocabulary and 256 positions: the Alpaca prompt leaves room for the response in 128 tokens
+    model_dir = make_checkpoint(tmp / "model", vocab=1024, max_position_embeddings=256)
     # 4 rows over 3 ranks (2, 1, 1) of padded instruction data with masked prompts: uneven shards with
     # different label counts must still add up to the global-batch loss
     instruct = {"kind": "instruct", "path": str(data_dir() / "instruct" / "alpaca_seed_tasks.jsonl"), "seq_len": 128,

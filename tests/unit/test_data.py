@@ -83,8 +83,9 @@ def test_unknown_file_types_are_errors(tokenizer, tmp_path):
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=r"data\.csv: unknown text file type '\.csv'"):
         pack_text(tokenizer, tmp_path / "data.csv", seq_len=4)
-    with pytest.raises(ValueError, match=r"data\.csv: unknown instruction file type"):
-        load_instruct_examples(tmp_path / "data.csv")
+    (tmp_path / "data.xml").write_text("<a/>\n")
+    with pytest.raises(ValueError, match=r"data\.xml: .*\.json.*\.parquet"):
+        load_instruct_examples(tmp_path / "data.xml")
     with pytest.raises(ValueError, match="holds no text files"):
         pack_text(tokenizer, tmp_path, seq_len=4)
 

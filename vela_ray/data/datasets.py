@@ -1,23 +1,31 @@
-"""Fine-tuning data: packed plain-text corpora and Alpaca-style instruction sets.
+"""Fine-tuning data: packed plain-text corpora, Alpaca-style instructions and chat conversations.
 
-Two kinds of data set, both tokenised with any Hugging Face tokenizer into a
+Three kinds of data set, all tokenised with any Hugging Face tokenizer into a
 `TokenizedDataset` of fixed-length rows (N = rows, S = `seq_len`):
 
 * ``text``: one text file or a directory of ``.txt`` files, tokenised and packed
   into consecutive blocks of S tokens (files are separated by the EOS token;
   the tail that does not fill a block is dropped); ``labels = input_ids``.
-* ``instruct``: a JSON list or JSONL file of records with ``instruction``,
-  optional ``input`` and ``output`` (or the Alpaca seed-task layout, where each
-  record holds ``instances: [{input, output}]``). Each example is rendered with
-  the fixed `ALPACA_PROMPT` template, prompt tokens are masked out of the loss
-  (label -100), and rows are truncated or right-padded to S with padding masked
-  out of both the loss and the attention.
+* ``instruct``: records with ``instruction``, optional ``input`` and ``output`` (or
+  the Alpaca seed-task layout, where each record holds ``instances: [{input,
+  output}]``), rendered with the fixed `ALPACA_PROMPT` template; prompt tokens are
+  masked out of the loss (label -100).
+* ``chat``: conversations (`vela_ray.data.chat`) rendered with the tokenizer's chat
+  template; only assistant turns are labels.
 
-Batches are dicts of ``input_ids``, ``labels``, ``attention_mask`` LongTensors
-[B, S]. Training order is a pure function of ``(seed, step)`` so a run can resume
-from any step: `batch_at` gives one batch, `iterate_batches` a stream from a
-start step; `sequential_batches` walks the rows once in order (for profiling
-and evaluation). Usage::
+Records of instruct and chat data are read through the `datasets` library from
+JSON, JSONL, Parquet or CSV files or a `save_to_disk` directory
+(`vela_ray.data.records`), with `DataConfig.columns` mapping other field names.
+Their examples become rows one per row, right-padded, or packed several per row
+(`DataConfig.packing`; see `vela_ray.data.examples` for both layouts and the
+truncation policy).
+
+Batches are dicts of ``input_ids``, ``labels`` and ``attention_mask`` (padded rows)
+or ``position_ids`` (packed rows) LongTensors [B, S]: the model's keyword arguments.
+Training order is a pure function of ``(seed, step)`` so a run can resume from any
+step: `batch_at` gives one batch, `iterate_batches` a stream from a start step;
+`sequential_batches` walks the rows once in order (for profiling and evaluation).
+Usage::
 
     dataset = DataConfig(kind="text", path=Path("input.txt"), seq_len=128).build(tokenizer)
     train, held_out = dataset.split(eval_fraction=0.05, seed=0)
@@ -27,14 +35,15 @@ and evaluation). Usage::
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from vela_ray.data.examples import IGNORE_INDEX, Example, packed_rows, padded_rows
 
 if TYPE_CHECKING:  # torch and transformers load inside the functions: `vela_ray.config` imports
     import torch   # DataConfig, and a config typo must be reported without paying their import
@@ -43,9 +52,7 @@ if TYPE_CHECKING:  # torch and transformers load inside the functions: `vela_ray
 log = logging.getLogger(__name__)
 
 Batch = dict[str, "torch.Tensor"]
-IGNORE_INDEX = -100
 TEXT_SUFFIXES = (".txt", ".text", ".raw", ".tokens")
-INSTRUCT_SUFFIXES = (".json", ".jsonl")
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. "
@@ -69,7 +76,10 @@ class TokenizedDataset:
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
+    """1 on example tokens, 0 on padding (kept for packed rows too, where batches omit it)."""
     source: str
+    position_ids: torch.Tensor | None = None
+    """Packed rows only (`examples.packed_rows`): positions restarting at 0 at every example."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -83,15 +93,33 @@ class TokenizedDataset:
         """Non-padding tokens in the whole data set."""
         return int(self.attention_mask.sum())
 
-    def rows(self, index: torch.Tensor | np.ndarray | list[int]) -> Batch:
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the token slots that are padding: compute spent on nothing."""
+        return 1.0 - self.num_tokens / max(1, self.attention_mask.numel())
+
+    def rows(self, index: torch.Tensor | np.ndarray | list[int], token_mask: bool = False) -> Batch:
+        """A batch of these rows: the model's keyword arguments. Packed rows carry `position_ids` and no
+        `attention_mask`: transformers then masks attention block-diagonally, one block per example (see
+        `vela_ray.data.examples`). `token_mask` adds the padding mask to packed rows too, for counting
+        tokens (the routing profiler), not for the model."""
         import torch
 
         index = torch.as_tensor(index, dtype=torch.long)
-        return {"input_ids": self.input_ids[index], "labels": self.labels[index],
-                "attention_mask": self.attention_mask[index]}
+        batch = {"input_ids": self.input_ids[index], "labels": self.labels[index]}
+        if self.position_ids is None or token_mask:
+            batch["attention_mask"] = self.attention_mask[index]
+        if self.position_ids is not None:
+            batch["position_ids"] = self.position_ids[index]
+        return batch
 
     def subset(self, index: torch.Tensor | np.ndarray | list[int], source: str) -> TokenizedDataset:
-        return TokenizedDataset(**self.rows(index), source=source)
+        import torch
+
+        index = torch.as_tensor(index, dtype=torch.long)
+        positions = None if self.position_ids is None else self.position_ids[index]
+        return TokenizedDataset(self.input_ids[index], self.labels[index], self.attention_mask[index], source,
+                                positions)
 
     def split(self, eval_fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset]:
         """(train, eval): a seeded random `eval_fraction` of the rows is held out; both must be non-empty."""
@@ -128,14 +156,19 @@ def _epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def batch_at(dataset: TokenizedDataset, step: int, batch_size: int, seed: int) -> Batch:
-    """The training batch of global `step` (0-based): full batches of a fresh seeded shuffle per epoch."""
+def batch_rows(dataset: TokenizedDataset, step: int, batch_size: int, seed: int) -> np.ndarray:
+    """The row indices of global `step`'s batch (0-based): full batches of a fresh seeded shuffle per epoch."""
     batches_per_epoch = _check_batch_size(dataset, batch_size)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     epoch, within = divmod(step, batches_per_epoch)
     order = _epoch_order(len(dataset), seed, epoch)
-    return dataset.rows(order[within * batch_size:(within + 1) * batch_size])
+    return order[within * batch_size:(within + 1) * batch_size]
+
+
+def batch_at(dataset: TokenizedDataset, step: int, batch_size: int, seed: int) -> Batch:
+    """The training batch of global `step` (see `batch_rows`)."""
+    return dataset.rows(batch_rows(dataset, step, batch_size, seed))
 
 
 def iterate_batches(dataset: TokenizedDataset, batch_size: int, seed: int, start_step: int = 0,
@@ -155,16 +188,17 @@ def iterate_batches(dataset: TokenizedDataset, batch_size: int, seed: int, start
         step += 1
 
 
-def sequential_batches(dataset: TokenizedDataset, batch_size: int,
-                       max_batches: int | None = None) -> Iterator[Batch]:
-    """The rows in order, once, in batches of `batch_size` (the last may be smaller)."""
+def sequential_batches(dataset: TokenizedDataset, batch_size: int, max_batches: int | None = None,
+                       token_mask: bool = False) -> Iterator[Batch]:
+    """The rows in order, once, in batches of `batch_size` (the last may be smaller); `token_mask` as in
+    `TokenizedDataset.rows`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     starts = range(0, len(dataset), batch_size)
     for count, start in enumerate(starts):
         if max_batches is not None and count >= max_batches:
             return
-        yield dataset.rows(list(range(start, min(start + batch_size, len(dataset)))))
+        yield dataset.rows(list(range(start, min(start + batch_size, len(dataset)))), token_mask)
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -290,52 +324,20 @@ def _parse_record(record: object, where: str) -> list[InstructExample]:
     instruction = _string_field(record, "instruction", where, required=True)
     if not instruction.strip():
         raise ValueError(f"{where}: field 'instruction' is empty")
-    if "instances" in record and "output" not in record:
+    if record.get("instances") is not None and record.get("output") is None:  # datasets fills absent fields
         return _parse_instances(record, instruction, where)
     return [InstructExample(instruction, _string_field(record, "input", where, False),
                             _string_field(record, "output", where, True))]
 
 
-def _raw_records(path: Path) -> list[object]:
-    """The file's records, unparsed; errors name the file and the line, as a user fixes it in an editor."""
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    if path.suffix not in INSTRUCT_SUFFIXES:
-        raise ValueError(f"{path}: unknown instruction file type {path.suffix!r}; expected one of "
-                         f"{INSTRUCT_SUFFIXES}")
-    text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise ValueError(f"{path}: the file is empty; expected "
-                         + ("a JSON list of records" if path.suffix == ".json" else "one JSON record per line"))
-    return _json_list(path, text) if path.suffix == ".json" else _jsonl_records(path, text)
+def load_instruct_examples(path: Path, limit: int | None = None,
+                           columns: dict[str, str] | None = None) -> list[InstructExample]:
+    """Examples from an Alpaca-style records file (`vela_ray.data.records` formats; seed-task `instances`
+    are expanded in order). `columns` maps instruction/input/output to the file's own column names."""
+    from vela_ray.data.records import load_records
 
-
-def _json_list(path: Path, text: str) -> list[object]:
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg})") from None
-    if not isinstance(records, list):
-        raise ValueError(f"{path}: expected a JSON list of records [{{...}}, ...], got a {type(records).__name__}")
-    return records
-
-
-def _jsonl_records(path: Path, text: str) -> list[object]:
-    records = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {line_no}: record {len(records)} is not valid JSON "
-                                 f"({err.msg})") from None
-    return records
-
-
-def load_instruct_examples(path: Path, limit: int | None = None) -> list[InstructExample]:
-    """Examples from an Alpaca JSON list / JSONL file (seed-task `instances` are expanded in order)."""
     examples: list[InstructExample] = []
-    for index, record in enumerate(_raw_records(path)):
+    for index, record in enumerate(load_records(path, columns, limit)):
         examples.extend(_parse_record(record, f"{path}: record {index}"))
         if limit is not None and len(examples) >= limit:
             return examples[:limit]
@@ -358,39 +360,37 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return pad
 
 
-def encode_instruct(tokenizer: PreTrainedTokenizerBase, examples: list[InstructExample], seq_len: int,
-                    source: str) -> TokenizedDataset:
-    """[BOS] prompt response [EOS], truncated / right-padded to `seq_len`; prompt and pad labels are -100."""
-    import torch
-
+def instruct_examples(tokenizer: PreTrainedTokenizerBase, examples: list[InstructExample]) -> list[Example]:
+    """[BOS] prompt response [EOS] token ids of each example; only the response and EOS are labels."""
     prompts = tokenizer([render_prompt(e) for e in examples], add_special_tokens=False)["input_ids"]
     responses = tokenizer([e.output for e in examples], add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    shape = (len(examples), seq_len)
-    input_ids = torch.full(shape, _pad_id(tokenizer), dtype=torch.long)
-    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros(shape, dtype=torch.long)
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
-        prompt, response = (bos + prompt)[:seq_len], (response + eos)[:max(seq_len - len(bos) - len(prompt), 0)]
-        length = len(prompt) + len(response)
-        input_ids[row, :length] = torch.tensor(prompt + response, dtype=torch.long)
-        labels[row, len(prompt):length] = torch.tensor(response, dtype=torch.long)
-        attention_mask[row, :length] = 1
-    unsupervised = int((labels == IGNORE_INDEX).all(dim=1).sum())
-    if unsupervised:
-        log.warning("%s: %d of %d examples have no response token left within seq_len=%d",
-                    source, unsupervised, len(examples), seq_len)
-    return TokenizedDataset(input_ids, labels, attention_mask, source=source)
+    return [Example(bos + prompt + response + eos, [IGNORE_INDEX] * (len(bos) + len(prompt)) + response + eos)
+            for prompt, response in zip(prompts, responses)]
+
+
+def lay_out(tokenizer: PreTrainedTokenizerBase, examples: list[Example], seq_len: int, packing: bool,
+            source: str) -> TokenizedDataset:
+    """Rows of `seq_len` tokens: packed several to a row, or one per row padded (`vela_ray.data.examples`)."""
+    rows = packed_rows if packing else padded_rows
+    return rows(examples, seq_len, _pad_id(tokenizer), source)
 
 
 def load_instruct(tokenizer: PreTrainedTokenizerBase, path: Path, seq_len: int,
-                  limit: int | None = None) -> TokenizedDataset:
-    """Tokenised instruction data set from an Alpaca JSON / JSONL file."""
-    return encode_instruct(tokenizer, load_instruct_examples(path, limit), seq_len, source=str(path))
+                  limit: int | None = None, packing: bool = False) -> TokenizedDataset:
+    """Tokenised instruction data set from an Alpaca-style records file."""
+    examples = instruct_examples(tokenizer, load_instruct_examples(path, limit))
+    return lay_out(tokenizer, examples, seq_len, packing, source=str(path))
 
 
 # --- config ------------------------------------------------------------------------------
+
+
+COLUMNS = {  # data.kind -> the fields `data.columns` may map onto a file's own column names
+    "instruct": ("instruction", "input", "output", "instances"),
+    "chat": ("messages", "conversations", "system"),
+}
 
 
 class DataConfig(BaseModel):
@@ -398,14 +398,24 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["text", "instruct"]
-    """``text``: packed LM corpus; ``instruct``: Alpaca-style instruction records."""
+    kind: Literal["text", "instruct", "chat"]
+    """``text``: packed LM corpus; ``instruct``: Alpaca-style instruction records; ``chat``: conversations
+    (``messages`` of role/content, or ShareGPT ``conversations`` of from/value) rendered with the chat template."""
     path: Path
-    """A text file or directory of ``.txt`` files (text), or a ``.json`` / ``.jsonl`` file (instruct)."""
+    """A text file or directory of ``.txt`` files (text); for instruct and chat a ``.json``, ``.jsonl``,
+    ``.parquet`` or ``.csv`` file, or a directory written by ``datasets.Dataset.save_to_disk``."""
     seq_len: int = Field(default=256, ge=2)
     """Tokens per row."""
     limit: int | None = Field(default=None, ge=1)
-    """Keep at most this many rows (text blocks or instruction examples), in file order."""
+    """Keep at most this many rows (text blocks) or examples (instruct, chat), in file order."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """instruct and chat: the file's column for a field vela-ray reads, e.g. ``{instruction: question, output:
+    answer}`` or ``{messages: dialog}``."""
+    chat_template: str | None = None
+    """chat: a Jinja chat template, as a file path or the template itself (default: the tokenizer's own)."""
+    packing: bool = False
+    """instruct and chat: lay several examples end to end in each row instead of padding one per row; attention
+    and loss stay within each example (refused for models where they would not, see `examples.check_packing`)."""
 
     @field_validator("path")
     @classmethod
@@ -414,8 +424,36 @@ class DataConfig(BaseModel):
             raise ValueError(f"data path {path} does not exist")
         return path
 
+    @model_validator(mode="after")
+    def _options_fit_the_kind(self) -> "DataConfig":
+        if self.kind == "text" and (self.packing or self.columns):
+            field = "packing" if self.packing else "columns"
+            raise ValueError(f"data.{field} applies to instruct and chat data; text is always packed as one "
+                             "token stream")
+        if self.chat_template is not None and self.kind != "chat":
+            raise ValueError(f"data.chat_template applies to kind chat, not {self.kind}")
+        unknown = sorted(set(self.columns) - set(COLUMNS.get(self.kind, ())))
+        if unknown:
+            raise ValueError(f"data.columns: {unknown} are not {self.kind} fields; map any of "
+                             f"{list(COLUMNS[self.kind])} to your file's column names")
+        return self
+
     def build(self, tokenizer: PreTrainedTokenizerBase) -> TokenizedDataset:
         """Tokenise the data set with `tokenizer`."""
+        if self.kind == "text":
+            return pack_text(tokenizer, self.path, self.seq_len, max_blocks=self.limit)
         if self.kind == "instruct":
-            return load_instruct(tokenizer, self.path, self.seq_len, self.limit)
-        return pack_text(tokenizer, self.path, self.seq_len, max_blocks=self.limit)
+            examples = instruct_examples(tokenizer, load_instruct_examples(self.path, self.limit, self.columns))
+        else:
+            examples = self._chat_examples(tokenizer)
+        return lay_out(tokenizer, examples, self.seq_len, self.packing, source=str(self.path))
+
+    def _chat_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
+        from vela_ray.data.chat import conversation_of, encode_chat
+        from vela_ray.data.records import load_records
+
+        records = load_records(self.path, self.columns, self.limit)
+        if not records:
+            raise ValueError(f"{self.path}: holds no chat records; add records with 'messages' or 'conversations'")
+        conversations = [conversation_of(r, f"{self.path}: record {i}") for i, r in enumerate(records)]
+        return encode_chat(tokenizer, conversations, self.chat_template, source=str(self.path))

@@ -329,7 +329,8 @@ def profile_model(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], 
     """Run `batches` through `model` in inference mode and count expert accesses per MoE layer.
 
     `batches` yield ``input_ids`` and optionally ``attention_mask`` [B, S] (padding
-    is not counted). Pass `blocks` (from `find_moe_blocks` before any surgery) when
+    is not counted) and ``position_ids`` (packed rows: then the mask only counts tokens, and
+    the model masks attention per example from the positions; see `vela_ray.data.examples`). Pass `blocks` (from `find_moe_blocks` before any surgery) when
     the model has been wrapped, e.g. by peft. The model's train/eval mode is restored.
     """
     recorder = RoutingRecorder.for_model(model, blocks)
@@ -339,10 +340,11 @@ def profile_model(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], 
     try:
         with recorder, torch.inference_mode():
             for batch in tqdm(batches, desc="profile", unit="batch", disable=not progress):
-                attention_mask = batch.get("attention_mask")
+                attention_mask, positions = batch.get("attention_mask"), batch.get("position_ids")
                 recorder.set_attention_mask(attention_mask)
+                inputs = {"position_ids": positions} if positions is not None else {"attention_mask": attention_mask}
                 model(input_ids=batch["input_ids"].to(device), use_cache=False,
-                      attention_mask=None if attention_mask is None else attention_mask.to(device))
+                      **{k: None if v is None else v.to(device) for k, v in inputs.items()})
     finally:
         model.train(was_training)
     if int(recorder.tokens_L[0]) == 0:

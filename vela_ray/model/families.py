@@ -351,6 +351,12 @@ def _shrink(config: PretrainedConfig, *, top_level: bool, extra: dict[str, Any] 
     return type(config)(**kwargs)
 
 
+def debug_config_like(config: PretrainedConfig) -> PretrainedConfig:
+    """`config`'s architecture (class, layer types, attention and MoE settings) at debug size: for probing
+    how a user's model behaves (e.g. whether packed examples stay apart) without loading its weights."""
+    return _shrink(config, top_level=True)
+
+
 def generic_debug_config(family: str, **overrides) -> PretrainedConfig:
     """A debug-size config of any transformers family, shrunk from its default config."""
     return _shrink(_default_config(family), top_level=True, extra=overrides)

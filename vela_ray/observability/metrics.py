@@ -84,7 +84,7 @@ METRICS: dict[str, MetricSpec] = _specs(
                "Communication seconds per step the cost model expects for the current placement."),
     MetricSpec("vela_train_step", "gauge", "Last finished optimizer step."),
     MetricSpec("vela_train_loss", "gauge", "Training loss of the last step."),
-    MetricSpec("vela_tokens_per_second", "gauge", "Tokens per second of the last step (batch tokens / step time)."),
+    MetricSpec("vela_tokens_per_second", "gauge", "Tokens per second of the last step (non-padding batch tokens / step time)."),
     MetricSpec("vela_step_time_seconds", "gauge", "Wall-clock seconds of the last optimizer step."),
     MetricSpec("vela_step_duration_seconds", "histogram", "Distribution of optimizer step wall-clock seconds.",
                (), tuple(STEP_BUCKETS_S)),

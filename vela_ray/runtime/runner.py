@@ -33,7 +33,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from placement import Placement, PlacementProblem, sequential_table, solve
 from placement.io import load_profile
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import TokenizedDataset, batch_at, micro_batches, sequential_batches
+from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, sequential_batches
 from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model
 from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.model.loading import load_backbone
@@ -47,7 +47,7 @@ from vela_ray.training.optim import lr_at
 from vela_ray.training.step import (
     MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state, train_step,
 )
-from vela_ray.training.summary import LinkRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown
+from vela_ray.training.summary import DataRecord, LinkRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class JobRunner:
         if spec != "measure":
             return load_profile(Path(spec))[0]
         batches = sequential_batches(backbone.train_set, self.config.training.batch_size,
-                                     max_batches=self.config.placement.profile_batches)
+                                     max_batches=self.config.placement.profile_batches, token_mask=True)
         profile = profile_model(master.peft_model, batches, blocks=backbone.blocks, source=str(self.config.data.path))
         profile.save(self.out_dir / "profile.json", npy_path=self.out_dir / "profile.npy")
         return profile.probs_array()
@@ -317,8 +317,9 @@ class JobRunner:
               step: int) -> None:
         cfg = self.config.training
         counter = master.dispatcher.counter
-        micro = micro_batches(batch_at(backbone.train_set, step, cfg.batch_size, cfg.seed),
-                              cfg.micro_batch_size or cfg.batch_size)
+        rows = batch_rows(backbone.train_set, step, cfg.batch_size, cfg.seed)
+        micro = micro_batches(backbone.train_set.rows(rows), cfg.micro_batch_size or cfg.batch_size)
+        tokens = int(backbone.train_set.attention_mask[rows].sum())  # padding excluded
         before, waited_before = counter.snapshot(), sum(master.dispatcher.round_trip_s.values())
         start = time.perf_counter()
         loss = train_step(master, hosted.workers, micro, lr_at(cfg.optimizer, step, cfg.steps),
@@ -328,10 +329,10 @@ class JobRunner:
         counts_LE = routing.take_counts().numpy()
         routed = self.state.tokens_routed_LE
         self.state.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE  # training steps only
-        record = StepRecord(step=step + 1, loss=loss, step_time_s=step_time,
+        record = StepRecord(step=step + 1, loss=loss, step_time_s=step_time, tokens=tokens,
                             expert_round_trip_s=sum(master.dispatcher.round_trip_s.values()) - waited_before,
                             bytes_by_tier=delta.bytes_by_tier(), bytes_by_worker=delta.bytes_by_worker())
-        self.metrics.record_step(step + 1, loss, step_time, tokens=sum(m["input_ids"].numel() for m in micro),
+        self.metrics.record_step(step + 1, loss, step_time, tokens=tokens,
                                  traffic_delta=delta, expert_counts_LE=counts_LE,
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
@@ -395,4 +396,5 @@ class JobRunner:
             links=state.links, timings_s=state.timings_s,
             adapter_dir=str((self.out_dir / "adapter").resolve()),
             checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
+            data=DataRecord.of(self.config.data, self.backbone.train_set),
         )

@@ -105,7 +105,12 @@ class MasterModel:
 def build_master(
     model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig
 ) -> MasterModel:
-    """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA."""
+    """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA.
+
+    Training needs no KV cache; without one, a batch with `position_ids` and no `attention_mask`
+    (packed rows) gets transformers' per-example attention mask (it only looks when no cache is given)."""
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.use_cache = False
     full_cfg = full_lora_config(model, lora)
     dispatcher = ExpertDispatcher(torch.as_tensor(expert_to_worker), transport)
     attach_brokers(model, dispatcher)

@@ -43,6 +43,8 @@ class StepRecord(_Record):
     bytes_by_tier: dict[str, int] = Field(default_factory=dict)
     bytes_by_worker: list[int] = Field(default_factory=list)
     eval_loss: float | None = None
+    tokens: int = 0
+    """Non-padding tokens of the step's batch."""
     allreduce_bytes: int = 0
     """Expert-parallel baseline only: backbone LoRA gradient all-reduce bytes of this step."""
 
@@ -99,6 +101,25 @@ class PlacementRecord(_Record):
         return cost.worker_bytes(self.problem, self.table)
 
 
+class DataRecord(_Record):
+    """The training rows a run saw: how they were laid out and how much of them is padding."""
+
+    kind: str
+    packing: bool
+    seq_len: int
+    rows: int
+    tokens: int
+    """Non-padding tokens over all training rows."""
+    padding_fraction: float
+    """Share of the token slots that are padding: compute spent on nothing (packing lowers it)."""
+
+    @classmethod
+    def of(cls, data, train_set) -> DataRecord:
+        """From a `DataConfig` and the `TokenizedDataset` of its training rows."""
+        return cls(kind=data.kind, packing=data.packing, seq_len=train_set.seq_len, rows=len(train_set),
+                   tokens=train_set.num_tokens, padding_fraction=train_set.padding_fraction)
+
+
 class RunSummary(_Record):
     """A finished run (see the module docstring)."""
 
@@ -130,6 +151,13 @@ class RunSummary(_Record):
     """Expert-parallel baseline only."""
     control_bytes: int | None = None
     """Expert-parallel baseline only: the [N, E] count exchanges before each all-to-all."""
+    data: DataRecord | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Non-padding training tokens per second of step time (what padding waste costs shows here)."""
+        seconds = sum(h.step_time_s for h in self.history)
+        return sum(h.tokens for h in self.history) / seconds if seconds else 0.0
 
     @property
     def num_workers(self) -> int:

@@ -40,9 +40,21 @@ from vela_ray.paths import cache_dir, data_dir
 
 log = logging.getLogger(__name__)
 
-BUILD_VERSION = 1  # bump when the build recipe changes, to invalidate cached models
+BUILD_VERSION = 2  # bump when the build recipe changes, to invalidate cached models (2: chat template)
 BUILD_INFO = "build_info.json"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+# ChatML-like: BOS, then each message as "<|role|>\n{content}" + "\n" (EOS right after an assistant's
+# content, so the model learns to stop). Each turn renders the same whatever follows it (prefix-stable),
+# which `vela_ray.data.chat.encode_chat` needs to find the assistant tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 
 def cpu_threads() -> int:
@@ -224,6 +236,7 @@ def build_tiny_model(config: TinyModelConfig, out_dir: Path, skew_data: Path | N
         model.eval()
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir)
+        tokenizer.chat_template = CHAT_TEMPLATE
         tokenizer.save_pretrained(out_dir)
         skew_data = skew_data or default_skew_data()
         skew = report_router_skew(model, tokenizer, skew_data, config.seq_len) if skew_data.is_file() else None

@@ -1,0 +1,276 @@
+"""Raw training records from local files: the one place vela-ray reads instruction and chat data.
+
+`load_records` turns a ``.json`` list, a ``.jsonl`` file, a ``.parquet`` or ``.csv``
+table, or a directory written by ``datasets.Dataset.save_to_disk`` into plain Python
+dicts, one per record in file order, with nested fields (``messages: [{role, content}]``,
+``instances: [{input, output}]``) kept as lists and dicts. Files go through Hugging Face
+``datasets``, which converts each one to Arrow once and reuses that cache while the file
+is unchanged (its cache key is the file's path and modification time).
+
+What a user must be able to fix in an editor is checked here, before ``datasets`` sees
+the file, because its own errors are unhelpful or absent: JSON is parsed with the
+standard library first (``datasets`` silently accepts trailing commas, a top-level
+object and non-object records, and names no line when it does fail), and CSV rows
+are counted against the header (pandas shifts the columns of a row with one field
+too many). Every error is one ``ValueError`` line that names the file and says what
+was expected; anything else ``datasets`` or pyarrow raises is reported as
+``{path}: cannot read as {builder} (...)``.
+
+CSV has no types, so every CSV column is read as text: an answer ``42`` stays the
+string ``"42"`` and an empty field stays ``""`` (pandas would make them an int and None).
+Records of one file share one schema, so a key that only some records have reads as
+None in the others.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
+
+if TYPE_CHECKING:  # datasets loads inside the functions: `vela_ray.config` imports this package and must
+    from datasets import Dataset  # stay cheap to import (datasets itself takes ~1 s)
+
+log = logging.getLogger(__name__)
+
+RECORD_FORMATS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+"""Data file suffix -> the `datasets` builder that reads it."""
+
+ACCEPTED = f"a data file ({', '.join(RECORD_FORMATS)}) or a directory written by Dataset.save_to_disk"
+EXPECTED = {  # what an empty file of each type should have held
+    ".json": "a JSON list of records",
+    ".jsonl": "one JSON record per line",
+    ".parquet": "a Parquet table of records (write one with Dataset.to_parquet or DataFrame.to_parquet)",
+    ".csv": "a header line of column names, then one record per line",
+}
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")  # what save_to_disk writes for a Dataset / DatasetDict
+
+BuildOptions = dict[str, Any]
+
+
+def load_records(path: Path, columns: Mapping[str, str] | None = None, limit: int | None = None,
+                 cache_dir: Path | None = None) -> list[dict]:
+    """The records of a local data file or a `Dataset.save_to_disk` directory, as plain Python dicts (one per
+    record, in file order).
+
+    `columns` maps the canonical field name the caller reads to the file's own column name (e.g.
+    ``{"instruction": "question"}``); the records carry the canonical names and keep their other columns.
+    `limit` keeps the first records only. `cache_dir` is where `datasets` keeps its Arrow copy of a file
+    (default: its own cache, shared by every run, so an unchanged file is converted once).
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    path = Path(path)
+    _quiet_datasets()
+    dataset = _load_saved(path) if path.is_dir() else _load_file(path, cache_dir)
+    if dataset is None:  # a file that holds no records: datasets cannot build an empty split from it
+        return []
+    if limit is not None and limit < len(dataset):
+        dataset = dataset.select(range(limit))  # an index over the memory-mapped table: nothing else is read
+    records = _renamed(dataset, columns or {}, path).to_list()
+    log.debug("%s: %d records", path, len(records))
+    return records
+
+
+def _quiet_datasets() -> None:
+    """Library code must not print: silence datasets' progress bars and logs. Its errors come back to the
+    caller as our own one-line ValueError, so its error log would only repeat them."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+
+
+# --- files ---------------------------------------------------------------------
+
+
+def _load_file(path: Path, cache_dir: Path | None) -> Dataset | None:
+    """The file's records through `datasets.load_dataset`, after the checks that name a line; None if it
+    holds no records."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file or directory; expected {ACCEPTED}")
+    suffix = path.suffix.lower()
+    if suffix not in RECORD_FORMATS:
+        raise ValueError(f"{path}: unknown data file type {path.suffix!r}; expected {ACCEPTED}")
+    if path.stat().st_size == 0:
+        _raise_empty(path)
+    options = _PREFLIGHT[suffix](path)
+    return None if options is None else _build(RECORD_FORMATS[suffix], path, cache_dir, options)
+
+
+def _build(builder: str, path: Path, cache_dir: Path | None, options: BuildOptions) -> Dataset:
+    import datasets
+
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train",
+                                     cache_dir=None if cache_dir is None else str(cache_dir), **options)
+    except Exception as err:  # noqa: BLE001 - datasets, pyarrow and pandas raise many types; all mean the same
+        raise ValueError(f"{path}: cannot read as {builder} ({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of the innermost cause: datasets wraps the real error in 'An error occurred while
+    generating the dataset'."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _raise_empty(path: Path) -> NoReturn:
+    raise ValueError(f"{path}: the file is empty; expected {EXPECTED[path.suffix.lower()]}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: byte {err.start} is not UTF-8 ({err.reason}); save the file as UTF-8") from None
+
+
+# --- per-format checks: the load_dataset options for the file, or None when it holds no records --------------
+
+
+def _check_json(path: Path) -> BuildOptions | None:
+    text = _read_text(path)
+    if not text.strip():
+        _raise_empty(path)
+    return _check_objects(path, _json_list(path, text))
+
+
+def _check_jsonl(path: Path) -> BuildOptions | None:
+    text = _read_text(path)
+    if not text.strip():
+        _raise_empty(path)
+    return _check_objects(path, _jsonl_records(path, text))
+
+
+def _check_objects(path: Path, records: list[object]) -> BuildOptions | None:
+    for index, record in enumerate(records):
+        _as_object(record, f"{path}: record {index}")
+    return {} if records else None
+
+
+def _as_object(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _json_list(path: Path, text: str) -> list[object]:
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg})") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON list of records [{{...}}, ...], got a {type(records).__name__}")
+    return records
+
+
+def _jsonl_records(path: Path, text: str) -> list[object]:
+    records = []
+    # split on "\n" only, as pyarrow does: str.splitlines would also split inside a string holding U+2028
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {line_no}: record {len(records)} is not valid JSON "
+                                 f"({err.msg})") from None
+    return records
+
+
+def _check_parquet(path: Path) -> BuildOptions | None:
+    import pyarrow.parquet as pq
+
+    try:
+        num_rows = pq.read_metadata(path).num_rows
+    except Exception as err:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet
+        raise ValueError(f"{path}: cannot read as parquet ({_first_line(err)})") from None
+    return {} if num_rows else None
+
+
+def _check_csv(path: Path) -> BuildOptions | None:
+    """Every row must have the header's number of fields; all columns are read as text (see the module doc)."""
+    import datasets
+
+    text = _read_text(path).removeprefix("\ufeff")  # pandas skips the byte-order mark spreadsheets write
+    try:
+        header, has_records = _csv_shape(path, csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as err:
+        raise ValueError(f"{path}: cannot read as csv ({err})") from None
+    if not has_records:
+        return None
+    as_text = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": as_text, "keep_default_na": False}
+
+
+def _csv_shape(path: Path, reader: Any) -> tuple[list[str], bool]:
+    """(header, whether any record follows it); raises on an empty file, a repeated column or a ragged row."""
+    header = next((row for row in reader if any(cell.strip() for cell in row)), None)
+    if header is None:
+        _raise_empty(path)
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{path}: line {reader.line_num}: the header names column {repeated[0]!r} twice; "
+                         "give every column its own name")
+    count = 0
+    for row in reader:
+        if row:  # pandas skips blank lines too
+            if len(row) != len(header):
+                raise ValueError(f"{path}: line {reader.line_num}: record {count} has {len(row)} fields, the "
+                                 f"header has {len(header)}; quote fields that hold a comma")
+            count += 1
+    return header, count > 0
+
+
+_PREFLIGHT: dict[str, Callable[[Path], BuildOptions | None]] = {
+    ".json": _check_json, ".jsonl": _check_jsonl, ".parquet": _check_parquet, ".csv": _check_csv,
+}
+
+
+# --- save_to_disk directories ------------------------------------------------------------
+
+
+def _load_saved(path: Path) -> Dataset:
+    """A `save_to_disk` directory: the Dataset itself, or the 'train' split of a DatasetDict."""
+    import datasets
+
+    if not any((path / name).is_file() for name in SAVED_DATASET_FILES):
+        raise ValueError(f"{path}: a directory without {' or '.join(SAVED_DATASET_FILES)}, so not one written "
+                         f"by Dataset.save_to_disk; expected {ACCEPTED}")
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as err:  # noqa: BLE001 - a damaged directory: missing or corrupt Arrow files
+        raise ValueError(f"{path}: cannot read as a save_to_disk directory ({_first_line(err)})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise ValueError(f"{path}: the saved DatasetDict has no 'train' split (its splits are "
+                             f"{list(loaded)}); save the training records as its 'train' split")
+        loaded = loaded["train"]
+    return loaded
+
+
+# --- column names -------------------------------------------------------------------------
+
+
+def _renamed(dataset: Dataset, columns: Mapping[str, str], path: Path) -> Dataset:
+    """`dataset` with each mapped file column renamed to its canonical name (`data.columns`)."""
+    present = dataset.column_names
+    for canonical, column in columns.items():
+        if column not in present:
+            raise ValueError(f"{path}: no column {column!r} (data.columns.{canonical}); its columns are {present}")
+    if len(set(columns.values())) < len(columns):
+        raise ValueError(f"{path}: data.columns {dict(columns)} maps two fields to one column; map each field "
+                         "to its own column")
+    renames = {column: canonical for canonical, column in columns.items() if column != canonical}
+    for column, canonical in renames.items():
+        if canonical in present and canonical not in renames:
+            raise ValueError(f"{path}: cannot rename column {column!r} to {canonical!r} (data.columns."
+                             f"{canonical}): the file already has a column {canonical!r}; map that one instead "
+                             "or drop it from data.columns")
+    return dataset.rename_columns(renames) if renames else dataset
