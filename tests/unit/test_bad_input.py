@@ -21,6 +21,7 @@ from placement import Placement
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, write_job
 from vela_ray.config import JobConfig
 from vela_ray.model.families import debug_model
+from vela_ray.paths import data_dir
 from vela_ray.training import checkpoint
 
 # what MasterActor records for the fixture model (2 MoE layers x 6 experts) with the default LoRA
@@ -39,6 +40,10 @@ Case = Callable[[Path, Path], tuple[Path, str | None]]
 
 def _job(tmp: Path, model: Path, **sections) -> Path:
     return write_job(tmp / "job.yaml", job_dict(model, tmp / "out", **sections))
+
+
+_CHAT_LINE = json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant",
+                                                                            "content": "Hello."}]}) + "\n"
 
 
 def _data(tmp: Path, name: str, text: str, kind: str = "instruct", **data) -> dict:
@@ -154,6 +159,35 @@ CASES: dict[str, tuple[Case, str]] = {
         lambda t, m: (_job(t, m, data=_data(t, "d.json", json.dumps(
             [{"instruction": "a", "output": "b"}, {"instruction": "c"}]))), None),
         r"data: .*d\.json: record 1: missing field 'output'; every record needs 'instruction' and 'output'"),
+    "chat data, no chat template": (
+        lambda t, m: (_job(t, m, data=_data(t, "c.jsonl", _CHAT_LINE * 3, kind="chat")), None),
+        r"data: the tokenizer of .* has no chat template; set data\.chat_template to a Jinja template file or "
+        r"string"),
+    "chat template path mistyped": (
+        lambda t, m: (_job(t, m, data=_data(t, "c.jsonl", _CHAT_LINE, kind="chat", chat_template="tmpl.jinja")),
+                      None),
+        r"data: data\.chat_template: 'tmpl\.jinja' is neither a file nor a Jinja template"),
+    "chat record with an unknown role": (
+        lambda t, m: (_job(t, m, data=_data(t, "c.jsonl", _CHAT_LINE + _CHAT_LINE.replace('"user"', '"bot"'),
+                                            kind="chat")), None),
+        r"data: .*c\.jsonl: record 1: message 0: unknown role 'bot'; use system, user or assistant"),
+    "sharegpt record without a value": (
+        lambda t, m: (_job(t, m, data=_data(t, "c.jsonl", '{"conversations": [{"from": "human"}]}\n',
+                                            kind="chat")), None),
+        r"data: .*c\.jsonl: record 0: message 0: missing field 'value'"),
+    "mapped column missing": (
+        lambda t, m: (_job(t, m, data=_data(t, "d.json", json.dumps([{"q": "a", "output": "b"}]),
+                                            columns={"instruction": "question"})), None),
+        r"data: .*d\.json: no column 'question' \(data\.columns\.instruction\); its columns are \['q', 'output'\]"),
+    "parquet file that is not parquet": (
+        lambda t, m: (_job(t, m, data=_data(t, "d.parquet", "not parquet")), None),
+        r"data: .*d\.parquet: cannot read as parquet \("),
+    "packing where the architecture mixes examples": (
+        lambda t, m: (_job(t, make_checkpoint(t / "gpt_oss", "gpt_oss"), data={
+            "kind": "instruct", "path": str(data_dir() / "instruct" / "alpaca_seed_tasks.jsonl"), "packing": True}),
+                      None),
+        r"model\.path .*gpt_oss: data\.packing would leak between examples in GptOssConfig models .*set "
+        r"data\.packing: false"),
     "seq_len beyond max_position_embeddings": (
         lambda t, m: (_job(t, m, data={"seq_len": 256}), None),
         r"data\.seq_len 256 exceeds the model's max_position_embeddings 128 .*at most 128"),

@@ -16,6 +16,7 @@ from vela_ray import cli
 from vela_ray.training import tiny_model
 from vela_ray.data.locality import AccessProfile
 from vela_ray.paths import data_dir
+from vela_ray.data.datasets import DataConfig
 from vela_ray.training.tiny_model import BUILD_INFO, TinyModelConfig, tiny_model_path
 
 SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
@@ -115,6 +116,18 @@ def test_vela_profile_reads_instruction_data(built, tmp_path):
     assert code == 0
     profile = AccessProfile.load(tmp_path / "p.json")
     assert 0 < profile.tokens < 2 * 256  # padding is not counted
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_vela_profile_reads_chat_data_with_the_built_chat_template(built, tmp_path, packing):
+    data = tmp_path / "chat.jsonl"
+    turns = [{"from": "human", "value": "Greet."}, {"from": "gpt", "value": "Hello."}]
+    data.write_text("\n".join(json.dumps({"conversations": turns}) for _ in range(3)) + "\n")
+    code = cli.main(["profile", "--model", str(built), "--data", str(data), "--kind", "chat", "--seq-len", "64",
+                     "--batch-size", "2", "--out", str(tmp_path / "p.json")] + (["--packing"] if packing else []))
+    assert code == 0
+    rows = DataConfig(kind="chat", path=data, seq_len=64).build(AutoTokenizer.from_pretrained(built))
+    assert AccessProfile.load(tmp_path / "p.json").tokens == rows.num_tokens == 3 * rows.attention_mask[0].sum()
 
 
 def test_vela_profile_reports_a_missing_model_as_a_user_error(tmp_path, capsys):
