@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup system-deps demo test test-fast bench-placement clean
+.PHONY: setup system-deps demo test test-fast test-gpu bench-placement clean
 
 setup:
 	@VELA_VENV=$(VENV) bash scripts/setup.sh
@@ -19,6 +19,10 @@ test: setup system-deps
 
 test-fast: setup
 	$(BIN)/python -m pytest tests/unit
+
+# The GPU-marked tests (they skip on machines without CUDA).
+test-gpu: setup
+	$(BIN)/python -m pytest tests -m gpu
 
 bench-placement: setup
 	$(BIN)/python benchmarks/placement_suite.py

@@ -16,8 +16,9 @@ import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, spawn_expert_managers
 from actors.placement_service import spawn_placement_service
-from actors.transports import CompiledGraphTransport, RayObjectRefTransport, data_plane_env
+from actors.transports import CompiledGraphTransport, RayObjectRefTransport, collective_transport, data_plane_env
 from actors.workers import actor_workers
+from vela_ray.model.collective import PeerLostError
 from vela_ray.config import JobConfig
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.training.summary import LinkRecord
@@ -50,6 +51,8 @@ class RayWorkerPool:
         tiers = self.cluster.worker_tiers(self.master_node)
         if self.config.cluster.transport == "compiled_graph":
             self.transport = CompiledGraphTransport(self.cluster.handles, tiers)
+        elif self.config.cluster.transport == "collective":
+            self.transport = collective_transport(self.cluster.handles, tiers)
         else:
             self.transport = RayObjectRefTransport(self.cluster.handles, tiers,
                                                    zero_copy=self.config.cluster.zero_copy_tensors)
@@ -75,7 +78,7 @@ class RayWorkerPool:
         return ray.get([h.pid.remote() for h in self.cluster.handles])
 
     def lost_workers(self, error: BaseException) -> list[int] | None:
-        if not isinstance(error, ray.exceptions.RayActorError):
+        if not isinstance(error, (ray.exceptions.RayActorError, PeerLostError)):
             return None
         dead = []
         for worker, handle in enumerate(self.cluster.handles):
@@ -83,6 +86,8 @@ class RayWorkerPool:
                 ray.get(handle.ping.remote(), timeout=PING_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 dead.append(worker)
+        if not dead and isinstance(error, PeerLostError):  # alive but not answering the data plane: hung
+            dead = [error.worker]
         return dead
 
     def close(self) -> None:

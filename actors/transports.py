@@ -1,10 +1,13 @@
 """Transports over Ray actors: move one MoE layer's rows to the ExpertManagers and back.
 
-Both backends implement `vela_ray.model.transport.Transport` and pass the same
+All backends implement `vela_ray.model.transport.Transport` and pass the same
 conformance suite (tests/ray/test_transport_conformance.py):
 
 - `RayObjectRefTransport`: one `.remote` call per worker with rows, then one
   `ray.get` for all. Always works; tensors travel as Ray objects.
+- `collective_transport(...)`: forms a torch.distributed group with the ExpertManagers
+  through Ray once, then rows travel point-to-point with no Ray task per layer
+  (`vela_ray.model.collective.CollectiveTransport`).
 - `CompiledGraphTransport`: a Ray compiled graph (`ray.dag`, experimental API, so
   it is contained in this class): shared-memory channels on CPU, NCCL for the
   results on GPU. One graph serves forward and backward: every worker gets one
@@ -25,6 +28,7 @@ import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
 
+from vela_ray.model.collective import CollectiveTransport, make_group, make_store
 from vela_ray.training.expert_manager import BackwardRequest, WorkerMessage
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import ForwardRequest
@@ -50,7 +54,10 @@ def data_plane_env(inline_bytes: int, zero_copy_tensors: bool) -> dict[str, str]
 
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` with its own storage: pickling a view would ship its whole base tensor."""
+    """`tensor` on the host with its own storage: pickling a view would ship its whole base tensor, and a
+    GPU tensor would need a GPU on the other side."""
+    if tensor.device.type != "cpu":
+        return tensor.cpu()
     if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
         return tensor
     return tensor.clone()
@@ -78,7 +85,7 @@ class RayObjectRefTransport:
         self.num_workers = len(self.handles)
         self.tiers = _check_tiers(self.handles, worker_tiers)
         self.timeout_s = timeout_s
-        self._compact = (lambda t: t) if zero_copy else compact
+        self._compact = (lambda t: t.cpu()) if zero_copy else compact
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         refs = {
@@ -101,6 +108,31 @@ class RayObjectRefTransport:
     def _get(self, refs: dict[int, ray.ObjectRef]) -> dict[int, torch.Tensor]:
         values = ray.get(list(refs.values()), timeout=self.timeout_s)
         return dict(zip(refs, values))
+
+
+def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], timeout_s: float = 300.0,
+                         join_timeout_s: float = 120.0) -> CollectiveTransport:
+    """Form the data-plane group (this process rank 0, worker n rank n + 1) and return its transport.
+
+    The rendezvous store listens on a free port of this node; every worker joins through one Ray
+    call and then serves rows on a thread until the transport is closed.
+    """
+    tiers = _check_tiers(handles, worker_tiers)
+    world_size = len(handles) + 1
+    store = make_store(ray.util.get_node_ip_address(), 0, world_size, is_master=True, timeout_s=join_timeout_s)
+    joins = [h.join_collective.remote(store.host, store.port, world_size, join_timeout_s) for h in handles]
+    group = make_group(store, 0, world_size, join_timeout_s)
+    ray.get(joins, timeout=join_timeout_s)
+    logger.info("collective data plane (gloo) over %d expert workers", len(handles))
+
+    def join_serving_loops() -> None:  # best effort: a dead worker has no loop left to join
+        for ref in [h.leave_collective.remote() for h in handles]:
+            try:
+                ray.get(ref, timeout=join_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+
+    return CollectiveTransport(group, tiers, timeout_s, on_close=join_serving_loops)
 
 
 class CompiledGraphTransport:

@@ -1,25 +1,29 @@
-"""Benchmark: Ray data-plane settings for the broker's fan-out, side by side.
+"""Benchmark: the broker's data plane, every transport and Ray setting side by side.
 
-One MoE layer's forward + backward round trip through `RayObjectRefTransport` to
-N real ExpertManagers (synthetic experts), with the rows a small model sends
-(hidden D, T tokens, top-2: ~R/N rows of D floats per worker), under:
+One MoE layer's forward + backward round trip from the broker to N real
+ExpertManagers (synthetic experts), with the rows a small model sends (hidden D,
+T tokens, top-2: ~R/N rows of D floats per worker), through:
 
-    ray_default       Ray as shipped: tensors pickled by torch, args/results over
-                      100 KiB go through the object store
-    inline            RAY_max_direct_call_object_size = cluster.inline_bytes: rows and
+    ray_default       RayObjectRefTransport, Ray as shipped: tensors pickled by torch,
+                      args/results over 100 KiB go through the object store
+    inline            + RAY_max_direct_call_object_size = cluster.inline_bytes: rows and
                       results ride inside the task RPC
-    inline_zero_copy  + RAY_ENABLE_ZERO_COPY_TORCH_TENSORS (vela-ray's default,
+    inline_zero_copy  + RAY_ENABLE_ZERO_COPY_TORCH_TENSORS (the object-ref default,
                       `actors.transports.data_plane_env`)
+    compiled_graph    CompiledGraphTransport (shared-memory channels)
+    collective        the collective data plane: torch.distributed (gloo) point-to-point to
+                      each ExpertManager's serving loop (`vela_ray.model.collective`)
+    raw_p2p           the floor: the same experts in plain processes, the same rows over
+                      gloo point-to-point with no headers, no Ray, shapes known in advance
 
-Both variables are read when a Ray process starts, so each setting runs in its own
-subprocess with its own local Ray; settings alternate over `--rounds` so that a
-burst of load on this shared machine hits all of them.
+Each setting runs in its own subprocess with its own local Ray (the Ray variables are
+read when a Ray process starts); settings alternate over `--rounds` so that a burst
+of load on this shared machine hits all of them.
 
     python benchmarks/data_plane.py                     # D=128, T=1024, N=6
     python benchmarks/data_plane.py --hidden 1024 --tokens 2048
 
-Results: a table of median round-trip ms and ratios to ray_default, and
-benchmarks/results/data_plane.json.
+Results: a table of median round-trip ms and ratios, and benchmarks/results/data_plane.json.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_plane.json"
-SETTINGS = ("ray_default", "inline", "inline_zero_copy")
+SETTINGS = ("ray_default", "inline", "inline_zero_copy", "compiled_graph", "collective", "raw_p2p")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,38 +62,59 @@ def setting_env(setting: str) -> dict[str, str]:
     from vela_ray.config import ClusterSection
 
     inline = ClusterSection().inline_bytes
-    return {"ray_default": {}, "inline": data_plane_env(inline, False),
-            "inline_zero_copy": data_plane_env(inline, True)}[setting]
+    return {"ray_default": {}, "inline": data_plane_env(inline, False)}.get(setting, data_plane_env(inline, True))
+
+
+def specs(args) -> tuple:
+    """(placement table [1, E], one ExpertManagerSpec per worker): E synthetic Mixtral experts, e mod N."""
+    import torch
+    from transformers import MixtralConfig
+
+    from vela_ray.training.expert_manager import ExpertManagerSpec
+
+    g = torch.Generator().manual_seed(0)
+    D, I, E, N = args.hidden, args.intermediate, args.experts, args.workers
+    config = MixtralConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_hidden_layers=1)
+    return torch.tensor([[e % N for e in range(E)]]), [
+        ExpertManagerSpec(worker=n, keys=[(0, e) for e in range(E) if e % N == n], hf_config=config,
+                          weights={(0, e): {"gate_up_proj": torch.randn(2 * I, D, generator=g) * 0.05,
+                                            "down_proj": torch.randn(D, I, generator=g) * 0.05}
+                                   for e in range(E) if e % N == n})
+        for n in range(N)]
+
+
+def transport_for(setting: str, cluster):
+    from actors.transports import CompiledGraphTransport, RayObjectRefTransport, collective_transport
+
+    tiers = cluster.worker_tiers()
+    if setting == "compiled_graph":
+        return CompiledGraphTransport(cluster.handles, tiers)
+    if setting == "collective":
+        return collective_transport(cluster.handles, tiers)
+    return RayObjectRefTransport(cluster.handles, tiers, zero_copy=setting == "inline_zero_copy")
 
 
 def child(args) -> dict:
     """Time one setting in this process (its env was set by the parent); returns per-iteration seconds."""
-    import ray
     import torch
-
-    from actors.cluster import spawn_expert_managers
-    from vela_ray.training.expert_manager import ExpertManagerSpec
-    from actors.transports import RayObjectRefTransport
-    from transformers import MixtralConfig
 
     from vela_ray.model.broker import ExpertDispatcher
 
+    table, worker_specs = specs(args)
+    g = torch.Generator().manual_seed(1)
+    hidden_TD = torch.randn(args.tokens, args.hidden, generator=g)
+    top_k = torch.randint(0, args.experts, (args.tokens, 2), generator=g)
+    if args.child == "raw_p2p":
+        return raw_p2p(args, table, worker_specs, hidden_TD, top_k)
+    import ray
+
+    from actors.cluster import spawn_expert_managers
+
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    g = torch.Generator().manual_seed(0)
-    D, I, E, N = args.hidden, args.intermediate, args.experts, args.workers
-    table = torch.tensor([[e % N for e in range(E)]])
-    config = MixtralConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_hidden_layers=1)
-    specs = [ExpertManagerSpec(worker=n, keys=[(0, e) for e in range(E) if e % N == n], hf_config=config,
-                               weights={(0, e): {"gate_up_proj": torch.randn(2 * I, D, generator=g) * 0.05,
-                                                 "down_proj": torch.randn(D, I, generator=g) * 0.05}
-                                        for e in range(E) if e % N == n})
-             for n in range(N)]
-    cluster = spawn_expert_managers(specs, num_cpus_per_worker=0.25, env_vars=setting_env(args.child))
-    transport = RayObjectRefTransport(cluster.handles, cluster.worker_tiers(),
-                                      zero_copy=args.child == "inline_zero_copy")
+    cluster = spawn_expert_managers(worker_specs, num_cpus_per_worker=0.25, env_vars=setting_env(args.child))
+    transport = transport_for(args.child, cluster)
     dispatcher = ExpertDispatcher(table, transport)
-    hidden_TD = torch.randn(args.tokens, D, generator=g)
-    plan = dispatcher.plan(0, torch.randint(0, E, (args.tokens, 2), generator=g))
+    plan = dispatcher.plan(0, top_k)
     rows_RD = hidden_TD.index_select(0, plan.token_idx_R)
     seconds = []
     for i in range(args.iters + 3):  # 3 warm-up trips
@@ -97,8 +122,70 @@ def child(args) -> dict:
         out_RD = dispatcher.forward(plan, rows_RD, key=i)
         dispatcher.backward(plan, torch.ones_like(out_RD), key=i)
         seconds.append(time.perf_counter() - start)
+    transport.close()
     ray.shutdown()
     return {"seconds": seconds[3:], "rows_per_worker": [e - s for _, s, e in plan.worker_rows]}
+
+
+def raw_p2p(args, table, worker_specs, hidden_TD, top_k) -> dict:
+    """The floor: ExpertManagers in plain processes, rows and results over gloo send/recv, nothing else."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from vela_ray.model.broker import ExpertDispatcher
+    from vela_ray.model.collective import make_group, make_store
+    from vela_ray.model.transport import InProcessTransport
+
+    plan = ExpertDispatcher(table, InProcessTransport([None] * args.workers)).plan(0, top_k)
+    rows_RD = hidden_TD.index_select(0, plan.token_idx_R)
+    store = make_store("127.0.0.1", 0, args.workers + 1, is_master=True, timeout_s=120)
+    requests = {w: (plan.expert_ids_R[s:e], rows_RD[s:e]) for w, s, e in plan.worker_rows}
+    procs = [mp.get_context("spawn").Process(target=_raw_worker, args=(
+        store.port, args.workers + 1, spec, requests.get(spec.worker), args.iters + 3)) for spec in worker_specs]
+    for proc in procs:
+        proc.start()
+    group = make_group(store, 0, args.workers + 1, 120)
+    seconds = []
+    for _ in range(args.iters + 3):
+        start = time.perf_counter()
+        outs = _raw_round(group, {w: rows for w, (_, rows) in requests.items()})
+        _raw_round(group, {w: torch.ones_like(out) for w, out in outs.items()})
+        seconds.append(time.perf_counter() - start)
+    for proc in procs:
+        proc.join(30)
+    return {"seconds": seconds[3:], "rows_per_worker": [e - s for _, s, e in plan.worker_rows]}
+
+
+def _raw_round(group, tensors: dict) -> dict:
+    import torch
+
+    outs = {w: torch.empty_like(t) for w, t in tensors.items()}
+    works = [group.send([t.contiguous()], w + 1, 0) for w, t in tensors.items()]
+    works += [group.recv([outs[w]], w + 1, 1) for w in tensors]
+    for work in works:
+        work.wait()
+    return outs
+
+
+def _raw_worker(port: int, world_size: int, spec, request, iterations: int) -> None:
+    import torch
+
+    from vela_ray.model.collective import make_group, make_store
+    from vela_ray.training.expert_manager import ExpertManager
+
+    torch.set_num_threads(1)
+    manager = ExpertManager(spec)
+    group = make_group(make_store("127.0.0.1", port, world_size, False, 120), spec.worker + 1, world_size, 120)
+    if request is None:
+        return
+    ids, like = request
+    for i in range(iterations):
+        rows = torch.empty_like(like)
+        group.recv([rows], 0, 0).wait()
+        group.send([manager.forward_rows(0, ids, rows, key=i).contiguous()], 0, 1).wait()
+        grad = torch.empty_like(like)
+        group.recv([grad], 0, 0).wait()
+        group.send([manager.backward_rows(i, grad).contiguous()], 0, 1).wait()
 
 
 def main() -> None:
@@ -123,12 +210,13 @@ def main() -> None:
     kb = [r * args.hidden * 4 / 1024 for r in rows]
     print(f"\nforward+backward fan-out to {args.workers} workers, {min(kb):.0f}-{max(kb):.0f} KiB of rows each "
           f"(load {os.getloadavg()[0]:.1f}):")
-    print(f"{'setting':<18}{'median ms':>10}{'/ ray_default':>15}")
+    print(f"{'setting':<18}{'median ms':>10}{'/ raw_p2p':>11}{'/ inline_zero_copy':>19}")
     for s in SETTINGS:
-        print(f"{s:<18}{1e3 * medians[s]:>10.2f}{medians[s] / medians['ray_default']:>15.2f}")
+        print(f"{s:<18}{1e3 * medians[s]:>10.2f}{medians[s] / medians['raw_p2p']:>11.2f}"
+              f"{medians[s] / medians['inline_zero_copy']:>19.2f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"args": vars(args), "median_s": medians, "rows_per_worker": rows,
-                                   "seconds": times}, indent=1))
+    RESULTS.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args),
+                                   "median_s": medians, "rows_per_worker": rows, "seconds": times}, indent=1))
 
 
 if __name__ == "__main__":

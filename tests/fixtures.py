@@ -67,14 +67,14 @@ def init_adapter(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def reference_losses(config: JobConfig) -> tuple[list[float], dict]:
+def reference_losses(config: JobConfig, device: str = "cpu") -> tuple[list[float], dict]:
     """Plain transformers + peft over the very batches, learning rates and clipping of the job."""
     train = config.training
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     train_set, _ = config.data.build(tokenizer).split(train.eval_fraction, train.seed)
     base = AutoModelForCausalLM.from_pretrained(config.model.path)
     base.config.use_cache = False  # as vela-ray's master: packed rows need it (see vela_ray.data.examples)
-    model = PeftModel.from_pretrained(base, config.lora.init_adapter, is_trainable=True)
+    model = PeftModel.from_pretrained(base, config.lora.init_adapter, is_trainable=True).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=train.optimizer.lr, betas=train.optimizer.betas,
                             eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
@@ -85,7 +85,7 @@ def reference_losses(config: JobConfig) -> tuple[list[float], dict]:
         size = train.micro_batch_size
         total = 0.0
         for i in range(0, train.batch_size, size):
-            micro = {k: v[i:i + size] for k, v in batch.items()}
+            micro = {k: v[i:i + size].to(device) for k, v in batch.items()}
             loss = model(**micro).loss / train.grad_accumulation
             loss.backward()
             total += float(loss.detach())

@@ -36,7 +36,7 @@ from actors.master import MasterActor
 from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
 from vela_ray.errors import RunInterrupted, VelaActorError
-from vela_ray.preflight import Preflight, check_cluster_resources
+from vela_ray.preflight import Preflight, check_cluster_resources, master_gpus
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
 from vela_ray.training.summary import RunSummary
@@ -57,6 +57,9 @@ class VelaJob:
         started_ray = self._connect()
         try:
             check_cluster_resources(self.config, ray.cluster_resources())
+            gpus = master_gpus(self.config, ray.cluster_resources())
+            self.config = self.config.model_copy(update={"cluster": self.config.cluster.model_copy(
+                update={"master_gpus": gpus})})
             if self.config.mode == "expert_parallel":
                 return _unwrapped(lambda: run_expert_parallel(self.config))
             return self._run_master()
@@ -67,7 +70,8 @@ class VelaJob:
     def _run_master(self) -> RunSummary:
         cluster = self.config.cluster
         master = ray.remote(MasterActor).options(
-            num_cpus=0, max_restarts=0, max_concurrency=2,  # `stop` must get through while `run` works
+            num_cpus=0, num_gpus=cluster.master_gpus or 0, max_restarts=0,
+            max_concurrency=2,  # `stop` must get through while `run` works
             runtime_env={"env_vars": data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)},
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(self.config, os.getpid())

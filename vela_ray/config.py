@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vela_ray.preflight import Preflight
 
 Solver = Literal["improved", "vela", "sequential", "random", "file"]
-TransportName = Literal["object_ref", "compiled_graph"]
+TransportName = Literal["object_ref", "compiled_graph", "collective"]
 
 
 class _Section(BaseModel):
@@ -55,8 +55,12 @@ class ClusterSection(_Section):
     num_workers: int = Field(3, ge=1, description="ExpertManager actors (one per GPU on GPU clusters)")
     num_gpus_per_worker: Literal[0, 1] = Field(0, description="1 pins each ExpertManager to a GPU")
     num_cpus_per_worker: float = Field(0.5, gt=0, description="CPU share per ExpertManager on CPU clusters")
+    master_gpus: Literal[0, 1] | None = Field(
+        None, description="GPUs of the master, which holds the backbone, its LoRA and optimizer state; None: 1 "
+                          "when the Ray cluster has a GPU beyond the workers', else 0")
     workers_per_node: int | None = Field(None, ge=1, description="workers per node, filled from the master's node")
-    transport: TransportName = Field("object_ref", description="how rows travel: Ray object refs or compiled graphs")
+    transport: TransportName = Field("object_ref", description="how rows travel: Ray object refs, compiled graphs, "
+                                     "or collective (torch.distributed point-to-point, no Ray task per layer)")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "

@@ -315,6 +315,20 @@ def check_cluster_resources(config: JobConfig, available: dict[str, float]) -> N
             "cluster.num_workers, or add nodes")
 
 
+def master_gpus(config: JobConfig, available: dict[str, float]) -> int:
+    """The master's GPU count: `cluster.master_gpus`, or 1 when the cluster has a GPU the workers leave
+    free. Call after `check_cluster_resources`; ValueError if an explicit 1 does not fit. Pure: no Ray."""
+    cluster = config.cluster
+    spare = float(available.get("GPU", 0.0)) - cluster.num_workers * cluster.num_gpus_per_worker
+    if cluster.master_gpus is None:
+        return 1 if spare >= 1 else 0
+    if cluster.master_gpus > spare:
+        raise ValueError(f"cluster.master_gpus {cluster.master_gpus} needs a GPU beyond the workers' "
+                         f"{cluster.num_workers * cluster.num_gpus_per_worker}, but the Ray cluster has "
+                         f"{float(available.get('GPU', 0.0)):g}; set cluster.master_gpus: 0 or free a GPU")
+    return cluster.master_gpus
+
+
 def _first_line(err: BaseException) -> str:
     """The first line of an exception's message: the errors shown here must stay one line."""
     text = str(err).strip()

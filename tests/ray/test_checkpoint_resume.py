@@ -70,9 +70,11 @@ def test_resume_continues_with_identical_losses_and_adapter(uninterrupted, tmp_p
     _assert_same_adapter(_adapter(summary), _adapter(uninterrupted["summary"]))
 
 
-def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(uninterrupted, tmp_path):
+@pytest.mark.parametrize("transport", ["object_ref", "collective"])
+def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(uninterrupted, tmp_path, transport):
     job = json.loads(json.dumps(uninterrupted["job"]))
     job["output"]["dir"] = str(tmp_path / "out")
+    job["cluster"]["transport"] = transport
     job["checkpoint"] = {"every": 2, "keep": 10}
     ckpt_root = tmp_path / "out" / "checkpoints"
     killed = {}
@@ -84,7 +86,7 @@ def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(unin
             if workers.is_file() and checkpoint.latest(ckpt_root) is not None:
                 pid = json.loads(workers.read_text())["pids"][1]
                 os.kill(pid, signal.SIGKILL)
-                killed["pid"] = pid
+                killed["pid"], killed["at"] = pid, time.monotonic()
                 return
             time.sleep(0.05)
 
@@ -92,8 +94,10 @@ def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(unin
     killer.start()
     with pytest.raises(WorkerLostError) as err:  # the actor's own error, not Ray's wrapper
         VelaJob(JobConfig.from_dict(job)).run()
+    stopped = time.monotonic()
     killer.join(timeout=10)
     assert killed, "the worker was never killed"
+    assert stopped - killed["at"] < 30  # a dead peer is noticed, never waited on until a timeout
     message = str(err.value)
     assert "ExpertManager worker(s) [1] died" in message
     last = checkpoint.latest(ckpt_root)

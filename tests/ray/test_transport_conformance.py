@@ -1,4 +1,4 @@
-"""One conformance suite for every Transport: in-process, Ray object refs, Ray compiled graph.
+"""One conformance suite for every Transport: in-process, Ray object refs, Ray compiled graph, collective.
 
 Each backend hosts the same synthetic experts under the same placement; the
 reference is one in-process ExpertShard holding all of them. The end-to-end
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from vela_ray.errors import ExpertWorkerError
-from actors.transports import CompiledGraphTransport, RayObjectRefTransport
+from actors.transports import CompiledGraphTransport, RayObjectRefTransport, collective_transport
 from actors.workers import actor_workers
 from tests.equivalence import LORA, OPTIM, build_pair, reference_adapter_state, run_both
 from tests.ray.helpers import (
@@ -31,8 +31,9 @@ from vela_ray.training.optim import ShardTrainer
 from vela_ray.training.step import ExpertWorkers, export
 from vela_ray.model.transport import ForwardRequest, InProcessTransport
 
-BACKENDS = ["in_process", "object_refs", "compiled_graph"]
-RAY_TRANSPORTS = {"object_refs": RayObjectRefTransport, "compiled_graph": CompiledGraphTransport}
+BACKENDS = ["in_process", "object_refs", "compiled_graph", "collective"]
+RAY_TRANSPORTS = {"object_refs": RayObjectRefTransport, "compiled_graph": CompiledGraphTransport,
+                  "collective": collective_transport}
 
 
 @dataclass

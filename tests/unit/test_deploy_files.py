@@ -17,7 +17,7 @@ import yaml
 from vela_ray.cli import build_parser
 from vela_ray.config import JobConfig
 from vela_ray.observability.metrics import METRICS, PROMETHEUS_PREFIX
-from vela_ray.preflight import check_cluster_resources
+from vela_ray.preflight import check_cluster_resources, master_gpus
 from vela_ray.training.tiny_model import tiny_model_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,14 +116,24 @@ def _rayjob_pods(rayjob: dict) -> list[dict]:
 
 
 def _assert_nodes_hold(job: JobConfig, nodes: list[Node]) -> None:
-    """The whole cluster holds every worker, and each node holds `workers_per_node` of them."""
-    check_cluster_resources(job, {r: sum(n.get(r, 0.0) for n in nodes) for r in ("CPU", "GPU")})
+    """The whole cluster holds the master's GPU (on the head, nodes[0]) and every worker, each worker's
+    bundle on one node (first fit, at most `workers_per_node` per node), as Ray places them."""
+    totals = {r: sum(n.get(r, 0.0) for n in nodes) for r in ("CPU", "GPU")}
+    check_cluster_resources(job, totals)
     cluster = job.cluster
+    free = [dict(n) for n in nodes]
+    free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(job, totals)
     per_node = cluster.workers_per_node or cluster.num_workers
-    assert per_node * len(nodes) >= cluster.num_workers, f"{len(nodes)} nodes x {per_node} workers"
-    for node in nodes:
-        assert node.get("GPU", 0) >= per_node * cluster.num_gpus_per_worker, node
-        assert node["CPU"] >= per_node * cluster.num_cpus_per_worker, node
+    placed = [0] * len(nodes)
+    for worker in range(cluster.num_workers):
+        node = next((i for i, n in enumerate(free) if placed[i] < per_node
+                     and n.get("GPU", 0.0) >= cluster.num_gpus_per_worker
+                     and n["CPU"] >= cluster.num_cpus_per_worker), None)
+        assert node is not None, f"worker {worker} fits no node: {free}"
+        free[node]["GPU"] = free[node].get("GPU", 0.0) - cluster.num_gpus_per_worker
+        free[node]["CPU"] -= cluster.num_cpus_per_worker
+        placed[node] += 1
+    assert free[0]["GPU"] >= 0, free
 
 
 def _mixtral_job(tmp_path: Path) -> JobConfig:

@@ -180,3 +180,19 @@ def test_vela_train_with_a_config_typo_imports_no_heavy_module(checkpoint, tmp_p
     assert result.returncode == 0, result.stderr
     assert "did you mean 'steps'" in result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_master_gets_a_gpu_the_workers_leave_free(tmp_path):
+    from vela_ray.preflight import master_gpus
+
+    def job(**cluster) -> JobConfig:
+        return JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_workers": 2, **cluster}))
+
+    assert master_gpus(job(), {"CPU": 8}) == 0
+    assert master_gpus(job(), {"CPU": 8, "GPU": 1}) == 1  # workers on CPUs: the GPU is the master's
+    assert master_gpus(job(num_gpus_per_worker=1), {"CPU": 8, "GPU": 2}) == 0
+    assert master_gpus(job(num_gpus_per_worker=1), {"CPU": 8, "GPU": 3}) == 1
+    assert master_gpus(job(master_gpus=0), {"CPU": 8, "GPU": 3}) == 0
+    with pytest.raises(ValueError, match=r"cluster\.master_gpus 1 needs a GPU beyond the workers' 2, but the Ray "
+                                         r"cluster has 2; set cluster\.master_gpus: 0"):
+        master_gpus(job(num_gpus_per_worker=1, master_gpus=1), {"CPU": 8, "GPU": 2})

@@ -10,7 +10,8 @@ transposed or interleaved layouts are the family's, never a re-implementation.
 Classes that follow transformers' experts contract (made with
 `use_experts_implementation`, run through grouped_mm/batched_mm) are computed as
 that contract says, with the class's own `_apply_gate` and LoRA kept low-rank,
-x W + s (x A^T) B^T (`LayerExperts._low_rank`); any other class runs its own
+x W + s (x A^T) B^T, as grouped matrix multiplies over rows sorted by expert
+(`LayerExperts._low_rank`, `grouped_mm`); any other class runs its own
 `forward` with peft's fold. LoRA is peft's math on the fused weight stacks
 (`LoraConfig(target_parameters=[...])`, `peft.tuners.lora.ParamWrapper`): each
 stack W [E, a, b] is used as
@@ -38,6 +39,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import re
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Mapping
 
@@ -162,6 +164,57 @@ def _num_experts(experts: nn.Module) -> int:
     return getattr(experts, stacks[0]).shape[0]
 
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_VERSION = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+
+
+def native_grouped_mm(x_RK: torch.Tensor, w_nKN: torch.Tensor) -> bool:
+    """Whether `grouped_mm(x_RK, w_nKN, offs)` runs on `torch._grouped_mm` (forward and backward); else it
+    loops over the experts in Python.
+
+    `torch._grouped_mm` where it computes both directions, from torch 2.9 on (before, it had no CPU kernel
+    and took bf16 on sm90 only: not worth a branch):
+    - CUDA sm80+, as transformers 5's grouped_mm experts decide (`transformers.integrations.moe.
+      _can_use_grouped_mm`). In bf16 on sm90/sm100 it is one CUTLASS kernel for all experts, no host sync;
+      other dtypes and devices run ATen's per-group loop: the Python fallback's loop, in C++.
+    - CPU: per-group BLAS calls in C++, forward and backward bitwise equal to the Python loop's in fp32
+      here. As fast as the per-expert code it replaced at OLMoE-like sizes (8 experts, ~250 rows each:
+      matmuls dominate; 0.97-1.05x its time, within this shared machine's noise), 0.81-0.85x with 32
+      small experts, where the loop's Python overhead shows (`benchmarks/expert_compute.py`, and with
+      `--hidden 512 --intermediate 256 --experts 32 --rows 1024`). Its backward rejects a broadcast
+      (expanded) gradient; `LayerExperts._low_rank` unsorts by indexing, whose gradient is dense.
+    - fp32, bf16, fp16 only; both kernels need 16-byte aligned data and strides: every dimension (in, out,
+      LoRA r) a multiple of 4 in fp32, 8 in bf16. x is contiguous (`grouped_mm` sees to it); w [n, K, N]
+      may be a transposed view, as weight stacks [n, N, K] and LoRA factors are.
+    Elsewhere (other devices, float64, odd sizes such as r=4 in bf16, torch < 2.9) a Python loop over the
+    experts: as fast as the per-expert code it replaced (0.96-1.06x, noise again). A padded `torch.bmm`
+    over [n, most rows, K] took 2.8x to 4x that time on CPU with skewed routing, computing the padding.
+    """
+    if not hasattr(torch, "_grouped_mm") or _TORCH_VERSION < (2, 9):
+        return False
+    if x_RK.device.type == "cuda":
+        device_ok = torch.cuda.get_device_capability(x_RK.device) >= (8, 0)
+    else:
+        device_ok = x_RK.device.type == "cpu"
+    alignment = 16 // x_RK.element_size()
+    return (device_ok and x_RK.dtype == w_nKN.dtype and w_nKN.dtype in _GROUPED_MM_DTYPES
+            and (w_nKN.is_contiguous() or w_nKN.transpose(-2, -1).is_contiguous())
+            and all(size % alignment == 0 for size in w_nKN.shape[1:])
+            and x_RK.data_ptr() % 16 == 0 and w_nKN.data_ptr() % 16 == 0)
+
+
+def grouped_mm(x_RK: torch.Tensor, w_nKN: torch.Tensor, offs_n: torch.Tensor) -> torch.Tensor:
+    """Rows times their expert's matrix: x [R, K] sorted by expert, expert i's rows ending at `offs_n[i]`
+    (int32, offs_n[-1] == R; an expert may have none), times w [n, K, N] -> [R, N]. Differentiable in x
+    and w; see `native_grouped_mm` for which implementation runs."""
+    x_RK = x_RK.contiguous()
+    if native_grouped_mm(x_RK, w_nKN):
+        return torch._grouped_mm(x_RK, w_nKN, offs=offs_n)
+    counts = torch.diff(offs_n, prepend=offs_n.new_zeros(1)).tolist()
+    # unbind, not w[i]: the gradient of n selects would be n zero-filled copies of the whole stack
+    return torch.cat([x_rK @ w_KN for x_rK, w_KN in zip(x_RK.split(counts), w_nKN.unbind(0))])
+
+
 class LayerExperts(nn.Module):
     """The shard's experts of one MoE layer: the family's experts class over them, plus their adapters."""
 
@@ -204,29 +257,38 @@ class LayerExperts(nn.Module):
     def _low_rank(self, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
         """transformers' experts contract (see `_follows_transformers_contract`) with LoRA kept low-rank:
         x W + s (x A^T) B^T per weight stack, the family's `_apply_gate` (or activation) between them.
-        Equal to peft's fold up to rounding, without its full-size weight gradient in backward."""
-        module = self.module
-        first = "gate_up_proj" if module.has_gate else "up_proj"
-        order_R = torch.argsort(local_R, stable=True)
-        counts = torch.bincount(local_R, minlength=len(self.expert_ids)).tolist()
-        pieces = []
-        for local, x_rD in enumerate(rows_RD[order_R].split(counts)):
-            if len(x_rD):
-                h = self._linear(first, local, x_rD)
-                h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-                pieces.append(self._linear("down_proj", local, h))
-        return torch.cat(pieces)[torch.argsort(order_R)]
+        Equal to peft's fold up to rounding, without its full-size weight gradient in backward.
 
-    def _linear(self, stack: str, local: int, x: torch.Tensor) -> torch.Tensor:
-        """One expert's projection by `stack` with its bias and LoRA: peft's W + s B A, applied low-rank."""
-        weight = getattr(self.module, stack)[local]
-        y = x @ weight if self.transposed else nn.functional.linear(x, weight)
+        As transformers' grouped_mm implementation: rows sorted by local expert, one grouped matrix
+        multiply per product (`grouped_mm`) instead of a Python loop over experts, and the gate applied
+        once to the whole sorted block (it works row by row)."""
+        module = self.module
+        order_R = torch.argsort(local_R, stable=True)
+        sorted_R = local_R[order_R]
+        offs = torch.cumsum(torch.bincount(local_R, minlength=len(self.expert_ids)), 0, dtype=torch.int32)
+        h = self._grouped_linear("gate_up_proj" if module.has_gate else "up_proj", rows_RD[order_R], sorted_R, offs)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        return self._grouped_linear("down_proj", h, sorted_R, offs)[torch.argsort(order_R)]
+
+    def _grouped_linear(self, stack: str, x_RI: torch.Tensor, local_R: torch.Tensor,
+                        offs: torch.Tensor) -> torch.Tensor:
+        """Each row's projection by its expert's `stack`, with bias and LoRA: peft's W + s B A, applied
+        low-rank. Rows are sorted by local expert (`local_R`); `offs` ends each expert's rows."""
+        weight = getattr(self.module, stack)
+        y_RO = grouped_mm(x_RI, weight if self.transposed else weight.transpose(-2, -1), offs)
         if getattr(self.module, "has_bias", False):
-            y = y + getattr(self.module, f"{stack}_bias")[local]
-        adapter, slot = self.adapters[str(self.expert_ids[local])], slot_name(stack)
-        low = nn.functional.linear(nn.functional.linear(x, getattr(adapter, f"lora_A_{slot}")),
-                                   getattr(adapter, f"lora_B_{slot}"))
-        return y + self.scaling * low
+            y_RO = y_RO + getattr(self.module, f"{stack}_bias")[local_R]
+        A_nrI, B_nOr = self._factors(slot_name(stack))
+        low_RO = grouped_mm(grouped_mm(x_RI, A_nrI.transpose(-2, -1), offs), B_nOr.transpose(-2, -1), offs)
+        return y_RO + self.scaling * low_RO
+
+    def _factors(self, slot: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local experts' LoRA factors of `slot`, stacked: A [n, r, in], B [n, out, r]. Stacked anew
+        each call, so gradients reach each expert's own parameters (optimizer state and checkpoints
+        are keyed by logical expert)."""
+        adapters = [self.adapters[str(e)] for e in self.expert_ids]
+        return (torch.stack([getattr(a, f"lora_A_{slot}") for a in adapters]),
+                torch.stack([getattr(a, f"lora_B_{slot}") for a in adapters]))
 
     def _grouped(self, adapted: dict, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
         """A "grouped" call: every local expert gets the same number of rows, zero-padded. A zero row gives
@@ -243,9 +305,7 @@ class LayerExperts(nn.Module):
 
     def _adapted(self, stack: str) -> torch.Tensor:
         """peft's fold of the LoRA update into the stack (see the module docstring)."""
-        slot = slot_name(stack)
-        A_ErI = torch.stack([getattr(self.adapters[str(e)], f"lora_A_{slot}") for e in self.expert_ids])
-        B_EOr = torch.stack([getattr(self.adapters[str(e)], f"lora_B_{slot}") for e in self.expert_ids])
+        A_ErI, B_EOr = self._factors(slot_name(stack))
         lhs, rhs = (A_ErI.transpose(-2, -1), B_EOr.transpose(-2, -1)) if self.transposed else (B_EOr, A_ErI)
         weight = getattr(self.module, stack)
         return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=self.scaling)

@@ -110,6 +110,21 @@ def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarra
     )
 
 
+def master_device(config: JobConfig) -> torch.device:
+    """Where the master keeps the backbone, its LoRA and optimizer state: its GPU with
+    `cluster.master_gpus: 1` (Ray gives the actor one), else the CPU."""
+    if not config.cluster.master_gpus:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("cluster.master_gpus is 1 but the master's process sees no CUDA device; set "
+                         "cluster.master_gpus: 0 or run it where Ray gives it a GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
 class JobRunner:
     """Runs one job over `pool`; see the module docstring for the stages."""
 
@@ -118,6 +133,7 @@ class JobRunner:
         self.config = config
         self.pool = pool
         self.metrics = metrics or MetricsSink()
+        self.device = master_device(config)
         self.should_stop = should_stop
         self.out_dir = Path(config.output.dir)
         self.state = RunState()
@@ -136,6 +152,7 @@ class JobRunner:
         try:
             master = build_master(backbone.model, table, hosted.transport, self.config.lora_spec,
                                   self.config.training.optimizer)
+            master.peft_model.to(self.device)  # after the brokers replaced the (unallocated) experts
             master.dispatcher.latency = self.metrics.latency
             hosted = self._settle_placement(backbone, master, hosted, table, resume)
             self._publish_placement(backbone)
@@ -318,7 +335,8 @@ class JobRunner:
         cfg = self.config.training
         counter = master.dispatcher.counter
         rows = batch_rows(backbone.train_set, step, cfg.batch_size, cfg.seed)
-        micro = micro_batches(backbone.train_set.rows(rows), cfg.micro_batch_size or cfg.batch_size)
+        micro = micro_batches(on_device(backbone.train_set.rows(rows), self.device),
+                              cfg.micro_batch_size or cfg.batch_size)
         tokens = int(backbone.train_set.attention_mask[rows].sum())  # padding excluded
         before, waited_before = counter.snapshot(), sum(master.dispatcher.round_trip_s.values())
         start = time.perf_counter()
@@ -357,7 +375,8 @@ class JobRunner:
 
     def _eval(self, backbone: Backbone, master: MasterModel) -> float:
         cfg = self.config.training
-        return eval_loss(master, list(sequential_batches(backbone.eval_set, cfg.batch_size, cfg.eval_batches)))
+        batches = sequential_batches(backbone.eval_set, cfg.batch_size, cfg.eval_batches)
+        return eval_loss(master, [on_device(batch, self.device) for batch in batches])
 
     def _save_checkpoint(self, master: MasterModel, hosted: HostedExperts, step: int) -> Path:
         """Atomic checkpoint of `step`: workers write their experts' parts in parallel, the master the rest."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,6 +192,29 @@ class ExpertManager:
             f"{what} failed with {type(exc).__name__}: {exc}. This worker hosts {hosted}; if the experts "
             "differ, the placement table and the spawned workers' keys disagree: build both from one Placement",
         )
+
+    def join_collective(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Join the master's data-plane group as rank `worker + 1` and serve rows on a thread of this
+        process until the master stops it (`vela_ray.model.collective`). Returns once joined: the
+        master's own join completes the group."""
+        from vela_ray.model import collective
+
+        self.leave_collective()
+        store = collective.make_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
+        group = collective.make_group(store, self.worker + 1, world_size, timeout_s)
+        self._serving = threading.Thread(target=collective.serve, args=(group, self), daemon=True,
+                                         name=f"vela-serve-{self.worker}")
+        self._serving.start()
+
+    def leave_collective(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the serving loop to end (after the master's stop); True if none is running."""
+        thread = getattr(self, "_serving", None)
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
+            self._serving = None
+        return True
 
     # -- control plane ----------------------------------------------------------------------
 

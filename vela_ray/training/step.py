@@ -231,9 +231,9 @@ def master_state(master: MasterModel) -> dict[str, torch.Tensor]:
     for name, param in master.peft_model.named_parameters():
         if not param.requires_grad:
             continue
-        tensors[name] = param.detach()
+        tensors[name] = param.detach().cpu()
         for slot, value in master.optimizer.state.get(param, {}).items():
-            tensors[f"{name}.{slot}"] = torch.as_tensor(value).detach()
+            tensors[f"{name}.{slot}"] = torch.as_tensor(value).detach().cpu()
     return tensors
 
 

@@ -1,0 +1,27 @@
+"""Through Ray: the master on the machine's GPU (given by default when the workers ask for none), two
+CPU ExpertManagers over the collective data plane (gloo); equal to plain peft on the GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from vela_ray.api import VelaJob
+from vela_ray.config import JobConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def test_master_on_gpu_with_cpu_workers_over_gloo_equals_peft(ray_session, tmp_path):
+    model_dir = make_checkpoint(tmp_path / "model")
+    job = job_dict(model_dir, tmp_path / "out", steps=4, cluster={"num_workers": 2, "transport": "collective"},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    config = JobConfig.from_dict(job)
+    summary = VelaJob(config).run()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["cluster"]["master_gpus"] == 1
+    ref_losses, _ = reference_losses(config, device="cuda")
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
