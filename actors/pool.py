@@ -1,7 +1,7 @@
 """RayWorkerPool: the job runner's `WorkerPool` over ExpertManager actors.
 
 Workers are spawned with one placement-group bundle each (`actors.cluster`), the data
-plane is a Ray transport (object refs or a compiled graph), and links and compute are
+plane is a Ray transport (object refs, or the collective plane formed through Ray), and links and compute are
 measured by the PlacementService on the master's node. A dead actor shows up as a
 `RayActorError`; `lost_workers` pings every worker to name the dead ones.
 """
@@ -16,7 +16,7 @@ import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, spawn_expert_managers
 from actors.placement_service import spawn_placement_service
-from actors.transports import CompiledGraphTransport, RayObjectRefTransport, collective_transport, data_plane_env
+from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
 from actors.workers import actor_workers
 from vela_ray.model.collective import PeerLostError
 from vela_ray.config import JobConfig
@@ -49,9 +49,7 @@ class RayWorkerPool:
         self.cluster = spawn_expert_managers(manager_specs(self.config, table, device),
                                              self.spawn_config)
         tiers = self.cluster.worker_tiers(self.master_node)
-        if self.config.cluster.transport == "compiled_graph":
-            self.transport = CompiledGraphTransport(self.cluster.handles, tiers)
-        elif self.config.cluster.transport == "collective":
+        if self.config.cluster.transport == "collective":
             self.transport = collective_transport(self.cluster.handles, tiers)
         else:
             self.transport = RayObjectRefTransport(self.cluster.handles, tiers,

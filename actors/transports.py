@@ -8,12 +8,10 @@ conformance suite (tests/ray/test_transport_conformance.py):
 - `collective_transport(...)`: forms a torch.distributed group with the ExpertManagers
   through Ray once, then rows travel point-to-point with no Ray task per layer
   (`vela_ray.model.collective.CollectiveTransport`).
-- `CompiledGraphTransport`: a Ray compiled graph (`ray.dag`, experimental API, so
-  it is contained in this class): shared-memory channels on CPU, NCCL for the
-  results on GPU. One graph serves forward and backward: every worker gets one
-  message per call (`ForwardRequest`, `BackwardRequest`, or None when it has no
-  rows), so the graph has a fixed shape. Call `close()` when done: an open graph
-  pins its actors' execution loops and shared memory.
+
+A Ray compiled-graph transport lived here until the collective plane beat it on the
+same fan-out (0.58x its round trip, `benchmarks/data_plane.py`, results of commit
+4d4c48f): one concept, one place.
 
     transport = RayObjectRefTransport(handles, link_tiers(master_node, nodes))
     outputs = transport.forward({0: ForwardRequest(...), 2: ForwardRequest(...)})
@@ -22,14 +20,12 @@ conformance suite (tests/ray/test_transport_conformance.py):
 from __future__ import annotations
 
 import logging
-from typing import Hashable, Literal, Sequence
+from typing import Hashable, Sequence
 
 import ray
 import torch
-from ray.dag import InputNode, MultiOutputNode
 
 from vela_ray.model.collective import CollectiveTransport, make_group, make_store
-from vela_ray.training.expert_manager import BackwardRequest, WorkerMessage
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import ForwardRequest
 
@@ -61,10 +57,6 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
         return tensor
     return tensor.clone()
-
-
-def compact_request(request: ForwardRequest) -> ForwardRequest:
-    return ForwardRequest(request.layer, compact(request.expert_ids), compact(request.rows), request.key)
 
 
 def _check_tiers(handles: Sequence, worker_tiers: Sequence[LinkTier]) -> list[LinkTier]:
@@ -133,72 +125,3 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
                 pass
 
     return CollectiveTransport(group, tiers, timeout_s, on_close=join_serving_loops)
-
-
-class CompiledGraphTransport:
-    """A Ray compiled graph with one `ExpertManager.execute` node per worker.
-
-    `tensor_transport`: "shm" (values are pickled into shared-memory channels;
-    GPU workers copy their results to the CPU first) or "nccl" (results stay on
-    the workers' GPUs and come back over NCCL, so the caller must hold a GPU
-    too). The caller must be a Ray driver or actor that is not one of the workers.
-
-    While the graph is open, every worker's execution loop polls its input
-    channel: about a third of a CPU core per worker even when idle (measured with
-    Ray 2.60 on CPU). Give each worker its own core, and close the graph when
-    the workers are not training.
-    """
-
-    def __init__(
-        self,
-        handles: Sequence,
-        worker_tiers: Sequence[LinkTier],
-        timeout_s: float = 300.0,
-        buffer_size_bytes: int = 64 << 20,
-        tensor_transport: Literal["shm", "nccl"] = "shm",
-    ):
-        self.handles = list(handles)
-        self.num_workers = len(self.handles)
-        self.tiers = _check_tiers(self.handles, worker_tiers)
-        self.timeout_s = timeout_s
-        self._graph = _compile(self.handles, timeout_s, buffer_size_bytes, tensor_transport)
-        logger.info("compiled graph over %d expert workers (%s)", self.num_workers, tensor_transport)
-
-    def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
-        return self._run({w: compact_request(req) for w, req in requests.items()})
-
-    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        return self._run({w: BackwardRequest(key, compact(grad)) for w, grad in grads.items()})
-
-    def worker_tiers(self) -> list[LinkTier]:
-        return self.tiers
-
-    def close(self) -> None:
-        """Tear the graph down (idempotent); the actors stay alive for ordinary calls."""
-        if self._graph is not None:
-            graph, self._graph = self._graph, None
-            graph.teardown()
-
-    def _run(self, messages: dict[int, WorkerMessage]) -> dict[int, torch.Tensor]:
-        if self._graph is None:
-            raise RuntimeError("CompiledGraphTransport is closed; build a new one to send rows again")
-        ref = self._graph.execute(*[messages.get(w) for w in range(self.num_workers)])
-        outputs = ray.get(ref, timeout=self.timeout_s)
-        return {w: outputs[w] for w in messages}
-
-    def __enter__(self) -> "CompiledGraphTransport":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _compile(handles: list, timeout_s: float, buffer_size_bytes: int, tensor_transport: str):
-    """MultiOutputNode([worker_n.execute(input[n]) for each worker n]), compiled."""
-    with InputNode() as messages:
-        on_device = tensor_transport == "nccl"
-        outputs = [handle.execute.bind(messages[n], on_device) for n, handle in enumerate(handles)]
-        if on_device:
-            outputs = [out.with_tensor_transport(transport="nccl") for out in outputs]
-        graph = MultiOutputNode(outputs)
-    return graph.experimental_compile(_submit_timeout=timeout_s, _buffer_size_bytes=buffer_size_bytes)

@@ -10,11 +10,13 @@ T tokens, top-2: ~R/N rows of D floats per worker), through:
                       results ride inside the task RPC
     inline_zero_copy  + RAY_ENABLE_ZERO_COPY_TORCH_TENSORS (the object-ref default,
                       `actors.transports.data_plane_env`)
-    compiled_graph    CompiledGraphTransport (shared-memory channels)
     collective        the collective data plane: torch.distributed (gloo) point-to-point to
                       each ExpertManager's serving loop (`vela_ray.model.collective`)
     raw_p2p           the floor: the same experts in plain processes, the same rows over
                       gloo point-to-point with no headers, no Ray, shapes known in advance
+
+The compiled-graph transport was measured here too (78 ms against the collective plane's
+45 ms, results/data_plane.json of commit 4d4c48f) and removed for it.
 
 Each setting runs in its own subprocess with its own local Ray (the Ray variables are
 read when a Ray process starts); settings alternate over `--rounds` so that a burst
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_plane.json"
-SETTINGS = ("ray_default", "inline", "inline_zero_copy", "compiled_graph", "collective", "raw_p2p")
+SETTINGS = ("ray_default", "inline", "inline_zero_copy", "collective", "raw_p2p")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,11 +86,9 @@ def specs(args) -> tuple:
 
 
 def transport_for(setting: str, cluster):
-    from actors.transports import CompiledGraphTransport, RayObjectRefTransport, collective_transport
+    from actors.transports import RayObjectRefTransport, collective_transport
 
     tiers = cluster.worker_tiers()
-    if setting == "compiled_graph":
-        return CompiledGraphTransport(cluster.handles, tiers)
     if setting == "collective":
         return collective_transport(cluster.handles, tiers)
     return RayObjectRefTransport(cluster.handles, tiers, zero_copy=setting == "inline_zero_copy")

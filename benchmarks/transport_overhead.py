@@ -7,7 +7,7 @@ ExpertBroker runs forward (dispatch + experts + gather + combine) and backward
 
     in_process       shards in this process (the model side's InProcessTransport)
     object_refs      Ray actors, one .remote per worker + ray.get (RayObjectRefTransport)
-    compiled_graph   Ray actors behind a compiled graph, shared-memory channels
+    collective       Ray actors serving rows over torch.distributed point-to-point (gloo)
 
 A second table puts the broker (in-process transport) next to the original
 `MixtralExperts` module in one process, with peft LoRA on its fused weights
@@ -40,7 +40,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from actors.cluster import spawn_expert_managers
 from vela_ray.training.expert_manager import ExpertManagerSpec
-from actors.transports import CompiledGraphTransport, RayObjectRefTransport
+from actors.transports import RayObjectRefTransport, collective_transport
 from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.transport import InProcessTransport
@@ -154,8 +154,11 @@ def run_transports(weights: dict, table: torch.Tensor, lora: LoraSpec, experts: 
         results = {"in_process": time_broker(InProcessTransport(shards), table, inputs, args)}
         tiers = cluster.worker_tiers()
         results["object_refs"] = time_broker(RayObjectRefTransport(cluster.handles, tiers), table, inputs, args)
-        with CompiledGraphTransport(cluster.handles, tiers, buffer_size_bytes=256 << 20) as graph:
-            results["compiled_graph"] = time_broker(graph, table, inputs, args)
+        collective = collective_transport(cluster.handles, tiers)
+        try:
+            results["collective"] = time_broker(collective, table, inputs, args)
+        finally:
+            collective.close()
     finally:
         cluster.shutdown()
     base = results["in_process"]["total_ms"]

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vela_ray.preflight import Preflight
 
 Solver = Literal["improved", "vela", "sequential", "random", "file"]
-TransportName = Literal["object_ref", "compiled_graph", "collective"]
+TransportName = Literal["object_ref", "collective"]
 
 
 class _Section(BaseModel):
@@ -59,8 +59,8 @@ class ClusterSection(_Section):
         None, description="GPUs of the master, which holds the backbone, its LoRA and optimizer state; None: 1 "
                           "when the Ray cluster has a GPU beyond the workers', else 0")
     workers_per_node: int | None = Field(None, ge=1, description="workers per node, filled from the master's node")
-    transport: TransportName = Field("object_ref", description="how rows travel: Ray object refs, compiled graphs, "
-                                     "or collective (torch.distributed point-to-point, no Ray task per layer)")
+    transport: TransportName = Field("object_ref", description="how rows travel: Ray object refs, or collective "
+                                     "(torch.distributed point-to-point, no Ray task per layer)")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "

@@ -1,7 +1,7 @@
 """Ray fixtures: one local Ray instance per session, a shared synthetic cluster, per-test pools.
 
 Tests that need their own actors spawn them through `ray_pool`, which tears
-them down (compiled graphs first) when the test ends.
+them down (transports first) when the test ends.
 """
 
 from __future__ import annotations

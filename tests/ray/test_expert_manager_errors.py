@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from vela_ray.errors import ExpertWorkerError
-from actors.transports import CompiledGraphTransport, RayObjectRefTransport
+from actors.transports import RayObjectRefTransport, collective_transport
 from tests.ray.helpers import HIDDEN, TIMEOUT_S, synthetic_placement
 from vela_ray.model.transport import ForwardRequest
 
-TRANSPORTS = {"object_refs": RayObjectRefTransport, "compiled_graph": CompiledGraphTransport}
+TRANSPORTS = {"object_refs": RayObjectRefTransport, "collective": collective_transport}
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))

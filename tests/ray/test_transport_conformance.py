@@ -1,4 +1,4 @@
-"""One conformance suite for every Transport: in-process, Ray object refs, Ray compiled graph, collective.
+"""One conformance suite for every Transport: in-process, Ray object refs, collective (torch.distributed).
 
 Each backend hosts the same synthetic experts under the same placement; the
 reference is one in-process ExpertShard holding all of them. The end-to-end
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from vela_ray.errors import ExpertWorkerError
-from actors.transports import CompiledGraphTransport, RayObjectRefTransport, collective_transport
+from actors.transports import RayObjectRefTransport, collective_transport
 from actors.workers import actor_workers
 from tests.equivalence import LORA, OPTIM, build_pair, reference_adapter_state, run_both
 from tests.ray.helpers import (
@@ -31,9 +31,8 @@ from vela_ray.training.optim import ShardTrainer
 from vela_ray.training.step import ExpertWorkers, export
 from vela_ray.model.transport import ForwardRequest, InProcessTransport
 
-BACKENDS = ["in_process", "object_refs", "compiled_graph", "collective"]
-RAY_TRANSPORTS = {"object_refs": RayObjectRefTransport, "compiled_graph": CompiledGraphTransport,
-                  "collective": collective_transport}
+BACKENDS = ["in_process", "object_refs", "collective"]
+RAY_TRANSPORTS = {"object_refs": RayObjectRefTransport, "collective": collective_transport}
 
 
 @dataclass
@@ -80,8 +79,7 @@ def reference() -> ExpertShard:
 def backend(request, reference) -> Backend:
     """A fresh transport over the synthetic experts: same adapters as `reference`, no grads, no saved graphs.
 
-    Function-scoped so that a compiled graph is open only during its own tests: an
-    open graph's workers poll their channels and would slow every other test.
+    Function-scoped so that a collective group's serving loops run only during its own tests.
     """
     if request.param == "in_process":
         built = _in_process_backend()

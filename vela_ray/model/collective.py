@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import traceback
 from dataclasses import dataclass
 from typing import Any, Hashable, Protocol
 
@@ -128,8 +129,9 @@ def _reply(group: dist.ProcessGroup, compute, like: torch.Tensor) -> None:
         if result.shape != like.shape:
             raise RuntimeError(f"result has shape {tuple(result.shape)}, the request {tuple(like.shape)}")
         message = None
-    except Exception as exc:  # sent to the master, raised there as ExpertWorkerError
+    except Exception as exc:  # sent to the master, raised there as ExpertWorkerError, traceback included
         text = exc.message if isinstance(exc, ExpertWorkerError) else f"{type(exc).__name__}: {exc}"
+        text += "\n" + "".join(traceback.format_exception(exc.__cause__ or exc))
         result, message = torch.zeros_like(like), torch.tensor(list(text.encode()), dtype=torch.uint8)
     status = STATUS_OK if message is None else STATUS_ERROR
     group.send([_header(status, 0 if message is None else len(message))], 0, TAG_REPLY).wait()
@@ -186,7 +188,8 @@ class CollectiveTransport:
         if key_id is None and not grads:  # the forward sent no rows anywhere: nothing was saved
             return {}
         if key_id is None:
-            raise KeyError(f"no forward saved under {key!r}: backward called twice or without forward")
+            raise ExpertWorkerError(min(grads), f"backward of key {key!r}: no forward was saved under it "
+                                                "(backward called twice or without forward)")
         sends = []
         for worker, grad in grads.items():
             grad = grad.cpu().contiguous()

@@ -6,7 +6,8 @@ issue them concurrently (Ray: one remote call or channel write per worker,
 then wait for all). Backends:
 
 - `InProcessTransport` here: shards live in the master's process (tests, one-GPU runs);
-- Ray object refs and compiled-graph channels in `actors/transports.py`.
+- Ray object refs in `actors/transports.py`;
+- torch.distributed point-to-point in `vela_ray.model.collective` (formed through Ray).
 
 All backends pass the same conformance suite (tests/ray/test_transport_conformance.py).
 """

@@ -15,13 +15,15 @@ Zero redundancy: the manager reads its own experts from the checkpoint
 (`vela_ray.model.loading.read_experts`, memory-mapped); the master never sends expert
 weights. Tests may pass in-memory `weights` instead of a `model_dir`.
 
-Data plane: `forward`, `backward` (Ray object refs) and `execute` (one message
-per compiled-graph call, see `actors.transports`). Control plane: `grad_sq_norm`,
+Data plane: `forward`, `backward` (Ray object refs), or `join_collective`: a serving
+loop on a thread of this process, answering the master over torch.distributed
+(`vela_ray.model.collective`). Control plane: `grad_sq_norm`,
 `step`, `zero_grad`, `lora_state`, `load_lora_state` (and `lora_grads` for tests).
 Topology and sizing: `node_id`, `pid`, `bytes_per_expert`, `capacity`, `ping`.
 
 Any failure in the data plane is re-raised as `ExpertWorkerError` naming this
-worker and the (layer, expert) keys involved; Ray adds the worker's traceback.
+worker and the (layer, expert) keys involved, with the worker's traceback (Ray adds it,
+the collective plane sends it along).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Hashable, Literal
 
@@ -95,17 +96,6 @@ class ExpertManagerSpec(BaseModel):
         return self
 
 
-@dataclass(frozen=True)
-class BackwardRequest:
-    """d(outputs) [R, D] for the forward this worker saved under `key`."""
-
-    key: Hashable
-    grad: torch.Tensor
-
-
-WorkerMessage = ForwardRequest | BackwardRequest | None  # None: nothing for this worker in this call
-
-
 def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
     """The spec's experts as {(layer, expert): {parameter: slice}} and each layer's experts prototype."""
     dtype = _DTYPES[spec.dtype] if spec.dtype else None
@@ -148,20 +138,6 @@ class ExpertManager:
 
     def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         return self._backward(key, grad)
-
-    def execute(self, message: WorkerMessage, on_device: bool = False) -> torch.Tensor | None:
-        """One compiled-graph call: a forward, a backward, or nothing (None).
-
-        Results come back on the CPU, or stay on this worker's device with `on_device`
-        (a graph whose results travel over NCCL).
-        """
-        if message is None:
-            return None
-        if isinstance(message, ForwardRequest):
-            out = self._forward(message)
-        else:
-            out = self._backward(message.key, message.grad)
-        return out if on_device else out.cpu()
 
     def _forward(self, request: ForwardRequest) -> torch.Tensor:
         self.received_bytes += request.rows.numel() * request.rows.element_size()
