@@ -111,9 +111,10 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
     """
     tiers = _check_tiers(handles, worker_tiers)
     world_size = len(handles) + 1
-    store = make_store(ray.util.get_node_ip_address(), 0, world_size, is_master=True, timeout_s=join_timeout_s)
+    address = ray.util.get_node_ip_address()
+    store = make_store(address, 0, world_size, is_master=True, timeout_s=join_timeout_s)
     joins = [h.join_collective.remote(store.host, store.port, world_size, join_timeout_s) for h in handles]
-    group = make_group(store, 0, world_size, join_timeout_s)
+    group = make_group(store, 0, world_size, join_timeout_s, address)
     ray.get(joins, timeout=join_timeout_s)
     logger.info("collective data plane (gloo) over %d expert workers", len(handles))
 

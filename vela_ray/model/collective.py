@@ -26,7 +26,6 @@ after `timeout_s`. Gloo moves CPU tensors; results come back on the CPU.
 from __future__ import annotations
 
 import datetime
-import gc
 import logging
 import traceback
 from dataclasses import dataclass
@@ -66,9 +65,17 @@ def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group of its own (not torch's default group): blocks until every rank has joined."""
-    return dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
+def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+               address: str = "127.0.0.1") -> dist.ProcessGroup:
+    """A gloo group of its own (not torch's default group): blocks until every rank has joined.
+
+    `address` is this process's own address as the others reach it (its Ray node's IP): gloo's
+    default resolves the hostname, which is the loopback on many machines and containers, and
+    peers on other nodes would dial their own loopback."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 def _header(*values: int) -> torch.Tensor:
@@ -207,8 +214,8 @@ class CollectiveTransport:
         if self._closed:
             return
         if self._broken:
-            self._closed, self.group = True, None
-            gc.collect()  # the group's sockets close with it
+            group, self._closed, self.group = self.group, True, None
+            group.abort()  # closes its sockets: the others' loops end
             return
         for worker in range(self.num_workers):
             try:
