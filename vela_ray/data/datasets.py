@@ -44,6 +44,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vela_ray.data.examples import IGNORE_INDEX, Example, packed_rows, padded_rows
+from vela_ray.data.records import as_object, load_records
 
 if TYPE_CHECKING:  # torch and transformers load inside the functions: `vela_ray.config` imports
     import torch   # DataConfig, and a config typo must be reported without paying their import
@@ -289,12 +290,6 @@ class InstructExample:
     output: str
 
 
-def _as_object(value: object, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _string_field(record: dict, name: str, where: str, required: bool) -> str:
     value = record.get(name)
     if value is None:
@@ -313,14 +308,14 @@ def _parse_instances(record: dict, instruction: str, where: str) -> list[Instruc
         raise ValueError(f"{where}: field 'instances' must be a non-empty list, got {instances!r:.60}")
     examples = []
     for i, instance in enumerate(instances):
-        instance = _as_object(instance, f"{where} instance {i}")
+        instance = as_object(instance, f"{where} instance {i}")
         examples.append(InstructExample(instruction, _string_field(instance, "input", f"{where} instance {i}", False),
                                         _string_field(instance, "output", f"{where} instance {i}", True)))
     return examples
 
 
 def _parse_record(record: object, where: str) -> list[InstructExample]:
-    record = _as_object(record, where)
+    record = as_object(record, where)
     instruction = _string_field(record, "instruction", where, required=True)
     if not instruction.strip():
         raise ValueError(f"{where}: field 'instruction' is empty")
@@ -334,8 +329,6 @@ def load_instruct_examples(path: Path, limit: int | None = None,
                            columns: dict[str, str] | None = None) -> list[InstructExample]:
     """Examples from an Alpaca-style records file (`vela_ray.data.records` formats; seed-task `instances`
     are expanded in order). `columns` maps instruction/input/output to the file's own column names."""
-    from vela_ray.data.records import load_records
-
     examples: list[InstructExample] = []
     for index, record in enumerate(load_records(path, columns, limit)):
         examples.extend(_parse_record(record, f"{path}: record {index}"))
@@ -450,7 +443,6 @@ class DataConfig(BaseModel):
 
     def _chat_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
         from vela_ray.data.chat import conversation_of, encode_chat
-        from vela_ray.data.records import load_records
 
         records = load_records(self.path, self.columns, self.limit)
         if not records:

@@ -151,11 +151,12 @@ def _check_jsonl(path: Path) -> BuildOptions | None:
 
 def _check_objects(path: Path, records: list[object]) -> BuildOptions | None:
     for index, record in enumerate(records):
-        _as_object(record, f"{path}: record {index}")
+        as_object(record, f"{path}: record {index}")
     return {} if records else None
 
 
-def _as_object(value: object, where: str) -> dict:
+def as_object(value: object, where: str) -> dict:
+    """`value` if it is a JSON object (dict); else one line naming `where`."""
     if not isinstance(value, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
     return value

@@ -53,10 +53,10 @@ class PeerLostError(RuntimeError):
 
     def __init__(self, worker: int, cause: str):
         super().__init__(f"expert worker {worker}: the collective data plane lost it ({cause})")
-        self.worker = worker
+        self.worker, self.cause = worker, cause
 
     def __reduce__(self):
-        return (type(self), (self.worker, str(self).split("(", 1)[-1].rstrip(")")))
+        return (type(self), (self.worker, self.cause))
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
