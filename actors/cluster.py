@@ -84,18 +84,7 @@ def spawn_expert_managers(
     config = config or SpawnConfig(**options)
     _check_specs(specs, config)
     pg = reserve_bundles(len(specs), config)
-    remote_cls = ray.remote(ExpertManager)
-    handles = [
-        remote_cls.options(
-            num_cpus=config.num_cpus_per_worker,
-            num_gpus=config.num_gpus_per_worker,
-            max_restarts=0,
-            max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=n),
-            **({"runtime_env": {"env_vars": config.env_vars}} if config.env_vars else {}),
-        ).remote(spec)
-        for n, spec in enumerate(specs)
-    ]
+    handles = [_start_actor(spec, pg, config) for spec in specs]
     try:
         node_ids = ray.get([h.node_id.remote() for h in handles], timeout=config.ready_timeout_s)
     except ray.exceptions.GetTimeoutError as exc:
@@ -104,6 +93,35 @@ def spawn_expert_managers(
                            "`ready_timeout_s` if loading the experts is slow") from exc
     logger.info("spawned %d expert workers on %d nodes", len(handles), len(set(node_ids)))
     return ExpertCluster(handles, node_ids, pg)
+
+
+def respawn_expert_managers(cluster: ExpertCluster, specs: Sequence[ExpertManagerSpec],
+                            config: SpawnConfig) -> None:
+    """Start a new actor for each spec in its worker's bundle (whose resources the dead actor freed),
+    in place in `cluster`; the other workers are untouched."""
+    for spec in specs:
+        ray.kill(cluster.handles[spec.worker], no_restart=True)  # dead already, or hung: make sure
+        cluster.handles[spec.worker] = _start_actor(spec, cluster.placement_group, config)
+    try:
+        nodes = ray.get([cluster.handles[s.worker].node_id.remote() for s in specs], timeout=config.ready_timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise ClusterError(f"replacement ExpertManagers {[s.worker for s in specs]} not up after "
+                           f"{config.ready_timeout_s} s") from exc
+    for spec, node in zip(specs, nodes):
+        cluster.node_ids[spec.worker] = node
+    logger.info("replaced expert workers %s", [s.worker for s in specs])
+
+
+def _start_actor(spec: ExpertManagerSpec, pg: PlacementGroup, config: SpawnConfig) -> Any:
+    """ExpertManager `spec.worker` as an actor in bundle `spec.worker` of `pg`."""
+    return ray.remote(ExpertManager).options(
+        num_cpus=config.num_cpus_per_worker,
+        num_gpus=config.num_gpus_per_worker,
+        max_restarts=0,
+        max_task_retries=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.worker),
+        **({"runtime_env": {"env_vars": config.env_vars}} if config.env_vars else {}),
+    ).remote(spec)
 
 
 def _check_specs(specs: Sequence[ExpertManagerSpec], config: SpawnConfig) -> None:

@@ -14,13 +14,15 @@ from typing import Any
 import numpy as np
 import ray
 
-from actors.cluster import ExpertCluster, SpawnConfig, spawn_expert_managers
+from actors.cluster import ExpertCluster, SpawnConfig, respawn_expert_managers, spawn_expert_managers
 from actors.placement_service import spawn_placement_service
 from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
 from actors.workers import actor_workers
 from vela_ray.model.collective import PeerLostError
 from vela_ray.config import JobConfig
+from vela_ray.runtime.migration import MigrationPlan
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
+from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
 from vela_ray.training.summary import LinkRecord
 
 logger = logging.getLogger(__name__)
@@ -42,12 +44,19 @@ class RayWorkerPool:
             master_node=master_node if cluster.workers_per_node else None, env_vars=self.env_vars)
         self.cluster: ExpertCluster | None = None
         self.transport: Any = None
+        self.table: np.ndarray | None = None
 
     def start(self, table: np.ndarray) -> HostedExperts:
         self.close()
-        device = "cuda" if self.config.cluster.num_gpus_per_worker else "cpu"
-        self.cluster = spawn_expert_managers(manager_specs(self.config, table, device),
-                                             self.spawn_config)
+        self.table = np.array(table)
+        self.cluster = spawn_expert_managers(self._specs(), self.spawn_config)
+        return self._connect()
+
+    def _specs(self) -> list[ExpertManagerSpec]:
+        return manager_specs(self.config, self.table, "cuda" if self.config.cluster.num_gpus_per_worker else "cpu")
+
+    def _connect(self) -> HostedExperts:
+        """The control plane and a fresh data plane over the current actors."""
         tiers = self.cluster.worker_tiers(self.master_node)
         if self.config.cluster.transport == "collective":
             self.transport = collective_transport(self.cluster.handles, tiers)
@@ -55,6 +64,33 @@ class RayWorkerPool:
             self.transport = RayObjectRefTransport(self.cluster.handles, tiers,
                                                    zero_copy=self.config.cluster.zero_copy_tensors)
         return HostedExperts(actor_workers(self.cluster.handles), self.transport, self.cluster.node_ids)
+
+    def migrate(self, table: np.ndarray) -> list[MigrationStats]:
+        """Worker-to-worker: each receiver gets its senders' object refs, so the state travels from the
+        sender's object store to the receiver's without passing through the master."""
+        plan = MigrationPlan.between(self.table, table)
+        handles = self.cluster.handles
+        sent = {pair: handles[pair[0]].expert_states.remote(keys) for pair, keys in plan.by_pair().items()}
+        stats = ray.get([handles[n].rehost.remote(plan.keys_of(n), *[sent[p] for p in plan.senders_to(n)])
+                         for n in plan.touched()])
+        self.table = plan.new_LE
+        return stats
+
+    def replace(self, workers: list[int]) -> HostedExperts:
+        """New actors for `workers` in their bundles; the data plane is formed again over all workers
+        (a collective group cannot take a new member)."""
+        if self.transport is not None:
+            self._close_transport()
+        specs = self._specs()
+        respawn_expert_managers(self.cluster, [specs[n] for n in workers], self.spawn_config)
+        return self._connect()
+
+    def _close_transport(self) -> None:
+        try:
+            self.transport.close()
+        except Exception as exc:  # a broken group may fail to close; the new one replaces it anyway
+            logger.warning("closing the old data plane after a lost worker: %s", exc)
+        self.transport = None
 
     def measure_links(self) -> list[LinkRecord]:
         service = spawn_placement_service(self.master_node, self.env_vars)
@@ -66,11 +102,14 @@ class RayWorkerPool:
     def measure_compute(self, num_rows: int) -> list[float]:
         return fill_unmeasured(ray.get([h.seconds_per_row.remote(num_rows) for h in self.cluster.handles]))
 
-    def capacities(self) -> list[int]:
+    def bytes_per_expert(self) -> int:
         handles = self.cluster.handles
         hosting = [h for h, n in zip(handles, ray.get([h.num_experts.remote() for h in handles])) if n]
-        per_expert = ray.get(hosting[0].bytes_per_expert.remote())
-        return capacity_from_memory(ray.get([h.free_bytes.remote() for h in handles]), per_expert)
+        return ray.get(hosting[0].bytes_per_expert.remote())
+
+    def capacities(self) -> list[int]:
+        handles = self.cluster.handles
+        return capacity_from_memory(ray.get([h.free_bytes.remote() for h in handles]), self.bytes_per_expert())
 
     def pids(self) -> list[int]:
         return ray.get([h.pid.remote() for h in self.cluster.handles])

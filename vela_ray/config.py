@@ -71,6 +71,24 @@ class ClusterSection(_Section):
     master_threads: int | None = Field(
         None, ge=1, description="torch threads of the master's CPU work; None: Ray's default (1). More threads "
                                 "speed up the backbone but their idle spinning slows workers that share the cores")
+    on_worker_loss: Literal["stop", "recover"] = Field(
+        "stop", description="stop: end the run naming the checkpoint to resume from; recover: start a new "
+                            "ExpertManager in its place, roll every worker and the master back to the last "
+                            "checkpoint (one is written at the start), replay the steps since and go on")
+    max_recoveries: int = Field(3, ge=1, description="in-place recoveries per run before stopping as with `stop`")
+
+
+class ReplanSection(_Section):
+    """Online re-placement: re-solve when routing drifts, move experts only when it pays."""
+
+    every: int = Field(0, ge=0, description="check the drift every N steps, on the routing of those N steps; "
+                                            "0: keep the first placement")
+    drift_threshold: float = Field(
+        0.1, ge=0, le=1, description="mean TV distance (over layers) of the recent routing from the profile "
+                                     "the placement was solved for that triggers a re-solve")
+    horizon_steps: int | None = Field(
+        None, ge=1, description="steps a new placement's saving is counted over against the migration's cost; "
+                                "None: the steps left in the run")
 
 
 class PlacementSection(_Section):
@@ -84,6 +102,7 @@ class PlacementSection(_Section):
         "communication", description="what placement minimises: the paper's communication time, or communication "
         "plus each worker's measured expert compute per row (keeps a fast link from overloading its worker)")
     seed: int = 0
+    replan: ReplanSection = Field(default_factory=ReplanSection)
 
     @model_validator(mode="after")
     def _file_given(self) -> "PlacementSection":

@@ -62,13 +62,17 @@ class ExpertDispatcher:
         self.round_trip_s = {"forward": 0.0, "backward": 0.0}
         self._keys = itertools.count()
 
-    def rebind(self, expert_to_worker, transport: Transport) -> None:
-        """Point every broker at a new placement and transport (after re-placing the experts)."""
+    def rebind(self, expert_to_worker, transport: Transport | None = None) -> None:
+        """Point every broker at a new placement table (after a migration), and at a new transport if
+        given (after lost workers were replaced). One assignment each, between steps; the traffic
+        counts go on unless the worker count changed."""
         table = torch.as_tensor(expert_to_worker, dtype=torch.long)
         if table.shape != self.expert_to_worker.shape:
             raise ValueError(f"new placement is {tuple(table.shape)}, expected {tuple(self.expert_to_worker.shape)}")
+        transport = transport or self.transport
+        if transport.num_workers != self.transport.num_workers:
+            self.counter = TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers())
         self.expert_to_worker, self.transport = table, transport
-        self.counter = TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers())
 
     @property
     def num_experts(self) -> int:

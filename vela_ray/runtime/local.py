@@ -16,8 +16,9 @@ import numpy as np
 from vela_ray.config import JobConfig
 from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import InProcessTransport
+from vela_ray.runtime.migration import MigrationPlan
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
-from vela_ray.training.expert_manager import ExpertManager
+from vela_ray.training.expert_manager import ExpertManager, MigrationStats
 from vela_ray.training.step import ExpertWorkers
 from vela_ray.training.summary import LinkRecord
 
@@ -29,24 +30,47 @@ class InProcessPool:
 
     master_node = LOCAL_NODE
 
-    def __init__(self, config: JobConfig):
+    def __init__(self, config: JobConfig, links: list[LinkRecord] | None = None):
+        """`links`: report these instead of function calls' (an emulated cluster's, for placement tests)."""
         self.config = config
+        self.links = links
         self.managers: list[ExpertManager] = []
+        self.table: np.ndarray | None = None
 
     def start(self, table: np.ndarray) -> HostedExperts:
         self.managers = [ExpertManager(spec) for spec in manager_specs(self.config, table)]
+        self.table = np.array(table)
+        return self._hosted()
+
+    def _hosted(self) -> HostedExperts:
         return HostedExperts(ExpertWorkers.in_process(self.managers), InProcessTransport(self.managers),
                              [LOCAL_NODE] * len(self.managers))
 
+    def migrate(self, table: np.ndarray) -> list[MigrationStats]:
+        plan = MigrationPlan.between(self.table, table)
+        sent = {pair: self.managers[pair[0]].expert_states(keys) for pair, keys in plan.by_pair().items()}
+        stats = [self.managers[n].rehost(plan.keys_of(n), *[sent[pair] for pair in plan.senders_to(n)])
+                 for n in plan.touched()]
+        self.table = plan.new_LE
+        return stats
+
+    def replace(self, workers: list[int]) -> HostedExperts:
+        specs = manager_specs(self.config, self.table)
+        for n in workers:
+            self.managers[n] = ExpertManager(specs[n])
+        return self._hosted()
+
     def measure_links(self) -> list[LinkRecord]:
-        return [IN_PROCESS_LINK] * len(self.managers)
+        return list(self.links) if self.links else [IN_PROCESS_LINK] * len(self.managers)
 
     def measure_compute(self, num_rows: int) -> list[float]:
         return fill_unmeasured([m.seconds_per_row(num_rows) for m in self.managers])
 
+    def bytes_per_expert(self) -> int:
+        return next(m.bytes_per_expert() for m in self.managers if m.keys)
+
     def capacities(self) -> list[int]:
-        per_expert = next(m.bytes_per_expert() for m in self.managers if m.keys)
-        return capacity_from_memory([m.free_bytes() for m in self.managers], per_expert)
+        return capacity_from_memory([m.free_bytes() for m in self.managers], self.bytes_per_expert())
 
     def pids(self) -> list[int]:
         return [os.getpid()] * len(self.managers)

@@ -17,7 +17,7 @@ import numpy as np
 from vela_ray.config import JobConfig
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import Transport
-from vela_ray.training.expert_manager import ExpertManagerSpec
+from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
 from vela_ray.training.step import ExpertWorkers
 from vela_ray.training.summary import LinkRecord
 
@@ -42,6 +42,16 @@ class WorkerPool(Protocol):
         """(Re)start the workers so that worker n hosts the experts `table` gives n."""
         ...
 
+    def migrate(self, table: np.ndarray) -> list[MigrationStats]:
+        """Move the experts whose worker differs in `table` between the live workers
+        (`vela_ray.runtime.migration`); the workers, their control and data planes stay."""
+        ...
+
+    def replace(self, workers: list[int]) -> HostedExperts:
+        """Start new workers in place of the lost `workers`, hosting the same experts (fresh state:
+        the caller loads a checkpoint); returns the planes over the survivors and the new ones."""
+        ...
+
     def measure_links(self) -> list[LinkRecord]:
         """The master's link to each worker."""
         ...
@@ -52,6 +62,10 @@ class WorkerPool(Protocol):
 
     def capacities(self) -> list[int]:
         """Experts each worker could hold in its free device memory (measured, before any config cap)."""
+        ...
+
+    def bytes_per_expert(self) -> int:
+        """Device bytes one hosted expert takes (frozen weights, LoRA, its gradient and AdamW moments)."""
         ...
 
     def pids(self) -> list[int]:

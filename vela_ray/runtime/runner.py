@@ -4,11 +4,15 @@ Stages of `JobRunner.run()`:
   1. resume point verified; nothing is written before (a refused resume leaves no trace);
   2. tokenizer, data split and backbone loaded (`Backbone`); `config.json` written;
   3. `pool.start(table)`: workers host the resumed placement, or the sequential one;
-  4. settle the placement: the profile (measured through the brokers, read from a file, or
-     uniform), links, compute and capacities from the pool, `placement_problem` (pure),
-     solve; restart the workers if the placement moved and rebind the brokers;
+  4. settle the placement: the profile (measured through the brokers, the checkpoint's own on
+     an elastic resume, read from a file, or uniform), links, compute and capacities from the
+     pool, `placement_problem` (pure), solve; move the experts that changed worker between the
+     live workers (`vela_ray.runtime.migration`) and swap the brokers' table;
   5. start state (checkpoint or init adapter), then train: `train_step` per step, a
-     checkpoint every `checkpoint.every` steps and at the end, eval loss, metrics;
+     checkpoint every `checkpoint.every` steps and at the end, eval loss, metrics; every
+     `placement.replan.every` steps a re-solve on the recent routing when it drifted, adopted
+     only when its saving pays for the migration; a lost worker replaced in place and the run
+     rolled back to the last checkpoint with `cluster.on_worker_loss: recover`;
   6. export the peft adapter, write `summary.json` (a `RunSummary`) and `report.html`.
 
 The MasterActor (`actors.master`) is a thin shell that runs this over `RayWorkerPool`;
@@ -34,20 +38,26 @@ from placement import Placement, PlacementProblem, sequential_table, solve
 from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, sequential_batches
-from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model
+from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model, total_variation
 from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.observability.report import write_report
+from vela_ray.runtime.migration import (
+    MigrationPlan, estimated_seconds_per_expert, migration_record, replan, seconds_per_moved_expert,
+)
 from vela_ray.runtime.pool import HostedExperts, WorkerPool
 from vela_ray.training import checkpoint
 from vela_ray.training.optim import lr_at
 from vela_ray.training.step import (
     MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state, train_step,
 )
-from vela_ray.training.summary import DataRecord, LinkRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown
+from vela_ray.training.summary import (
+    DataRecord, LinkRecord, MigrationRecord, PlacementRecord, RecoveryRecord, ReplanRecord, RunSummary, StepRecord,
+    step_breakdown,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +94,18 @@ class RunState:
 
     plan: Placement | None = None
     problem: PlacementProblem | None = None
+    version: int = 1  # of the placement; each adopted re-placement adds one
+    placed_probs: np.ndarray | None = None  # [L, E] the profile the current placement was solved for
     links: list[LinkRecord] = field(default_factory=list)
     start_step: int = 0
     history: list[StepRecord] = field(default_factory=list)
     last_checkpoint: Path | None = None
     tokens_routed_LE: np.ndarray | None = None
+    routed_at_checkpoint: np.ndarray | None = None  # tokens_routed_LE when last_checkpoint was written
     timings_s: dict[str, float | list[float]] = field(default_factory=dict)
+    migrations: list[MigrationRecord] = field(default_factory=list)
+    replans: list[ReplanRecord] = field(default_factory=list)
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
 
 
 def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
@@ -154,10 +170,10 @@ class JobRunner:
                                   self.config.training.optimizer)
             master.peft_model.to(self.device)  # after the brokers replaced the (unallocated) experts
             master.dispatcher.latency = self.metrics.latency
-            hosted = self._settle_placement(backbone, master, hosted, table, resume)
+            self._settle_placement(backbone, master, hosted, table, resume)
             self._publish_placement(backbone)
             self.state.start_step = self._load_start_state(master, hosted, resume)
-            self._train(backbone, master, hosted)
+            hosted = self._train(backbone, master, hosted)
             export(master, hosted.workers, self.out_dir / "adapter")
             summary = self._summary(master, hosted)
             summary.report = str((self.out_dir / "report.html").resolve())
@@ -208,48 +224,51 @@ class JobRunner:
     def _load_start_state(self, master: MasterModel, hosted: HostedExperts, resume: dict | None) -> int:
         """Adapters and optimizer state to start from; returns the first step to run."""
         if resume:
-            hosted.workers.load_checkpoint(str(resume["path"]))
-            load_master_state(master, checkpoint.read_tensors(resume["path"] / "backbone.safetensors"))
-            return int(resume["manifest"]["step"])
+            return self._restore(master, hosted, resume["path"])
         if self.config.lora.init_adapter:
             import_adapter(master, hosted.workers, self.config.lora.init_adapter)
         return 0
 
+    def _restore(self, master: MasterModel, hosted: HostedExperts, path: Path) -> int:
+        """Every adapter, AdamW state and the RNG as checkpoint `path` saved them; returns its step."""
+        hosted.workers.load_checkpoint(str(path))
+        tensors = checkpoint.read_tensors(path / "backbone.safetensors")
+        load_master_state(master, tensors)
+        if "rng.torch" in tensors:
+            torch.set_rng_state(tensors["rng.torch"])
+        return int(checkpoint.verify(path, checksums=False)["step"])
+
     # --- placement -------------------------------------------------------------------------
 
     def _settle_placement(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts, table: np.ndarray,
-                          resume: dict | None) -> HostedExperts:
-        """Profile, measure and solve (or keep a resumed run's placement); restart the workers if it moved."""
+                          resume: dict | None) -> None:
+        """Profile, measure and solve (or keep a resumed run's placement); move the experts that changed worker."""
         start = time.perf_counter()
         saved = self._saved_placement(resume)
+        self.state.placed_probs = self._saved_profile(resume)
         if saved:
             self.state.plan = saved
         else:
-            self.state.plan = self._place(backbone, master, hosted)
+            self.state.plan = self._place(backbone, master, hosted, resume)
+            self.state.placed_probs = self.state.problem.probs
         if self.state.plan.expert_to_worker != table.tolist():
-            self.pool.close()
-            hosted = self.pool.start(self.state.plan.as_array())
-            master.dispatcher.rebind(self.state.plan.as_array(), hosted.transport)
+            self._migrate(master, self.state.plan.as_array(), step=int(resume["manifest"]["step"]) if resume else 0,
+                          reason="start")
         self.state.timings_s["placement_s"] = time.perf_counter() - start
-        (self.out_dir / "workers.json").write_text(json.dumps(
-            {"pids": self.pool.pids(), "nodes": hosted.node_ids, "master_pid": os.getpid()}))
+        self._write_workers(hosted)
         self.state.plan.to_json(self.out_dir / "placement.json")
         logger.info("placement %s: %s experts per worker", self.state.plan.solver,
                     np.bincount(self.state.plan.as_array().ravel(), minlength=self.config.cluster.num_workers).tolist())
         return hosted
 
-    def _place(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts) -> Placement:
+    def _write_workers(self, hosted: HostedExperts) -> None:
+        """`workers.json`: where each worker's process runs (operators and tests signal them by pid)."""
+        (self.out_dir / "workers.json").write_text(json.dumps(
+            {"pids": self.pool.pids(), "nodes": hosted.node_ids, "master_pid": os.getpid()}))
+
+    def _place(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts, resume: dict | None) -> Placement:
         cfg = self.config
-        probs = self._profile(backbone, master)
-        self.state.links = self.pool.measure_links()
-        compute = None
-        if cfg.placement.cost_model == "communication+compute":  # rows a worker gets per layer, on average
-            rows = max(1, cfg.training.batch_size * cfg.data.seq_len * top_k_of(backbone.model)
-                       // cfg.cluster.num_workers)
-            compute = self.pool.measure_compute(rows)
-        problem = placement_problem(cfg, backbone, probs, self.state.links, self._capacities(backbone),
-                                    hosted.node_ids, self.pool.master_node, compute)
-        self.state.problem = problem
+        problem = self.state.problem = self._problem(backbone, hosted, self._profile(backbone, master, resume))
         if cfg.placement.solver == "file":
             return Placement.from_json(cfg.placement.file, problem)
         plan = solve(problem, cfg.placement.solver, seed=cfg.placement.seed)
@@ -257,9 +276,33 @@ class JobRunner:
                     plan.expected_step_time, plan.lower_bound)
         return plan
 
-    def _profile(self, backbone: Backbone, master: MasterModel) -> np.ndarray | None:
-        """P [L, E] to place by: measured through the brokers, read from a file, or None (uniform)."""
+    def _problem(self, backbone: Backbone, hosted: HostedExperts, probs: np.ndarray | None) -> PlacementProblem:
+        """This job's placement problem for profile `probs`; links, compute and capacities measured once."""
+        cfg = self.config
+        if not self.state.links:
+            self.state.links = self.pool.measure_links()
+        compute = self.state.problem.compute_seconds_per_row if self.state.problem else None
+        if compute is None and cfg.placement.cost_model == "communication+compute":
+            rows = max(1, cfg.training.batch_size * cfg.data.seq_len * top_k_of(backbone.model)
+                       // cfg.cluster.num_workers)  # rows a worker gets per layer, on average
+            compute = self.pool.measure_compute(rows)
+        capacities = self.state.problem.capacities if self.state.problem else self._capacities(backbone)
+        return placement_problem(cfg, backbone, probs, self.state.links, capacities, hosted.node_ids,
+                                 self.pool.master_node, compute)
+
+    @staticmethod
+    def _saved_profile(resume: dict | None) -> np.ndarray | None:
+        saved = resume["trainer"].get("profile") if resume else None
+        return None if saved is None else np.asarray(saved, dtype=np.float64)
+
+    def _profile(self, backbone: Backbone, master: MasterModel, resume: dict | None) -> np.ndarray | None:
+        """P [L, E] to place by: measured through the brokers, read from a file, or None (uniform).
+        A resume with another worker count re-places by the profile its checkpoint was placed for."""
         spec = self.config.placement.profile
+        saved = self._saved_profile(resume)
+        if saved is not None:
+            logger.info("re-placing for %d workers by the checkpoint's own profile", self.config.cluster.num_workers)
+            return saved
         if spec == "uniform":
             return None
         if spec != "measure":
@@ -282,26 +325,96 @@ class JobRunner:
 
     def _publish_placement(self, backbone: Backbone) -> None:
         """Placement metrics, and the drift tracker against the profile it was solved for."""
-        problem, plan = self.state.problem, self.state.plan
+        problem, plan, probs = self.state.problem, self.state.plan, self.state.placed_probs
         record = PlacementRecord.of(plan, problem, self.config.placement.cost_model)
-        self.metrics.set_placement(1, plan.expert_to_worker, self.config.cluster.num_workers,
-                                   probs_LE=None if problem is None else problem.probs,
-                                   expected_comm_time_s=record.expected_comm_time_s)
-        self.drift = None if problem is None else DriftTracker(problem.probs, top_k_of(backbone.model))
+        self.metrics.set_placement(self.state.version, plan.expert_to_worker, self.config.cluster.num_workers,
+                                   probs_LE=probs, expected_comm_time_s=record.expected_comm_time_s)
+        self.drift = None if probs is None else DriftTracker(probs, top_k_of(backbone.model))
+
+    def _migrate(self, master: MasterModel, table: np.ndarray, *, step: int, reason: str,
+                 expected_saving_s: float | None = None, expected_cost_s: float | None = None) -> None:
+        """Move the experts whose worker changes to `table` between the live workers; swap the brokers' table."""
+        plan = MigrationPlan.between(master.dispatcher.expert_to_worker.numpy(), table)
+        start = time.perf_counter()
+        stats = self.pool.migrate(table)
+        master.dispatcher.rebind(table)
+        if reason != "start":
+            self.state.version += 1
+        record = migration_record(plan, stats, time.perf_counter() - start, step=step, reason=reason,
+                                  version=self.state.version, expected_saving_s=expected_saving_s,
+                                  expected_cost_s=expected_cost_s)
+        self.state.migrations.append(record)
+        logger.info("placement v%d (%s): moved %d experts between live workers in %.2f s (%.3g MB of LoRA/AdamW "
+                    "state, %.3g MB of weights read)", record.version, reason, record.moved, record.seconds,
+                    record.state_bytes / 1e6, record.frozen_bytes / 1e6)
+
+    def _maybe_replan(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts, done: int) -> None:
+        """Every `replan.every` steps: when the recent routing drifted from the placed profile, re-solve on
+        it and move the experts if the expected saving over the horizon beats the migration's cost."""
+        cfg, steps = self.config.placement.replan, self.config.training.steps
+        if not cfg.every or done % cfg.every or done >= steps or self.drift is None \
+                or self.drift.num_steps < cfg.every:
+            return
+        top_k = top_k_of(backbone.model)
+        recent = self.drift.probs(window=cfg.every)[-1]
+        drift = float(total_variation(recent, self.drift.initial_LE, top_k).mean())
+        if drift < cfg.drift_threshold:
+            return
+        problem = self._problem(backbone, hosted, recent)
+        solver = "improved" if self.config.placement.solver == "file" else self.config.placement.solver
+        candidate = solve(problem, solver, seed=self.config.placement.seed)
+        decision = replan(problem, self.state.plan.as_array(), candidate.as_array(),
+                          cfg.horizon_steps or steps - done, self._seconds_per_expert())
+        self.state.replans.append(ReplanRecord(
+            step=done, drift=drift, moved=decision.moved, current_step_s=decision.current_step_s,
+            candidate_step_s=decision.candidate_step_s, horizon_steps=decision.horizon_steps,
+            expected_saving_s=decision.expected_saving_s, expected_cost_s=decision.expected_cost_s,
+            adopted=decision.adopt))
+        logger.info("step %d: routing drifted %.3f from the placed profile; a re-placement would move %d experts "
+                    "and save %.3g s over %d steps for %.3g s of migration: %s", done, drift, decision.moved,
+                    decision.expected_saving_s, decision.horizon_steps, decision.expected_cost_s,
+                    "adopted" if decision.adopt else "kept the placement")
+        if not decision.adopt:
+            return
+        self._migrate(master, candidate.as_array(), step=done, reason="drift",
+                      expected_saving_s=decision.expected_saving_s, expected_cost_s=decision.expected_cost_s)
+        self.state.plan, self.state.problem, self.state.placed_probs = candidate, problem, recent
+        self._publish_placement(backbone)
+        candidate.to_json(self.out_dir / "placement.json")
+
+    def _seconds_per_expert(self) -> float:
+        """A migration's expected seconds per moved expert: as measured in this run, but never less than
+        the link model's (all of an expert's bytes over the slowest link: emulated links are not timed)."""
+        slowest = min(link.bandwidth_bytes_per_s for link in self.state.links)
+        modelled = estimated_seconds_per_expert(self.pool.bytes_per_expert(), slowest)
+        return max(modelled, seconds_per_moved_expert(self.state.migrations) or 0.0)
 
     # --- training --------------------------------------------------------------------------
 
-    def _train(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts) -> None:
+    def _train(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts) -> HostedExperts:
+        """The training loop; returns the workers it ended with (replacements included)."""
         cfg = self.config.training
         master.dispatcher.counter.reset()
         self.state.last_checkpoint = checkpoint.latest(self.config.checkpoint_root)
+        start = self.state.start_step
+        if self.config.cluster.on_worker_loss == "recover" and (start == 0 or not self._checkpointed(start)):
+            self.state.last_checkpoint = self._save_checkpoint(master, hosted, start)  # to roll back to
         received_before, compute_before = hosted.workers.received(), hosted.workers.compute_seconds()
         routing = RoutingRecorder(backbone.blocks, top_k_of(backbone.model), record_confidence=False).attach()
         train_start = time.perf_counter()
+        step = self.state.start_step
         try:
-            for step in range(self.state.start_step, cfg.steps):
-                self._guarded(hosted, step, lambda: self._step(backbone, master, hosted, routing, step))
-                self._stop_if_asked(master, hosted, step + 1)
+            while step < cfg.steps:
+                try:
+                    self._guarded(hosted, step, lambda: self._step(backbone, master, hosted, routing, step))
+                except WorkerLostError as lost:
+                    hosted, step = self._recover(lost, master, step)
+                    received_before, compute_before = hosted.workers.received(), hosted.workers.compute_seconds()
+                    routing.take_counts()  # the failed step's partial routing
+                    continue
+                step += 1
+                self._stop_if_asked(master, hosted, step)
+                self._maybe_replan(backbone, master, hosted, step)
         finally:
             routing.detach()
         self.state.timings_s["train_s"] = time.perf_counter() - train_start
@@ -311,6 +424,36 @@ class JobRunner:
         self.received = [a - b for a, b in zip(hosted.workers.received(), received_before)]
         self.state.timings_s["worker_compute_s"] = [
             a - b for a, b in zip(hosted.workers.compute_seconds(), compute_before)]
+        return hosted
+
+    def _checkpointed(self, step: int) -> bool:
+        last = self.state.last_checkpoint
+        return last is not None and last.name == f"step-{step:06d}"
+
+    def _recover(self, lost: WorkerLostError, master: MasterModel, step: int) -> tuple[HostedExperts, int]:
+        """`on_worker_loss: recover`: new workers in place of the lost ones, everyone back to the last
+        checkpoint; returns the new workers and the step to go on from (the steps since are replayed).
+        Re-raises `lost` when recovery is off, used up, or has no checkpoint of this run to go back to."""
+        cluster, last = self.config.cluster, self.state.last_checkpoint
+        if cluster.on_worker_loss != "recover" or len(self.state.recoveries) >= cluster.max_recoveries \
+                or last is None:
+            raise lost
+        start = time.perf_counter()
+        logger.warning("expert worker(s) %s lost during step %d: replacing them and rolling back to %s",
+                       lost.workers, step + 1, last)
+        hosted = self.pool.replace(lost.workers)
+        self._write_workers(hosted)
+        master.dispatcher.rebind(master.dispatcher.expert_to_worker, hosted.transport)
+        master.optimizer.zero_grad(set_to_none=False)  # the failed step's partial gradients
+        hosted.workers.zero_grad()  # ... and the survivors' (their saved graphs go with them)
+        done = self._restore(master, hosted, last)
+        self.state.history = [h for h in self.state.history if h.step <= done]
+        self.state.tokens_routed_LE = self.state.routed_at_checkpoint
+        self.state.recoveries.append(RecoveryRecord(step=step + 1, workers=lost.workers, checkpoint_step=done,
+                                                    seconds=time.perf_counter() - start))
+        logger.warning("recovered in %.2f s; replaying steps %d..%d", self.state.recoveries[-1].seconds,
+                       done + 1, step + 1)
+        return hosted, done
 
     def _guarded(self, hosted: HostedExperts, step: int, work: Callable[[], None]) -> None:
         """Run `work`; a lost worker becomes a WorkerLostError naming it and the checkpoint to resume from."""
@@ -390,9 +533,12 @@ class JobRunner:
             "step": step, "data_position": step, "total_steps": cfg.training.steps,
             "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),
             "placement": self.state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
+            "profile": None if self.state.placed_probs is None else np.asarray(self.state.placed_probs).tolist(),
         })
         hosted.workers.save_checkpoint_parts(str(staging))
         final = checkpoint.finalize(staging, step, self._checkpoint_meta(), keep=cfg.checkpoint.keep)
+        routed = self.state.tokens_routed_LE
+        self.state.routed_at_checkpoint = None if routed is None else routed.copy()
         logger.info("checkpoint %s written in %.2f s", final, time.perf_counter() - start)
         return final
 
@@ -416,4 +562,5 @@ class JobRunner:
             adapter_dir=str((self.out_dir / "adapter").resolve()),
             checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
             data=DataRecord.of(self.config.data, self.backbone.train_set),
+            migrations=state.migrations, replans=state.replans, recoveries=state.recoveries,
         )

@@ -53,6 +53,8 @@ from vela_ray.model.transport import ForwardRequest
 logger = logging.getLogger(__name__)
 
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
+# LoRA factors and AdamW slots of each expert, named as in a checkpoint part ("lora_A_up", "lora_A_up.exp_avg")
+ExpertStates = dict[ExpertKey, dict[str, torch.Tensor]]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Per LoRA parameter the worker keeps the value, its gradient and AdamW's two moments.
@@ -96,6 +98,17 @@ class ExpertManagerSpec(BaseModel):
         return self
 
 
+class MigrationStats(BaseModel):
+    """What one worker's `rehost` took in: experts that arrived, their state over the wire, weights read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    worker: int
+    arrived: int = Field(description="experts this worker now hosts that it did not before")
+    state_bytes: int = Field(description="LoRA + AdamW bytes received from the experts' old workers")
+    frozen_bytes: int = Field(description="frozen expert weights read from the model's checkpoint")
+
+
 def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
     """The spec's experts as {(layer, expert): {parameter: slice}} and each layer's experts prototype."""
     dtype = _DTYPES[spec.dtype] if spec.dtype else None
@@ -111,16 +124,22 @@ class ExpertManager:
     def __init__(self, spec: ExpertManagerSpec):
         silence_known_warnings()  # an actor process: Ray is imported by now, so the filters stay in front
         self.worker = spec.worker
-        self.keys: list[ExpertKey] = sorted(spec.keys)
+        self.spec = spec
         self.device = torch.device(spec.device)
-        weights, prototypes = load_expert_weights(spec)
-        self.shard = ExpertShard.from_weights(weights, spec.lora, prototypes, seed=spec.seed).to(self.device)
-        # A placement may leave a worker without experts; torch's AdamW refuses an empty parameter list.
-        self.trainer = ShardTrainer(self.shard, spec.optim) if self.keys else None
-        self.dtype = next(iter(next(iter(weights.values())).values())).dtype if weights else torch.float32
+        weights, self.prototypes = load_expert_weights(spec)
+        self._host(weights)
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
         self.compute_s = 0.0  # wall seconds spent in expert forward/backward (the data plane's arithmetic)
         logger.info("expert worker %d: hosting %d experts on %s", self.worker, len(self.keys), self.device)
+
+    def _host(self, weights: ExpertWeights) -> None:
+        """Build the shard and its AdamW over exactly `weights`' experts (fresh LoRA and optimizer state)."""
+        self.keys: list[ExpertKey] = sorted(weights)
+        self.shard = ExpertShard.from_weights(weights, self.spec.lora, self.prototypes,
+                                              seed=self.spec.seed).to(self.device)
+        # A placement may leave a worker without experts; torch's AdamW refuses an empty parameter list.
+        self.trainer = ShardTrainer(self.shard, self.spec.optim) if self.keys else None
+        self.dtype = next(iter(next(iter(weights.values())).values())).dtype if weights else torch.float32
 
     # -- data plane -------------------------------------------------------------------------
 
@@ -243,11 +262,58 @@ class ExpertManager:
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Load LoRA and AdamW state of the experts this worker hosts, whichever worker wrote them."""
         path = Path(checkpoint_dir)
-        states = checkpoint.read_expert_states(path, checkpoint.verify(path, checksums=False), self.keys)
+        self._load_states(checkpoint.read_expert_states(path, checkpoint.verify(path, checksums=False), self.keys))
+
+    def _load_states(self, states: ExpertStates) -> None:
+        """LoRA factors (names without a dot) and AdamW slots ("<factor>.<slot>") of every hosted expert."""
         self.shard.load_lora_state({k: {n: v for n, v in s.items() if "." not in n} for k, s in states.items()})
         if self.trainer:
             self.trainer.load_optimizer_state({k: {n: v for n, v in s.items() if "." in n}
                                                for k, s in states.items()})
+
+    # -- live migration (vela_ray.runtime.migration): between steps, with no graph in flight -----
+
+    def expert_states(self, keys: list[ExpertKey]) -> ExpertStates:
+        """LoRA factors and AdamW state of `keys`, on the CPU, named as in a checkpoint part:
+        everything an expert carries when it moves to another worker (its frozen weights do not)."""
+        keys = [tuple(k) for k in keys]
+        missing = [k for k in keys if k not in self.keys]
+        if missing:
+            raise ExpertWorkerError(self.worker, f"cannot send experts {missing[:8]}: not hosted here")
+        lora, optim = self.lora_state(), self.trainer.optimizer_state() if self.trainer else {}
+        return {k: {**lora[k], **{n: v.cpu() for n, v in optim.get(k, {}).items()}} for k in keys}
+
+    def rehost(self, keys: list[ExpertKey], *incoming: ExpertStates) -> MigrationStats:
+        """Host exactly `keys` from now on: experts staying keep their weights and state, arriving ones
+        read their frozen weights from the model's checkpoint (as at spawn) and take LoRA and AdamW
+        state from `incoming` (their old workers' `expert_states`), leaving ones are dropped."""
+        keys = sorted(tuple(k) for k in keys)
+        arriving = [k for k in keys if k not in self.keys]
+        states: ExpertStates = {}
+        for part in incoming:
+            states.update(part)
+        missing = [k for k in arriving if k not in states]
+        if missing:
+            raise ExpertWorkerError(self.worker, f"rehost: no LoRA/AdamW state sent for arriving experts "
+                                                 f"{missing[:8]}; send each old worker's expert_states")
+        staying = [k for k in keys if k in self.keys]
+        leaving = len(self.keys) - len(staying)
+        states.update(self.expert_states(staying))
+        kept = self.shard.weights()
+        weights = {k: kept[k] for k in staying}
+        if arriving:
+            if self.spec.weights is not None and any(k not in self.spec.weights for k in arriving):
+                raise ExpertWorkerError(self.worker, "rehost: this worker was built from in-memory `weights` "
+                                                     "that lack arriving experts; give it a `model_dir`")
+            weights.update(load_expert_weights(self.spec.model_copy(update={"keys": arriving}))[0])
+        self.shard.release()
+        self._host(weights)
+        self._load_states({k: states[k] for k in keys})
+        received = sum(t.numel() * t.element_size() for k in arriving for t in states[k].values())
+        frozen = sum(t.numel() * t.element_size() for k in arriving for t in weights[k].values())
+        logger.info("expert worker %d: now hosting %d experts (%d arrived, %d left)", self.worker, len(keys),
+                    len(arriving), leaving)
+        return MigrationStats(worker=self.worker, arrived=len(arriving), state_bytes=received, frozen_bytes=frozen)
 
     # -- topology and sizing ----------------------------------------------------------------
 

@@ -101,6 +101,52 @@ class PlacementRecord(_Record):
         return cost.worker_bytes(self.problem, self.table)
 
 
+class MigrationRecord(_Record):
+    """Experts moved between live workers (`vela_ray.runtime.migration`)."""
+
+    step: int
+    """Steps done when it happened (0: at the job's start)."""
+    reason: Literal["start", "drift"]
+    version: int
+    """The placement version it installed (1: the job's first placement)."""
+    moved: int
+    state_bytes: int
+    """LoRA + AdamW bytes sent worker to worker."""
+    frozen_bytes: int
+    """Frozen expert weights the receivers read from the model's checkpoint."""
+    seconds: float
+    expected_saving_s: float | None = None
+    """Drift re-placements: the cost model's saving over the horizon, on the recent routing."""
+    expected_cost_s: float | None = None
+
+
+class ReplanRecord(_Record):
+    """A re-solve the drift tracker triggered, adopted or not."""
+
+    step: int
+    drift: float
+    """Mean over layers of the TV distance between the recent routing and the placed profile."""
+    moved: int
+    current_step_s: float
+    candidate_step_s: float
+    horizon_steps: int
+    expected_saving_s: float
+    expected_cost_s: float
+    adopted: bool
+
+
+class RecoveryRecord(_Record):
+    """A lost worker replaced in place (`cluster.on_worker_loss: recover`)."""
+
+    step: int
+    """The step that failed."""
+    workers: list[int]
+    checkpoint_step: int
+    """Where the run rolled back to; steps after it were replayed."""
+    seconds: float
+    """From the failure to the state restored (the replayed steps excluded)."""
+
+
 class DataRecord(_Record):
     """The training rows a run saw: how they were laid out and how much of them is padding."""
 
@@ -152,6 +198,9 @@ class RunSummary(_Record):
     control_bytes: int | None = None
     """Expert-parallel baseline only: the [N, E] count exchanges before each all-to-all."""
     data: DataRecord | None = None
+    migrations: list[MigrationRecord] = Field(default_factory=list)
+    replans: list[ReplanRecord] = Field(default_factory=list)
+    recoveries: list[RecoveryRecord] = Field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
