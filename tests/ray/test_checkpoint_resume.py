@@ -120,3 +120,41 @@ def test_resume_with_another_lora_rank_is_refused(uninterrupted, tmp_path):
     job["lora"] = {"r": 4}
     with pytest.raises(ValueError, match=r"lora_r: checkpoint 8 vs this job 4"):
         VelaJob(JobConfig.from_dict(job).with_resume("latest")).run()
+
+
+@pytest.mark.parametrize("transport", ["object_ref", "collective"])
+def test_a_killed_expert_manager_is_replaced_in_place_and_the_run_finishes_as_if_nothing_happened(
+        uninterrupted, tmp_path, transport):
+    job = json.loads(json.dumps(uninterrupted["job"]))
+    job["output"]["dir"] = str(tmp_path / "out")
+    job["cluster"].update(transport=transport, on_worker_loss="recover")
+    job["checkpoint"] = {"every": 2, "keep": 10}
+    ckpt_root = tmp_path / "out" / "checkpoints"
+    killed = {}
+
+    def kill_worker_after_step_two():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            workers = tmp_path / "out" / "workers.json"
+            if workers.is_file() and (ckpt_root / "step-000002").is_dir():
+                time.sleep(0.2)  # mid-step 3 or 4: the run must roll back and replay
+                pid = json.loads(workers.read_text())["pids"][1]
+                os.kill(pid, signal.SIGKILL)
+                killed["pid"] = pid
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_worker_after_step_two, daemon=True)
+    killer.start()
+    summary = VelaJob(JobConfig.from_dict(job)).run()
+    killer.join(timeout=10)
+    assert killed, "the worker was never killed"
+
+    [recovery] = summary.recoveries
+    assert recovery.workers == [1] and recovery.checkpoint_step in (2, 4) and recovery.step > recovery.checkpoint_step
+    new_pids = json.loads((tmp_path / "out" / "workers.json").read_text())["pids"]
+    assert new_pids[1] != killed["pid"]
+    assert [h.step for h in summary.history] == list(range(1, STEPS + 1))  # replayed steps are not doubled
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(uninterrupted["summary"].losses),
+                               rtol=1e-5, atol=0)
+    _assert_same_adapter(_adapter(summary), _adapter(uninterrupted["summary"]))
