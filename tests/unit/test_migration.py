@@ -16,6 +16,7 @@ import torch
 from placement import sequential_table
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.config import JobConfig
+from vela_ray.observability.report import summary_text
 from vela_ray.data.datasets import batch_rows, micro_batches
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.migration import MigrationPlan
@@ -157,6 +158,9 @@ def test_a_synthetic_drift_triggers_exactly_one_replacement_that_pays_for_itself
     assert replan.step == 2 and replan.drift > 0.25 and replan.moved == move.moved > 0
     assert move.expected_saving_s > move.expected_cost_s > 0 and move.version == 2
     assert replan.candidate_step_s < replan.current_step_s
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert 'id="changes"' in page and "moved" in page and "placement v2" in page
+    assert "re-placement at step 2" in summary_text(tmp_path / "out")
     # the summary's placement is the adopted one, solved for the recent routing, not the file's
     assert summary.placement.problem.probs.tolist() != np.load(profile).tolist()
     ref_losses, _ = reference_losses(config)

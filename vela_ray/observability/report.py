@@ -220,6 +220,11 @@ def summary_text(source: RunSummary | str | Path) -> str:
         predicted = "n/a" if c.predicted_bytes is None else f"{c.predicted_bytes / MiB:.2f}"
         lines.append(f"  worker {c.worker} ({c.tier}, {c.experts} experts): {predicted} MiB/step predicted, "
                      f"{c.measured_bytes / MiB:.2f} measured")
+    lines += [f"re-placement at step {r.step}: drift {r.drift:.3f}, would move {r.moved} experts to save "
+              f"{r.expected_saving_s:.3g} s for {r.expected_cost_s:.3g} s: {'adopted' if r.adopted else 'kept'}"
+              for r in s.replans]
+    lines += [f"worker(s) {r.workers} lost in step {r.step}: replaced and rolled back to step {r.checkpoint_step} "
+              f"in {r.seconds:.2f} s" for r in s.recoveries]
     lines += [f"{name}: {path}" for name, path in
               (("adapter", s.adapter_dir), ("report", s.report), ("checkpoint", s.checkpoint)) if path]
     return "\n".join(lines)
@@ -373,6 +378,25 @@ def overview(run: Run) -> str:
     return f'<div class="cards">{cards}</div>'
 
 
+def changes_table(summary: RunSummary) -> str:
+    """Every migration (the start's and drift's), every re-solve that was not adopted, every recovery."""
+    rows = [(m.step, f"moved {m.moved} experts ({m.reason}) &rarr; placement v{m.version}",
+             f"{m.seconds:.2f} s; {m.state_bytes / MiB:.2f} MiB of LoRA/AdamW state sent, "
+             f"{m.frozen_bytes / MiB:.2f} MiB of weights read"
+             + ("" if m.expected_saving_s is None else
+                f"; expected saving {m.expected_saving_s:.3g} s vs cost {m.expected_cost_s:.3g} s"))
+            for m in summary.migrations]
+    rows += [(r.step, f"re-solve kept the placement (drift {r.drift:.3f})",
+              f"would move {r.moved} experts to save {r.expected_saving_s:.3g} s over {r.horizon_steps} steps "
+              f"for {r.expected_cost_s:.3g} s") for r in summary.replans if not r.adopted]
+    rows += [(r.step, f"worker(s) {r.workers} lost: replaced in place",
+              f"rolled back to step {r.checkpoint_step} in {r.seconds:.2f} s, steps since replayed")
+             for r in summary.recoveries]
+    body = "".join(f"<tr><td>{step}</td><td>{what}</td><td>{detail}</td></tr>" for step, what, detail in
+                   sorted(rows, key=lambda row: row[0]))
+    return f'<table class="comm"><tr><th>after step</th><th>what</th><th>detail</th></tr>{body}</table>'
+
+
 def config_block(run: Run) -> str:
     if run.config is None:
         return '<p class="note">No <code>config.json</code> with this run.</p>'
@@ -405,6 +429,9 @@ def render_html(run: Run) -> str:
         _section("comm", "Predicted vs measured communication",
                  _chart("comm", comm_chart(comms)) + comm_table(comms), html.escape(_comm_note(run))),
         _section("loss", "Loss", _chart("loss", loss_chart(run.summary.history))),
+        *([_section("changes", "Placement changes and recoveries", changes_table(run.summary),
+                    "Experts moved between live workers, re-solves on drifted routing, lost workers replaced.")]
+          if run.summary.migrations or run.summary.replans or run.summary.recoveries else []),
         _section("config", "Configuration", config_block(run)),
     ]
     name = "" if run.dir is None else run.dir.name or str(run.dir)

@@ -441,7 +441,10 @@ class JobRunner:
         start = time.perf_counter()
         logger.warning("expert worker(s) %s lost during step %d: replacing them and rolling back to %s",
                        lost.workers, step + 1, last)
-        hosted = self.pool.replace(lost.workers)
+        try:
+            hosted = self.pool.replace(lost.workers)
+        except Exception as exc:  # e.g. the lost node's resources never came back
+            raise WorkerLostError(lost.workers, f"{lost.message}. Replacing them failed: {exc}") from None
         self._write_workers(hosted)
         master.dispatcher.rebind(master.dispatcher.expert_to_worker, hosted.transport)
         master.optimizer.zero_grad(set_to_none=False)  # the failed step's partial gradients
@@ -450,7 +453,8 @@ class JobRunner:
         self.state.history = [h for h in self.state.history if h.step <= done]
         self.state.tokens_routed_LE = self.state.routed_at_checkpoint
         self.state.recoveries.append(RecoveryRecord(step=step + 1, workers=lost.workers, checkpoint_step=done,
-                                                    seconds=time.perf_counter() - start))
+                                                    seconds=time.perf_counter() - start,
+                                                    restored_at=time.time()))
         logger.warning("recovered in %.2f s; replaying steps %d..%d", self.state.recoveries[-1].seconds,
                        done + 1, step + 1)
         return hosted, done

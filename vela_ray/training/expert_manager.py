@@ -20,6 +20,8 @@ loop on a thread of this process, answering the master over torch.distributed
 (`vela_ray.model.collective`). Control plane: `grad_sq_norm`,
 `step`, `zero_grad`, `lora_state`, `load_lora_state` (and `lora_grads` for tests).
 Topology and sizing: `node_id`, `pid`, `bytes_per_expert`, `capacity`, `ping`.
+Live migration (`vela_ray.runtime.migration`): `expert_states` (what a leaving expert
+carries), `rehost` (host a new key set, reading arriving experts' weights from the checkpoint).
 
 Any failure in the data plane is re-raised as `ExpertWorkerError` naming this
 worker and the (layer, expert) keys involved, with the worker's traceback (Ray adds it,

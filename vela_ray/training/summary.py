@@ -145,6 +145,8 @@ class RecoveryRecord(_Record):
     """Where the run rolled back to; steps after it were replayed."""
     seconds: float
     """From the failure to the state restored (the replayed steps excluded)."""
+    restored_at: float
+    """Unix time the state was restored and the first replayed step began."""
 
 
 class DataRecord(_Record):
