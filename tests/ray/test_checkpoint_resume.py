@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import ray
@@ -44,6 +45,28 @@ def _assert_same_adapter(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7, msg=key)
 
 
+def _kill_worker_1(out: Path, ready: Callable[[], bool], delay_s: float = 0.0) -> tuple[threading.Thread, dict]:
+    """A thread that SIGKILLs ExpertManager 1 (its pid from `out/workers.json`) once `ready()`, after
+    `delay_s`; the dict it returns gets the pid and the monotonic time of the kill."""
+    killed: dict = {}
+
+    def kill() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            workers = out / "workers.json"
+            if workers.is_file() and ready():
+                time.sleep(delay_s)
+                pid = json.loads(workers.read_text())["pids"][1]
+                os.kill(pid, signal.SIGKILL)
+                killed["pid"], killed["at"] = pid, time.monotonic()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer, killed
+
+
 def _resumed(uninterrupted, out: Path, resume: str, **cluster) -> dict:
     job = json.loads(json.dumps(uninterrupted["job"]))
     job["output"]["dir"] = str(out)
@@ -77,21 +100,7 @@ def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(unin
     job["cluster"]["transport"] = transport
     job["checkpoint"] = {"every": 2, "keep": 10}
     ckpt_root = tmp_path / "out" / "checkpoints"
-    killed = {}
-
-    def kill_worker_after_first_checkpoint():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            workers = tmp_path / "out" / "workers.json"
-            if workers.is_file() and checkpoint.latest(ckpt_root) is not None:
-                pid = json.loads(workers.read_text())["pids"][1]
-                os.kill(pid, signal.SIGKILL)
-                killed["pid"], killed["at"] = pid, time.monotonic()
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_worker_after_first_checkpoint, daemon=True)
-    killer.start()
+    killer, killed = _kill_worker_1(tmp_path / "out", lambda: checkpoint.latest(ckpt_root) is not None)
     with pytest.raises(WorkerLostError) as err:  # the actor's own error, not Ray's wrapper
         VelaJob(JobConfig.from_dict(job)).run()
     stopped = time.monotonic()
@@ -130,22 +139,8 @@ def test_a_killed_expert_manager_is_replaced_in_place_and_the_run_finishes_as_if
     job["cluster"].update(transport=transport, on_worker_loss="recover")
     job["checkpoint"] = {"every": 2, "keep": 10}
     ckpt_root = tmp_path / "out" / "checkpoints"
-    killed = {}
-
-    def kill_worker_after_step_two():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            workers = tmp_path / "out" / "workers.json"
-            if workers.is_file() and (ckpt_root / "step-000002").is_dir():
-                time.sleep(0.2)  # mid-step 3 or 4: the run must roll back and replay
-                pid = json.loads(workers.read_text())["pids"][1]
-                os.kill(pid, signal.SIGKILL)
-                killed["pid"] = pid
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_worker_after_step_two, daemon=True)
-    killer.start()
+    # mid-step 3 or 4: the run must roll back and replay
+    killer, killed = _kill_worker_1(tmp_path / "out", (ckpt_root / "step-000002").is_dir, delay_s=0.2)
     summary = VelaJob(JobConfig.from_dict(job)).run()
     killer.join(timeout=10)
     assert killed, "the worker was never killed"

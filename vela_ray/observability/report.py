@@ -267,9 +267,13 @@ def loss_chart(history: list[StepRecord]) -> str:
     return _svg(fig)
 
 
-def traffic_chart(history: list[StepRecord], predicted_bytes: float | None = None) -> str:
-    """Stacked MiB per step by link tier (tiers with no traffic are left out); dashed: the placement's prediction."""
+def traffic_chart(history: list[StepRecord], predicted_bytes: float | None = None,
+                  replaced_at: list[int] | None = None) -> str:
+    """Stacked MiB per step by link tier (tiers with no traffic are left out); dashed: the placement's prediction;
+    dotted verticals: re-placements adopted after those steps."""
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    for n, step in enumerate(replaced_at or []):
+        ax.axvline(step + 0.5, color="#555555", linestyle=":", linewidth=1, label="re-placement" if n == 0 else None)
     steps = np.asarray([h.step for h in history])
     tiers = [t for t in TIER_COLOURS if any(h.bytes_by_tier.get(t, 0) for h in history)]
     series = [np.asarray([h.bytes_by_tier.get(t, 0) for h in history]) / MiB for t in tiers]
@@ -277,7 +281,7 @@ def traffic_chart(history: list[StepRecord], predicted_bytes: float | None = Non
         ax.stackplot(steps, *series, labels=tiers, colors=[TIER_COLOURS[t] for t in tiers], alpha=0.85)
     if predicted_bytes is not None:
         ax.axhline(predicted_bytes / MiB, color="black", linestyle="--", linewidth=1, label="predicted (placement)")
-    if series or predicted_bytes is not None:
+    if series or predicted_bytes is not None or replaced_at:
         ax.legend(fontsize=8, loc="lower right")
     ax.set_xlabel("step")
     ax.set_ylabel("expert traffic per step (MiB)")
@@ -423,7 +427,8 @@ def render_html(run: Run) -> str:
                  "routed rows it serves (from the access profile)."),
         _heatmap_section(run),
         _section("traffic", "Traffic by link tier",
-                 _chart("traffic", traffic_chart(run.summary.history, _total(comms))),
+                 _chart("traffic", traffic_chart(run.summary.history, _total(comms), [
+                     m.step for m in run.summary.migrations if m.reason == "drift"])),
                  "Bytes the broker moved per training step (dispatch, gather and their gradients), by the "
                  "link tier between the master and the worker."),
         _section("comm", "Predicted vs measured communication",
