@@ -106,6 +106,7 @@ class RunState:
     migrations: list[MigrationRecord] = field(default_factory=list)
     replans: list[ReplanRecord] = field(default_factory=list)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
+    migrating: bool = False  # between pool.migrate's start and its end
 
 
 def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
@@ -336,7 +337,9 @@ class JobRunner:
         """Move the experts whose worker changes to `table` between the live workers; swap the brokers' table."""
         plan = MigrationPlan.between(master.dispatcher.expert_to_worker.numpy(), table)
         start = time.perf_counter()
+        self.state.migrating = True  # a worker lost now leaves the others between two tables
         stats = self.pool.migrate(table)
+        self.state.migrating = False
         master.dispatcher.rebind(table)
         if reason != "start":
             self.state.version += 1
@@ -407,14 +410,14 @@ class JobRunner:
             while step < cfg.steps:
                 try:
                     self._guarded(hosted, step, lambda: self._step(backbone, master, hosted, routing, step))
+                    self._stop_if_asked(master, hosted, step + 1)
+                    self._guarded(hosted, step, lambda: self._maybe_replan(backbone, master, hosted, step + 1))
                 except WorkerLostError as lost:
                     hosted, step = self._recover(lost, master, step)
                     received_before, compute_before = hosted.workers.received(), hosted.workers.compute_seconds()
                     routing.take_counts()  # the failed step's partial routing
                     continue
                 step += 1
-                self._stop_if_asked(master, hosted, step)
-                self._maybe_replan(backbone, master, hosted, step)
         finally:
             routing.detach()
         self.state.timings_s["train_s"] = time.perf_counter() - train_start
@@ -441,8 +444,11 @@ class JobRunner:
         start = time.perf_counter()
         logger.warning("expert worker(s) %s lost during step %d: replacing them and rolling back to %s",
                        lost.workers, step + 1, last)
+        # Lost mid-migration, the survivors host parts of two tables: start all of them afresh on the old one.
+        replaced = list(range(self.config.cluster.num_workers)) if self.state.migrating else lost.workers
+        self.state.migrating = False
         try:
-            hosted = self.pool.replace(lost.workers)
+            hosted = self.pool.replace(replaced)
         except Exception as exc:  # e.g. the lost node's resources never came back
             raise WorkerLostError(lost.workers, f"{lost.message}. Replacing them failed: {exc}") from None
         self._write_workers(hosted)
