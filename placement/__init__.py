@@ -5,13 +5,13 @@
     placement = solve(problem, "improved")      # or "vela", "sequential", "random"
     placement.to_json("placement.json")
 
-Modules: `problem` (the inputs), `cost` (expected time and bytes of any
-placement, and `check_table`, the one placement validator), `lp` (the paper's
-LP relaxation, aggregated over worker classes), `rounding` (the paper's
-rounding), `greedy` and `search` (the improved solver's construction and local
-search), `solvers` (the plan, `sequential_table` and the solver registry), `io`
-(profile and problem files: `load_profile` is the one profile reader), `report`
-(text summary).
+Modules: `problem` (the inputs, shared links such as NICs included), `cost`
+(expected time and bytes of any placement, and `check_table`, the one
+placement validator), `lp` (the paper's LP relaxation, aggregated over worker
+classes), `rounding` (the paper's rounding), `greedy` and `search` (the
+improved solver's construction and local search), `solvers` (the plan,
+`sequential_table` and the solver registry), `io` (profile and problem files:
+`load_profile` is the one profile reader), `report` (text summary).
 
 The names below are imported on first use (PEP 562), so `import placement.io`
 (the profile reader the runtime's data side uses) does not pay for cvxpy and scipy.
@@ -27,14 +27,18 @@ _HOMES = {
     "check_table": "placement.cost",
     "cost_report": "placement.cost",
     "cross_node_bytes": "placement.cost",
+    "layer_times": "placement.cost",
     "layer_worker_times": "placement.cost",
+    "shared_link_times": "placement.cost",
     "step_time": "placement.cost",
     "worker_bytes": "placement.cost",
     "load_profile": "placement.io",
     "probs_from_counts": "placement.io",
     "solve_lp": "placement.lp",
     "PlacementProblem": "placement.problem",
+    "SharedLink": "placement.problem",
     "build_problem": "placement.problem",
+    "node_shared_links": "placement.problem",
     "synthetic_probs": "placement.problem",
     "round_relaxed": "placement.rounding",
     "SOLVERS": "placement.solvers",
@@ -51,13 +55,15 @@ if TYPE_CHECKING:
         check_table,
         cost_report,
         cross_node_bytes,
+        layer_times,
         layer_worker_times,
+        shared_link_times,
         step_time,
         worker_bytes,
     )
     from placement.io import load_profile, probs_from_counts
     from placement.lp import solve_lp
-    from placement.problem import PlacementProblem, build_problem, synthetic_probs
+    from placement.problem import PlacementProblem, SharedLink, build_problem, node_shared_links, synthetic_probs
     from placement.rounding import round_relaxed
     from placement.solvers import SOLVERS, Placement, sequential_table, solve
 

@@ -6,6 +6,18 @@ expert e of layer l). With X[n,l,e] = 1 where expert_to_worker[l,e] == n:
     E[T_{n,l}] = passes * b*H / (4 * B_n) * sum_e X[n,l,e] * P[l,e] * K     (paper eq. 6)
     step time  = sum_l max_n E[T_{n,l}]                                      (paper eq. 7)
 
+With `problem.shared_links` (links several workers' traffic crosses, such as
+the master node's NIC), each shared link r with bandwidth B_r is busy
+
+    T_{r,l} = passes * b*H / (4 * B_r) * sum_{n in r} sum_e X[n,l,e] * P[l,e] * K
+
+in layer l, and a layer waits for it as for a worker:
+
+    step time  = sum_l max(max_n E[T_{n,l}], max_r T_{r,l})
+
+Without shared links this is eq. 7 exactly. Every evaluation of a placement
+(solvers, reports, benchmarks) goes through `layer_times` here.
+
 With `problem.compute_seconds_per_row` (c_n), E[T_{n,l}] also counts worker n's
 arithmetic, c_n * K * sum_e X[n,l,e] * P[l,e]: the paper's model lets a fast link
 attract more rows than the worker behind it can compute in that time.
@@ -122,9 +134,21 @@ def layer_worker_times(problem: PlacementProblem, expert_to_worker: np.ndarray) 
     return problem.seconds_per_prob[:, None] * mass
 
 
+def shared_link_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_shared_links, num_layers] seconds T_{r,l} each shared link is busy per layer and step."""
+    mass = worker_layer_probs(problem, expert_to_worker)
+    return problem.shared_link_seconds_per_prob[:, None] * (problem.shared_link_members @ mass)
+
+
+def layer_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_layers] expected seconds of each layer: its slowest worker or shared link."""
+    slowest_worker = layer_worker_times(problem, expert_to_worker).max(axis=0)
+    return np.maximum(slowest_worker, shared_link_times(problem, expert_to_worker).max(axis=0, initial=0.0))
+
+
 def step_time(problem: PlacementProblem, expert_to_worker: np.ndarray) -> float:
-    """Expected seconds per step: sum_l max_n E[T_{n,l}] (communication, plus compute if the problem has it)."""
-    return float(layer_worker_times(problem, expert_to_worker).max(axis=0).sum())
+    """Expected seconds per step: sum_l max(max_n E[T_{n,l}], max_r T_{r,l}) (module docstring)."""
+    return float(layer_times(problem, expert_to_worker).sum())
 
 
 def worker_bytes(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
@@ -160,9 +184,10 @@ class CostReport(BaseModel):
     model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     step_time: float
-    """Expected seconds: sum_l max_n E[T_{n,l}] (communication, plus compute if the problem has it)."""
+    """Expected seconds: sum_l of the layer's slowest worker or shared link (communication, plus compute
+    if the problem has it)."""
     layer_times: list[float]
-    """[num_layers] expected seconds of each layer (its slowest worker)."""
+    """[num_layers] expected seconds of each layer (its slowest worker or shared link)."""
     worker_experts: list[int]
     """[num_workers] experts placed on each worker."""
     worker_bytes: list[float]
@@ -170,28 +195,40 @@ class CostReport(BaseModel):
     worker_busy_share: list[float]
     """[num_workers] sum_l E[T_{n,l}] / step_time: how busy each worker's link is."""
     bottleneck_layers: list[int]
-    """[num_workers] layers in which this worker is the slowest."""
+    """[num_workers] layers in which this worker is the slowest (ties: the lowest worker, then workers
+    before shared links)."""
     cross_node_bytes: float | None
     """Expected bytes to workers off the master's node (None without node info)."""
     cross_node_bytes_per_node: dict[str, float] | None
     """The same split by node."""
+    shared_link_busy_share: dict[str, float] = {}
+    """{shared link name: sum_l T_{r,l} / step_time}; empty without shared links."""
+    shared_link_bottleneck_layers: dict[str, int] = {}
+    """{shared link name: layers in which it is slower than every worker and earlier shared link}."""
 
 
 def cost_report(problem: PlacementProblem, expert_to_worker: np.ndarray) -> CostReport:
     """Evaluate a placement: times, bytes, busy shares and cross-node traffic."""
     assignment = check_expert_to_worker(problem, expert_to_worker)
-    times = layer_worker_times(problem, assignment)
-    total = float(times.max(axis=0).sum())
+    # workers then shared links: [N + R, L] seconds, the layer's time is its column's max
+    times = np.vstack([layer_worker_times(problem, assignment), shared_link_times(problem, assignment)])
+    total = float(layer_times(problem, assignment).sum())
+    busy = times.sum(axis=1) / total if total > 0 else 0 * times.sum(axis=1)
+    bottlenecks = np.bincount(times.argmax(axis=0), minlength=len(times))
     cross, per_node = None, None
     if problem.worker_nodes is not None and problem.master_node is not None:
         cross, per_node = cross_node_bytes(problem, assignment)
+    names = [link.name for link in problem.shared_links]
+    num_workers = problem.num_workers
     return CostReport(
         step_time=total,
         layer_times=times.max(axis=0).tolist(),
-        worker_experts=experts_per_worker(problem.num_workers, assignment).tolist(),
+        worker_experts=experts_per_worker(num_workers, assignment).tolist(),
         worker_bytes=worker_bytes(problem, assignment).tolist(),
-        worker_busy_share=(times.sum(axis=1) / total if total > 0 else 0 * times.sum(axis=1)).tolist(),
-        bottleneck_layers=np.bincount(times.argmax(axis=0), minlength=problem.num_workers).tolist(),
+        worker_busy_share=busy[:num_workers].tolist(),
+        bottleneck_layers=bottlenecks[:num_workers].tolist(),
         cross_node_bytes=cross,
         cross_node_bytes_per_node=per_node,
+        shared_link_busy_share=dict(zip(names, busy[num_workers:].tolist())),
+        shared_link_bottleneck_layers=dict(zip(names, bottlenecks[num_workers:].tolist())),
     )

@@ -23,6 +23,9 @@ conveniences: `profile: path` (relative to the problem file) instead of
 `probs`, `bandwidths_gb_s` (GB/s, 1 GB = 1e9 bytes) instead of `bandwidths`
 (bytes/s), and a single integer `capacities` meaning the same for every
 worker. `top_k` may be left out when the profile gives or implies it.
+`shared_links` (NICs several workers share) is a list of mappings with
+`name`, `bandwidth_bytes_per_s` and `workers` (worker indices), as
+`PlacementProblem.model_dump` writes it.
 """
 
 from __future__ import annotations

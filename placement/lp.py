@@ -7,15 +7,20 @@ and one lambda_l per layer,
     s.t. sum_n X[n,l,e] = 1                               every expert placed once
          sum_{l,e} X[n,l,e] <= C_n                        capacity
          s_n * sum_e X[n,l,e] * P[l,e] <= lambda_l        s_n = seconds per unit prob
+         s_r * sum_{n in r} sum_e X[n,l,e] * P[l,e] <= lambda_l   one row per shared link r
 
-Aggregated formulation (default): workers with the same bandwidth, capacity and compute speed
-are interchangeable, so averaging any solution over the workers of a class
-keeps it feasible and, the max being convex, does not raise its cost. The LP
+(the last rows only with `problem.shared_links`; s_r = the link's seconds per unit prob).
+
+Aggregated formulation (default): workers with the same bandwidth, capacity, compute speed
+and shared links are interchangeable, so averaging any solution over the workers of a class
+keeps it feasible (a shared link holds all of a class or none of it, so its load does not
+change) and, the max being convex, does not raise its cost. The LP
 therefore has an optimum that is symmetric within each class, and it suffices
 to solve for Y[c,l,e] = sum_{n in c} X[n,l,e]:
 
     s.t. sum_c Y[c,l,e] = 1,  sum_{l,e} Y[c,l,e] <= m_c * C_c,
          (s_c / m_c) * sum_e Y[c,l,e] * P[l,e] <= lambda_l
+         s_r * sum_{c in r} sum_e Y[c,l,e] * P[l,e] <= lambda_l
 
 with the same optimal value (the LP bound). That is num_classes * L * E
 variables instead of N * L * E: 2 * 58 * 256 rather than 64 * 58 * 256 for a
@@ -45,15 +50,17 @@ TINY = 1e-9
 
 
 def worker_classes(problem: PlacementProblem, *, direct: bool = False) -> list[np.ndarray]:
-    """Workers grouped by (bandwidth, capacity, compute per row), each group sorted, groups by first member.
+    """Workers grouped by (bandwidth, capacity, compute per row, shared links), each group sorted,
+    groups by first member.
 
     With `direct`, every worker is its own class (the paper's formulation).
     """
     if direct:
         return [np.array([n]) for n in range(problem.num_workers)]
     compute = problem.compute_seconds_per_row or [0.0] * problem.num_workers
-    keys = list(zip(problem.bandwidths, problem.capacities, compute))
-    classes: dict[tuple[float, int, float], list[int]] = {}
+    links = [tuple(column) for column in problem.shared_link_members.T]  # the shared links of each worker
+    keys = list(zip(problem.bandwidths, problem.capacities, compute, links))
+    classes: dict[tuple, list[int]] = {}
     for worker, key in enumerate(keys):
         classes.setdefault(key, []).append(worker)
     return [np.array(members) for members in classes.values()]
@@ -77,13 +84,20 @@ def solve_class_lp(problem: PlacementProblem, classes: list[np.ndarray]) -> tupl
     # 1. variables: class shares and per-layer time bounds
     share = cp.Variable((len(classes), rows.size), nonneg=True)
     layer_bound = cp.Variable(num_layers)
-    # 2. constraints: placed once, capacity, every class under its layer's bound
-    class_load = sp.diags(weight) @ (share @ prob_by_layer)  # [C, L]
+    # 2. constraints: placed once, capacity, every class and shared link under its layer's bound
+    class_mass = share @ prob_by_layer  # [C, L]
+    bound_rows = cp.reshape(layer_bound, (1, num_layers), order="C")
     constraints = [
         cp.sum(share, axis=0) == 1,
         cp.sum(share, axis=1) <= slots,
-        class_load <= np.ones((len(classes), 1)) @ cp.reshape(layer_bound, (1, num_layers), order="C"),
+        sp.diags(weight) @ class_mass <= np.ones((len(classes), 1)) @ bound_rows,
     ]
+    if problem.shared_links:
+        # link r carries the classes inside it: [R, C] seconds per unit of class mass
+        link_weight = problem.shared_link_seconds_per_prob / unit
+        class_in_link = problem.shared_link_members[:, [c[0] for c in classes]]
+        link_load = sp.csr_matrix(link_weight[:, None] * class_in_link) @ class_mass  # [R, L]
+        constraints.append(link_load <= np.ones((len(problem.shared_links), 1)) @ bound_rows)
     # 3. solve
     lp = cp.Problem(cp.Minimize(cp.sum(layer_bound)), constraints)
     lp.solve(solver=cp.HIGHS)

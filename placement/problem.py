@@ -11,6 +11,17 @@ the master (bytes/s) and the capacity (experts it can hold).
                                capacities=[43] * 6)
     problem = PlacementProblem.from_file("problem.yaml")
 
+Shared links: a worker's link to the master may cross resources that other
+workers' links cross too (the master node's NIC, each node's uplink). Each is a
+`SharedLink` with its own bandwidth and the workers whose rows cross it; the
+cost model adds one term per shared link and layer (see `placement.cost`).
+`node_shared_links` builds the usual ones (one NIC per node) from node info:
+
+    links = node_shared_links(worker_nodes, "node0", 1.17e9)
+    problem = PlacementProblem(..., worker_nodes=worker_nodes, master_node="node0", shared_links=links)
+
+Without shared links (the default) the model is the paper's: independent links.
+
 Traffic model: in the forward pass each (token, expert) row goes to its
 expert's worker and the output comes back, b*H/8 bytes each way (the paper's
 2*D_{n,l}); in the backward pass the output-grad goes out and the input-grad
@@ -30,11 +41,61 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from placement.io import as_probs_matrix, read_problem_fields
 
 ROW_SUM_RTOL = 1e-6
+
+
+class SharedLink(BaseModel):
+    """A link that the master traffic of several workers crosses, e.g. a node's NIC.
+
+    In layer l it is busy for seconds_per_prob * (routing mass of its workers in l), where
+    seconds_per_prob is a worker link's communication part with this link's bandwidth
+    (`PlacementProblem.shared_link_seconds_per_prob`): a layer waits for it as for a worker.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    name: str
+    """Display name, unique within a problem (e.g. `nic:node0`)."""
+    bandwidth_bytes_per_s: float
+    """Bandwidth of the shared resource in bytes/s (both directions counted as a worker link counts them)."""
+    workers: list[int]
+    """Indices of the workers whose rows to and from the master cross this link."""
+
+    @field_validator("bandwidth_bytes_per_s")
+    @classmethod
+    def _positive_bandwidth(cls, value: float, info: ValidationInfo) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"shared link {info.data.get('name')!r} has bandwidth_bytes_per_s = {value!r}: give its "
+                "positive, finite bandwidth in bytes/s (measure the NIC, e.g. with iperf)"
+            )
+        return value
+
+    @field_validator("workers")
+    @classmethod
+    def _some_distinct_workers(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        name = info.data.get("name")
+        if not value:
+            raise ValueError(
+                f"shared link {name!r} has no workers: list the indices of the workers whose traffic "
+                "crosses it, or leave the link out"
+            )
+        repeated = sorted({worker for worker in value if value.count(worker) > 1})
+        if repeated:
+            raise ValueError(f"shared link {name!r} lists worker {repeated[0]} more than once: list each worker once")
+        return value
 
 
 class PlacementProblem(BaseModel):
@@ -69,6 +130,8 @@ class PlacementProblem(BaseModel):
     compute_seconds_per_row: list[float] | None = None
     """c_n: seconds worker n spends on the arithmetic of one routed row per step (forward and backward),
     added to its communication time; None: the paper's communication-only model."""
+    shared_links: list[SharedLink] = []
+    """Links several workers' traffic shares (NICs; see `node_shared_links`); empty: the paper's independent links."""
 
     # --- field checks ---------------------------------------------------------
 
@@ -131,6 +194,7 @@ class PlacementProblem(BaseModel):
         self._check_rows_sum_to_top_k()
         self._check_worker_lists()
         self._check_total_capacity()
+        self._check_shared_links()
         return self
 
     def _check_rows_sum_to_top_k(self) -> None:
@@ -168,6 +232,22 @@ class PlacementProblem(BaseModel):
                 f"{self.num_experts}) must be placed: need {needed - total} more expert slots "
                 "(raise capacities or add workers)"
             )
+
+    def _check_shared_links(self) -> None:
+        seen: dict[str, int] = {}
+        for index, link in enumerate(self.shared_links):
+            outside = [worker for worker in link.workers if not 0 <= worker < self.num_workers]
+            if outside:
+                raise ValueError(
+                    f"shared_links[{index}] ({link.name!r}) lists worker {outside[0]} but there are only workers "
+                    f"0..{self.num_workers - 1}: give indices into bandwidths"
+                )
+            if link.name in seen:
+                raise ValueError(
+                    f"shared_links[{seen[link.name]}] and shared_links[{index}] are both named {link.name!r}: "
+                    "give each shared link its own name"
+                )
+            seen[link.name] = index
 
     # --- shapes and derived values ---------------------------------------------
 
@@ -210,6 +290,24 @@ class PlacementProblem(BaseModel):
         if self.compute_seconds_per_row is not None:
             per_row = per_row + np.asarray(self.compute_seconds_per_row)
         return self.tokens_per_step * per_row
+
+    @property
+    def shared_link_seconds_per_prob(self) -> np.ndarray:
+        """[num_shared_links] seconds one unit of routing probability of its workers costs each shared link per layer.
+
+        T_{r,l} = shared_link_seconds_per_prob[r] * sum_{n in r} sum_e X[n,l,e] * P[l,e], i.e.
+        K * passes * b*H / (4 * B_r): `seconds_per_prob`'s communication part at the shared bandwidth.
+        """
+        bandwidths = np.array([link.bandwidth_bytes_per_s for link in self.shared_links], dtype=np.float64)
+        return self.tokens_per_step * self.bytes_per_row / bandwidths
+
+    @property
+    def shared_link_members(self) -> np.ndarray:
+        """[num_shared_links, num_workers] 1.0 where worker n's traffic crosses shared link r, else 0.0."""
+        members = np.zeros((len(self.shared_links), self.num_workers))
+        for index, link in enumerate(self.shared_links):
+            members[index, link.workers] = 1.0
+        return members
 
     def communication_only(self) -> PlacementProblem:
         """This problem under the paper's cost model (no compute term), e.g. to report communication time."""
@@ -274,6 +372,41 @@ def build_problem(**fields: Any) -> PlacementProblem:
         ]
         separator = " " if len(lines) == 1 else "\n  "
         raise ValueError("invalid placement problem:" + separator + separator.join(lines)) from None
+
+
+def node_shared_links(
+    worker_nodes: list[str], master_node: str, nic_bandwidth_bytes_per_s: float | dict[str, float]
+) -> list[SharedLink]:
+    """One shared link per NIC that master traffic crosses: the master node's, then each other node's.
+
+    worker_nodes: [num_workers] node of each worker; master_node: the master's node (it may host
+    no worker). The master's NIC (`nic:<master_node>`) carries the rows of every worker off the
+    master's node; each other node's NIC (`nic:<node>`, nodes in order of first appearance)
+    carries its own workers' rows. Workers on the master's node cross no NIC. There are no links
+    when every worker is on the master's node.
+
+    nic_bandwidth_bytes_per_s: one bandwidth for every NIC, or {node: bytes/s} with an entry for
+    the master's node and for every other node that hosts workers.
+    """
+    remote = [n for n, node in enumerate(worker_nodes) if node != master_node]
+    if not remote:
+        return []
+    nodes = [master_node, *dict.fromkeys(worker_nodes[n] for n in remote)]
+    if isinstance(nic_bandwidth_bytes_per_s, dict):
+        missing = [node for node in nodes if node not in nic_bandwidth_bytes_per_s]
+        if missing:
+            raise ValueError(
+                f"nic_bandwidth_bytes_per_s has no entry for node {missing[0]!r}: give one for the master's "
+                f"node and each node with workers ({', '.join(nodes)}), or one number for all"
+            )
+        bandwidths = [nic_bandwidth_bytes_per_s[node] for node in nodes]
+    else:
+        bandwidths = [nic_bandwidth_bytes_per_s] * len(nodes)
+    members = [remote] + [[n for n in remote if worker_nodes[n] == node] for node in nodes[1:]]
+    return [
+        SharedLink(name=f"nic:{node}", bandwidth_bytes_per_s=bandwidth, workers=workers)
+        for node, bandwidth, workers in zip(nodes, bandwidths, members)
+    ]
 
 
 def synthetic_probs(

@@ -4,7 +4,8 @@
 
 One row per worker (node, bandwidth, capacity, experts held, expected bytes
 per step, busy share = sum_l E[T_{n,l}] / step time, layers it is the
-bottleneck of), then the step's expected communication time against the LP
+bottleneck of), one line per shared link (its busy share and bottleneck
+layers), then the step's expected communication time against the LP
 bound, and the bytes that cross node boundaries when nodes are known.
 """
 
@@ -28,6 +29,10 @@ def format_summary(problem: PlacementProblem, placement: Placement, lower_bound:
             report.worker_bytes, report.worker_busy_share, report.bottleneck_layers)
     ]
     lines = _table(header, rows)
+    for link in problem.shared_links:
+        lines.append(f"shared link {link.name} ({link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, "
+                     f"{len(link.workers)} workers): busy {report.shared_link_busy_share[link.name]:.1%}, "
+                     f"bottleneck of {report.shared_link_bottleneck_layers[link.name]} layers")
     bound = lower_bound if lower_bound is not None else placement.lower_bound
     lines.append("")
     lines.append(f"solver: {placement.solver} ({placement.solve_seconds:.2f} s)")

@@ -2,17 +2,19 @@
 
     better = improve(problem, expert_to_worker, time_budget_s=1.0, seed=0)
 
-The objective is the paper's expected step time, sum_l max_n E[T_{n,l}]. Only
-the slowest worker of a layer (its bottleneck) counts for that layer, so the
-search only tries to take load off bottlenecks:
+The objective is the cost model's expected step time, sum_l max_n E[T_{n,l}]
+(with shared links, sum_l max(max_n E[T_{n,l}], max_r T_{r,l}); `placement.cost`).
+Only the slowest worker or shared link of a layer (its bottleneck) counts for
+that layer, so the search only tries to take load off bottlenecks:
 
 1. descend: for each pending layer, slowest first, take the experts on its
-   bottleneck worker, heaviest first, and evaluate in one vectorised pass every
-   move of the expert to a worker with room and every swap with another
-   worker's expert, of this layer or of any other (a cross-layer swap trades
-   capacity between layers). Apply the best one if it lowers the objective and
-   mark the layers it touched pending; a layer leaves the queue when its
-   bottleneck cannot be unloaded.
+   bottleneck worker (or on the workers behind its bottleneck shared link),
+   heaviest first, and evaluate in one vectorised pass every move of the
+   expert to a worker with room and every swap with another worker's expert,
+   of this layer or of any other (a cross-layer swap trades capacity between
+   layers). Apply the best one if it lowers the objective and mark the layers
+   it touched pending; a layer leaves the queue when its bottleneck cannot be
+   unloaded.
 2. perturb: from the best placement so far, swap a few random bottleneck
    experts with random experts elsewhere, descend from the touched layers, and
    keep the result only if it is strictly better (iterated local search).
@@ -21,7 +23,9 @@ search only tries to take load off bottlenecks:
    whenever the budget allows.
 
 Every step keeps each expert on exactly one worker and every worker within
-capacity, and the returned placement is never worse than the input.
+capacity, and the returned placement is never worse than the input. Shared
+links add an [R, N] term per evaluated move and an [R, K] term per swap pass
+(K candidate partners); a problem without them skips both.
 """
 
 from __future__ import annotations
@@ -48,25 +52,62 @@ class _State:
     assignment: np.ndarray  # [L, E] worker of each expert
     times: np.ndarray  # [N, L] weight[n] * routing mass of worker n in layer l
     counts: np.ndarray  # [N] experts per worker
+    link_weight: np.ndarray  # [R] shared link seconds per unit probability / the fastest worker's
+    members: np.ndarray  # [R, N] 1.0 where worker n is behind shared link r
+    link_times: np.ndarray  # [R, L] link_weight[r] * routing mass of link r's workers in layer l
 
     @classmethod
     def start(cls, problem: PlacementProblem, expert_to_worker: np.ndarray) -> _State:
-        weight = problem.seconds_per_prob / problem.seconds_per_prob.min()
+        unit = problem.seconds_per_prob.min()
+        weight = problem.seconds_per_prob / unit
         assignment = np.array(expert_to_worker, dtype=np.int64)
         mass = routing_mass(problem.probs, assignment, problem.num_workers)
         counts = np.bincount(assignment.ravel(), minlength=problem.num_workers)
         capacities = np.asarray(problem.capacities)
-        return cls(problem.probs, weight, capacities, assignment, weight[:, None] * mass, counts)
+        link_weight = problem.shared_link_seconds_per_prob / unit
+        members = problem.shared_link_members
+        return cls(problem.probs, weight, capacities, assignment, weight[:, None] * mass, counts,
+                   link_weight, members, link_weight[:, None] * (members @ mass))
+
+    @property
+    def has_links(self) -> bool:
+        return len(self.link_weight) > 0
+
+    def layer_max(self) -> np.ndarray:
+        """[L] each layer's time: its slowest worker or shared link."""
+        if not self.has_links:
+            return self.times.max(axis=0)
+        return np.maximum(self.times.max(axis=0), self.link_times.max(axis=0))
 
     def objective(self) -> float:
-        return float(self.times.max(axis=0).sum())
+        return float(self.layer_max().sum())
 
     def copy(self) -> _State:
         return _State(self.probs, self.weight, self.capacities, self.assignment.copy(),
-                      self.times.copy(), self.counts.copy())
+                      self.times.copy(), self.counts.copy(), self.link_weight, self.members,
+                      self.link_times.copy())
+
+    def link_shift(self, source: int) -> np.ndarray:
+        """[R, N] +1 where worker n is behind shared link r and `source` is not, -1 the reverse, else 0.
+
+        Moving probability q from `source` to n changes link r's time by link_weight[r] * q * shift[r, n].
+        """
+        return self.members - self.members[:, [source]]
+
+    def is_bottleneck(self, layer: int) -> np.ndarray:
+        """[N] whether worker n's experts of `layer` carry its time: its slowest worker unless a
+        shared link is slower, and the workers behind every shared link as slow as the layer."""
+        slowest = int(self.times[:, layer].argmax())
+        mask = np.zeros(len(self.weight), dtype=bool)
+        if not self.has_links:
+            mask[slowest] = True
+            return mask
+        layer_time = max(self.times[slowest, layer], self.link_times[:, layer].max())
+        mask[slowest] = self.times[slowest, layer] >= layer_time
+        return mask | self.members[self.link_times[:, layer] >= layer_time].any(axis=0)
 
     def move(self, layer: int, expert: int, worker: int) -> None:
-        """Put expert (layer, expert) on `worker`, updating times and counts."""
+        """Put expert (layer, expert) on `worker`, updating times (of workers and shared links) and counts."""
         source = self.assignment[layer, expert]
         prob = self.probs[layer, expert]
         self.times[source, layer] -= self.weight[source] * prob
@@ -74,6 +115,8 @@ class _State:
         self.counts[source] -= 1
         self.counts[worker] += 1
         self.assignment[layer, expert] = worker
+        if self.has_links:
+            self.link_times[:, layer] += self.link_weight * prob * (self.members[:, worker] - self.members[:, source])
 
 
 def improve(
@@ -110,7 +153,7 @@ def _descend(state: _State, layers, deadline: float) -> None:
     """Unload bottlenecks of pending layers, slowest first, until none can be."""
     pending = set(int(layer) for layer in layers)
     while pending and time.perf_counter() < deadline:
-        layer_max = state.times.max(axis=0)
+        layer_max = state.layer_max()
         layer = max(pending, key=lambda candidate: layer_max[candidate])
         touched = _unload_bottleneck(state, layer)
         if touched:
@@ -120,14 +163,13 @@ def _descend(state: _State, layers, deadline: float) -> None:
 
 
 def _unload_bottleneck(state: _State, layer: int) -> tuple[int, ...]:
-    """Apply the best improving move or swap of an expert off the layer's slowest worker.
+    """Apply the best improving move or swap of an expert off the layer's bottleneck.
 
     Returns the layers it changed (empty if nothing improves).
     """
-    layer_max = state.times.max(axis=0)
+    layer_max = state.layer_max()
     top = _top3(state.times)
-    bottleneck = int(state.times[:, layer].argmax())
-    experts = np.flatnonzero(state.assignment[layer] == bottleneck)
+    experts = np.flatnonzero(state.is_bottleneck(layer)[state.assignment[layer]])
     for expert in experts[np.argsort(-state.probs[layer, experts], kind="stable")]:
         touched = _apply_best_move(state, layer, int(expert), layer_max, top)
         if touched:
@@ -143,7 +185,11 @@ def _apply_best_move(state: _State, layer: int, expert: int, layer_max, top) -> 
     rest_here = _rest_of_layer(*(part[layer] for part in top), source, len(state.weight))
     taker_after = state.times[:, layer] + state.weight * prob
     source_after = state.times[source, layer] - state.weight[source] * prob
-    move_gain = layer_max[layer] - np.maximum(np.maximum(rest_here, taker_after), source_after)
+    layer_after = np.maximum(np.maximum(rest_here, taker_after), source_after)
+    if state.has_links:  # each shared link after the move, slowest per taker
+        links_after = state.link_times[:, [layer]] + state.link_weight[:, None] * prob * state.link_shift(source)
+        layer_after = np.maximum(layer_after, links_after.max(axis=0))
+    move_gain = layer_max[layer] - layer_after
     move_gain[source] = -np.inf
     # 2. the best move to a worker with room, and the best swap
     with_room = np.where(state.counts < state.capacities, move_gain, -np.inf)
@@ -217,13 +263,22 @@ def _best_swap(state, layer, expert, takes, rest_here, layer_max, top) -> tuple[
     # 2. this layer: source sheds prob (takes partner's back if same layer), partner the reverse
     src_here = state.times[source, layer] - w_src * prob + same * w_src * partner_prob
     dst_here = state.times[partner, layer] + w_dst * prob - same * w_dst * partner_prob
-    gain = layer_max[layer] - np.maximum(np.maximum(rest_here[partner], src_here), dst_here)
+    here = np.maximum(np.maximum(rest_here[partner], src_here), dst_here)
     # 3. partner's layer (cross-layer swaps only): partner's worker sheds, source takes
     dst_there = state.times[partner, partner_layer] - w_dst * partner_prob
     src_there = state.times[source, partner_layer] + w_src * partner_prob
     rest_there = _max_excluding(*top, partner_layer, source, partner)
-    gain_there = layer_max[partner_layer] - np.maximum(np.maximum(rest_there, dst_there), src_there)
-    gain = np.where(same, gain, gain + gain_there)
+    there = np.maximum(np.maximum(rest_there, dst_there), src_there)
+    # 4. shared links: net prob (prob - partner's if same layer) moves source -> partner here,
+    #    the partner's prob moves back there: [R, K] link times after, slowest per candidate
+    if state.has_links:
+        shift = state.link_shift(source)[:, partner] * state.link_weight[:, None]
+        links_here = state.link_times[:, [layer]] + shift * (prob - same * partner_prob)
+        links_there = state.link_times[:, partner_layer] - shift * partner_prob
+        here = np.maximum(here, links_here.max(axis=0))
+        there = np.maximum(there, links_there.max(axis=0))
+    gain = layer_max[layer] - here
+    gain = np.where(same, gain, gain + (layer_max[partner_layer] - there))
     best = int(np.argmax(gain))
     return float(gain[best]), int(candidates[best])
 
@@ -234,14 +289,15 @@ def _perturb(state: _State, rng: np.random.Generator, num_swaps: int = 3) -> set
     touched: set[int] = set()
     for _ in range(num_swaps):
         layer = int(rng.integers(num_layers))
-        bottleneck = int(state.times[:, layer].argmax())
-        mine = np.flatnonzero(state.assignment[layer] == bottleneck)
-        others = np.flatnonzero(state.assignment.ravel() != bottleneck)
+        bottleneck = state.is_bottleneck(layer)
+        mine = np.flatnonzero(bottleneck[state.assignment[layer]])
+        others = np.flatnonzero(~bottleneck[state.assignment.ravel()])
         if len(mine) == 0 or len(others) == 0:
             continue
         expert = int(rng.choice(mine))
+        source = int(state.assignment[layer, expert])
         other_layer, other_expert = divmod(int(rng.choice(others)), num_experts)
         state.move(layer, expert, int(state.assignment[other_layer, other_expert]))
-        state.move(other_layer, other_expert, bottleneck)
+        state.move(other_layer, other_expert, source)
         touched.update((layer, other_layer))
     return touched

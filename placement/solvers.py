@@ -15,11 +15,16 @@ Solvers (registered in `SOLVERS`, all `(problem, *, seed, time_budget_s, direct)
   all L * E experts to capacity slots.
 - `vela`: the paper's method, the LP relaxation (`placement.lp`, class-aggregated
   unless `direct`) followed by its three-step rounding (`placement.rounding`).
+  The rounding computes no times: it sees shared links through the relaxed
+  placement of the LP, which has a row per shared link and layer.
 - `improved`: `vela`'s placement as the incumbent, replaced by the greedy
   construction (`placement.greedy`) if that is strictly better, then local
   search (`placement.search`) that only accepts strict improvements; so it is
   never worse than `vela`. It stops when the search stalls or at
   `time_budget_s` (LP and greedy construction included).
+
+Every solver that looks at times (LP, greedy, search, `improved`'s choice of
+start) minimises the cost model's step time, shared links included.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class Placement(BaseModel):
     solver: str
     """Name of the solver in `SOLVERS` that produced it."""
     expected_step_time: float
-    """Expected seconds per step, sum_l max_n E[T_{n,l}] (communication, plus compute if the problem has it)."""
+    """Expected seconds per step, sum_l max_n E[T_{n,l}] (communication, plus compute if the problem has it;
+    with shared links, each layer's slowest worker or shared link: `placement.cost.step_time`)."""
     lower_bound: float | None = None
     """LP bound on the optimum (seconds), for LP-based solvers."""
     solve_seconds: float = 0.0
