@@ -8,6 +8,7 @@ is a pure function of what is measured (`vela_ray.runtime.runner.placement_probl
 
     service = spawn_placement_service(master_node_id, data_plane_env(...))
     links = ray.get(service.probe.remote(handles))           # [LinkRecord], one per worker
+    nics = ray.get(service.probe_shared.remote(handles, {"nic:node1": [2, 3]}))  # {name: bytes/s}
 """
 
 from __future__ import annotations
@@ -44,31 +45,46 @@ class PlacementService:
               enough_s: float = 0.1) -> list[LinkRecord]:
         """Time `echo` calls of several sizes to each worker alone; fit each worker's link.
 
-        One worker at a time: the cost model takes per-worker links. (Probing all workers at
-        once, as the broker sends, folds the shared NIC into every link; in the vela-vs-EP
-        benchmark that over-predicted the communication time of spread placements 2.5x, while
-        probing alone predicted it within 35%.) Sizes grow until a message takes `enough_s`
-        (after at least two sizes): 8 MB over 100 Mbit/s would cost seconds per sample.
+        One worker at a time: the cost model takes per-worker links, and what links share
+        (a NIC) separately (`probe_shared`). (Probing all workers at once, as the broker sends,
+        folds the shared NIC into every link; in the vela-vs-EP benchmark that over-predicted the
+        communication time of spread placements 2.5x, while probing alone predicted it within 35%.)
+        Sizes grow until a message takes `enough_s` (after at least two sizes): 8 MB over
+        100 Mbit/s would cost seconds per sample.
         """
         links = []
         for worker, handle in enumerate(handles):
-            ray.get(handle.echo.remote(torch.zeros(1)))  # warm the path
-            samples = []
-            for size in sizes:
-                payload = torch.zeros(size // 4, dtype=torch.float32)
-                best = min(self._time_echo(handle, payload) for _ in range(repeats))
-                samples.append((size, best))
-                if len(samples) >= 2 and best >= enough_s:
-                    break
-            links.append(fit_link(samples))
+            links.append(self._fit([handle], sizes, repeats, enough_s))
             logger.info("link to worker %d: %.3g GB/s, %.0f us latency", worker,
                         links[-1].bandwidth_bytes_per_s / 1e9, links[-1].latency_s * 1e6)
         return links
 
+    def probe_shared(self, handles: list[Any], groups: dict[str, list[int]], sizes: Sequence[int] = PROBE_SIZES,
+                     repeats: int = 3, enough_s: float = 0.1) -> dict[str, float]:
+        """Bandwidth (bytes/s) of what each group of workers shares, e.g. a node's NIC: the same
+        messages to all of the group's workers at once, total bytes fitted against the time."""
+        bandwidths = {}
+        for name, workers in groups.items():
+            bandwidths[name] = self._fit([handles[n] for n in workers], sizes, repeats, enough_s).bandwidth_bytes_per_s
+            logger.info("shared link %s (workers %s): %.3g GB/s", name, workers, bandwidths[name] / 1e9)
+        return bandwidths
+
+    def _fit(self, handles: list[Any], sizes: Sequence[int], repeats: int, enough_s: float) -> LinkRecord:
+        """seconds = latency + bytes / bandwidth over `handles` probed at once (bytes: all of them together)."""
+        ray.get([h.echo.remote(torch.zeros(1)) for h in handles])  # warm the paths
+        samples = []
+        for size in sizes:
+            payload = torch.zeros(size // 4, dtype=torch.float32)
+            best = min(self._time_echo(handles, payload) for _ in range(repeats))
+            samples.append((size * len(handles), best))
+            if len(samples) >= 2 and best >= enough_s:
+                break
+        return fit_link(samples)
+
     @staticmethod
-    def _time_echo(handle: Any, payload: torch.Tensor) -> float:
+    def _time_echo(handles: list[Any], payload: torch.Tensor) -> float:
         start = time.perf_counter()
-        ray.get(handle.echo.remote(payload))
+        ray.get([h.echo.remote(payload) for h in handles])
         return time.perf_counter() - start
 
 

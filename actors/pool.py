@@ -18,6 +18,7 @@ from actors.cluster import ExpertCluster, SpawnConfig, respawn_expert_managers, 
 from actors.placement_service import spawn_placement_service
 from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
 from actors.workers import actor_workers
+from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
 from vela_ray.config import JobConfig
 from vela_ray.runtime.migration import MigrationPlan
@@ -98,6 +99,20 @@ class RayWorkerPool:
             return ray.get(service.probe.remote(self.cluster.handles))
         finally:
             ray.kill(service)
+
+    def measure_shared_links(self) -> list[SharedLink]:
+        """The NICs master traffic crosses (`placement.node_shared_links`), each probed through its workers."""
+        links = node_shared_links(self.cluster.node_ids, self.master_node, 1.0)
+        if not links:
+            return []
+        service = spawn_placement_service(self.master_node, self.env_vars)
+        try:
+            measured = ray.get(service.probe_shared.remote(self.cluster.handles,
+                                                           {link.name: link.workers for link in links}))
+        finally:
+            ray.kill(service)
+        return node_shared_links(self.cluster.node_ids, self.master_node,
+                                 {link.name.removeprefix("nic:"): measured[link.name] for link in links})
 
     def measure_compute(self, num_rows: int) -> list[float]:
         return fill_unmeasured(ray.get([h.seconds_per_row.remote(num_rows) for h in self.cluster.handles]))

@@ -282,6 +282,7 @@ def fields_from_options(
     nodes: str | None = None,
     master_node: str | None = None,
     include_backward: bool = True,
+    nic_gb_s: float | None = None,
 ) -> dict[str, Any]:
     """`PlacementProblem` fields from command-line style inputs (`vela place --profile ...`).
 
@@ -290,9 +291,19 @@ def fields_from_options(
     tokens_per_step or hidden_size the `DEFAULT_*` sizes stand in: every expected
     time and byte count is proportional to tokens x hidden, so the best placement
     is the same for any of them (only the printed numbers are off by the ratio).
+    nic_gb_s: every node's NIC bandwidth; master traffic shares them (`node_shared_links`), which
+    needs nodes and master_node.
     """
     probs, profile_top_k = load_profile(profile)
     bandwidths = [GB * value for value in parse_numbers(bandwidths_gb_s, "bandwidths")]
+    worker_nodes = [node.strip() for node in nodes.split(",")] if nodes else None
+    shared_links = []
+    if nic_gb_s is not None:
+        if worker_nodes is None or master_node is None:
+            raise ValueError("--nic needs --nodes and --master-node: which workers share which NIC")
+        from placement.problem import node_shared_links  # problem.py imports this module
+
+        shared_links = node_shared_links(worker_nodes, master_node, GB * nic_gb_s)
     return dict(
         probs=probs,
         top_k=top_k or profile_top_k or infer_top_k(probs, source=profile),
@@ -301,9 +312,10 @@ def fields_from_options(
         bits_per_element=bits_per_element,
         bandwidths=bandwidths,
         capacities=parse_capacities(capacities, len(bandwidths)),
-        worker_nodes=[node.strip() for node in nodes.split(",")] if nodes else None,
+        worker_nodes=worker_nodes,
         master_node=master_node,
         include_backward=include_backward,
+        shared_links=shared_links,
     )
 
 

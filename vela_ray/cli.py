@@ -146,6 +146,8 @@ def _add_place(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacities", help="experts per worker: one integer for all, or a comma list")
     p.add_argument("--nodes", help="node id per worker, comma list (enables cross-node bytes)")
     p.add_argument("--master-node", help="node id of the master")
+    p.add_argument("--nic", type=float, help="NIC bandwidth of every node in GB/s: cross-node rows share the "
+                   "master node's NIC and their node's (needs --nodes and --master-node)")
     p.add_argument("--tokens", type=int, help="tokens per step entering each MoE layer (batch x sequence; "
                    "default 4096: it scales the printed times, not the placement)")
     p.add_argument("--hidden", type=int, help="hidden size, elements per token row (default 4096, likewise)")
@@ -177,7 +179,7 @@ def _run_place(args: argparse.Namespace) -> int:
             profile=args.profile, bandwidths_gb_s=args.bandwidths, capacities=args.capacities,
             tokens_per_step=args.tokens, hidden_size=args.hidden, bits_per_element=args.bits,
             top_k=args.top_k, nodes=args.nodes, master_node=args.master_node,
-            include_backward=not args.forward_only,
+            include_backward=not args.forward_only, nic_gb_s=args.nic,
         ))
         note = assumed_sizes_note(args.tokens, args.hidden)
     else:

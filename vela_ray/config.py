@@ -101,6 +101,9 @@ class PlacementSection(_Section):
     cost_model: Literal["communication", "communication+compute"] = Field(
         "communication", description="what placement minimises: the paper's communication time, or communication "
         "plus each worker's measured expert compute per row (keeps a fast link from overloading its worker)")
+    shared_links: Literal["measure", "none"] = Field(
+        "measure", description="measure: probe the NICs master traffic crosses (the master node's, each worker "
+        "node's) and place for them too; none: the paper's model of independent master-worker links")
     seed: int = 0
     replan: ReplanSection = Field(default_factory=ReplanSection)
 

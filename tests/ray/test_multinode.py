@@ -49,3 +49,9 @@ def test_workers_on_other_nodes_are_cross_node_and_both_ends_count_the_same_byte
     by_worker = summary["traffic_bytes_by_worker"]
     assert summary["traffic_bytes_by_tier"]["cross_node"] == sum(by_worker[1:])
     assert summary["traffic_bytes_by_tier"]["same_node"] == by_worker[0]
+    # the NICs master traffic crosses were probed and the placement problem carries them
+    master, nodes = summary["master_node"], summary["worker_nodes"]
+    shared = summary["placement"]["problem"]["shared_links"]
+    assert [(s["name"], s["workers"]) for s in shared] == [
+        (f"nic:{master}", [1, 2]), (f"nic:{nodes[1]}", [1]), (f"nic:{nodes[2]}", [2])]
+    assert all(s["bandwidth_bytes_per_s"] > 0 for s in shared)

@@ -145,3 +145,23 @@ def test_placement_and_vela_place_do_not_import_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_place_with_a_shared_nic_puts_more_rows_behind_the_masters_node(tmp_path, capsys):
+    """`--nic`: cross-node rows share the master node's NIC, so the placement keeps more mass at home."""
+    probs = synthetic_probs(8, 8, 2, concentration=2.0, seed=3)
+    np.save(tmp_path / "profile.npy", probs)
+    flags = ["place", "--profile", str(tmp_path / "profile.npy"), *MIXTRAL_FLAGS, "--capacities", "16",
+             "--time-budget", "0.5"]
+    assert main([*flags, "--out", str(tmp_path / "blind.json")]) == 0
+    assert main([*flags, "--nic", "1.17", "--out", str(tmp_path / "aware.json")]) == 0
+    assert "nic:n0" in capsys.readouterr().out  # the summary prints each shared link
+
+    def home_mass(path: Path) -> float:
+        table = Placement.from_json(path).as_array()
+        return float(probs[np.isin(table, [0, 1])].sum())
+
+    assert home_mass(tmp_path / "aware.json") > home_mass(tmp_path / "blind.json")
+    assert main(["place", "--profile", str(tmp_path / "profile.npy"), "--bandwidths", "1,1", "--capacities", "40",
+                 "--nic", "1"]) != 0  # --nic without nodes: one line naming what is missing
+    assert "--nic needs --nodes and --master-node" in capsys.readouterr().err

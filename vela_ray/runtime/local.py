@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from placement import SharedLink
+
 from vela_ray.config import JobConfig
 from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import InProcessTransport
@@ -62,6 +64,9 @@ class InProcessPool:
 
     def measure_links(self) -> list[LinkRecord]:
         return list(self.links) if self.links else [IN_PROCESS_LINK] * len(self.managers)
+
+    def measure_shared_links(self) -> list[SharedLink]:
+        return []  # one process: no NIC between the master and its workers
 
     def measure_compute(self, num_rows: int) -> list[float]:
         return fill_unmeasured([m.seconds_per_row(num_rows) for m in self.managers])

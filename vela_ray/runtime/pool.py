@@ -14,6 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
+from placement import SharedLink
+
 from vela_ray.config import JobConfig
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import Transport
@@ -54,6 +56,10 @@ class WorkerPool(Protocol):
 
     def measure_links(self) -> list[LinkRecord]:
         """The master's link to each worker."""
+        ...
+
+    def measure_shared_links(self) -> list[SharedLink]:
+        """What those links share, with its measured bandwidth: the NICs of `placement.node_shared_links`."""
         ...
 
     def measure_compute(self, num_rows: int) -> list[float]:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from placement import Placement, PlacementProblem, sequential_table, solve
+from placement import Placement, PlacementProblem, SharedLink, sequential_table, solve
 from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, sequential_batches
@@ -97,6 +97,7 @@ class RunState:
     version: int = 1  # of the placement; each adopted re-placement adds one
     placed_probs: np.ndarray | None = None  # [L, E] the profile the current placement was solved for
     links: list[LinkRecord] = field(default_factory=list)
+    shared_links: list[SharedLink] = field(default_factory=list)  # NICs the links share, measured with them
     start_step: int = 0
     history: list[StepRecord] = field(default_factory=list)
     last_checkpoint: Path | None = None
@@ -111,8 +112,10 @@ class RunState:
 
 def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
                       capacities: list[int], worker_nodes: list[str], master_node: str,
-                      compute_seconds_per_row: list[float] | None = None) -> PlacementProblem:
-    """The placement problem of this job: its profile (uniform if None), tokens, row size, links and capacities."""
+                      compute_seconds_per_row: list[float] | None = None,
+                      shared_links: list[SharedLink] | None = None) -> PlacementProblem:
+    """The placement problem of this job: its profile (uniform if None), tokens, row size, links (and what
+    they share) and capacities."""
     num_layers, num_experts = backbone.shape
     top_k = top_k_of(backbone.model)
     if probs_LE is None:
@@ -124,6 +127,7 @@ def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarra
         bits_per_element=torch.finfo(config.torch_dtype).bits,
         bandwidths=[link.bandwidth_bytes_per_s for link in links], capacities=capacities,
         worker_nodes=worker_nodes, master_node=master_node, compute_seconds_per_row=compute_seconds_per_row,
+        shared_links=shared_links or [],
     )
 
 
@@ -282,6 +286,8 @@ class JobRunner:
         cfg = self.config
         if not self.state.links:
             self.state.links = self.pool.measure_links()
+            if cfg.placement.shared_links == "measure":
+                self.state.shared_links = self.pool.measure_shared_links()
         compute = self.state.problem.compute_seconds_per_row if self.state.problem else None
         if compute is None and cfg.placement.cost_model == "communication+compute":
             rows = max(1, cfg.training.batch_size * cfg.data.seq_len * top_k_of(backbone.model)
@@ -289,7 +295,7 @@ class JobRunner:
             compute = self.pool.measure_compute(rows)
         capacities = self.state.problem.capacities if self.state.problem else self._capacities(backbone)
         return placement_problem(cfg, backbone, probs, self.state.links, capacities, hosted.node_ids,
-                                 self.pool.master_node, compute)
+                                 self.pool.master_node, compute, self.state.shared_links)
 
     @staticmethod
     def _saved_profile(resume: dict | None) -> np.ndarray | None:
