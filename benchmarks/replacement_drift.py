@@ -49,7 +49,13 @@ step by step and every per-step difference in cross-node bytes is the placement'
 are solved independently (the compute-aware cost model measures each worker's compute, which is noisy on a
 shared machine), so results.md also compares the steps before the first adoption.
 
-Run (as root, ~12 minutes on 2 cores):  python benchmarks/replacement_drift.py
+Run (as root, ~10 minutes on 2 cores):  python benchmarks/replacement_drift.py
+With `cost_model: communication+compute` (the default, vela_vs_ep's `improved`) each run's placements also
+follow the workers' compute as measured once at its start, which on a shared 2-core machine is mostly noise,
+so the two runs start from different placements. `--cost-model communication` gives both runs the same start
+placement and isolates what re-placement does to the traffic:
+    python benchmarks/replacement_drift.py --cost-model communication \
+        --out benchmarks/results/replacement_drift/communication_only
 Without network namespaces: `--no-emulate` (as in vela_vs_ep.py) runs on an unshaped ray.cluster_utils
 cluster (3 Ray nodes on one loopback; cross-node bytes are still counted, cross-node links are not slower).
 The cluster options (--nodes, --workers-per-node, --capacity, --transport, --calibrate, --ratio,
@@ -81,7 +87,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks import vela_vs_ep  # noqa: E402
 from benchmarks import vela_vs_ep_report as ep_report  # noqa: E402
-from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, wire_bytes  # noqa: E402
+from deploy.emulated_cluster import ClusterSpec, wire_bytes  # noqa: E402
 from vela_ray.model.traffic import LINK_TIERS  # noqa: E402
 from vela_ray.paths import data_dir  # noqa: E402
 
@@ -105,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drift-threshold", type=float, default=0.05, help="placement.replan.drift_threshold")
     p.add_argument("--horizon-steps", type=int, default=None,
                    help="placement.replan.horizon_steps (default: None, the steps left)")
+    p.add_argument("--cost-model", choices=["communication", "communication+compute"], default=None,
+                   help="placement.cost_model of both runs (default: vela_vs_ep's for `improved`, "
+                        "communication+compute)")
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver inside node 0
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -122,6 +131,8 @@ def job_dict(args, replan_on: bool, out_dir: Path) -> dict:
     job = vela_vs_ep.job_dict(args, "wikitext", "improved", args.steps, out_dir)
     job["data"] = {"kind": "text", "path": str(SHAKESPEARE), "seq_len": args.seq_len, "limit": args.limit}
     job["training"]["optimizer"] = {"lr": args.lr, "warmup_steps": args.lr_warmup, "schedule": "cosine"}
+    if args.cost_model:
+        job["placement"]["cost_model"] = args.cost_model
     job["placement"]["replan"] = ({"every": args.every, "drift_threshold": args.drift_threshold,
                                    "horizon_steps": args.horizon_steps} if replan_on else {"every": 0})
     return job
@@ -154,58 +165,9 @@ def run_job(args, label: str, spec: ClusterSpec | None) -> dict:
     return run
 
 
-def run_both(args, spec: ClusterSpec | None) -> dict:
+def run_both(args, spec: ClusterSpec | None, cross_mbit: float | None = None) -> dict:
+    """This benchmark's work on the cluster (`vela_vs_ep.Work`): the off run, then the on run."""
     return {label: run_job(args, label, spec) for label in RUNS}
-
-
-def inner_main(args) -> None:
-    """The driver inside node 0: connect to the emulated cluster, run off and on, dump the raw runs."""
-    import ray
-
-    spec = ClusterSpec.model_validate_json(args.spec) if args.spec else None
-    ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["VELA_NODE_IP"],
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False)
-    try:
-        raw = run_both(args, spec)
-    finally:
-        ray.shutdown()
-    args.raw.write_text(json.dumps(raw))
-
-
-def run_unshaped_cluster(args) -> dict:
-    """`--no-emulate`: 3 Ray nodes on one loopback (ray.cluster_utils), nothing shaped."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.workers_per_node})
-    for _ in range(args.nodes - 1):
-        cluster.add_node(num_cpus=args.workers_per_node)
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
-             log_to_driver=False)
-    try:
-        return run_both(args, None)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def emulated(args) -> tuple[dict, dict]:
-    """Bring the cluster up (as vela_vs_ep.emulated), run both jobs inside node 0, return (raw runs, link probes)."""
-    spec = ClusterSpec(num_nodes=args.nodes, cpus_per_node=args.workers_per_node, ratio=args.ratio,
-                       cross_mbit=args.cross_mbit, calibrate=args.calibrate)
-    with EmulatedCluster(spec) as cluster:
-        links = {"tcp": cluster.probe_links(), "ray": cluster.probe_ray_links(),
-                 "cross_mbit": cluster.cross_bytes_per_s * 8 / 1e6, "calibrate": args.calibrate}
-        logger.info("links: %s", json.dumps(links))
-        raw = Path(tempfile.mkdtemp(prefix="replacement-drift-")) / "raw_runs.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--inner", "--spec", spec.model_dump_json(),
-                "--raw", str(raw), *sys.argv[1:]]
-        result = cluster.run_in_node(0, argv, cwd=ROOT)
-        if result.returncode:
-            raise SystemExit(f"the benchmark driver in node 0 failed with exit code {result.returncode}")
-    runs = json.loads(raw.read_text())
-    shutil.rmtree(raw.parent, ignore_errors=True)
-    return runs, links
 
 
 # --- 3. numbers --------------------------------------------------------------------------------------
@@ -402,7 +364,8 @@ def markdown(results: dict) -> str:
         f"{s['steps']} steps of LoRA fine-tuning of the tiny pre-trained Mixtral on Tiny Shakespeare "
         f"(batch {s['batch_size']} x {s['seq_len']} tokens, peak lr {s['lr']:g}, {s['lr_warmup']} warmup steps, "
         f"cosine), {s['nodes']} nodes x {s['workers_per_node']} ExpertManagers, capacity {s['capacity']}, "
-        f"`solver: improved`, `profile: measure`. Re-placement on: `every: {s['every']}`, "
+        f"`solver: improved`, `profile: measure`, `cost_model: {results['job_on']['placement']['cost_model']}`. "
+        f"Re-placement on: `every: {s['every']}`, "
         f"`drift_threshold: {s['drift_threshold']}`, `horizon_steps: {s['horizon_steps']}`"
         f"{' (steps left)' if s['horizon_steps'] is None else ''}.", "",
         link_line, "",
@@ -485,15 +448,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.inner:
-        inner_main(args)
+        vela_vs_ep.inner_main(args, run_both)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", "benchmarks/replacement_drift.py", *(argv if argv is not None else sys.argv[1:])])
     start = time.perf_counter()
     if args.no_emulate:
-        raw, links = run_unshaped_cluster(args), {"note": "unshaped ray.cluster_utils cluster, one loopback"}
+        raw, links = (vela_vs_ep.run_unshaped_cluster(args, run_both),
+                      {"note": "unshaped ray.cluster_utils cluster, one loopback"})
     else:
-        raw, links = emulated(args)
+        raw, links = vela_vs_ep.emulated(args, Path(__file__))
     results = build_results(args, raw, links, command)
     results["benchmark_wall_s"] = time.perf_counter() - start
     write_all(results, args.out)

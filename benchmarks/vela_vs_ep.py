@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -209,21 +210,26 @@ def run_grid(args, spec: ClusterSpec | None, cross_mbit: float | None) -> dict:
     return {"runs": runs, "unshaped": unshaped, "serial_compute": serial}
 
 
-def inner_main(args) -> None:
-    """The driver inside node 0: connect to the emulated cluster, run the grid, dump raw summaries."""
+Work = Callable[[argparse.Namespace, "ClusterSpec | None", "float | None"], dict]
+"""What a benchmark runs on the cluster: (args, emulated cluster spec or None, cross-node Mbit/s or None)
+-> raw results (JSON data). `run_grid` is this script's; benchmarks/replacement_drift.py brings its own."""
+
+
+def inner_main(args, work: Work) -> None:
+    """The driver inside node 0: connect to the emulated cluster, run `work`, dump its raw results."""
     import ray
 
     spec = ClusterSpec.model_validate_json(args.spec) if args.spec else None
     ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["VELA_NODE_IP"],
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False)
     try:
-        grid = run_grid(args, spec, float(os.environ["VELA_CROSS_MBIT"]))
+        raw = work(args, spec, float(os.environ["VELA_CROSS_MBIT"]))
     finally:
         ray.shutdown()
-    args.raw.write_text(json.dumps(grid))
+    args.raw.write_text(json.dumps(raw))
 
 
-def run_unshaped_cluster(args) -> dict:
+def run_unshaped_cluster(args, work: Work) -> dict:
     """`--no-emulate`: 3 Ray nodes on one loopback (ray.cluster_utils), nothing shaped."""
     import ray
     from ray.cluster_utils import Cluster
@@ -234,7 +240,7 @@ def run_unshaped_cluster(args) -> dict:
     ray.init(address=cluster.address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
              log_to_driver=False)
     try:
-        return run_grid(args, None, None)
+        return work(args, None, None)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -243,16 +249,17 @@ def run_unshaped_cluster(args) -> dict:
 # --- 1. + 5. the outer driver ------------------------------------------------------------------------
 
 
-def emulated(args) -> tuple[dict, dict]:
-    """Bring the cluster up, run the grid inside node 0, return (raw runs, link probes)."""
+def emulated(args, script: Path) -> tuple[dict, dict]:
+    """Bring the cluster up, run `script --inner` (its `inner_main`) inside node 0, return (raw results,
+    link probes). The script's own arguments are passed on."""
     spec = ClusterSpec(num_nodes=args.nodes, cpus_per_node=args.workers_per_node, ratio=args.ratio,
                        cross_mbit=args.cross_mbit, calibrate=args.calibrate)
     with EmulatedCluster(spec) as cluster:
         links = {"tcp": cluster.probe_links(), "ray": cluster.probe_ray_links(),
                  "cross_mbit": cluster.cross_bytes_per_s * 8 / 1e6, "calibrate": args.calibrate}
         logger.info("links: %s", json.dumps(links))
-        raw = Path(tempfile.mkdtemp(prefix="vela-vs-ep-")) / "raw_runs.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--inner", "--spec", spec.model_dump_json(),
+        raw = Path(tempfile.mkdtemp(prefix=f"{script.stem}-")) / "raw_runs.json"
+        argv = [sys.executable, str(script.resolve()), "--inner", "--spec", spec.model_dump_json(),
                 "--raw", str(raw), *sys.argv[1:]]
         result = cluster.run_in_node(0, argv, env={"VELA_CROSS_MBIT": str(links["cross_mbit"])}, cwd=ROOT)
         if result.returncode:
@@ -267,13 +274,13 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.inner:
-        inner_main(args)
+        inner_main(args, run_grid)
         return
     start = time.perf_counter()
     if args.no_emulate:
-        grid, links = run_unshaped_cluster(args), {"note": "unshaped ray.cluster_utils cluster, one loopback"}
+        grid, links = run_unshaped_cluster(args, run_grid), {"note": "unshaped ray.cluster_utils cluster, one loopback"}
     else:
-        grid, links = emulated(args)
+        grid, links = emulated(args, Path(__file__))
     results = report.build_results(args, grid, links)
     results["benchmark_wall_s"] = time.perf_counter() - start
     report.write_all(results, args.out)

@@ -130,6 +130,7 @@ def test_the_job_start_moves_only_the_experts_the_solver_moved_and_equals_peft(m
     [migration] = summary.migrations
     assert (migration.reason, migration.step, migration.version, migration.moved) == ("start", 0, 1, changed)
     assert migration.state_bytes > 0 and migration.frozen_bytes > 0
+    assert migration.expert_to_worker == summary.placement.expert_to_worker
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
 

@@ -76,7 +76,8 @@ def migration_record(plan: MigrationPlan, stats: list[MigrationStats], seconds: 
     return MigrationRecord(
         step=step, reason=reason, version=version, moved=len(plan.moved),
         state_bytes=sum(s.state_bytes for s in stats), frozen_bytes=sum(s.frozen_bytes for s in stats),
-        seconds=seconds, expected_saving_s=expected_saving_s, expected_cost_s=expected_cost_s)
+        seconds=seconds, expected_saving_s=expected_saving_s, expected_cost_s=expected_cost_s,
+        expert_to_worker=plan.new_LE.tolist())
 
 
 def seconds_per_moved_expert(history: list[MigrationRecord]) -> float | None:

@@ -118,6 +118,8 @@ class MigrationRecord(_Record):
     expected_saving_s: float | None = None
     """Drift re-placements: the cost model's saving over the horizon, on the recent routing."""
     expected_cost_s: float | None = None
+    expert_to_worker: list[list[int]] = Field(default_factory=list)
+    """[L][E] the table it installed (the one before: the previous migration's, or the sequential table)."""
 
 
 class ReplanRecord(_Record):
