@@ -264,7 +264,6 @@ class JobRunner:
         self.state.plan.to_json(self.out_dir / "placement.json")
         logger.info("placement %s: %s experts per worker", self.state.plan.solver,
                     np.bincount(self.state.plan.as_array().ravel(), minlength=self.config.cluster.num_workers).tolist())
-        return hosted
 
     def _write_workers(self, hosted: HostedExperts) -> None:
         """`workers.json`: where each worker's process runs (operators and tests signal them by pid)."""
