@@ -113,6 +113,8 @@ def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(unin
     assert last is not None and str(last) in message
     checkpoint.verify(last)  # intact
 
+    if transport == "collective":  # the resume runs on a fresh data plane: one transport shows it
+        return
     # and resuming from it finishes exactly like the uninterrupted run
     job["checkpoint"]["resume"] = "latest"
     summary = VelaJob(JobConfig.from_dict(job)).run()
