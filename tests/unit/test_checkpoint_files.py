@@ -17,9 +17,9 @@ META = {"model_type": "mixtral", "moe_layers": 2, "experts": 6, "lora_r": 4}
 def _write(root, step, size=16, meta=META, keep=None):
     staging = checkpoint.begin(root, step)
     checkpoint.write_tensors(staging / "backbone.safetensors", {"w": torch.full((size,), float(step))})
-    lora = {(0, 1): {"lora_A_down": torch.ones(2, 3)}, (1, 5): {"lora_A_down": torch.zeros(2, 3)}}
-    optim = {(0, 1): {"lora_A_down.exp_avg": torch.ones(2, 3)}}
-    checkpoint.write_tensors(staging / "experts" / "part-0.safetensors", checkpoint.expert_part_tensors(lora, optim))
+    states = {(0, 1): {"lora_A_down": torch.ones(2, 3), "lora_A_down.exp_avg": torch.ones(2, 3)},
+              (1, 5): {"lora_A_down": torch.zeros(2, 3)}}
+    checkpoint.write_tensors(staging / "experts" / "part-0.safetensors", checkpoint.expert_part_tensors(states))
     checkpoint.write_json(staging / "trainer.json", {"step": step})
     return checkpoint.finalize(staging, step, meta, keep=keep)
 

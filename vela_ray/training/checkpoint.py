@@ -66,16 +66,11 @@ def write_json(path: Path, value: object) -> None:
     _fsync(path)
 
 
-def expert_part_tensors(lora: dict[ExpertKey, dict[str, torch.Tensor]],
-                        optim: dict[ExpertKey, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One worker's part: tensors named by logical expert (see the module docstring)."""
-    tensors = {}
-    for (layer, expert), state in lora.items():
-        for name, value in state.items():
-            tensors[f"l{layer}.e{expert}.{name}"] = value
-        for name, value in optim.get((layer, expert), {}).items():
-            tensors[f"l{layer}.e{expert}.{name}"] = value
-    return tensors
+def expert_part_tensors(states: dict[ExpertKey, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One worker's part: each expert's LoRA and AdamW tensors (`ExpertManager.expert_states`), named by
+    logical expert (see the module docstring)."""
+    return {f"l{layer}.e{expert}.{name}": value
+            for (layer, expert), state in states.items() for name, value in state.items()}
 
 
 def finalize(staging: Path, step: int, meta: dict, keep: int | None = None) -> Path:

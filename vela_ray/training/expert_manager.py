@@ -256,9 +256,8 @@ class ExpertManager:
 
     def save_checkpoint_part(self, staging_dir: str) -> str:
         """Write this worker's experts' LoRA and AdamW state, named by logical expert; returns the file."""
-        optim = self.trainer.optimizer_state() if self.trainer else {}
         path = Path(staging_dir) / "experts" / f"part-{self.worker}.safetensors"
-        checkpoint.write_tensors(path, checkpoint.expert_part_tensors(self.lora_state(), optim))
+        checkpoint.write_tensors(path, checkpoint.expert_part_tensors(self.expert_states(self.keys)))
         return str(path)
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
