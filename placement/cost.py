@@ -22,6 +22,14 @@ With `problem.compute_seconds_per_row` (c_n), E[T_{n,l}] also counts worker n's
 arithmetic, c_n * K * sum_e X[n,l,e] * P[l,e]: the paper's model lets a fast link
 attract more rows than the worker behind it can compute in that time.
 
+With M data-parallel masters (`problem.master_nodes`) each master sends 1/M of the
+rows: a master-worker link carries 1/M of what a lone master's would (B_n is the
+slowest of worker n's master links), a NIC carries the rows of the (master, worker)
+pairs it separates. A placement is then either one table for all masters, or
+`routes [M, L, E]`, each master's own table (replicated experts: the workers hosting
+an expert are those any master routes it to); with routes, worker n's link time is
+that of its busiest master link, its compute that of all masters' rows.
+
 The forward pass sends each (token, expert) row to its worker and gathers the
 output back: b*H/8 bytes each way, b*H/4 per row, as in the paper. The
 backward pass sends the output-grad and receives the input-grad, the same
@@ -96,13 +104,49 @@ def _as_table(expert_to_worker: Any, what: str) -> np.ndarray:
 
 
 def check_expert_to_worker(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
-    """`check_table` for a placement of `problem`: its shape, worker ids and capacities; int64 table."""
-    return check_table(expert_to_worker, problem.capacities, shape=(problem.num_layers, problem.num_experts))
+    """`check_table` for a placement of `problem`: its shape, worker ids and capacities; int64 table.
+
+    Also takes per-master `routes [M, L, E]` (M = problem.num_masters), whose capacity counts
+    each expert a worker hosts once however many masters route to it."""
+    shape = (problem.num_layers, problem.num_experts)
+    routes = np.asarray(expert_to_worker)
+    if routes.ndim != 3:
+        return check_table(expert_to_worker, problem.capacities, shape=shape)
+    if routes.shape != (problem.num_masters, *shape):
+        raise ValueError(f"routes have shape {routes.shape} but the problem is [num_masters, num_layers, "
+                         f"num_experts] = {[problem.num_masters, *shape]}")
+    for table in routes:
+        check_table(table, [problem.num_layers * problem.num_experts] * problem.num_workers, shape=shape)
+    counts = experts_per_worker(problem.num_workers, routes)
+    over = np.flatnonzero(counts > np.asarray(problem.capacities))
+    if len(over):
+        raise ValueError(f"routes host {counts[over[0]]} experts on worker {over[0]}, over its capacity "
+                         f"{problem.capacities[over[0]]} (capacities[{over[0]}])")
+    return routes.astype(np.int64)
 
 
 def experts_per_worker(num_workers: int, expert_to_worker: np.ndarray) -> np.ndarray:
-    """[num_workers] number of experts placed on each worker."""
-    return np.bincount(np.ravel(expert_to_worker), minlength=num_workers)
+    """[num_workers] number of experts placed on each worker (routes [M, L, E]: distinct experts hosted)."""
+    table = np.asarray(expert_to_worker)
+    if table.ndim == 3:
+        return hosted(table, num_workers).sum(axis=(1, 2))
+    return np.bincount(np.ravel(table), minlength=num_workers)
+
+
+def hosted(routes_MLE: np.ndarray, num_workers: int) -> np.ndarray:
+    """[num_workers, L, E] bool: whether worker n hosts expert (l, e), i.e. some master routes it there."""
+    routes_MLE = np.asarray(routes_MLE)
+    out = np.zeros((num_workers, *routes_MLE.shape[1:]), dtype=bool)
+    layers, experts = np.indices(routes_MLE.shape[1:])
+    for table in routes_MLE:
+        out[table, layers, experts] = True
+    return out
+
+
+def master_routes(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[M, L, E] each master's table: `expert_to_worker` itself if it is per-master routes, else repeated."""
+    table = np.asarray(expert_to_worker, dtype=np.int64)
+    return table if table.ndim == 3 else np.broadcast_to(table, (problem.num_masters, *table.shape))
 
 
 def routing_mass(probs_LE: np.ndarray, expert_to_worker_LE: np.ndarray, num_workers: int) -> np.ndarray:
@@ -123,21 +167,37 @@ def routing_mass(probs_LE: np.ndarray, expert_to_worker_LE: np.ndarray, num_work
     return mass
 
 
+def master_mass(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[M, num_workers, num_layers] `routing_mass` of each master's table."""
+    return np.stack([routing_mass(problem.probs, table, problem.num_workers)
+                     for table in master_routes(problem, expert_to_worker)])
+
+
 def worker_layer_probs(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
-    """[num_workers, num_layers] `routing_mass` of a placement of `problem`."""
-    return routing_mass(problem.probs, expert_to_worker, problem.num_workers)
+    """[num_workers, num_layers] `routing_mass` of a placement of `problem` (averaged over masters'
+    routes: the rows per token a worker serves)."""
+    if np.ndim(expert_to_worker) == 2:
+        return routing_mass(problem.probs, expert_to_worker, problem.num_workers)
+    return master_mass(problem, expert_to_worker).mean(axis=0)
 
 
 def layer_worker_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
     """[num_workers, num_layers] expected seconds E[T_{n,l}] per training step."""
-    mass = worker_layer_probs(problem, expert_to_worker)
-    return problem.seconds_per_prob[:, None] * mass
+    if np.ndim(expert_to_worker) == 2:
+        return problem.seconds_per_prob[:, None] * worker_layer_probs(problem, expert_to_worker)
+    mass = master_mass(problem, expert_to_worker)
+    return (problem.link_seconds_per_prob[:, None] * mass.max(axis=0)
+            + problem.compute_seconds_per_prob[:, None] * mass.mean(axis=0))
 
 
 def shared_link_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
     """[num_shared_links, num_layers] seconds T_{r,l} each shared link is busy per layer and step."""
-    mass = worker_layer_probs(problem, expert_to_worker)
-    return problem.shared_link_seconds_per_prob[:, None] * (problem.shared_link_members @ mass)
+    if np.ndim(expert_to_worker) == 2:
+        mass = worker_layer_probs(problem, expert_to_worker)
+        return problem.shared_link_seconds_per_prob[:, None] * (problem.shared_link_members @ mass)
+    mass = master_mass(problem, expert_to_worker)  # [M, N, L]
+    crossed = np.einsum("rmn,mnl->rl", problem.shared_link_crossings, mass) / problem.num_masters
+    return problem.shared_link_seconds_per_prob[:, None] * crossed
 
 
 def layer_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
@@ -160,21 +220,24 @@ def worker_bytes(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.
 def cross_node_bytes(
     problem: PlacementProblem, expert_to_worker: np.ndarray
 ) -> tuple[float, dict[str, float]]:
-    """Expected bytes per step to and from workers on a node other than the master's.
+    """Expected bytes per step between masters and workers on different nodes.
 
-    Returns (total, {node: bytes}) over the nodes that are not `master_node`.
+    Returns (total, {worker node: bytes}) over the nodes whose workers exchange rows with a master
+    on another node (one master: the nodes that are not `master_node`).
     """
-    if problem.worker_nodes is None or problem.master_node is None:
+    if problem.worker_nodes is None or problem.masters[0] is None:
         missing = "worker_nodes" if problem.worker_nodes is None else "master_node"
         raise ValueError(
             f"cross-node bytes need both worker_nodes and master_node; {missing} is not set "
             "(give the node of every worker and of the master, e.g. --nodes and --master-node)"
         )
-    per_worker = worker_bytes(problem, expert_to_worker)
+    mass = master_mass(problem, expert_to_worker).sum(axis=2)  # [M, N] rows per token, per master
+    row_bytes = problem.tokens_per_step * problem.bytes_per_row / problem.num_masters
     per_node: dict[str, float] = {}
-    for node, nbytes in zip(problem.worker_nodes, per_worker):
-        if node != problem.master_node:
-            per_node[node] = per_node.get(node, 0.0) + float(nbytes)
+    for master_node, master_share in zip(problem.masters, mass):
+        for node, share in zip(problem.worker_nodes, master_share):
+            if node != master_node:
+                per_node[node] = per_node.get(node, 0.0) + float(share) * row_bytes
     return float(sum(per_node.values())), per_node
 
 
@@ -216,7 +279,7 @@ def cost_report(problem: PlacementProblem, expert_to_worker: np.ndarray) -> Cost
     busy = times.sum(axis=1) / total if total > 0 else 0 * times.sum(axis=1)
     bottlenecks = np.bincount(times.argmax(axis=0), minlength=len(times))
     cross, per_node = None, None
-    if problem.worker_nodes is not None and problem.master_node is not None:
+    if problem.worker_nodes is not None and problem.masters[0] is not None:
         cross, per_node = cross_node_bytes(problem, assignment)
     names = [link.name for link in problem.shared_links]
     num_workers = problem.num_workers

@@ -27,7 +27,7 @@ def greedy_placement(problem: PlacementProblem) -> np.ndarray:
     seconds = problem.seconds_per_prob  # [N]
     times = np.zeros((problem.num_workers, problem.num_layers))  # [N, L]
     link_seconds = problem.shared_link_seconds_per_prob  # [R]
-    members = problem.shared_link_members.astype(bool)  # [R, N]
+    members = problem.shared_link_members  # [R, N] share of each worker's rows crossing link r
     link_times = np.zeros((len(link_seconds), problem.num_layers))  # [R, L]
     room = np.array(problem.capacities, dtype=np.int64)
     assignment = np.empty(problem.probs.size, dtype=np.int64)
@@ -36,14 +36,14 @@ def greedy_placement(problem: PlacementProblem) -> np.ndarray:
         layer = flat // problem.num_experts
         finish = times[:, layer] + seconds * probs[flat]
         if len(link_seconds):  # each worker's busiest shared link, had it taken the expert
-            link_after = link_times[:, layer] + link_seconds * probs[flat]  # [R]
-            finish = np.maximum(finish, np.where(members, link_after[:, None], 0.0).max(axis=0))
+            link_after = link_times[:, layer, None] + (link_seconds * probs[flat])[:, None] * members  # [R, N]
+            finish = np.maximum(finish, np.where(members > 0, link_after, 0.0).max(axis=0))
         finish = np.where(room > 0, finish, np.inf)
         candidates = np.flatnonzero(finish == finish.min())
         worker = int(candidates[np.argmax(room[candidates])])
         assignment[flat] = worker
         times[worker, layer] += seconds[worker] * probs[flat]
         if len(link_seconds):
-            link_times[members[:, worker], layer] += link_seconds[members[:, worker]] * probs[flat]
+            link_times[:, layer] += link_seconds * members[:, worker] * probs[flat]
         room[worker] -= 1
     return assignment.reshape(problem.probs.shape)

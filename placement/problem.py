@@ -22,6 +22,14 @@ cost model adds one term per shared link and layer (see `placement.cost`).
 
 Without shared links (the default) the model is the paper's: independent links.
 
+Data-parallel masters (`master_nodes`, vela-ray's `cluster.num_masters`): M masters
+split every step's tokens equally, each sends its rows to the same workers, so each
+master-worker link carries 1/M of a worker's rows, and a NIC carries the rows of the
+(master, worker) pairs it separates. `node_shared_links(worker_nodes, ["node0",
+"node1", "node2"], 1.17e9)` builds those NICs. A placement may give each master its
+own table (`routes [M, L, E]`: replicated experts, each master using its nearest
+copy); `placement.cost` evaluates both forms.
+
 Traffic model: in the forward pass each (token, expert) row goes to its
 expert's worker and the output comes back, b*H/8 bytes each way (the paper's
 2*D_{n,l}); in the backward pass the output-grad goes out and the input-grad
@@ -72,6 +80,9 @@ class SharedLink(BaseModel):
     """Bandwidth of the shared resource in bytes/s (both directions counted as a worker link counts them)."""
     workers: list[int]
     """Indices of the workers whose rows to and from the master cross this link."""
+    masters: list[list[int]] | None = None
+    """With data-parallel masters: per listed worker, the masters (indices into
+    `PlacementProblem.master_nodes`) whose rows to it cross this link; None: every master's."""
 
     @field_validator("bandwidth_bytes_per_s")
     @classmethod
@@ -96,6 +107,13 @@ class SharedLink(BaseModel):
         if repeated:
             raise ValueError(f"shared link {name!r} lists worker {repeated[0]} more than once: list each worker once")
         return value
+
+    @model_validator(mode="after")
+    def _masters_per_worker(self) -> "SharedLink":
+        if self.masters is not None and len(self.masters) != len(self.workers):
+            raise ValueError(f"shared link {self.name!r} has {len(self.masters)} master lists for "
+                             f"{len(self.workers)} workers: give one list of masters per listed worker")
+        return self
 
 
 class PlacementProblem(BaseModel):
@@ -125,6 +143,9 @@ class PlacementProblem(BaseModel):
     """Node id per worker; with `master_node`, lets the cost model count cross-node bytes."""
     master_node: str | None = None
     """Node id of the master (it may be a node that hosts no worker)."""
+    master_nodes: list[str] | None = None
+    """Node of each data-parallel master (they split each step's tokens equally); None: one master on
+    `master_node`. With several, `bandwidths[n]` is worker n's slowest master link."""
     include_backward: bool = True
     """Count the backward pass too (output-grads out, input-grads back): doubles times and bytes."""
     compute_seconds_per_row: list[float] | None = None
@@ -195,7 +216,17 @@ class PlacementProblem(BaseModel):
         self._check_worker_lists()
         self._check_total_capacity()
         self._check_shared_links()
+        self._check_masters()
         return self
+
+    def _check_masters(self) -> None:
+        if self.master_nodes is None:
+            return
+        if not self.master_nodes:
+            raise ValueError("master_nodes is empty: give the node of each master, or leave it out for one")
+        if self.master_node is not None and self.master_node != self.master_nodes[0]:
+            raise ValueError(f"master_node {self.master_node!r} is not master_nodes[0] "
+                             f"({self.master_nodes[0]!r}): leave master_node out with several masters")
 
     def _check_rows_sum_to_top_k(self) -> None:
         if self.top_k > self.num_experts:
@@ -248,6 +279,10 @@ class PlacementProblem(BaseModel):
                     "give each shared link its own name"
                 )
             seen[link.name] = index
+            bad = [m for masters in link.masters or [] for m in masters if not 0 <= m < self.num_masters]
+            if bad:
+                raise ValueError(f"shared_links[{index}] ({link.name!r}) names master {bad[0]} but there are "
+                                 f"{self.num_masters} masters: give indices into master_nodes")
 
     # --- shapes and derived values ---------------------------------------------
 
@@ -262,6 +297,15 @@ class PlacementProblem(BaseModel):
     @property
     def num_workers(self) -> int:
         return len(self.bandwidths)
+
+    @property
+    def num_masters(self) -> int:
+        return len(self.master_nodes) if self.master_nodes else 1
+
+    @property
+    def masters(self) -> list[str | None]:
+        """Node of each master: `master_nodes`, or the one `master_node`."""
+        return list(self.master_nodes) if self.master_nodes else [self.master_node]
 
     @property
     def names(self) -> list[str]:
@@ -282,14 +326,24 @@ class PlacementProblem(BaseModel):
     def seconds_per_prob(self) -> np.ndarray:
         """[num_workers] seconds one unit of routing probability costs on worker n per layer.
 
-        E[T_{n,l}] = seconds_per_prob[n] * sum_e X[n,l,e] * P[l,e], i.e. K * (passes * b*H/(4*B_n) + c_n):
-        the paper's communication time, plus the worker's compute when `compute_seconds_per_row` is set
-        (both grow with the rows a worker serves, so the LP stays linear).
+        E[T_{n,l}] = seconds_per_prob[n] * sum_e X[n,l,e] * P[l,e], i.e. K * (passes * b*H/(4*M*B_n) + c_n):
+        the paper's communication time (each of M masters' links carries 1/M of the rows), plus the
+        worker's compute when `compute_seconds_per_row` is set (both grow with the rows a worker
+        serves, so the LP stays linear).
         """
-        per_row = self.bytes_per_row / np.asarray(self.bandwidths)
-        if self.compute_seconds_per_row is not None:
-            per_row = per_row + np.asarray(self.compute_seconds_per_row)
-        return self.tokens_per_step * per_row
+        return self.link_seconds_per_prob + self.compute_seconds_per_prob
+
+    @property
+    def link_seconds_per_prob(self) -> np.ndarray:
+        """[num_workers] `seconds_per_prob`'s communication part: K * passes * b*H / (4 * M * B_n)."""
+        return self.tokens_per_step * self.bytes_per_row / (self.num_masters * np.asarray(self.bandwidths))
+
+    @property
+    def compute_seconds_per_prob(self) -> np.ndarray:
+        """[num_workers] `seconds_per_prob`'s compute part: K * c_n (zeros without compute)."""
+        if self.compute_seconds_per_row is None:
+            return np.zeros(self.num_workers)
+        return self.tokens_per_step * np.asarray(self.compute_seconds_per_row, dtype=np.float64)
 
     @property
     def shared_link_seconds_per_prob(self) -> np.ndarray:
@@ -303,11 +357,20 @@ class PlacementProblem(BaseModel):
 
     @property
     def shared_link_members(self) -> np.ndarray:
-        """[num_shared_links, num_workers] 1.0 where worker n's traffic crosses shared link r, else 0.0."""
-        members = np.zeros((len(self.shared_links), self.num_workers))
+        """[num_shared_links, num_workers] share of worker n's master traffic that crosses shared link r:
+        1.0 or 0.0 with one master; with M masters, the share of masters whose rows to n cross r
+        (all masters sending the same rows to n)."""
+        return self.shared_link_crossings.mean(axis=1)
+
+    @property
+    def shared_link_crossings(self) -> np.ndarray:
+        """[num_shared_links, num_masters, num_workers] 1.0 where master m's rows to worker n cross link r."""
+        crossings = np.zeros((len(self.shared_links), self.num_masters, self.num_workers))
         for index, link in enumerate(self.shared_links):
-            members[index, link.workers] = 1.0
-        return members
+            for position, worker in enumerate(link.workers):
+                masters = link.masters[position] if link.masters is not None else slice(None)
+                crossings[index, masters, worker] = 1.0
+        return crossings
 
     def communication_only(self) -> PlacementProblem:
         """This problem under the paper's cost model (no compute term), e.g. to report communication time."""
@@ -375,37 +438,43 @@ def build_problem(**fields: Any) -> PlacementProblem:
 
 
 def node_shared_links(
-    worker_nodes: list[str], master_node: str, nic_bandwidth_bytes_per_s: float | dict[str, float]
+    worker_nodes: list[str], master_node: str | list[str], nic_bandwidth_bytes_per_s: float | dict[str, float]
 ) -> list[SharedLink]:
-    """One shared link per NIC that master traffic crosses: the master node's, then each other node's.
+    """One shared link per NIC that master traffic crosses: the masters' nodes', then each other node's.
 
     worker_nodes: [num_workers] node of each worker; master_node: the master's node (it may host
-    no worker). The master's NIC (`nic:<master_node>`) carries the rows of every worker off the
-    master's node; each other node's NIC (`nic:<node>`, nodes in order of first appearance)
-    carries its own workers' rows. Workers on the master's node cross no NIC. There are no links
-    when every worker is on the master's node.
+    no worker), or the node of each data-parallel master (`PlacementProblem.master_nodes`).
+    A row crosses the NICs of both its master's node and its worker's node when they differ, so
+    each NIC (`nic:<node>`, masters' nodes first, then worker nodes in order of first appearance)
+    carries, for every worker, the rows of the masters on the other side of it. With one master
+    that is: the master's NIC carries the rows of every worker off the master's node, each other
+    node's NIC its own workers' rows. There are no links when every master and worker share a node.
 
     nic_bandwidth_bytes_per_s: one bandwidth for every NIC, or {node: bytes/s} with an entry for
-    the master's node and for every other node that hosts workers.
+    every node a link is made for.
     """
-    remote = [n for n, node in enumerate(worker_nodes) if node != master_node]
-    if not remote:
-        return []
-    nodes = [master_node, *dict.fromkeys(worker_nodes[n] for n in remote)]
+    masters = [master_node] if isinstance(master_node, str) else list(master_node)
+    nodes = list(dict.fromkeys([*masters, *worker_nodes]))
+    links = []
+    for node in nodes:
+        crossing = {n: [m for m, at in enumerate(masters) if (at == node) != (worker_node == node)]
+                    for n, worker_node in enumerate(worker_nodes)}
+        crossing = {n: ms for n, ms in crossing.items() if ms}
+        if crossing:
+            links.append((node, crossing))
     if isinstance(nic_bandwidth_bytes_per_s, dict):
-        missing = [node for node in nodes if node not in nic_bandwidth_bytes_per_s]
+        missing = [node for node, _ in links if node not in nic_bandwidth_bytes_per_s]
         if missing:
             raise ValueError(
-                f"nic_bandwidth_bytes_per_s has no entry for node {missing[0]!r}: give one for the master's "
-                f"node and each node with workers ({', '.join(nodes)}), or one number for all"
+                f"nic_bandwidth_bytes_per_s has no entry for node {missing[0]!r}: give one for every node "
+                f"whose NIC master traffic crosses ({', '.join(node for node, _ in links)}), or one number for all"
             )
-        bandwidths = [nic_bandwidth_bytes_per_s[node] for node in nodes]
-    else:
-        bandwidths = [nic_bandwidth_bytes_per_s] * len(nodes)
-    members = [remote] + [[n for n in remote if worker_nodes[n] == node] for node in nodes[1:]]
     return [
-        SharedLink(name=f"nic:{node}", bandwidth_bytes_per_s=bandwidth, workers=workers)
-        for node, bandwidth, workers in zip(nodes, bandwidths, members)
+        SharedLink(name=f"nic:{node}", workers=list(crossing),
+                   bandwidth_bytes_per_s=(nic_bandwidth_bytes_per_s[node] if isinstance(nic_bandwidth_bytes_per_s, dict)
+                                          else nic_bandwidth_bytes_per_s),
+                   masters=None if len(masters) == 1 else list(crossing.values()))
+        for node, crossing in links
     ]
 
 

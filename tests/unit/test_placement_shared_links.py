@@ -132,7 +132,7 @@ def test_node_shared_links_give_the_master_nic_every_remote_worker_and_each_node
     assert [(link.name, link.workers, link.bandwidth_bytes_per_s) for link in per_node] == [
         ("nic:head", [0, 1], 3e9), ("nic:a", [0], 1e9), ("nic:b", [1], 2e9)]
     assert node_shared_links(["a", "a"], "a", 1e9) == []  # nothing crosses a NIC
-    with pytest.raises(ValueError, match=r"no entry for node 'b': give one for the master's node and each node"):
+    with pytest.raises(ValueError, match=r"no entry for node .b.: give one for every node whose NIC master traffic crosses"):
         node_shared_links(["a", "b"], "a", {"a": 1e9})
 
 
