@@ -76,6 +76,19 @@ class ClusterSection(_Section):
                             "ExpertManager in its place, roll every worker and the master back to the last "
                             "checkpoint (one is written at the start), replay the steps since and go on")
     max_recoveries: int = Field(3, ge=1, description="in-place recoveries per run before stopping as with `stop`")
+    num_masters: int = Field(
+        1, ge=1, description="data-parallel masters: backbone replicas that split every micro-batch's rows and "
+                             "share the ExpertManagers (one per node in node order, master 0 on the driver's); "
+                             "backbone gradients are summed among them, so the losses equal one master's. Each "
+                             "sends its rows to every worker, so without replicated experts (M-1)/M of the rows "
+                             "cross nodes; it spreads the backbone's compute, not the traffic")
+
+    @model_validator(mode="after")
+    def _masters_over_object_refs(self) -> "ClusterSection":
+        if self.num_masters > 1 and self.transport != "object_ref":
+            raise ValueError(f"cluster.num_masters is {self.num_masters} but cluster.transport is "
+                             f"{self.transport!r}, whose group has one master: use transport: object_ref")
+        return self
 
 
 class ReplanSection(_Section):
@@ -165,6 +178,15 @@ class JobConfig(_Section):
     training: TrainingSection
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
+
+    @model_validator(mode="after")
+    def _rows_for_every_master(self) -> "JobConfig":
+        rows = self.training.micro_batch_size or self.training.batch_size
+        if self.mode == "vela" and rows < self.cluster.num_masters:
+            raise ValueError(f"a micro-batch of {rows} rows cannot feed cluster.num_masters = "
+                             f"{self.cluster.num_masters} masters: raise training.micro_batch_size (or "
+                             "batch_size) to at least the number of masters")
+        return self
 
     @property
     def checkpoint_root(self) -> Path:

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from placement import sequential_table
 from tests.fixtures import make_checkpoint
-from vela_ray.baselines.expert_parallel import build_rank, label_count, shard_rows
+from vela_ray.baselines.expert_parallel import build_rank
+from vela_ray.training.replicas import label_count, shard_rows
 from vela_ray.model.adapters import ADAPTER_FILE
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.loading import moe_layout
@@ -37,7 +38,7 @@ def test_eight_rows_over_six_ranks_split_two_two_one_one_one_one_in_order():
 
 
 def test_fewer_rows_than_ranks_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="a micro-batch of 2 rows cannot feed 3 expert-parallel ranks"):
+    with pytest.raises(ValueError, match="a micro-batch of 2 rows cannot feed 3 replicas"):
         shard_rows(_batch(2), 0, 3)
 
 

@@ -15,7 +15,7 @@ Stages of one training step, on every rank: `vela_ray.training.step.train_step`,
 step vela-ray's master runs, given this rank's loss (`ExpertParallelRank.loss`) and its
 replicas (`ProcessGroupReplicas`, the data-parallel hook):
   1. shard: rank r takes its contiguous slice of each micro-batch's rows
-     (`shard_rows`); its loss is the summed token loss divided by the
+     (`vela_ray.training.replicas.ReplicaShare`); its loss is the summed token loss divided by the
      *micro-batch's* label count, so the ranks' losses add up to the loss of
      the whole micro-batch (a router aux loss, a product of two means over the
      tokens, does not split: each rank's is weighted by its share of the
@@ -62,13 +62,12 @@ from vela_ray.model.traffic import LinkTier, link_tiers
 from vela_ray.model.transport import ForwardRequest
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import OptimizerConfig
-from vela_ray.training.replicas import ProcessGroupReplicas
+from vela_ray.training.replicas import ProcessGroupReplicas, ReplicaShare
 from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, import_adapter
 
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -186,20 +185,14 @@ class ExpertParallelRank:
         """This rank's experts as `train_step` steps them (disjoint from every other rank's)."""
         return ExpertWorkers.in_process([self.experts])
 
-    def loss(self, model: torch.nn.Module, full: Batch) -> torch.Tensor:
-        """This rank's share of the micro-batch loss: summed token loss / the micro-batch's label count.
+    @property
+    def share(self) -> ReplicaShare:
+        return ReplicaShare(self.rank, self.num_ranks, self.aux_loss_coef, self.device)
 
-        The `loss_fn` of `train_step`/`eval_loss`: summed over ranks it is the loss of `full`.
-        """
-        part = {k: v.to(self.device) for k, v in shard_rows(full, self.rank, self.num_ranks).items()}
-        out = model(**part, num_items_in_batch=max(1, label_count(full)))
-        loss = out.loss
-        aux = getattr(out, "aux_loss", None)
-        if aux is not None and self.aux_loss_coef:
-            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))
-            share = float(shard_rows({"m": mask}, self.rank, self.num_ranks)["m"].sum() / mask.sum().clamp(min=1))
-            loss = loss - self.aux_loss_coef * (1.0 - share) * aux  # the model added coef * aux in full
-        return loss
+    def loss(self, model: torch.nn.Module, full: Batch) -> torch.Tensor:
+        """This rank's share of the micro-batch loss (`ReplicaShare.loss`): summed over ranks it is the loss
+        of `full`. The `loss_fn` of `train_step`/`eval_loss`."""
+        return self.share.loss(model, full)
 
 
 def build_rank(model_dir, dtype: str, lora: LoraSpec, optim: OptimizerConfig, seed: int, rank_nodes: Sequence[str],
@@ -232,18 +225,3 @@ def build_rank(model_dir, dtype: str, lora: LoraSpec, optim: OptimizerConfig, se
         import_adapter(master, ep_rank.workers, init_adapter)
     logger.info("EP rank %d/%d: %d experts, node %s", rank, num_ranks, len(experts.keys), rank_nodes[rank])
     return ep_rank
-
-
-def shard_rows(batch: Batch, rank: int, num_ranks: int) -> Batch:
-    """Rank `rank`'s contiguous slice of the batch rows (np.array_split sizes: they differ by at most one)."""
-    rows = next(iter(batch.values())).shape[0]
-    if rows < num_ranks:
-        raise ValueError(f"a micro-batch of {rows} rows cannot feed {num_ranks} expert-parallel ranks: every rank "
-                         "needs at least one row; raise training.micro_batch_size (or batch_size) or use fewer ranks")
-    bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(rows), num_ranks)])
-    return {k: v[bounds[rank]:bounds[rank + 1]] for k, v in batch.items()}
-
-
-def label_count(batch: Batch) -> int:
-    """Tokens that carry a loss in the whole micro-batch (labels shifted by one, as causal LMs do)."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

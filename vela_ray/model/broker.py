@@ -43,7 +43,10 @@ class DispatchPlan:
 class ExpertDispatcher:
     """Shared by all brokers of a model: the placement table, the transport and the counters."""
 
-    def __init__(self, expert_to_worker: torch.Tensor, transport: Transport, counter: TrafficCounter | None = None):
+    def __init__(self, expert_to_worker: torch.Tensor, transport: Transport, counter: TrafficCounter | None = None,
+                 *, master: int = 0, num_masters: int = 1):
+        """`master` of `num_masters`: data-parallel masters share the workers, so each numbers the forwards
+        it saves there (`new_key`) in its own residue class: master, master + M, ..."""
         table = torch.as_tensor(expert_to_worker, dtype=torch.long)
         if table.dim() != 2:
             raise ValueError(f"expert_to_worker must be [layers, experts], got shape {tuple(table.shape)}")
@@ -60,7 +63,7 @@ class ExpertDispatcher:
         # Seconds the master spent waiting on the transport, per phase: communication plus the
         # workers' expert compute, i.e. the part of a step that the placement can change.
         self.round_trip_s = {"forward": 0.0, "backward": 0.0}
-        self._keys = itertools.count()
+        self._keys = itertools.count(master, num_masters)
 
     def rebind(self, expert_to_worker, transport: Transport | None = None) -> None:
         """Point every broker at a new placement table (after a migration), and at a new transport if

@@ -14,6 +14,9 @@ All backends pass the same conformance suite (tests/ray/test_transport_conforman
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from dataclasses import dataclass
 from typing import Hashable, Protocol, runtime_checkable
 
@@ -63,18 +66,23 @@ class InProcessTransport:
     (an ExpertShard, or an ExpertManager, which also counts what it receives).
     """
 
-    def __init__(self, shards: list[ExpertShard]):
+    def __init__(self, shards: list[ExpertShard], lock: threading.Lock | None = None):
+        """`lock`: shared by the transports of masters in several threads of this process (data-parallel
+        masters, `vela_ray.runtime.masters`): a shard's saved forwards and gradients are not thread-safe."""
         self.shards = shards
         self.num_workers = len(shards)
+        self.lock = lock or contextlib.nullcontext()
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
-        return {
-            worker: self.shards[worker].forward_rows(req.layer, req.expert_ids, req.rows, req.key)
-            for worker, req in requests.items()
-        }
+        with self.lock:
+            return {
+                worker: self.shards[worker].forward_rows(req.layer, req.expert_ids, req.rows, req.key)
+                for worker, req in requests.items()
+            }
 
     def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        return {worker: self.shards[worker].backward_rows(key, grad) for worker, grad in grads.items()}
+        with self.lock:
+            return {worker: self.shards[worker].backward_rows(key, grad) for worker, grad in grads.items()}
 
     def worker_tiers(self) -> list[LinkTier]:
         return ["same_process"] * self.num_workers

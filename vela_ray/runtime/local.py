@@ -10,6 +10,7 @@ so all are reported equal and the placement balances routing mass across workers
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from placement import SharedLink
 from vela_ray.config import JobConfig
 from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import InProcessTransport
+from vela_ray.runtime.masters import PeerMasters, SoloMaster, ThreadPeers
 from vela_ray.runtime.migration import MigrationPlan
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.training.expert_manager import ExpertManager, MigrationStats
@@ -38,6 +40,7 @@ class InProcessPool:
         self.links = links
         self.managers: list[ExpertManager] = []
         self.table: np.ndarray | None = None
+        self.lock = threading.Lock()  # the masters' threads take turns on the workers
 
     def start(self, table: np.ndarray) -> HostedExperts:
         self.managers = [ExpertManager(spec) for spec in manager_specs(self.config, table)]
@@ -45,8 +48,13 @@ class InProcessPool:
         return self._hosted()
 
     def _hosted(self) -> HostedExperts:
-        return HostedExperts(ExpertWorkers.in_process(self.managers), InProcessTransport(self.managers),
+        return HostedExperts(ExpertWorkers.in_process(self.managers), InProcessTransport(self.managers, self.lock),
                              [LOCAL_NODE] * len(self.managers))
+
+    def start_peers(self, table: np.ndarray) -> PeerMasters:
+        if self.config.cluster.num_masters == 1:
+            return SoloMaster(self.master_node)
+        return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock)
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         plan = MigrationPlan.between(self.table, table)

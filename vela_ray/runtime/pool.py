@@ -10,7 +10,7 @@ implementations: `vela_ray.runtime.local.InProcessPool` (this process) and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from vela_ray.model.transport import Transport
 from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
 from vela_ray.training.step import ExpertWorkers
 from vela_ray.training.summary import LinkRecord
+
+if TYPE_CHECKING:
+    from vela_ray.runtime.masters import PeerMasters
 
 
 @dataclass
@@ -42,6 +45,11 @@ class WorkerPool(Protocol):
 
     def start(self, table: np.ndarray) -> HostedExperts:
         """(Re)start the workers so that worker n hosts the experts `table` gives n."""
+        ...
+
+    def start_peers(self, table: np.ndarray) -> "PeerMasters":
+        """Masters 1..M-1 of `cluster.num_masters`, with brokers over `table` to the started workers
+        (`vela_ray.runtime.masters`); `SoloMaster` when there is one."""
         ...
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from placement import Placement, PlacementProblem, SharedLink, sequential_table, solve
+from placement import Placement, PlacementProblem, SharedLink, node_shared_links, sequential_table, solve
 from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, sequential_batches
@@ -48,6 +48,7 @@ from vela_ray.observability.report import write_report
 from vela_ray.runtime.migration import (
     MigrationPlan, estimated_seconds_per_expert, migration_record, replan, seconds_per_moved_expert,
 )
+from vela_ray.runtime.masters import PeerMasters, SoloMaster
 from vela_ray.runtime.pool import HostedExperts, WorkerPool
 from vela_ray.training import checkpoint
 from vela_ray.training.optim import lr_at
@@ -113,22 +114,40 @@ class RunState:
 def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
                       capacities: list[int], worker_nodes: list[str], master_node: str,
                       compute_seconds_per_row: list[float] | None = None,
-                      shared_links: list[SharedLink] | None = None) -> PlacementProblem:
+                      shared_links: list[SharedLink] | None = None,
+                      master_nodes: list[str] | None = None) -> PlacementProblem:
     """The placement problem of this job: its profile (uniform if None), tokens, row size, links (and what
-    they share) and capacities."""
+    they share) and capacities.
+
+    With data-parallel `master_nodes`, `links` and `shared_links` are master 0's (`master_node`'s)
+    measurements: the NICs keep their measured bandwidths and carry every master's crossing rows,
+    and each worker's link is its slowest master link (`masters_links`)."""
     num_layers, num_experts = backbone.shape
     top_k = top_k_of(backbone.model)
     if probs_LE is None:
         probs_LE = np.full((num_layers, num_experts), top_k / num_experts)
+    bandwidths = [link.bandwidth_bytes_per_s for link in links]
+    if master_nodes:
+        bandwidths = slowest_master_links(bandwidths, worker_nodes, master_node, master_nodes)
+        nics = {link.name.removeprefix("nic:"): link.bandwidth_bytes_per_s for link in shared_links or []}
+        shared_links = node_shared_links(worker_nodes, master_nodes, nics) if nics else []
     return PlacementProblem(
         probs=probs_LE, top_k=top_k,
         tokens_per_step=config.training.batch_size * config.data.seq_len,
         hidden_size=backbone.blocks[0].layout.hidden_size,
         bits_per_element=torch.finfo(config.torch_dtype).bits,
-        bandwidths=[link.bandwidth_bytes_per_s for link in links], capacities=capacities,
-        worker_nodes=worker_nodes, master_node=master_node, compute_seconds_per_row=compute_seconds_per_row,
-        shared_links=shared_links or [],
+        bandwidths=bandwidths, capacities=capacities, worker_nodes=worker_nodes, master_node=master_node,
+        master_nodes=master_nodes, compute_seconds_per_row=compute_seconds_per_row, shared_links=shared_links or [],
     )
+
+
+def slowest_master_links(bandwidths: list[float], worker_nodes: list[str], master_node: str,
+                         master_nodes: list[str]) -> list[float]:
+    """Each worker's slowest link from any master, from master 0's measured links: a master on another
+    node than the worker reaches it over the slowest cross-node link master 0 measured."""
+    cross = [b for b, node in zip(bandwidths, worker_nodes) if node != master_node]
+    return [min([b] + (cross if any(m != node for m in master_nodes) and cross else []))
+            for b, node in zip(bandwidths, worker_nodes)]
 
 
 def master_device(config: JobConfig) -> torch.device:
@@ -158,6 +177,7 @@ class JobRunner:
         self.should_stop = should_stop
         self.out_dir = Path(config.output.dir)
         self.state = RunState()
+        self.peers: PeerMasters = SoloMaster(pool.master_node)
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -172,9 +192,10 @@ class JobRunner:
         hosted = self.pool.start(table)
         try:
             master = build_master(backbone.model, table, hosted.transport, self.config.lora_spec,
-                                  self.config.training.optimizer)
+                                  self.config.training.optimizer, num_masters=self.config.cluster.num_masters)
             master.peft_model.to(self.device)  # after the brokers replaced the (unallocated) experts
             master.dispatcher.latency = self.metrics.latency
+            self.peers = self.pool.start_peers(table)
             self._settle_placement(backbone, master, hosted, table, resume)
             self._publish_placement(backbone)
             self.state.start_step = self._load_start_state(master, hosted, resume)
@@ -186,6 +207,7 @@ class JobRunner:
             write_report(self.out_dir)
             return summary
         finally:
+            self.peers.close()
             self.pool.close()
 
     # --- resume ----------------------------------------------------------------------------
@@ -232,6 +254,7 @@ class JobRunner:
             return self._restore(master, hosted, resume["path"])
         if self.config.lora.init_adapter:
             import_adapter(master, hosted.workers, self.config.lora.init_adapter)
+        self.peers.load_state(master_state(master))
         return 0
 
     def _restore(self, master: MasterModel, hosted: HostedExperts, path: Path) -> int:
@@ -239,6 +262,7 @@ class JobRunner:
         hosted.workers.load_checkpoint(str(path))
         tensors = checkpoint.read_tensors(path / "backbone.safetensors")
         load_master_state(master, tensors)
+        self.peers.load_state(master_state(master))
         if "rng.torch" in tensors:
             torch.set_rng_state(tensors["rng.torch"])
         return int(checkpoint.verify(path, checksums=False)["step"])
@@ -294,7 +318,8 @@ class JobRunner:
             compute = self.pool.measure_compute(rows)
         capacities = self.state.problem.capacities if self.state.problem else self._capacities(backbone)
         return placement_problem(cfg, backbone, probs, self.state.links, capacities, hosted.node_ids,
-                                 self.pool.master_node, compute, self.state.shared_links)
+                                 self.pool.master_node, compute, self.state.shared_links,
+                                 master_nodes=self.peers.nodes if self.peers.num_masters > 1 else None)
 
     @staticmethod
     def _saved_profile(resume: dict | None) -> np.ndarray | None:
@@ -346,6 +371,7 @@ class JobRunner:
         stats = self.pool.migrate(table)
         self.state.migrating = False
         master.dispatcher.rebind(table)
+        self.peers.rebind(table)
         if reason != "start":
             self.state.version += 1
         record = migration_record(plan, stats, time.perf_counter() - start, step=step, reason=reason,
@@ -458,6 +484,8 @@ class JobRunner:
             raise WorkerLostError(lost.workers, f"{lost.message}. Replacing them failed: {exc}") from None
         self._write_workers(hosted)
         master.dispatcher.rebind(master.dispatcher.expert_to_worker, hosted.transport)
+        self.peers.close()  # they may be stuck in the failed step's gradient sum: start them afresh
+        self.peers = self.pool.start_peers(master.dispatcher.expert_to_worker.numpy())
         master.optimizer.zero_grad(set_to_none=False)  # the failed step's partial gradients
         hosted.workers.zero_grad()  # ... and the survivors' (their saved graphs go with them)
         done = self._restore(master, hosted, last)
@@ -493,21 +521,29 @@ class JobRunner:
         cfg = self.config.training
         counter = master.dispatcher.counter
         rows = batch_rows(backbone.train_set, step, cfg.batch_size, cfg.seed)
-        micro = micro_batches(on_device(backbone.train_set.rows(rows), self.device),
-                              cfg.micro_batch_size or cfg.batch_size)
+        micro = micro_batches(backbone.train_set.rows(rows), cfg.micro_batch_size or cfg.batch_size)
         tokens = int(backbone.train_set.attention_mask[rows].sum())  # padding excluded
         before, waited_before = counter.snapshot(), sum(master.dispatcher.round_trip_s.values())
+        lr = lr_at(cfg.optimizer, step, cfg.steps)
         start = time.perf_counter()
-        loss = train_step(master, hosted.workers, micro, lr_at(cfg.optimizer, step, cfg.steps),
-                          cfg.optimizer.max_grad_norm)
+        peers_done = self.peers.start_step(micro, lr, cfg.optimizer.max_grad_norm)
+        try:
+            loss = train_step(master, hosted.workers, [on_device(m, self.device) for m in micro], lr,
+                              cfg.optimizer.max_grad_norm, loss_fn=self.peers.loss_fn(), replicas=self.peers.replicas)
+        except BaseException:
+            self.peers.abort()
+            raise
+        peer_traffic = peers_done()
         step_time = time.perf_counter() - start
         delta: TrafficSnapshot = counter.snapshot() - before
-        counts_LE = routing.take_counts().numpy()
+        counts_LE = np.sum([routing.take_counts().numpy(), *[p["routed_LE"] for p in peer_traffic]], axis=0)
         routed = self.state.tokens_routed_LE
         self.state.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE  # training steps only
         record = StepRecord(step=step + 1, loss=loss, step_time_s=step_time, tokens=tokens,
                             expert_round_trip_s=sum(master.dispatcher.round_trip_s.values()) - waited_before,
-                            bytes_by_tier=delta.bytes_by_tier(), bytes_by_worker=delta.bytes_by_worker())
+                            bytes_by_tier=_added([delta.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_traffic]]),
+                            bytes_by_worker=np.sum([delta.bytes_by_worker(),
+                                                    *[p["bytes_by_worker"] for p in peer_traffic]], axis=0).tolist())
         self.metrics.record_step(step + 1, loss, step_time, tokens=tokens,
                                  traffic_delta=delta, expert_counts_LE=counts_LE,
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
@@ -560,7 +596,8 @@ class JobRunner:
     # --- summary ---------------------------------------------------------------------------
 
     def _summary(self, master: MasterModel, hosted: HostedExperts) -> RunSummary:
-        state, traffic = self.state, master.dispatcher.counter.snapshot()
+        state = self.state
+        traffics = [master.dispatcher.counter.snapshot(), *self.peers.traffic()]
         history = state.history
         routed = state.tokens_routed_LE
         return RunSummary(
@@ -568,10 +605,13 @@ class JobRunner:
             eval_loss=history[-1].eval_loss if history else None,
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
             history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),
-            traffic_bytes_by_tier=traffic.bytes_by_tier(), traffic_bytes_by_worker=traffic.bytes_by_worker(),
-            sent_bytes_by_worker=traffic.bytes_by_worker(("dispatch", "grad_dispatch")),
+            traffic_bytes_by_tier=_added([t.bytes_by_tier() for t in traffics]),
+            traffic_bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
+            sent_bytes_by_worker=np.sum([t.bytes_by_worker(("dispatch", "grad_dispatch")) for t in traffics],
+                                        axis=0).tolist(),
             worker_received_bytes=self.received, tokens_routed=[] if routed is None else routed.astype(int).tolist(),
-            worker_tiers=list(traffic.worker_tiers), worker_nodes=hosted.node_ids, master_node=self.pool.master_node,
+            worker_tiers=list(traffics[0].worker_tiers), worker_nodes=hosted.node_ids, master_node=self.pool.master_node,
+            master_nodes=self.peers.nodes,
             placement=PlacementRecord.of(state.plan, state.problem, self.config.placement.cost_model),
             links=state.links, timings_s=state.timings_s,
             adapter_dir=str((self.out_dir / "adapter").resolve()),
@@ -579,3 +619,12 @@ class JobRunner:
             data=DataRecord.of(self.config.data, self.backbone.train_set),
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries,
         )
+
+
+def _added(dicts: list[dict[str, int]]) -> dict[str, int]:
+    """Key-wise sum (masters' traffic by link tier: each master bins by its own tiers)."""
+    total: dict[str, int] = {}
+    for d in dicts:
+        for key, value in d.items():
+            total[key] = total.get(key, 0) + value
+    return total

@@ -1,10 +1,11 @@
 """Data-parallel replicas of the master: the one hook `train_step` and `eval_loss` take for them.
 
 A step may run on several replicas of the master's backbone at once, each on its own
-shard of the batch and each with its own, disjoint expert workers: today the
-expert-parallel baseline's ranks (`vela_ray.baselines.expert_parallel`), later
-data-parallel masters. The step itself is the same; the replicas only have to agree
-on two things, and `Replicas` is exactly those two:
+shard of the batch: the expert-parallel baseline's ranks (`vela_ray.baselines.expert_parallel`),
+each with its own experts, and vela-ray's data-parallel masters (`cluster.num_masters`), which
+share the ExpertManagers. The step itself is the same; each replica computes its share of
+the loss (`ReplicaShare`), and the replicas only have to agree on two things, and `Replicas`
+is exactly those two:
 
     sync_grads(params)  sum the backbone LoRA gradients over replicas (after backward,
                         before clipping), so every replica takes the same optimizer step;
@@ -12,16 +13,24 @@ on two things, and `Replicas` is exactly those two:
                         (for global clipping) and the replicas' shares of the loss.
 
 A lone master is `SINGLE` (identity), the default of `train_step`; `ProcessGroupReplicas`
-all-reduces over a torch.distributed group (gloo on CPU, NCCL on GPU).
+all-reduces over a torch.distributed group (gloo on CPU, NCCL on GPU); `ThreadGroup` lets
+replicas in one process's threads do the same (the in-process form of several masters).
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from vela_ray.data.examples import IGNORE_INDEX
+
+Batch = dict[str, torch.Tensor]
 
 
 class Replicas(Protocol):
@@ -72,3 +81,97 @@ class ProcessGroupReplicas:
             tensor = tensor.cuda()
         dist.all_reduce(tensor, group=self.group)
         return float(tensor.item())
+
+
+class ThreadGroup:
+    """Replicas that are threads of one process: each sum waits for all of them (a barrier) and every
+    thread adds the contributions in rank order, so all get bitwise the same result."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._slots: list[torch.Tensor | None] = [None] * size
+        self._barrier = threading.Barrier(size)
+
+    def member(self, rank: int) -> "ThreadReplicas":
+        return ThreadReplicas(self, rank)
+
+    def abort(self) -> None:
+        """Release the threads waiting in a sum (one replica failed): they raise BrokenBarrierError."""
+        self._barrier.abort()
+
+    def all_sum(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self._slots[rank] = tensor
+        self._barrier.wait()
+        total = self._slots[0].clone()
+        for other in self._slots[1:]:
+            total += other
+        self._barrier.wait()  # nobody overwrites a slot before every thread has read them all
+        return total
+
+
+@dataclass
+class ThreadReplicas:
+    """One thread's `Replicas` in a `ThreadGroup`."""
+
+    group: ThreadGroup
+    rank: int
+
+    def sync_grads(self, params: Sequence[nn.Parameter]) -> None:
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.group.all_sum(self.rank, torch.cat([g.reshape(-1) for g in grads]))
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
+
+    def sum(self, value: float) -> float:
+        return float(self.group.all_sum(self.rank, torch.tensor([value], dtype=torch.float64)).item())
+
+
+@dataclass(frozen=True)
+class ReplicaShare:
+    """Replica `rank` of `num_replicas`: its contiguous slice of each micro-batch's rows and its share of
+    the micro-batch's loss, so that the replicas' losses add up to the loss of the whole micro-batch.
+
+    The share is the summed token loss of its rows over the *micro-batch's* label count. A router aux
+    loss (a product of two means over the tokens) does not split: each replica's is weighted by its
+    share of the unpadded tokens, exact without aux loss, an approximation with it.
+    """
+
+    rank: int
+    num_replicas: int
+    aux_loss_coef: float = 0.0
+    device: torch.device | str = "cpu"
+
+    def rows(self, batch: Batch) -> Batch:
+        return shard_rows(batch, self.rank, self.num_replicas)
+
+    def loss(self, model: nn.Module, full: Batch) -> torch.Tensor:
+        """The `loss_fn` of `train_step`/`eval_loss`: summed over replicas it is the loss of `full`."""
+        part = {k: v.to(self.device) for k, v in self.rows(full).items()}
+        out = model(**part, num_items_in_batch=max(1, label_count(full)))
+        loss = out.loss
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None and self.aux_loss_coef:
+            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))
+            share = float(self.rows({"m": mask})["m"].sum() / mask.sum().clamp(min=1))
+            loss = loss - self.aux_loss_coef * (1.0 - share) * aux  # the model added coef * aux in full
+        return loss
+
+
+def shard_rows(batch: Batch, rank: int, num_ranks: int) -> Batch:
+    """Replica `rank`'s contiguous slice of the batch rows (np.array_split sizes: they differ by at most one)."""
+    rows = next(iter(batch.values())).shape[0]
+    if rows < num_ranks:
+        raise ValueError(f"a micro-batch of {rows} rows cannot feed {num_ranks} replicas (expert-parallel ranks "
+                         "or masters): each needs at least one row; raise training.micro_batch_size (or "
+                         "batch_size) or use fewer")
+    bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(rows), num_ranks)])
+    return {k: v[bounds[rank]:bounds[rank + 1]] for k, v in batch.items()}
+
+
+def label_count(batch: Batch) -> int:
+    """Tokens that carry a loss in the whole micro-batch (labels shifted by one, as causal LMs do)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

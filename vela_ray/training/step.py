@@ -89,6 +89,11 @@ class ExpertWorkers:
         return self._call_all("compute_seconds")
 
 
+STEPPED_ELSEWHERE = ExpertWorkers(lambda method, *args: [], 0)
+"""The workers as a data-parallel master other than master 0 sees them (`vela_ray.runtime.masters`):
+master 0 reads their gradient norm and steps them, so here both are no-ops (a norm of 0 in the sum)."""
+
+
 @dataclass
 class MasterModel:
     """The master's side: the stripped model with brokers, peft-wrapped, and its optimizer."""
@@ -103,16 +108,20 @@ class MasterModel:
 
 
 def build_master(
-    model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig
+    model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig,
+    *, master: int = 0, num_masters: int = 1,
 ) -> MasterModel:
     """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA.
+
+    `master` of `num_masters`: which data-parallel master this is (`vela_ray.runtime.masters`).
 
     Training needs no KV cache; without one, a batch with `position_ids` and no `attention_mask`
     (packed rows) gets transformers' per-example attention mask (it only looks when no cache is given)."""
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.use_cache = False
     full_cfg = full_lora_config(model, lora)
-    dispatcher = ExpertDispatcher(torch.as_tensor(expert_to_worker), transport)
+    dispatcher = ExpertDispatcher(torch.as_tensor(expert_to_worker), transport, master=master,
+                                  num_masters=num_masters)
     attach_brokers(model, dispatcher)
     peft_model = get_peft_model(model, backbone_lora_config(full_cfg))
     params = [p for p in peft_model.parameters() if p.requires_grad]

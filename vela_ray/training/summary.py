@@ -190,6 +190,9 @@ class RunSummary(_Record):
     worker_tiers: list[str]
     worker_nodes: list[str]
     master_node: str
+    master_nodes: list[str] = Field(default_factory=list)
+    """Node of each data-parallel master (`cluster.num_masters`), master 0's first; traffic counts are
+    every master's, each binned by its own link tier to the worker."""
     placement: PlacementRecord
     links: list[LinkRecord] = Field(default_factory=list)
     timings_s: dict[str, float | list[float]] = Field(default_factory=dict)

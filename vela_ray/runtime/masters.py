@@ -1,0 +1,206 @@
+"""Data-parallel masters (`cluster.num_masters`): backbone replicas that split every batch and share the workers.
+
+Master 0 runs the job (`JobRunner`); masters 1..M-1, its *peers*, each hold a copy of the
+backbone with its LoRA and AdamW state and brokers of their own to the same ExpertManagers.
+In every step each master runs `train_step` on its rows of each micro-batch
+(`ReplicaShare`, the expert-parallel baseline's split), so:
+  - the backbone LoRA gradients are summed among the masters (`Replicas.sync_grads`) and
+    every master takes the same AdamW step;
+  - the experts' LoRA gradients accumulate on the workers from every master's rows; master 0
+    alone reads their norm and steps them (peers see the workers as `STEPPED_ELSEWHERE`),
+    after the gradient sum, by which time every master's backward has returned;
+so the losses equal one master's on the whole batch. Each master numbers the forwards it
+saves on the workers in its own residue class (`ExpertDispatcher(master=, num_masters=)`).
+
+Master 0 keeps the run's state (checkpoints, evaluation, profile, placement); the peers get
+it with `load_state` whenever master 0's changes other than by a step (start, resume,
+recovery), and a new table with `rebind` after every migration.
+
+Two kinds of peers, one protocol: `ThreadPeers` (threads of this process, over the
+in-process ExpertManagers) and `actors.masters.RayPeers` (MasterReplica actors, one per
+node). `SOLO` is the single master.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from vela_ray.config import JobConfig
+from vela_ray.data.locality import RoutingRecorder
+from vela_ray.model.loading import load_backbone
+from vela_ray.model.traffic import TrafficSnapshot
+from vela_ray.model.transport import InProcessTransport
+from vela_ray.training.expert_manager import ExpertManager
+from vela_ray.training.replicas import SINGLE, Replicas, ReplicaShare, ThreadGroup
+from vela_ray.training.step import (
+    STEPPED_ELSEWHERE, Batch, MasterModel, build_master, load_master_state, model_loss, train_step,
+)
+
+Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; each one's `PeerStep` dict
+
+
+class PeerMasters(Protocol):
+    """Masters 1..M-1 as master 0's runner drives them."""
+
+    replicas: Replicas  # master 0's member of the masters' group
+    num_masters: int
+    nodes: list[str]  # node of each master, master 0's first
+
+    def loss_fn(self) -> Callable[[torch.nn.Module, Batch], torch.Tensor]:
+        """Master 0's share of a micro-batch's loss."""
+        ...
+
+    def start_step(self, micro_batches: Sequence[Batch], lr: float, max_grad_norm: float | None) -> Wait:
+        """Start every peer's `train_step` on its rows of `micro_batches`; master 0 then runs its own."""
+        ...
+
+    def abort(self) -> None:
+        """Master 0's step failed: release the peers from the step (they may wait in a gradient sum that
+        master 0 will never join) and discard it; the next `start_step` starts clean."""
+        ...
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Backbone LoRA and AdamW state (`step.master_state` of master 0) into every peer."""
+        ...
+
+    def rebind(self, table: np.ndarray, transport_source: object | None = None) -> None:
+        """Every peer's brokers to a new table (and workers, after replacements)."""
+        ...
+
+    def traffic(self) -> list[TrafficSnapshot]:
+        """Each peer's traffic counts since it started."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class SoloMaster:
+    """One master: no peers, nothing to sum or to tell."""
+
+    replicas = SINGLE
+    num_masters = 1
+
+    def __init__(self, node: str = ""):
+        self.nodes = [node]
+
+    def loss_fn(self):
+        return model_loss
+
+    def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
+        return lambda: []
+
+    def abort(self) -> None:
+        pass
+
+    def load_state(self, tensors) -> None:
+        pass
+
+    def rebind(self, table, transport_source=None) -> None:
+        pass
+
+    def traffic(self) -> list[TrafficSnapshot]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadPeers:
+    """Peers as threads of this process over the in-process ExpertManagers (`InProcessPool`).
+
+    Master 0's own transport must be an `InProcessTransport` on the same lock (`InProcessPool` makes it).
+    """
+
+    def __init__(self, config: JobConfig, managers: list[ExpertManager], table: np.ndarray, node: str,
+                 lock: threading.Lock):
+        self.config = config
+        self.num_masters = config.cluster.num_masters
+        self.nodes = [node] * self.num_masters
+        self.lock = lock
+        self.group = ThreadGroup(self.num_masters)
+        self.replicas = self.group.member(0)
+        self.masters = [self._build(rank, managers, table) for rank in range(1, self.num_masters)]
+        self.routing = [RoutingRecorder.for_model(m.peft_model, record_confidence=False).attach()
+                        for m in self.masters]
+        self._errors: list[BaseException] = []
+        self._threads: list[threading.Thread] = []
+
+    def _build(self, rank: int, managers: list[ExpertManager], table: np.ndarray) -> MasterModel:
+        cfg = self.config
+        torch.manual_seed(cfg.training.seed)  # as master 0's Backbone.load; load_state makes them equal anyway
+        model = load_backbone(cfg.model.path, cfg.torch_dtype)
+        return build_master(model, table, InProcessTransport(managers, self.lock), cfg.lora_spec,
+                            cfg.training.optimizer, master=rank, num_masters=self.num_masters)
+
+    def loss_fn(self):
+        return ReplicaShare(0, self.num_masters).loss
+
+    def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
+        self._errors = []
+        befores = [m.dispatcher.counter.snapshot() for m in self.masters]
+        self._threads = [threading.Thread(target=self._step, args=(rank, m, micro_batches, lr, max_grad_norm),
+                                          name=f"vela-master-{rank}", daemon=True)
+                         for rank, m in enumerate(self.masters, start=1)]
+        for thread in self._threads:
+            thread.start()
+
+        def wait() -> list[dict]:
+            self._join()
+            if self._errors:
+                raise self._errors[0]
+            return [peer_step(m.dispatcher.counter.snapshot() - before, routing.take_counts())
+                    for m, before, routing in zip(self.masters, befores, self.routing)]
+        return wait
+
+    def _join(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def abort(self) -> None:
+        """Raises the first peer's own error, if a peer failed (master 0 then saw only the broken group)."""
+        self.group.abort()
+        self._join()
+        self.group = ThreadGroup(self.num_masters)
+        self.replicas = self.group.member(0)
+        failed = [e for e in self._errors if not isinstance(e, threading.BrokenBarrierError)]
+        if failed:
+            raise failed[0]
+
+    def _step(self, rank: int, master: MasterModel, micro_batches, lr: float, max_grad_norm) -> None:
+        try:
+            train_step(master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm,
+                       loss_fn=ReplicaShare(rank, self.num_masters).loss, replicas=self.group.member(rank))
+        except BaseException as exc:  # noqa: BLE001 - handed to master 0's thread by wait()
+            self._errors.append(exc)
+            self.group.abort()
+
+    def load_state(self, tensors) -> None:
+        for master in self.masters:
+            load_master_state(master, tensors)
+
+    def rebind(self, table, transport_source=None) -> None:
+        """`transport_source`: the pool's (new) managers after a replacement."""
+        for master in self.masters:
+            transport = InProcessTransport(transport_source, self.lock) if transport_source is not None else None
+            master.dispatcher.rebind(table, transport)
+
+    def traffic(self) -> list:
+        return [m.dispatcher.counter.snapshot() for m in self.masters]
+
+    def close(self) -> None:
+        for routing in self.routing:
+            routing.detach()
+        self.masters, self.routing = [], []
+
+
+def peer_step(traffic: TrafficSnapshot, routed_LE: torch.Tensor) -> dict:
+    """What master 0's step record takes from a peer's step: its bytes by its own link tiers and by
+    worker, and the tokens it routed to each expert [L][E]."""
+    return {"bytes_by_tier": traffic.bytes_by_tier(), "bytes_by_worker": traffic.bytes_by_worker(),
+            "routed_LE": routed_LE.tolist()}
