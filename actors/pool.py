@@ -15,12 +15,14 @@ import numpy as np
 import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, respawn_expert_managers, spawn_expert_managers
+from actors.masters import RayPeers
 from actors.placement_service import spawn_placement_service
 from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
 from actors.workers import actor_workers
 from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
 from vela_ray.config import JobConfig
+from vela_ray.runtime.masters import PeerMasters, SoloMaster
 from vela_ray.runtime.migration import MigrationPlan
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
@@ -66,6 +68,11 @@ class RayWorkerPool:
                                                    zero_copy=self.config.cluster.zero_copy_tensors)
         return HostedExperts(actor_workers(self.cluster.handles), self.transport, self.cluster.node_ids)
 
+    def start_peers(self, table: np.ndarray) -> PeerMasters:
+        if self.config.cluster.num_masters == 1:
+            return SoloMaster(self.master_node)
+        return RayPeers(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table)
+
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         """Worker-to-worker: each receiver gets its senders' object refs, so the state travels from the
         sender's object store to the receiver's without passing through the master."""
@@ -74,7 +81,7 @@ class RayWorkerPool:
         sent = {pair: handles[pair[0]].expert_states.remote(keys) for pair, keys in plan.by_pair().items()}
         stats = ray.get([handles[n].rehost.remote(plan.keys_of(n), *[sent[p] for p in plan.senders_to(n)])
                          for n in plan.touched()])
-        self.table = plan.new_LE
+        self.table = plan.new
         return stats
 
     def replace(self, workers: list[int]) -> HostedExperts:

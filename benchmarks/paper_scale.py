@@ -21,7 +21,23 @@ Reads top to bottom:
      NIC, so the master's NIC carries all cross-node rows of a layer; the cost
      model waits for it as for a worker). One more row, "improved (NIC-aware)",
      is the improved solver run on the problem with those NICs;
-  4. expert parallelism for comparison: each rank holds K/6 tokens, row (token,
+  4. a master per node (3 data-parallel masters, `master_nodes` node0-2, each with
+     K/3 tokens; NICs from `node_shared_links(NODES, MASTERS, CROSS)`): "master per
+     node" is the improved solver's one-copy table, "master per node + replicas"
+     adds copies in spare capacity (`placement.replicate`), and "EPLB replicas" is
+     DeepSeek's EPLB (`placement.eplb_routes`: copies balanced by expert load, each
+     master using its nearest copy). With one copy per expert, 2/3 of all rows
+     cross nodes whatever the table: only copies help, and the tight capacity
+     (258 slots for 256 experts) leaves room for 2. Under the shared-NIC model
+     every worker's link is INTRA: each worker has a master on its own node, and
+     a cross-node pair is held back by the two NICs it crosses, which the model
+     counts. Under the paper's model (no NICs) it is CROSS, every worker's slowest
+     master link (`PlacementProblem.bandwidths`: the model has one bandwidth per
+     worker). That column so charges a node-local copy's rows at 1.17 GB/s and
+     overstates what replicas cost: read the shared-NIC one. These rows also pay
+     the ring all-reduce of the masters' backbone LoRA gradients, counted as EP's
+     (below), in bytes and in both time columns;
+  5. expert parallelism for comparison: each rank holds K/6 tokens, row (token,
      expert) crosses nodes when the expert's owner (e mod 6) is on another node
      than the token's rank; plus the ring all-reduce of the backbone LoRA
      gradients (r = 8 on q, k, v, o of 32 layers, fp32: 27 MB). Its NIC time counts
@@ -32,7 +48,10 @@ Reads top to bottom:
 Bytes count forward and backward (dispatch, gather, grad dispatch, grad gather),
 as `placement.cost` does with `include_backward` (twice the paper's eq. 5-6).
 
-Run: python benchmarks/paper_scale.py   (seconds; also called by benchmarks/vela_vs_ep.py)
+The table's last column is each row's shared-NIC seconds over EP's.
+
+Run: python benchmarks/paper_scale.py   (under a minute on 2 cores, mostly `replicate`, at
+     most 10 s per case; also called by benchmarks/vela_vs_ep.py)
 """
 
 from __future__ import annotations
@@ -48,7 +67,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # not benchmarks/: its placement.py would shadow the package
 
-from placement import PlacementProblem, cost_report, node_shared_links, solve, step_time  # noqa: E402
+from placement import (  # noqa: E402
+    PlacementProblem,
+    cost_report,
+    cross_node_bytes,
+    eplb_routes,
+    node_shared_links,
+    replicate,
+    solve,
+    step_time,
+)
+from placement.cost import experts_per_worker  # noqa: E402
 
 PROFILES = ROOT / "benchmarks" / "results" / "locality"
 DATASETS = {"wikitext": "P_wikitext2.npy", "gsm8k_alpaca": "P_gsm8k.npy", "alpaca": "P_alpaca.npy"}
@@ -60,7 +89,15 @@ CAPACITIES = {"tight": math.ceil(LAYERS * EXPERTS / len(NODES)), "loose": math.c
 BACKBONE_LORA_BYTES = 32 * 8 * ((4096 + 4096) * 2 + (4096 + 1024) * 2) * 4
 SOLVERS = ("sequential", "random", "vela", "improved")
 NIC_AWARE = "improved (NIC-aware)"
+MASTERS = ["node0", "node1", "node2"]
+PER_NODE, REPLICAS, EPLB = "master per node", "master per node + replicas", "EPLB replicas"
 RESULTS = ROOT / "benchmarks" / "results" / "vela_vs_ep" / "paper_scale.json"
+LEGEND = ("ep: expert parallelism, 6 ranks. sequential to improved: one master on node0, placed for the paper's model; "
+          "improved (NIC-aware): placed for the shared-NIC model. master per node: 3 data-parallel masters (node0-2), "
+          "one copy per expert; + replicas: copies in spare capacity (`placement.replicate`); EPLB replicas: "
+          "DeepSeek's EPLB copies, each master using its nearest. The master-per-node rows include the masters' "
+          "backbone all-reduce; their paper-model column charges every worker link at 1.17 GB/s, its slowest "
+          "master link. Last column: shared-NIC seconds over EP's.")
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,6 +123,27 @@ def problem_for(probs: np.ndarray, capacity: int, *, shared_nic: bool = False) -
                             worker_nodes=NODES, master_node=NODES[0], shared_links=links)
 
 
+def masters_problem_for(probs: np.ndarray, capacity: int, *, shared_nic: bool = False) -> PlacementProblem:
+    """A master on every node; with `shared_nic`, one CROSS-bandwidth NIC per node (module docstring, 4.)."""
+    links = node_shared_links(NODES, MASTERS, CROSS) if shared_nic else []
+    return PlacementProblem(probs=probs, top_k=TOP_K, tokens_per_step=TOKENS, hidden_size=HIDDEN,
+                            bits_per_element=BITS, bandwidths=[INTRA if shared_nic else CROSS] * len(NODES),
+                            capacities=[capacity] * len(NODES), worker_nodes=NODES, master_nodes=MASTERS,
+                            shared_links=links)
+
+
+def ring_allreduce(rank_nodes: list[str]) -> tuple[float, float]:
+    """(cross-node bytes, shared-NIC seconds) of one ring all-reduce of the backbone LoRA gradients.
+
+    rank_nodes: the node of each rank, in ring order. Bytes are those sent across nodes (each
+    rank sends 2 (R-1)/R of the gradients to the next); each NIC sends and receives its share.
+    """
+    ranks = len(rank_nodes)
+    crossings = sum(rank_nodes[r] != rank_nodes[(r + 1) % ranks] for r in range(ranks))
+    cross = crossings * 2 * (ranks - 1) / ranks * BACKBONE_LORA_BYTES
+    return cross, 2 * cross / len(set(rank_nodes)) / CROSS
+
+
 def ep_traffic(problem: PlacementProblem) -> dict:
     """Expected cross-node bytes per step and shared-NIC comm seconds of expert parallelism.
 
@@ -108,11 +166,9 @@ def ep_traffic(problem: PlacementProblem) -> dict:
                     through[src] += moved
                     through[owner_node[e]] += moved
         nic_time += max(through.values()) / CROSS
-    crossings = sum(NODES[r] != NODES[(r + 1) % ranks] for r in range(ranks))
-    allreduce = crossings * 2 * (ranks - 1) / ranks * BACKBONE_LORA_BYTES  # cross-node ring bytes, one way
+    allreduce, allreduce_s = ring_allreduce(NODES)
     return {"token_cross_bytes": total, "allreduce_cross_bytes": allreduce,
-            "cross_bytes_per_node": (total + allreduce) / len(nodes),
-            "nic_comm_s": nic_time + 2 * allreduce / len(nodes) / CROSS}  # each NIC sends and receives its share
+            "cross_bytes_per_node": (total + allreduce) / len(nodes), "nic_comm_s": nic_time + allreduce_s}
 
 
 def simulate(seed: int = 0) -> dict:
@@ -125,7 +181,8 @@ def simulate(seed: int = 0) -> dict:
         for cap_name, capacity in CAPACITIES.items():
             probs = mixtral_probs(np.load(path), seed)
             problems = (problem_for(probs, capacity), problem_for(probs, capacity, shared_nic=True))
-            results[f"{name} / C={capacity} ({cap_name})"] = _rows(*problems, seed)
+            masters = (masters_problem_for(probs, capacity), masters_problem_for(probs, capacity, shared_nic=True))
+            results[f"{name} / C={capacity} ({cap_name})"] = {**_rows(*problems, seed), **_master_rows(*masters, seed)}
     return results
 
 
@@ -147,18 +204,35 @@ def _rows(paper: PlacementProblem, shared_nic: PlacementProblem, seed: int) -> d
     return rows
 
 
+def _master_rows(paper: PlacementProblem, shared_nic: PlacementProblem, seed: int) -> dict:
+    """{method: numbers} for a master per node (module docstring, 4.), placed for the shared-NIC model."""
+    table = solve(shared_nic, "improved", seed=seed).as_array()
+    plans = {PER_NODE: table, REPLICAS: replicate(shared_nic, table, seed=seed), EPLB: eplb_routes(shared_nic)}
+    allreduce, allreduce_s = ring_allreduce(MASTERS)
+    rows = {}
+    for method, plan in plans.items():
+        rows[method] = {"cross_bytes_per_node": (cross_node_bytes(shared_nic, plan)[0] + allreduce) / len(set(NODES)),
+                        "paper_model_comm_s": step_time(paper, plan) + allreduce_s,
+                        "nic_model_comm_s": step_time(shared_nic, plan) + allreduce_s,
+                        "allreduce_cross_bytes": allreduce,
+                        "experts_hosted": int(experts_per_worker(len(NODES), plan).sum())}
+    return rows
+
+
 def markdown(results: dict) -> str:
-    lines = ["| data set / capacity | method | cross-node MB/node/step | vs EP | comm s (paper model) | comm s (shared NIC) |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| data set / capacity | method | cross-node MB/node/step | vs EP | comm s (paper model) | "
+             "comm s (shared NIC) | / EP (shared NIC) |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, rows in results.items():
-        ep = rows["ep"]["cross_bytes_per_node"]
-        for method in ("ep", *SOLVERS, NIC_AWARE):
+        ep, ep_nic = rows["ep"]["cross_bytes_per_node"], rows["ep"]["nic_comm_s"]
+        for method in ("ep", *SOLVERS, NIC_AWARE, PER_NODE, REPLICAS, EPLB):
+            if method not in rows:  # results saved before the master-per-node rows
+                continue
             r = rows[method]
             paper = f"{r['paper_model_comm_s']:.3f}" if "paper_model_comm_s" in r else "n/a"
             nic = r.get("nic_model_comm_s", r.get("nic_comm_s"))
             lines.append(f"| {name} | {method} | {r['cross_bytes_per_node'] / 1e6:.0f} | "
-                         f"{r['cross_bytes_per_node'] / ep - 1:+.1%} | {paper} | {nic:.3f} |")
-    return "\n".join(lines)
+                         f"{r['cross_bytes_per_node'] / ep - 1:+.1%} | {paper} | {nic:.3f} | {nic / ep_nic:.2f} |")
+    return "\n".join([*lines, "", LEGEND])
 
 
 if __name__ == "__main__":

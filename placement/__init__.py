@@ -10,7 +10,10 @@ Modules: `problem` (the inputs, shared links such as NICs included), `cost`
 placement validator), `lp` (the paper's LP relaxation, aggregated over worker
 classes), `rounding` (the paper's rounding), `greedy` and `search` (the
 improved solver's construction and local search), `solvers` (the plan,
-`sequential_table` and the solver registry), `io` (profile and problem files:
+`sequential_table` and the solver registry), `replicas` (several copies of an expert
+for data-parallel masters: `replicate`, `nearest_routes`), `eplb` (DeepSeek's EPLB as a
+baseline for them), `sequences` (LUFFY's sequence migration between masters:
+`migrate_sequences`, `simulate_sequences`), `io` (profile and problem files:
 `load_profile` is the one profile reader), `report` (text summary).
 
 The names below are imported on first use (PEP 562), so `import placement.io`
@@ -40,7 +43,15 @@ _HOMES = {
     "build_problem": "placement.problem",
     "node_shared_links": "placement.problem",
     "synthetic_probs": "placement.problem",
+    "nearest_routes": "placement.replicas",
+    "replicate": "placement.replicas",
+    "eplb_routes": "placement.eplb",
+    "eplb_copies": "placement.eplb",
+    "eplb_slots": "placement.eplb",
     "round_relaxed": "placement.rounding",
+    "SequenceTraffic": "placement.sequences",
+    "migrate_sequences": "placement.sequences",
+    "simulate_sequences": "placement.sequences",
     "SOLVERS": "placement.solvers",
     "Placement": "placement.solvers",
     "sequential_table": "placement.solvers",
@@ -64,7 +75,10 @@ if TYPE_CHECKING:
     from placement.io import load_profile, probs_from_counts
     from placement.lp import solve_lp
     from placement.problem import PlacementProblem, SharedLink, build_problem, node_shared_links, synthetic_probs
+    from placement.eplb import eplb_copies, eplb_routes, eplb_slots
+    from placement.replicas import nearest_routes, replicate
     from placement.rounding import round_relaxed
+    from placement.sequences import SequenceTraffic, migrate_sequences, simulate_sequences
     from placement.solvers import SOLVERS, Placement, sequential_table, solve
 
 

@@ -70,6 +70,9 @@ class Placement(BaseModel):
     """LP bound on the optimum (seconds), for LP-based solvers."""
     solve_seconds: float = 0.0
     """Wall-clock seconds the solver took."""
+    routes: list[list[list[int]]] | None = None
+    """With data-parallel masters and replicated experts (`placement.replicas.replicate`): [M][L][E] the
+    worker each master sends its rows of each expert to; `expert_to_worker` is then master 0's."""
 
     @model_validator(mode="after")
     def _fits_its_workers(self) -> Placement:
@@ -78,7 +81,16 @@ class Placement(BaseModel):
                 f"capacities has {len(self.capacities)} entries for {self.num_workers} workers"
             )
         check_table(self.expert_to_worker, self.capacities)
+        if self.routes is not None:
+            counts = experts_per_worker(self.num_workers, np.asarray(self.routes))
+            if (counts > np.asarray(self.capacities)).any() or self.routes[0] != self.expert_to_worker:
+                raise ValueError("routes host more experts on a worker than its capacity, or their first "
+                                 "table is not expert_to_worker: solve again")
         return self
+
+    def tables(self) -> np.ndarray:
+        """What the workers host and the masters send to: routes [M, L, E], or the one table [L, E]."""
+        return np.asarray(self.routes if self.routes is not None else self.expert_to_worker, dtype=np.int64)
 
     @computed_field
     @property

@@ -117,6 +117,11 @@ class PlacementSection(_Section):
     shared_links: Literal["measure", "none"] = Field(
         "measure", description="measure: probe the NICs master traffic crosses (the master node's, each worker "
         "node's) and place for them too; none: the paper's model of independent master-worker links")
+    replicas: bool = Field(
+        False, description="with several masters (cluster.num_masters): copy experts into the workers' spare "
+                           "capacity where the cost model says it pays (placement.replicate); each master sends "
+                           "its rows to its nearest copy, and the copies' gradients are summed before every "
+                           "step, so they stay identical (exact)")
     seed: int = 0
     replan: ReplanSection = Field(default_factory=ReplanSection)
 
@@ -131,6 +136,50 @@ class PlacementSection(_Section):
         return self
 
 
+class CondensationSection(_Section):
+    """LUFFY's token condensation (paper §V, `vela_ray.model.condensation`): LOSSY, off by default.
+
+    Condensed rows take another row's expert output, so a run with it on no longer trains the
+    exact model; eval forwards stay exact. Similarities are cosines clamped to [0, 1].
+    """
+
+    enabled: bool = Field(
+        False, description="LOSSY: in each MoE layer, rows routed to the same expert whose similarity passes "
+                           "`threshold` travel once (one representative is sent and computed, the others take "
+                           "its output); training forwards only. false: exact training")
+    threshold: float | Literal["adaptive"] = Field(
+        "adaptive", description="similarity a pair must exceed to condense, in (0, 1]: lower condenses more and "
+                                "loses more; adaptive: LUFFY's Eq. 2, 1 / (1 + exp((l_ini - l_prev) / l_ini)), 0.5 "
+                                "at the start, falling as the training loss falls (0.27 when it reaches 0)")
+    similar_above: float = Field(
+        0.8, ge=0, le=1, description="S1: a pair above this in the previous MoE layer is taken as similar without "
+                                     "recomputing (a LOSSY shortcut). 0.8: the paper's Fig. 7 (about 90% of pairs "
+                                     "above 0.8 stay above it in the next blocks), and above Eq. 2's thresholds "
+                                     "while the loss does not rise (at most 0.5)")
+    dissimilar_below: float = Field(
+        0.2, ge=0, le=1, description="S2: a pair below this in the previous MoE layer is taken as dissimilar "
+                                     "without recomputing. 0.2: the paper's Fig. 7 (pairs below 0.2 stay low), and "
+                                     "below every Eq. 2 threshold of a positive loss (at least 0.27), so it skips "
+                                     "only pairs the adaptive threshold would not condense")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _threshold_in_range(cls, data: object) -> object:
+        threshold = data.get("threshold", "adaptive") if isinstance(data, dict) else "adaptive"
+        number = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+        if threshold != "adaptive" and not (number and 0 < threshold <= 1):
+            raise ValueError(f"training.condensation.threshold is {threshold!r}: give a similarity in (0, 1] "
+                             "(lower condenses more) or 'adaptive'")
+        return data
+
+    @model_validator(mode="after")
+    def _shortcuts_ordered(self) -> "CondensationSection":
+        if self.dissimilar_below >= self.similar_above:
+            raise ValueError(f"training.condensation.dissimilar_below ({self.dissimilar_below}) must be below "
+                             f"training.condensation.similar_above ({self.similar_above})")
+        return self
+
+
 class TrainingSection(_Section):
     steps: int = Field(ge=1, description="optimizer steps")
     batch_size: int = Field(8, ge=1, description="rows per optimizer step (the paper: 8)")
@@ -141,6 +190,8 @@ class TrainingSection(_Section):
     log_every: int = Field(1, ge=1)
     seed: int = 0
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    condensation: CondensationSection = Field(
+        default_factory=CondensationSection, description="LUFFY's token condensation: LOSSY, off by default")
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "TrainingSection":
@@ -178,6 +229,18 @@ class JobConfig(_Section):
     training: TrainingSection
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
+
+    @model_validator(mode="after")
+    def _condensation_where_it_runs(self) -> "JobConfig":
+        if not self.training.condensation.enabled:
+            return self
+        if self.mode != "vela":
+            raise ValueError("training.condensation.enabled is for mode: vela (the master's brokers condense); "
+                             "the expert-parallel baseline trains exactly: turn it off")
+        if self.cluster.num_masters > 1:
+            raise ValueError(f"training.condensation.enabled needs cluster.num_masters: 1 (it is "
+                             f"{self.cluster.num_masters}): only master 0's brokers condense; turn one off")
+        return self
 
     @model_validator(mode="after")
     def _rows_for_every_master(self) -> "JobConfig":

@@ -1,4 +1,6 @@
-"""Several Ray nodes on one machine: workers on other nodes count as cross-node, bytes match both ends."""
+"""Several Ray nodes on one machine: a master per node (`cluster.num_masters`), each with copies of some
+experts beside it (replicas), trains like peft; workers on other nodes count as cross-node, bytes match both
+ends, every node's NIC is in the placement problem."""
 
 from __future__ import annotations
 
@@ -6,7 +8,12 @@ import json
 import subprocess
 import sys
 
-from tests.fixtures import job_dict, make_checkpoint
+import numpy as np
+import pytest
+
+from placement import Placement, sequential_table
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from vela_ray.config import JobConfig
 
 # Runs in its own process: ray.cluster_utils.Cluster needs a Ray of its own, not the session fixture's.
 _SCRIPT = """
@@ -30,28 +37,46 @@ finally:
 """
 
 
-def test_workers_on_other_nodes_are_cross_node_and_both_ends_count_the_same_bytes(tmp_path):
+def test_a_master_per_node_with_replicas_trains_like_peft_and_both_ends_count_the_same_bytes(tmp_path):
     model_dir = make_checkpoint(tmp_path / "model")
-    job = job_dict(model_dir, tmp_path / "out", steps=2, cluster={"workers_per_node": 1},
-                   placement={"solver": "sequential"})
+    adapter = init_adapter(model_dir, tmp_path / "adapter")
+    # The tiny Mixtral's 2 x 6 experts on the 3 workers (one per node), and worker 0's experts (0 and 3 of
+    # each layer) copied to every worker: master m (on worker m's node) uses the copy beside it.
+    table = sequential_table(2, 6, 3)
+    routes = np.stack([table] * 3)
+    for master in range(3):
+        routes[master][table == 0] = master
+    Placement(expert_to_worker=table.tolist(), num_workers=3, capacities=[8] * 3, solver="file",
+              expected_step_time=0.0, routes=routes.tolist()).to_json(tmp_path / "placement.json")
+    job = job_dict(model_dir, tmp_path / "out", steps=2, cluster={"workers_per_node": 1, "num_masters": 3},
+                   placement={"solver": "file", "file": str(tmp_path / "placement.json")},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(adapter)},
+                   training={"batch_size": 6, "micro_batch_size": 3, "optimizer": {"lr": 5e-3, "warmup_steps": 1}})
     result = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(job)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("SUMMARY "))
     summary = json.loads(line.removeprefix("SUMMARY "))
 
-    assert len(set(summary["worker_nodes"])) == 3 and len(summary["nodes"]) == 3
-    assert summary["worker_nodes"][0] == summary["master_node"]  # nodes fill from the master's
-    assert summary["worker_tiers"] == ["same_node", "cross_node", "cross_node"]
-    # what the broker says it sent to each worker == what each worker says it received
+    # a master on every node: master 0 on the driver's, the others on the workers' other nodes
+    nodes = summary["worker_nodes"]
+    assert len(set(nodes)) == 3 and len(summary["nodes"]) == 3
+    assert summary["master_nodes"] == nodes and nodes[0] == summary["master_node"]
+    assert summary["worker_tiers"] == ["same_node", "cross_node", "cross_node"]  # as master 0 sees them
+    # the masters split every micro-batch, copies sum their gradients: the losses are plain peft's
+    ref_losses, _ = reference_losses(JobConfig.from_dict(job))
+    assert summary["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert summary["placement"]["routes"] == routes.tolist()
+    # what the masters' brokers say they sent to each worker == what each worker says it received
     assert summary["sent_bytes_by_worker"] == summary["worker_received_bytes"]
     assert all(b > 0 for b in summary["worker_received_bytes"])
-    by_worker = summary["traffic_bytes_by_worker"]
-    assert summary["traffic_bytes_by_tier"]["cross_node"] == sum(by_worker[1:])
-    assert summary["traffic_bytes_by_tier"]["same_node"] == by_worker[0]
-    # the NICs master traffic crosses were probed and the placement problem carries them
-    master, nodes = summary["master_node"], summary["worker_nodes"]
+    by_tier = summary["traffic_bytes_by_tier"]
+    assert by_tier["same_process"] == 0 and by_tier["same_node"] > 0 and by_tier["cross_node"] > by_tier["same_node"]
+    assert sum(by_tier.values()) == sum(summary["traffic_bytes_by_worker"])
+    # every node's NIC was probed, and carries the rows of the (master, worker) pairs it separates
     shared = summary["placement"]["problem"]["shared_links"]
-    assert [(s["name"], s["workers"]) for s in shared] == [
-        (f"nic:{master}", [1, 2]), (f"nic:{nodes[1]}", [1]), (f"nic:{nodes[2]}", [2])]
+    assert [(s["name"], s["workers"], s["masters"]) for s in shared] == [
+        (f"nic:{nodes[0]}", [0, 1, 2], [[1, 2], [0], [0]]),
+        (f"nic:{nodes[1]}", [0, 1, 2], [[1], [0, 2], [1]]),
+        (f"nic:{nodes[2]}", [0, 1, 2], [[2], [2], [0, 1]])]
     assert all(s["bandwidth_bytes_per_s"] > 0 for s in shared)

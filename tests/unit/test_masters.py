@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,7 +50,8 @@ def test_masters_splitting_the_batch_train_exactly_like_one_master_and_peft(mode
     adapter = _adapter(three)
     assert set(adapter) == set(_adapter(one))
     for name, value in _adapter(one).items():
-        torch.testing.assert_close(adapter[name], value, rtol=1e-4, atol=1e-6)
+        # summation order differs (threads, expert gradients arriving in any order): AdamW amplifies it
+        torch.testing.assert_close(adapter[name], value, rtol=1e-3, atol=5e-5)
     # the same rows travel, split among the masters: every worker's bytes and every expert's tokens add up
     assert three.master_nodes == ["local"] * 3 and one.master_nodes == ["local"]
     assert three.traffic_bytes_by_worker == one.traffic_bytes_by_worker
@@ -86,7 +88,52 @@ def test_thread_group_sums_agree_bitwise_on_every_thread():
      r"cluster.num_masters is 2 but cluster.transport is 'collective'.*use transport: object_ref"),
     ({"cluster": {"num_masters": 3}, "training": {"steps": 1, "batch_size": 4, "micro_batch_size": 2}},
      r"a micro-batch of 2 rows cannot feed cluster.num_masters = 3 masters"),
+    ({"cluster": {"num_masters": 2}, "training": {"steps": 1, "condensation": {"enabled": True}}},
+     r"training.condensation.enabled needs cluster.num_masters: 1 \(it is 2\)"),
 ])
 def test_masters_the_job_cannot_feed_are_refused_in_one_line(tmp_path, sections, message):
     with pytest.raises(ValueError, match=message):
         JobConfig.from_dict(job_dict(tmp_path / "model", tmp_path / "out", **sections))
+
+
+def test_replicated_experts_train_like_peft_and_their_copies_stay_identical(model_dir, tmp_path):
+    """Two masters, each using its own copy of half the experts: the copies' summed gradients keep their
+    adapters and AdamW moments bitwise equal, and the run equals peft; a checkpoint holds each expert once."""
+    from placement import Placement, sequential_table
+
+    from vela_ray.runtime.migration import copies_of
+    from vela_ray.training import checkpoint
+
+    table = sequential_table(2, 6, 3)  # the tiny Mixtral: 2 MoE layers x 6 experts on 3 workers
+    routes = np.stack([table, table.copy()])
+    routes[1, :, :2] = (table[:, :2] + 1) % 3  # master 1 uses a copy of experts 0 and 1 on the next worker
+    placement = Placement(expert_to_worker=table.tolist(), num_workers=3, capacities=[8] * 3, solver="file",
+                          expected_step_time=0.0, routes=routes.tolist())
+    placement.to_json(tmp_path / "placement.json")
+    config = _config(model_dir, tmp_path / "out", 2,
+                     placement={"solver": "file", "file": str(tmp_path / "placement.json"), "profile": "uniform"},
+                     checkpoint={"every": STEPS})
+    pool = _KeepingPool(config)
+    summary = JobRunner(config, pool).run()
+
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    copies = copies_of(routes)
+    assert len(copies) == 4 and summary.placement.routes == routes.tolist()
+    for key, workers in copies.items():
+        states = [pool.kept[w].expert_states([key])[key] for w in workers]
+        assert states[0].keys() == states[1].keys() and any("." in name for name in states[0])  # AdamW too
+        for name in states[0]:
+            assert torch.equal(states[0][name], states[1][name]), (key, name)
+    # the checkpoint holds every expert once
+    parts = sorted((Path(summary.checkpoint) / "experts").iterdir())
+    experts_in = [{".".join(name.split(".")[:2]) for name in checkpoint.read_tensors(part)} for part in parts]
+    assert sum(len(part) for part in experts_in) == len(set().union(*experts_in)) == 12
+
+
+class _KeepingPool(InProcessPool):
+    """Keeps its ExpertManagers past the run's end, for the test to look at."""
+
+    def close(self) -> None:
+        self.kept = self.managers
+        super().close()

@@ -12,7 +12,10 @@ Stages of `ExpertBroker.forward(hidden_TD, top_k_index_TK, top_k_weights_TK)`:
   3. combine on the master: out_TD = sum_k weight_TK * expert_out, in autograd, so
      the router's inputs get their gradient as in the original module.
 
-The arithmetic equals the original experts module; only where it runs changes.
+The arithmetic equals the original experts module; only where it runs changes. The one
+exception is opt-in and LOSSY: with a `condensation.Condenser` on the dispatcher, training
+forwards send only a representative of each group of similar rows of one expert (stage 2)
+and every row takes its representative's output (`ExpertBroker._condense`).
 Traffic is counted here, once, for every transport.
 """
 
@@ -39,6 +42,13 @@ class DispatchPlan:
     expert_ids_R: torch.Tensor  # [R] expert within the layer
     worker_rows: tuple[tuple[int, int, int], ...]  # (worker, start, end) for workers with rows
 
+    def subset(self, keep_R: torch.Tensor) -> DispatchPlan:
+        """The plan of the rows where `keep_R` [R] bool, in the same (worker, expert) order."""
+        ends = [0, *torch.cumsum(keep_R.long(), 0).tolist()]
+        worker_rows = tuple((w, ends[s], ends[e]) for w, s, e in self.worker_rows if ends[e] > ends[s])
+        return DispatchPlan(self.layer, self.token_idx_R[keep_R], self.k_pos_R[keep_R], self.expert_ids_R[keep_R],
+                            worker_rows)
+
 
 class ExpertDispatcher:
     """Shared by all brokers of a model: the placement table, the transport and the counters."""
@@ -60,6 +70,7 @@ class ExpertDispatcher:
         num_layers = table.shape[0]
         self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
         self.latency = None  # optional: anything with .observe(layer, seconds, phase), e.g. metrics.MetricsSink.latency
+        self.condenser = None  # optional, LOSSY: a condensation.Condenser (token condensation in training forwards)
         # Seconds the master spent waiting on the transport, per phase: communication plus the
         # workers' expert compute, i.e. the part of a step that the placement can change.
         self.round_trip_s = {"forward": 0.0, "backward": 0.0}
@@ -180,21 +191,39 @@ class ExpertBroker(nn.Module):
         in rows e*T:(e+1)*T, zero where e was not routed. Only the non-zero rows are sent, each as a token
         routed to its one expert with weight 1; a zero row's output is zero, as in the original."""
         rows, expert_R = grouped_routing(grouped_XD, self.layout.num_experts)
-        out_RD = self._routed(grouped_XD.index_select(0, rows), expert_R[:, None], grouped_XD.new_ones(len(rows), 1))
+        token_R = torch.remainder(rows, grouped_XD.shape[0] // self.layout.num_experts)
+        out_RD = self._routed(grouped_XD.index_select(0, rows), expert_R[:, None], grouped_XD.new_ones(len(rows), 1),
+                              token_R)
         return torch.zeros_like(grouped_XD).index_add(0, rows, out_RD)
 
-    def _routed(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor):
+    def _routed(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
+                token_T: torch.Tensor | None = None):
+        """`token_T`: the model's token of each row of hidden_TD when they differ (grouped calls)."""
         plan = self.dispatcher.plan(self.layer, top_k_index_TK)
         track_grad = torch.is_grad_enabled()
         key = self.dispatcher.new_key(self.layer) if track_grad else None
         # The anchor makes the Function's output require grad even when no input does
         # (no backbone adapter upstream), so expert LoRA still gets its backward.
         anchor = torch.zeros((), requires_grad=track_grad)
-        expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, plan, key)
+        selection = self._condense(hidden_TD, plan, token_T) if track_grad and self.training else None
+        sent = plan if selection is None else plan.subset(selection.kept_R)
+        expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, sent, key)
+        if selection is not None:
+            expert_out_RD = self.dispatcher.condenser.expand(selection, expert_out_RD)
         token_idx_R = plan.token_idx_R.to(hidden_TD.device)
         weights_R = top_k_weights_TK[token_idx_R, plan.k_pos_R.to(hidden_TD.device)]
         weighted_RD = (expert_out_RD * weights_R[:, None]).to(hidden_TD.dtype)
         return torch.zeros_like(hidden_TD).index_add(0, token_idx_R, weighted_RD)
+
+    def _condense(self, hidden_TD: torch.Tensor, plan: DispatchPlan, token_T: torch.Tensor | None):
+        """Token condensation (LOSSY, opt-in; `vela_ray.model.condensation`): which rows travel, or None
+        without a condenser. Eval and no-grad forwards never get here, so they stay exact."""
+        condenser = self.dispatcher.condenser
+        if condenser is None:
+            return None
+        rows_RD = hidden_TD.detach().index_select(0, plan.token_idx_R.to(hidden_TD.device))
+        token_R = plan.token_idx_R if token_T is None else token_T.cpu()[plan.token_idx_R]
+        return condenser.select(self.layer, rows_RD, plan.expert_ids_R, token_R)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, workers={self.dispatcher.transport.num_workers}"

@@ -45,6 +45,14 @@ class TrafficSnapshot(BaseModel):
     def total_bytes(self) -> int:
         return int(np.asarray(self.bytes, dtype=np.int64).sum())
 
+    def __add__(self, other: "TrafficSnapshot") -> "TrafficSnapshot":
+        """Counts of both (data-parallel masters' traffic to the same workers), with this one's link tiers."""
+        return TrafficSnapshot(
+            rows=(np.asarray(self.rows) + np.asarray(other.rows)).tolist(),
+            bytes=(np.asarray(self.bytes) + np.asarray(other.bytes)).tolist(),
+            worker_tiers=self.worker_tiers,
+        )
+
     def __sub__(self, earlier: "TrafficSnapshot") -> "TrafficSnapshot":
         return TrafficSnapshot(
             rows=(np.asarray(self.rows) - np.asarray(earlier.rows)).tolist(),

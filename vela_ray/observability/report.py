@@ -13,8 +13,9 @@ inline SVG from matplotlib, so the page needs no network and no scripts beyond a
 tiny self-check (`window.onerror` and a count of rendered charts, written into
 `<body data-rendered=...>` for the browser test).
 
-Sections: the run at a glance; the placement map (layers x workers: which
-experts each worker holds, shaded by the routing mass it serves); the access
+Sections: the run at a glance (and whether token condensation made training lossy); the
+placement map (layers x workers: which experts each worker holds, shaded by the routing
+mass it serves); the access
 heatmap P [L, E] with each expert's worker; traffic by link tier per step;
 predicted vs measured communication per worker; loss (+ eval loss); the config.
 
@@ -215,6 +216,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         + (f": {expected}" if expected else ""),
         "expert traffic by link tier: " + ", ".join(
             f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()),
+        condensation_text(s),
     ]
     for c in compare_comm(run):
         predicted = "n/a" if c.predicted_bytes is None else f"{c.predicted_bytes / MiB:.2f}"
@@ -228,6 +230,15 @@ def summary_text(source: RunSummary | str | Path) -> str:
     lines += [f"{name}: {path}" for name, path in
               (("adapter", s.adapter_dir), ("report", s.report), ("checkpoint", s.checkpoint)) if path]
     return "\n".join(lines)
+
+
+def condensation_text(s: RunSummary) -> str:
+    """One line: whether token condensation was on, which makes training lossy, and what it saved."""
+    c = s.condensation
+    if c is None or not c.enabled:
+        return "token condensation: off (exact)"
+    return (f"token condensation: on (LOSSY): {c.condensed_fraction:.1%} of rows condensed, "
+            f"{c.bytes_saved_total / 1e6:.1f} MB saved")
 
 
 def _headline(run: Run) -> str:
@@ -379,7 +390,7 @@ def overview(run: Run) -> str:
     facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'
                     for k, v in facts.items())
-    return f'<div class="cards">{cards}</div>'
+    return f'<div class="cards">{cards}</div><p class="condensation">{html.escape(condensation_text(s))}</p>'
 
 
 def changes_table(summary: RunSummary) -> str:

@@ -61,7 +61,7 @@ class InProcessPool:
         sent = {pair: self.managers[pair[0]].expert_states(keys) for pair, keys in plan.by_pair().items()}
         stats = [self.managers[n].rehost(plan.keys_of(n), *[sent[pair] for pair in plan.senders_to(n)])
                  for n in plan.touched()]
-        self.table = plan.new_LE
+        self.table = plan.new
         return stats
 
     def replace(self, workers: list[int]) -> HostedExperts:

@@ -34,10 +34,11 @@ from vela_ray.data.locality import RoutingRecorder
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.model.transport import InProcessTransport
+from vela_ray.runtime.migration import master_table
 from vela_ray.training.expert_manager import ExpertManager
 from vela_ray.training.replicas import SINGLE, Replicas, ReplicaShare, ThreadGroup
 from vela_ray.training.step import (
-    STEPPED_ELSEWHERE, Batch, MasterModel, build_master, load_master_state, model_loss, train_step,
+    STEPPED_ELSEWHERE, Batch, MasterModel, build_master, load_master_state, train_step,
 )
 
 Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; each one's `PeerStep` dict
@@ -49,10 +50,6 @@ class PeerMasters(Protocol):
     replicas: Replicas  # master 0's member of the masters' group
     num_masters: int
     nodes: list[str]  # node of each master, master 0's first
-
-    def loss_fn(self) -> Callable[[torch.nn.Module, Batch], torch.Tensor]:
-        """Master 0's share of a micro-batch's loss."""
-        ...
 
     def start_step(self, micro_batches: Sequence[Batch], lr: float, max_grad_norm: float | None) -> Wait:
         """Start every peer's `train_step` on its rows of `micro_batches`; master 0 then runs its own."""
@@ -67,8 +64,8 @@ class PeerMasters(Protocol):
         """Backbone LoRA and AdamW state (`step.master_state` of master 0) into every peer."""
         ...
 
-    def rebind(self, table: np.ndarray, transport_source: object | None = None) -> None:
-        """Every peer's brokers to a new table (and workers, after replacements)."""
+    def rebind(self, table: np.ndarray) -> None:
+        """Every peer's brokers to a new table, or to its own of per-master routes (after a migration)."""
         ...
 
     def traffic(self) -> list[TrafficSnapshot]:
@@ -88,9 +85,6 @@ class SoloMaster:
     def __init__(self, node: str = ""):
         self.nodes = [node]
 
-    def loss_fn(self):
-        return model_loss
-
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         return lambda: []
 
@@ -100,7 +94,7 @@ class SoloMaster:
     def load_state(self, tensors) -> None:
         pass
 
-    def rebind(self, table, transport_source=None) -> None:
+    def rebind(self, table) -> None:
         pass
 
     def traffic(self) -> list[TrafficSnapshot]:
@@ -134,11 +128,8 @@ class ThreadPeers:
         cfg = self.config
         torch.manual_seed(cfg.training.seed)  # as master 0's Backbone.load; load_state makes them equal anyway
         model = load_backbone(cfg.model.path, cfg.torch_dtype)
-        return build_master(model, table, InProcessTransport(managers, self.lock), cfg.lora_spec,
+        return build_master(model, master_table(table, rank), InProcessTransport(managers, self.lock), cfg.lora_spec,
                             cfg.training.optimizer, master=rank, num_masters=self.num_masters)
-
-    def loss_fn(self):
-        return ReplicaShare(0, self.num_masters).loss
 
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         self._errors = []
@@ -175,7 +166,8 @@ class ThreadPeers:
     def _step(self, rank: int, master: MasterModel, micro_batches, lr: float, max_grad_norm) -> None:
         try:
             train_step(master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm,
-                       loss_fn=ReplicaShare(rank, self.num_masters).loss, replicas=self.group.member(rank))
+                       loss_fn=master_share(rank, self.num_masters, master.peft_model).loss,
+                       replicas=self.group.member(rank))
         except BaseException as exc:  # noqa: BLE001 - handed to master 0's thread by wait()
             self._errors.append(exc)
             self.group.abort()
@@ -184,11 +176,9 @@ class ThreadPeers:
         for master in self.masters:
             load_master_state(master, tensors)
 
-    def rebind(self, table, transport_source=None) -> None:
-        """`transport_source`: the pool's (new) managers after a replacement."""
-        for master in self.masters:
-            transport = InProcessTransport(transport_source, self.lock) if transport_source is not None else None
-            master.dispatcher.rebind(table, transport)
+    def rebind(self, table) -> None:
+        for rank, master in enumerate(self.masters, start=1):
+            master.dispatcher.rebind(master_table(table, rank))
 
     def traffic(self) -> list:
         return [m.dispatcher.counter.snapshot() for m in self.masters]
@@ -199,8 +189,15 @@ class ThreadPeers:
         self.masters, self.routing = [], []
 
 
+def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: torch.device | str = "cpu"
+                 ) -> ReplicaShare:
+    """Master `rank`'s rows and loss share of every micro-batch (a router aux loss weighted as the
+    expert-parallel ranks weight theirs)."""
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    return ReplicaShare(rank, num_masters, coef, device)
+
+
 def peer_step(traffic: TrafficSnapshot, routed_LE: torch.Tensor) -> dict:
-    """What master 0's step record takes from a peer's step: its bytes by its own link tiers and by
-    worker, and the tokens it routed to each expert [L][E]."""
-    return {"bytes_by_tier": traffic.bytes_by_tier(), "bytes_by_worker": traffic.bytes_by_worker(),
-            "routed_LE": routed_LE.tolist()}
+    """What master 0's step record takes from a peer's step: its traffic, its bytes by its own link tiers,
+    and the tokens it routed to each expert [L][E]."""
+    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "routed_LE": routed_LE.tolist()}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -34,47 +35,97 @@ from vela_ray.training.summary import MigrationRecord
 
 @dataclass(frozen=True)
 class MigrationPlan:
-    """The experts that change worker between two placement tables of the same shape."""
+    """The experts a worker gains or loses between two placements: tables [L, E], or per-master routes
+    [M, L, E] (replicated experts: a worker hosts what any master routes to it). An expert arriving
+    at a worker takes its state from the lowest-numbered worker that hosted it before."""
 
-    old_LE: np.ndarray
-    new_LE: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
 
     @classmethod
-    def between(cls, old_LE, new_LE) -> MigrationPlan:
-        old_LE, new_LE = np.asarray(old_LE, dtype=np.int64), np.asarray(new_LE, dtype=np.int64)
-        if old_LE.shape != new_LE.shape:
-            raise ValueError(f"cannot migrate between placements of shapes {old_LE.shape} and {new_LE.shape}")
-        return cls(old_LE, new_LE)
+    def between(cls, old, new) -> MigrationPlan:
+        old, new = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+        if old.shape[-2:] != new.shape[-2:]:
+            raise ValueError(f"cannot migrate between placements of shapes {old.shape} and {new.shape}")
+        return cls(old, new)
+
+    @property
+    def new_LE(self) -> np.ndarray:
+        """Master 0's table after the migration."""
+        return self.new if self.new.ndim == 2 else self.new[0]
+
+    @cached_property
+    def _hosts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(old, new) [N, L, E] bool: which worker hosts which expert."""
+        num_workers = int(max(self.old.max(), self.new.max())) + 1
+        return cost.hosted(_routes(self.old), num_workers), cost.hosted(_routes(self.new), num_workers)
+
+    def _senders(self) -> np.ndarray:
+        """[L, E] the lowest-numbered old host of each expert."""
+        return self._hosts[0].argmax(axis=0)
+
+    @property
+    def arrivals(self) -> list[tuple[int, ExpertKey]]:
+        """(worker, expert) for every expert a worker hosts after but not before."""
+        old, new = self._hosts
+        return [(int(n), (int(l), int(e))) for n, l, e in np.argwhere(new & ~old)]
 
     @property
     def moved(self) -> list[ExpertKey]:
-        return [(int(layer), int(expert)) for layer, expert in np.argwhere(self.old_LE != self.new_LE)]
+        """Experts that arrive somewhere (with one copy each: the experts that change worker)."""
+        return sorted({key for _, key in self.arrivals})
 
     def by_pair(self) -> dict[tuple[int, int], list[ExpertKey]]:
-        """{(old worker, new worker): experts moving between them}."""
+        """{(sending worker, receiving worker): experts the receiver gains}."""
+        senders = self._senders()
         pairs: dict[tuple[int, int], list[ExpertKey]] = defaultdict(list)
-        for key in self.moved:
-            pairs[(int(self.old_LE[key]), int(self.new_LE[key]))].append(key)
+        for worker, key in self.arrivals:
+            pairs[(int(senders[key]), worker)].append(key)
         return dict(pairs)
 
     def touched(self) -> list[int]:
         """Workers that gain or lose an expert: the ones that must rehost."""
-        return sorted({w for pair in self.by_pair() for w in pair})
+        old, new = self._hosts
+        return sorted(int(n) for n in np.flatnonzero((old != new).any(axis=(1, 2))))
 
     def keys_of(self, worker: int) -> list[ExpertKey]:
         """What `worker` hosts after the migration."""
-        return [(int(layer), int(expert)) for layer, expert in np.argwhere(self.new_LE == worker)]
+        new = self._hosts[1]
+        if worker >= len(new):
+            return []
+        return [(int(layer), int(expert)) for layer, expert in np.argwhere(new[worker])]
 
     def senders_to(self, worker: int) -> list[tuple[int, int]]:
-        """The (old, new) pairs whose state `worker` receives."""
+        """The (sender, receiver) pairs whose state `worker` receives."""
         return [pair for pair in self.by_pair() if pair[1] == worker]
+
+
+def _routes(table: np.ndarray) -> np.ndarray:
+    return table if table.ndim == 3 else table[None]
+
+
+def master_table(tables: np.ndarray, master: int = 0) -> np.ndarray:
+    """Master `master`'s table [L, E]: the one table, or its row of per-master routes [M, L, E]."""
+    tables = np.asarray(tables)
+    return tables if tables.ndim == 2 else tables[master]
+
+
+def copies_of(tables: np.ndarray) -> dict[ExpertKey, list[int]]:
+    """{expert: the workers hosting it} for the experts hosted on more than one worker (routes [M, L, E];
+    a table [L, E] has none)."""
+    tables = np.asarray(tables)
+    if tables.ndim == 2:
+        return {}
+    hosts = cost.hosted(tables, int(tables.max()) + 1)
+    multi = np.argwhere(hosts.sum(axis=0) > 1)
+    return {(int(l), int(e)): np.flatnonzero(hosts[:, l, e]).tolist() for l, e in multi}
 
 
 def migration_record(plan: MigrationPlan, stats: list[MigrationStats], seconds: float, *, step: int,
                      reason: str, version: int, expected_saving_s: float | None = None,
                      expected_cost_s: float | None = None) -> MigrationRecord:
     return MigrationRecord(
-        step=step, reason=reason, version=version, moved=len(plan.moved),
+        step=step, reason=reason, version=version, moved=len(plan.arrivals),
         state_bytes=sum(s.state_bytes for s in stats), frozen_bytes=sum(s.frozen_bytes for s in stats),
         seconds=seconds, expected_saving_s=expected_saving_s, expected_cost_s=expected_cost_s,
         expert_to_worker=plan.new_LE.tolist())
@@ -109,7 +160,7 @@ class ReplanDecision:
 def replan(recent: PlacementProblem, current_LE: np.ndarray, candidate_LE: np.ndarray, horizon_steps: int,
            seconds_per_expert: float) -> ReplanDecision:
     """Weigh `candidate_LE` (solved on `recent`) against keeping `current_LE` for `horizon_steps` steps."""
-    moved = int((np.asarray(current_LE) != np.asarray(candidate_LE)).sum())
+    moved = len(MigrationPlan.between(current_LE, candidate_LE).arrivals)
     return ReplanDecision(candidate_LE=np.asarray(candidate_LE), moved=moved,
                           current_step_s=cost.step_time(recent, current_LE),
                           candidate_step_s=cost.step_time(recent, candidate_LE), horizon_steps=horizon_steps,

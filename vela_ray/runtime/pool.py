@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from placement import SharedLink
+from placement.cost import hosted
 
 from vela_ray.config import JobConfig
 from vela_ray.model.traffic import LinkTier
@@ -94,10 +95,13 @@ class WorkerPool(Protocol):
 
 
 def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> list[ExpertManagerSpec]:
-    """One ExpertManagerSpec per worker: the experts `table` gives it, read from the model's checkpoint."""
+    """One ExpertManagerSpec per worker: the experts `table` gives it (a table [L, E], or per-master routes
+    [M, L, E] of replicated experts), read from the model's checkpoint."""
+    table = np.asarray(table)
+    hosts = hosted(table if table.ndim == 3 else table[None], config.cluster.num_workers)
     return [
         ExpertManagerSpec(
-            worker=n, keys=[tuple(k) for k in np.argwhere(table == n).tolist()],
+            worker=n, keys=[tuple(k) for k in np.argwhere(hosts[n]).tolist()],
             model_dir=str(config.model.path.resolve()), lora=config.lora_spec,
             optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
         )

@@ -34,30 +34,35 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from placement import Placement, PlacementProblem, SharedLink, node_shared_links, sequential_table, solve
+from placement import (
+    Placement, PlacementProblem, SharedLink, node_shared_links, replicate, sequential_table, solve, step_time,
+)
 from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, sequential_batches
 from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model, total_variation
 from vela_ray.errors import RunInterrupted, WorkerLostError
+from vela_ray.model.condensation import Condenser
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.observability.report import write_report
 from vela_ray.runtime.migration import (
-    MigrationPlan, estimated_seconds_per_expert, migration_record, replan, seconds_per_moved_expert,
+    MigrationPlan, copies_of, estimated_seconds_per_expert, master_table, migration_record, replan,
+    seconds_per_moved_expert,
 )
-from vela_ray.runtime.masters import PeerMasters, SoloMaster
+from vela_ray.runtime.masters import PeerMasters, SoloMaster, master_share
 from vela_ray.runtime.pool import HostedExperts, WorkerPool
 from vela_ray.training import checkpoint
 from vela_ray.training.optim import lr_at
 from vela_ray.training.step import (
-    MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state, train_step,
+    LossFn, MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state,
+    model_loss, train_step,
 )
 from vela_ray.training.summary import (
-    DataRecord, LinkRecord, MigrationRecord, PlacementRecord, RecoveryRecord, ReplanRecord, RunSummary, StepRecord,
-    step_breakdown,
+    CondensationRecord, DataRecord, LinkRecord, MigrationRecord, PlacementRecord, RecoveryRecord, ReplanRecord,
+    RunSummary, StepRecord, step_breakdown,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,6 +114,7 @@ class RunState:
     replans: list[ReplanRecord] = field(default_factory=list)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     migrating: bool = False  # between pool.migrate's start and its end
+    tables: np.ndarray | None = None  # what the workers host: a table [L, E], or routes [M, L, E] with replicas
 
 
 def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
@@ -188,13 +194,15 @@ class JobRunner:
             checkpoint.check_compatible(resume["manifest"], self._checkpoint_meta(), resume["path"])
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(self.config.model_dump_json(indent=1))
-        table = self._initial_table(resume)
+        table = self.state.tables = self._initial_table(resume)
         hosted = self.pool.start(table)
+        hosted.workers.copies = copies_of(table)
         try:
-            master = build_master(backbone.model, table, hosted.transport, self.config.lora_spec,
+            master = build_master(backbone.model, master_table(table), hosted.transport, self.config.lora_spec,
                                   self.config.training.optimizer, num_masters=self.config.cluster.num_masters)
             master.peft_model.to(self.device)  # after the brokers replaced the (unallocated) experts
             master.dispatcher.latency = self.metrics.latency
+            master.dispatcher.condenser = self._condenser()
             self.peers = self.pool.start_peers(table)
             self._settle_placement(backbone, master, hosted, table, resume)
             self._publish_placement(backbone)
@@ -245,7 +253,7 @@ class JobRunner:
     def _initial_table(self, resume: dict | None) -> np.ndarray:
         saved = self._saved_placement(resume)
         if saved:
-            return saved.as_array()
+            return saved.tables()
         return sequential_table(*self.backbone.shape, self.config.cluster.num_workers)
 
     def _load_start_state(self, master: MasterModel, hosted: HostedExperts, resume: dict | None) -> int:
@@ -263,6 +271,9 @@ class JobRunner:
         tensors = checkpoint.read_tensors(path / "backbone.safetensors")
         load_master_state(master, tensors)
         self.peers.load_state(master_state(master))
+        if master.dispatcher.condenser is not None:
+            trainer = json.loads((path / "trainer.json").read_text())
+            master.dispatcher.condenser.load_state(trainer.get("condenser"))
         if "rng.torch" in tensors:
             torch.set_rng_state(tensors["rng.torch"])
         return int(checkpoint.verify(path, checksums=False)["step"])
@@ -280,9 +291,9 @@ class JobRunner:
         else:
             self.state.plan = self._place(backbone, master, hosted, resume)
             self.state.placed_probs = self.state.problem.probs
-        if self.state.plan.expert_to_worker != table.tolist():
-            self._migrate(master, self.state.plan.as_array(), step=int(resume["manifest"]["step"]) if resume else 0,
-                          reason="start")
+        if not np.array_equal(self.state.plan.tables(), table):
+            self._migrate(master, hosted, self.state.plan.tables(),
+                          step=int(resume["manifest"]["step"]) if resume else 0, reason="start")
         self.state.timings_s["placement_s"] = time.perf_counter() - start
         self._write_workers(hosted)
         self.state.plan.to_json(self.out_dir / "placement.json")
@@ -299,10 +310,21 @@ class JobRunner:
         problem = self.state.problem = self._problem(backbone, hosted, self._profile(backbone, master, resume))
         if cfg.placement.solver == "file":
             return Placement.from_json(cfg.placement.file, problem)
-        plan = solve(problem, cfg.placement.solver, seed=cfg.placement.seed)
+        return self._solve(problem, cfg.placement.solver)
+
+    def _solve(self, problem: PlacementProblem, solver: str) -> Placement:
+        """`solver`'s placement of `problem`; with `placement.replicas` and several masters, copies of experts
+        added into spare capacity where the cost model says they pay (`placement.replicate`)."""
+        plan = solve(problem, solver, seed=self.config.placement.seed)
         logger.info("placement solved (%s): expected %.3g s/step, LP bound %s", plan.solver,
                     plan.expected_step_time, plan.lower_bound)
-        return plan
+        if not (self.config.placement.replicas and problem.num_masters > 1):
+            return plan
+        routes = replicate(problem, plan.as_array(), seed=self.config.placement.seed)
+        copies = sum(len(workers) - 1 for workers in copies_of(routes).values())
+        logger.info("replicas: %d copies of experts added, expected %.3g s/step", copies, step_time(problem, routes))
+        return plan.model_copy(update={"routes": routes.tolist(), "expected_step_time": step_time(problem, routes),
+                                       "solver": f"{plan.solver}+replicas"})
 
     def _problem(self, backbone: Backbone, hosted: HostedExperts, probs: np.ndarray | None) -> PlacementProblem:
         """This job's placement problem for profile `probs`; links, compute and capacities measured once."""
@@ -362,15 +384,18 @@ class JobRunner:
                                    probs_LE=probs, expected_comm_time_s=record.expected_comm_time_s)
         self.drift = None if probs is None else DriftTracker(probs, top_k_of(backbone.model))
 
-    def _migrate(self, master: MasterModel, table: np.ndarray, *, step: int, reason: str,
+    def _migrate(self, master: MasterModel, hosted: HostedExperts, table: np.ndarray, *, step: int, reason: str,
                  expected_saving_s: float | None = None, expected_cost_s: float | None = None) -> None:
-        """Move the experts whose worker changes to `table` between the live workers; swap the brokers' table."""
-        plan = MigrationPlan.between(master.dispatcher.expert_to_worker.numpy(), table)
+        """Move the experts whose worker changes to `table` (or routes) between the live workers; swap
+        every master's brokers' table."""
+        plan = MigrationPlan.between(self.state.tables, table)
         start = time.perf_counter()
         self.state.migrating = True  # a worker lost now leaves the others between two tables
         stats = self.pool.migrate(table)
         self.state.migrating = False
-        master.dispatcher.rebind(table)
+        self.state.tables = np.asarray(table)
+        hosted.workers.copies = copies_of(table)
+        master.dispatcher.rebind(master_table(table))
         self.peers.rebind(table)
         if reason != "start":
             self.state.version += 1
@@ -396,8 +421,8 @@ class JobRunner:
             return
         problem = self._problem(backbone, hosted, recent)
         solver = "improved" if self.config.placement.solver == "file" else self.config.placement.solver
-        candidate = solve(problem, solver, seed=self.config.placement.seed)
-        decision = replan(problem, self.state.plan.as_array(), candidate.as_array(),
+        candidate = self._solve(problem, solver)
+        decision = replan(problem, self.state.tables, candidate.tables(),
                           cfg.horizon_steps or steps - done, self._seconds_per_expert())
         self.state.replans.append(ReplanRecord(
             step=done, drift=drift, moved=decision.moved, current_step_s=decision.current_step_s,
@@ -410,7 +435,7 @@ class JobRunner:
                     "adopted" if decision.adopt else "kept the placement")
         if not decision.adopt:
             return
-        self._migrate(master, candidate.as_array(), step=done, reason="drift",
+        self._migrate(master, hosted, candidate.tables(), step=done, reason="drift",
                       expected_saving_s=decision.expected_saving_s, expected_cost_s=decision.expected_cost_s)
         self.state.plan, self.state.problem, self.state.placed_probs = candidate, problem, recent
         self._publish_placement(backbone)
@@ -483,9 +508,10 @@ class JobRunner:
         except Exception as exc:  # e.g. the lost node's resources never came back
             raise WorkerLostError(lost.workers, f"{lost.message}. Replacing them failed: {exc}") from None
         self._write_workers(hosted)
+        hosted.workers.copies = copies_of(self.state.tables)
         master.dispatcher.rebind(master.dispatcher.expert_to_worker, hosted.transport)
         self.peers.close()  # they may be stuck in the failed step's gradient sum: start them afresh
-        self.peers = self.pool.start_peers(master.dispatcher.expert_to_worker.numpy())
+        self.peers = self.pool.start_peers(self.state.tables)
         master.optimizer.zero_grad(set_to_none=False)  # the failed step's partial gradients
         hosted.workers.zero_grad()  # ... and the survivors' (their saved graphs go with them)
         done = self._restore(master, hosted, last)
@@ -529,21 +555,23 @@ class JobRunner:
         peers_done = self.peers.start_step(micro, lr, cfg.optimizer.max_grad_norm)
         try:
             loss = train_step(master, hosted.workers, [on_device(m, self.device) for m in micro], lr,
-                              cfg.optimizer.max_grad_norm, loss_fn=self.peers.loss_fn(), replicas=self.peers.replicas)
+                              cfg.optimizer.max_grad_norm, loss_fn=self._loss_fn(master), replicas=self.peers.replicas)
         except BaseException:
             self.peers.abort()
             raise
         peer_traffic = peers_done()
         step_time = time.perf_counter() - start
-        delta: TrafficSnapshot = counter.snapshot() - before
+        if master.dispatcher.condenser is not None:
+            master.dispatcher.condenser.observe_loss(loss)  # the adaptive threshold follows the loss
+        own: TrafficSnapshot = counter.snapshot() - before
+        delta = sum((p["traffic"] for p in peer_traffic), own)  # every master's rows (tiers: master 0's)
         counts_LE = np.sum([routing.take_counts().numpy(), *[p["routed_LE"] for p in peer_traffic]], axis=0)
         routed = self.state.tokens_routed_LE
         self.state.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE  # training steps only
         record = StepRecord(step=step + 1, loss=loss, step_time_s=step_time, tokens=tokens,
                             expert_round_trip_s=sum(master.dispatcher.round_trip_s.values()) - waited_before,
-                            bytes_by_tier=_added([delta.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_traffic]]),
-                            bytes_by_worker=np.sum([delta.bytes_by_worker(),
-                                                    *[p["bytes_by_worker"] for p in peer_traffic]], axis=0).tolist())
+                            bytes_by_tier=_added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_traffic]]),
+                            bytes_by_worker=delta.bytes_by_worker())
         self.metrics.record_step(step + 1, loss, step_time, tokens=tokens,
                                  traffic_delta=delta, expert_counts_LE=counts_LE,
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
@@ -557,6 +585,17 @@ class JobRunner:
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             logger.info("step %d/%d loss %.4f%s (%.2f s)", step + 1, cfg.steps, loss,
                         "" if record.eval_loss is None else f" eval {record.eval_loss:.4f}", step_time)
+
+    def _condenser(self) -> Condenser | None:
+        """Token condensation (LOSSY) with `training.condensation.enabled`; it lives in master 0's brokers only."""
+        cfg = self.config.training.condensation
+        return Condenser(cfg) if cfg.enabled else None
+
+    def _loss_fn(self, master: MasterModel) -> LossFn:
+        """Master 0's loss of a micro-batch: all of it, or its share among data-parallel masters."""
+        if self.peers.num_masters == 1:
+            return model_loss
+        return master_share(0, self.peers.num_masters, master.peft_model, self.device).loss
 
     def _stop_if_asked(self, master: MasterModel, hosted: HostedExperts, done: int) -> None:
         """Between steps: stop cleanly when asked (Ctrl-C, SIGTERM, the driver gone), with a checkpoint."""
@@ -585,6 +624,7 @@ class JobRunner:
             "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),
             "placement": self.state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
             "profile": None if self.state.placed_probs is None else np.asarray(self.state.placed_probs).tolist(),
+            "condenser": master.dispatcher.condenser.state() if master.dispatcher.condenser is not None else None,
         })
         hosted.workers.save_checkpoint_parts(str(staging))
         final = checkpoint.finalize(staging, step, self._checkpoint_meta(), keep=cfg.checkpoint.keep)
@@ -618,6 +658,7 @@ class JobRunner:
             checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
             data=DataRecord.of(self.config.data, self.backbone.train_set),
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries,
+            condensation=CondensationRecord.of(master.dispatcher.condenser),
         )
 
 

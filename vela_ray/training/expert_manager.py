@@ -48,7 +48,7 @@ from vela_ray.training import checkpoint
 from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
 from vela_ray.model.loading import checkpoint_prototypes, read_experts
 from vela_ray.model.modeling import experts_prototypes
-from vela_ray.training.optim import OptimizerConfig, ShardTrainer
+from vela_ray.training.optim import OptimizerConfig, ShardTrainer, grad_sq_norm
 from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import ForwardRequest
 
@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
 # LoRA factors and AdamW slots of each expert, named as in a checkpoint part ("lora_A_up", "lora_A_up.exp_avg")
 ExpertStates = dict[ExpertKey, dict[str, torch.Tensor]]
+NotCounted = dict[int, list[ExpertKey]]
+"""{worker: its copies of replicated experts that another worker counts (in norms and checkpoints)}."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Per LoRA parameter the worker keeps the value, its gradient and AdamW's two moments.
@@ -222,8 +224,15 @@ class ExpertManager:
 
     # -- control plane ----------------------------------------------------------------------
 
-    def grad_sq_norm(self) -> float:
-        return self.trainer.grad_sq_norm() if self.trainer else 0.0
+    def grad_sq_norm(self, not_counted: NotCounted | None = None) -> float:
+        """Squared norm of this worker's LoRA gradients, without the experts `not_counted[self.worker]`
+        (copies of replicated experts that another worker counts)."""
+        skip = {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
+        if not self.trainer:
+            return 0.0
+        if not skip:
+            return self.trainer.grad_sq_norm()
+        return grad_sq_norm([p for key in self.keys if key not in skip for p in self.shard.expert(*key).parameters()])
 
     def step(self, lr: float, clip_coef: float) -> None:
         if self.trainer:
@@ -237,12 +246,23 @@ class ExpertManager:
         """This worker's adapters, keyed by logical (layer, expert), on the CPU."""
         return {key: {n: t.cpu() for n, t in params.items()} for key, params in self.shard.lora_state().items()}
 
-    def lora_grads(self) -> LoraState:
-        """The accumulated LoRA gradients, keyed like `lora_state` (for tests and debugging)."""
+    def lora_grads(self, keys: dict[int, list[ExpertKey]] | list[ExpertKey] | None = None) -> LoraState:
+        """The accumulated LoRA gradients of `keys` (all hosted experts by default; a dict: this worker's
+        entry), keyed like `lora_state`, on the CPU."""
+        if isinstance(keys, dict):
+            keys = keys.get(self.worker, [])
         return {
             key: {name: p.grad.detach().cpu().clone() for name, p in self.shard.expert(*key).named_parameters()}
-            for key in self.keys
+            for key in (self.keys if keys is None else [tuple(k) for k in keys])
         }
+
+    def set_lora_grads(self, grads: LoraState) -> None:
+        """Overwrite the gradients of the hosted experts in `grads` (the summed gradients of replicated
+        experts, so that every copy takes the same optimizer step)."""
+        for key, named in grads.items():
+            if tuple(key) in self.keys:
+                for name, p in self.shard.expert(*key).named_parameters():
+                    p.grad.copy_(named[name].to(p.grad.device))
 
     def load_lora_state(self, state: LoraState) -> None:
         """Load this worker's experts from `state` (a full or partial dict keyed by (layer, expert))."""
@@ -254,10 +274,13 @@ class ExpertManager:
 
     # -- checkpoints (vela_ray.training.checkpoint): written here, in parallel with the other workers -----
 
-    def save_checkpoint_part(self, staging_dir: str) -> str:
-        """Write this worker's experts' LoRA and AdamW state, named by logical expert; returns the file."""
+    def save_checkpoint_part(self, staging_dir: str, not_counted: NotCounted | None = None) -> str:
+        """Write this worker's experts' LoRA and AdamW state, named by logical expert; returns the file.
+        Copies of replicated experts in `not_counted[self.worker]` are left to the worker that counts them."""
+        skip = {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
         path = Path(staging_dir) / "experts" / f"part-{self.worker}.safetensors"
-        checkpoint.write_tensors(path, checkpoint.expert_part_tensors(self.expert_states(self.keys)))
+        keys = [k for k in self.keys if k not in skip]
+        checkpoint.write_tensors(path, checkpoint.expert_part_tensors(self.expert_states(keys)))
         return str(path)
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:

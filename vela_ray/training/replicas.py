@@ -55,7 +55,11 @@ SINGLE = SingleReplica()
 
 
 class ProcessGroupReplicas:
-    """Replicas as the ranks of a torch.distributed process group; counts the gradient all-reduce bytes."""
+    """Replicas as the ranks of a torch.distributed process group; counts the gradient all-reduce bytes.
+
+    `group`: None for torch's default group (the expert-parallel ranks), or a gloo group of its own
+    (`vela_ray.model.collective.make_group`, the data-parallel masters), reduced on the host.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
@@ -66,8 +70,7 @@ class ProcessGroupReplicas:
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
+        flat = self._all_sum(torch.cat([g.reshape(-1) for g in grads]))
         self.grad_bytes += flat.numel() * flat.element_size()
         offset = 0
         for p, g in zip(params, grads):
@@ -75,12 +78,18 @@ class ProcessGroupReplicas:
             offset += g.numel()
 
     def sum(self, value: float) -> float:
-        """The float64 sum over ranks (NCCL reduces only device tensors)."""
-        tensor = torch.tensor([value], dtype=torch.float64)
-        if dist.get_backend(self.group) == "nccl":
-            tensor = tensor.cuda()
-        dist.all_reduce(tensor, group=self.group)
-        return float(tensor.item())
+        """The float64 sum over ranks."""
+        return float(self._all_sum(torch.tensor([value], dtype=torch.float64)).item())
+
+    def _all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is None:  # torch's default group; NCCL reduces only device tensors
+            if dist.get_backend() == "nccl" and not tensor.is_cuda:
+                return self._all_sum(tensor.cuda()).cpu()
+            dist.all_reduce(tensor)
+            return tensor
+        host = tensor.cpu()  # a gloo group of its own reduces host tensors
+        self.group.allreduce([host]).wait()
+        return host.to(tensor.device)
 
 
 class ThreadGroup:

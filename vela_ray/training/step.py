@@ -46,15 +46,48 @@ class ExpertWorkers:
     def __init__(self, call_all: Callable[..., list[Any]], num_workers: int):
         self._call_all = call_all  # (method name, *args) -> one result per worker
         self.num_workers = num_workers
+        # Replicated experts (several masters, each using its nearest copy): {expert: its workers}. The
+        # first worker of each counts it in norms and checkpoints; the others' copies are `not_counted`.
+        self.copies: dict[ExpertKey, list[int]] = {}
 
     @classmethod
     def in_process(cls, workers: Sequence[Any]) -> "ExpertWorkers":
         workers = list(workers)
         return cls(lambda method, *args: [getattr(w, method)(*args) for w in workers], len(workers))
 
+    @property
+    def not_counted(self) -> dict[int, list[ExpertKey]]:
+        out: dict[int, list[ExpertKey]] = {}
+        for key, workers in self.copies.items():
+            for worker in workers[1:]:
+                out.setdefault(worker, []).append(key)
+        return out
+
     def grad_sq_norm(self) -> float:
-        """Sum over workers of their experts' squared gradient norms."""
-        return float(sum(self._call_all("grad_sq_norm")))
+        """Sum over workers of their experts' squared gradient norms, each expert once.
+
+        Called after every master's backward: first the copies of each replicated expert get the sum
+        of all copies' gradients (the gradient of the one expert they stand for), so that they take
+        the same optimizer step and stay identical."""
+        if not self.copies:
+            return float(sum(self._call_all("grad_sq_norm")))
+        self._sum_copies()
+        return float(sum(self._call_all("grad_sq_norm", self.not_counted)))
+
+    def _sum_copies(self) -> None:
+        by_worker: dict[int, list[ExpertKey]] = {}
+        for key, workers in self.copies.items():
+            for worker in workers:
+                by_worker.setdefault(worker, []).append(key)
+        summed: LoraState = {}
+        for part in self._call_all("lora_grads", by_worker):  # in worker order: every copy sums alike
+            for key, named in part.items():
+                if key in summed:
+                    for name, grad in named.items():
+                        summed[key][name] += grad
+                else:
+                    summed[key] = named
+        self._call_all("set_lora_grads", summed)
 
     def step(self, lr: float, clip_coef: float) -> None:
         self._call_all("step", lr, clip_coef)
@@ -74,8 +107,9 @@ class ExpertWorkers:
         self._call_all("load_lora_state", state)
 
     def save_checkpoint_parts(self, staging_dir: str) -> list[str]:
-        """Every worker writes its experts' LoRA and AdamW state into the staging directory."""
-        return self._call_all("save_checkpoint_part", staging_dir)
+        """Every worker writes its experts' LoRA and AdamW state into the staging directory (a replicated
+        expert once, by the worker that counts it)."""
+        return self._call_all("save_checkpoint_part", staging_dir, self.not_counted)
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         self._call_all("load_checkpoint", checkpoint_dir)

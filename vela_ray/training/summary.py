@@ -81,11 +81,14 @@ class PlacementRecord(_Record):
     lower_bound_s: float | None = None
     problem: PlacementProblem | None = None
     """The problem the placement was solved for (None: not solved in this run)."""
+    routes: list[list[list[int]]] | None = None
+    """With replicated experts: [M][L][E] the worker each master sends each expert's rows to."""
 
     @classmethod
     def of(cls, plan: Placement, problem: PlacementProblem | None, cost_model: str) -> PlacementRecord:
-        comm = None if problem is None else cost.step_time(problem.communication_only(), plan.as_array())
-        return cls(solver=plan.solver, expert_to_worker=plan.expert_to_worker, cost_model=cost_model,
+        comm = None if problem is None else cost.step_time(problem.communication_only(), plan.tables())
+        return cls(solver=plan.solver, expert_to_worker=plan.expert_to_worker, routes=plan.routes,
+                   cost_model=cost_model,
                    expected_step_time_s=plan.expected_step_time if problem is not None else None,
                    expected_comm_time_s=comm, lower_bound_s=plan.lower_bound, problem=problem)
 
@@ -98,7 +101,7 @@ class PlacementRecord(_Record):
         """[N] bytes per training step the cost model expects between the master and each worker."""
         if self.problem is None:
             return None
-        return cost.worker_bytes(self.problem, self.table)
+        return cost.worker_bytes(self.problem, self.table if self.routes is None else np.asarray(self.routes))
 
 
 class MigrationRecord(_Record):
@@ -170,6 +173,46 @@ class DataRecord(_Record):
                    tokens=train_set.num_tokens, padding_fraction=train_set.padding_fraction)
 
 
+class CondensationRecord(_Record):
+    """Token condensation over the run's training steps (`vela_ray.model.condensation`; LOSSY when enabled)."""
+
+    enabled: bool
+    threshold_policy: str = "off"
+    """"adaptive" (LUFFY's Eq. 2), "fixed <value>", or "off"."""
+    final_threshold: float | None = None
+    """The threshold the next step would have used (similarity: cosine clamped to [0, 1])."""
+    rows_seen: int = 0
+    """Routed rows of the training forwards."""
+    rows_condensed: int = 0
+    """Of them, rows that did not travel and took their representative's expert output."""
+    bytes_saved: dict[str, int] = Field(default_factory=dict)
+    """By traffic direction (dispatch, gather, grad_dispatch, grad_gather): what the broker did not move."""
+    pairs_computed: int = 0
+    """Same-expert pairs whose similarity was calculated."""
+    pairs_from_history: int = 0
+    """Same-expert pairs the previous MoE layer decided without calculating."""
+    select_s: float = 0.0
+    """Seconds the master spent selecting representatives."""
+
+    @classmethod
+    def of(cls, condenser) -> CondensationRecord:
+        """From the dispatcher's `condensation.Condenser` at the end of the run; None: condensation off."""
+        if condenser is None:
+            return cls(enabled=False)
+        return cls(enabled=True, threshold_policy=condenser.policy, final_threshold=condenser.threshold,
+                   rows_seen=condenser.rows_seen, rows_condensed=condenser.rows_condensed,
+                   bytes_saved=dict(condenser.bytes_saved), pairs_computed=condenser.pairs_computed,
+                   pairs_from_history=condenser.pairs_from_history, select_s=condenser.select_seconds)
+
+    @property
+    def condensed_fraction(self) -> float:
+        return self.rows_condensed / self.rows_seen if self.rows_seen else 0.0
+
+    @property
+    def bytes_saved_total(self) -> int:
+        return sum(self.bytes_saved.values())
+
+
 class RunSummary(_Record):
     """A finished run (see the module docstring)."""
 
@@ -208,6 +251,8 @@ class RunSummary(_Record):
     migrations: list[MigrationRecord] = Field(default_factory=list)
     replans: list[ReplanRecord] = Field(default_factory=list)
     recoveries: list[RecoveryRecord] = Field(default_factory=list)
+    condensation: CondensationRecord | None = None
+    """Token condensation (None: a run from before it existed, or the expert-parallel baseline: exact)."""
 
     @property
     def tokens_per_s(self) -> float:

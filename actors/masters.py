@@ -1,0 +1,149 @@
+"""Data-parallel masters on Ray: MasterReplica actors, masters 1..M-1 of `vela_ray.runtime.masters`.
+
+Each replica runs on its own node (the workers' nodes other than master 0's, in the order the
+workers fill them; round robin when there are more masters than nodes), loads the backbone, and
+sends its rows to the same ExpertManagers over Ray object refs. The masters form a gloo group of
+their own (master 0 in the MasterActor is rank 0) for the backbone gradient sum.
+
+    peers = RayPeers(config, cluster.handles, cluster.node_ids, master_node, table)
+    done = peers.start_step(micro_batches, lr, max_grad_norm)   # then master 0's own train_step
+    peer_steps = done()
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.transports import RayObjectRefTransport, data_plane_env
+from vela_ray.config import JobConfig
+from vela_ray.data.locality import RoutingRecorder
+from vela_ray.model.collective import make_group, make_store
+from vela_ray.model.loading import load_backbone
+from vela_ray.model.traffic import TrafficSnapshot, link_tiers
+from vela_ray.quiet import silence_known_warnings
+from vela_ray.runtime.masters import Wait, master_share, peer_step
+from vela_ray.runtime.migration import master_table
+from vela_ray.training.replicas import ProcessGroupReplicas
+from vela_ray.training.step import STEPPED_ELSEWHERE, build_master, load_master_state, train_step
+
+logger = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_S = 300.0  # a master that never reaches the gradient sum (it failed) is given up after this
+
+
+class MasterReplica:
+    """Master `rank` of `config.cluster.num_masters`: a backbone replica with brokers to the shared workers."""
+
+    def __init__(self, config: JobConfig, rank: int):
+        silence_known_warnings()
+        self.config, self.rank = config, rank
+        self.num_masters = config.cluster.num_masters
+        self.device = torch.device("cuda", torch.cuda.current_device()) if config.cluster.master_gpus \
+            else torch.device("cpu")
+        self.master = None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def join(self, host: str, port: int, handles: list, worker_nodes: list[str], table: list) -> None:
+        """Join the masters' group, load the backbone and build brokers over `table` to `handles`."""
+        address = ray.util.get_node_ip_address()
+        store = make_store(host, port, self.num_masters, is_master=False, timeout_s=GROUP_TIMEOUT_S)
+        self.replicas = ProcessGroupReplicas(make_group(store, self.rank, self.num_masters, GROUP_TIMEOUT_S, address))
+        cfg = self.config
+        torch.manual_seed(cfg.training.seed)
+        model = load_backbone(cfg.model.path, cfg.torch_dtype)
+        self.master = build_master(model, master_table(table, self.rank), self._transport(handles, worker_nodes),
+                                   cfg.lora_spec,
+                                   cfg.training.optimizer, master=self.rank, num_masters=self.num_masters)
+        self.master.peft_model.to(self.device)
+        self.routing = RoutingRecorder.for_model(self.master.peft_model, record_confidence=False).attach()
+        self.share = master_share(self.rank, self.num_masters, self.master.peft_model, self.device)
+
+    def _transport(self, handles: list, worker_nodes: list[str]) -> RayObjectRefTransport:
+        return RayObjectRefTransport(handles, link_tiers(self.node_id(), worker_nodes),
+                                     zero_copy=self.config.cluster.zero_copy_tensors)
+
+    def train_step(self, micro_batches: list[dict], lr: float, max_grad_norm: float | None) -> dict:
+        """This master's share of one step (see `vela_ray.runtime.masters`); its `peer_step` record."""
+        before = self.master.dispatcher.counter.snapshot()
+        train_step(self.master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm, loss_fn=self.share.loss,
+                   replicas=self.replicas)
+        return peer_step(self.master.dispatcher.counter.snapshot() - before, self.routing.take_counts())
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_master_state(self.master, tensors)
+
+    def rebind(self, table: list) -> None:
+        self.master.dispatcher.rebind(master_table(table, self.rank))
+
+    def traffic(self) -> TrafficSnapshot:
+        return self.master.dispatcher.counter.snapshot()
+
+
+def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
+    """Nodes of masters 1..M-1: the workers' nodes other than master 0's, in order; round robin over
+    all of them (master 0's last) when there are more masters than nodes."""
+    others = [n for n in dict.fromkeys(worker_nodes) if n != master_node]
+    cycle = others + [master_node]
+    return [cycle[i % len(cycle)] for i in range(num_peers)]
+
+
+class RayPeers:
+    """`vela_ray.runtime.masters.PeerMasters` over MasterReplica actors; master 0 is this process."""
+
+    def __init__(self, config: JobConfig, handles: list, worker_nodes: list[str], master_node: str, table: np.ndarray):
+        self.config = config
+        self.num_masters = config.cluster.num_masters
+        self.nodes = [master_node, *peer_nodes(worker_nodes, master_node, self.num_masters - 1)]
+        env = data_plane_env(config.cluster.inline_bytes, config.cluster.zero_copy_tensors)
+        self.actors = [
+            ray.remote(MasterReplica).options(
+                num_cpus=0, num_gpus=config.cluster.master_gpus or 0, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                **({"runtime_env": {"env_vars": env}} if env else {}),
+            ).remote(config, rank)
+            for rank, node in enumerate(self.nodes[1:], start=1)
+        ]
+        self.replicas = self._form_group(handles, worker_nodes, table)
+        logger.info("%d data-parallel masters on nodes %s", self.num_masters, self.nodes)
+
+    def _form_group(self, handles: list, worker_nodes: list[str], table: np.ndarray) -> ProcessGroupReplicas:
+        address = ray.util.get_node_ip_address()
+        store = make_store(address, 0, self.num_masters, is_master=True, timeout_s=GROUP_TIMEOUT_S)
+        joins = [a.join.remote(store.host, store.port, handles, worker_nodes, np.asarray(table).tolist())
+                 for a in self.actors]
+        self._store = store  # the rendezvous must outlive the joins
+        group = make_group(store, 0, self.num_masters, GROUP_TIMEOUT_S, address)
+        ray.get(joins)
+        return ProcessGroupReplicas(group)
+
+    def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
+        host = [{k: v.cpu() for k, v in m.items()} for m in micro_batches]
+        refs = [a.train_step.remote(host, lr, max_grad_norm) for a in self.actors]
+        return lambda: ray.get(refs)
+
+    def abort(self) -> None:
+        """The peers may wait in the gradient sum master 0 left: end them (a recovery starts new ones)."""
+        self.close()
+
+    def load_state(self, tensors) -> None:
+        state = ray.put(tensors)
+        ray.get([a.load_state.remote(state) for a in self.actors])
+
+    def rebind(self, table) -> None:
+        ray.get([a.rebind.remote(np.asarray(table).tolist()) for a in self.actors])
+
+    def traffic(self) -> list[TrafficSnapshot]:
+        return ray.get([a.traffic.remote() for a in self.actors])
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
