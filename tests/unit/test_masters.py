@@ -12,6 +12,7 @@ import torch
 
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.config import JobConfig
+from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.replicas import ThreadGroup
@@ -60,6 +61,8 @@ def test_masters_splitting_the_batch_train_exactly_like_one_master_and_peft(mode
     for a, b in zip(three.history, one.history):
         assert a.bytes_by_worker == b.bytes_by_worker
     assert three.placement.problem.master_nodes == ["local"] * 3
+    assert "3 data-parallel masters on 1 node(s); no expert copies" in summary_text(three)
+    assert "data-parallel masters" not in summary_text(one)
 
 
 def test_thread_group_sums_agree_bitwise_on_every_thread():
@@ -120,6 +123,8 @@ def test_replicated_experts_train_like_peft_and_their_copies_stay_identical(mode
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     copies = copies_of(routes)
     assert len(copies) == 4 and summary.placement.routes == routes.tolist()
+    assert "2 data-parallel masters on 1 node(s); 4 expert copies (replicas)" in summary_text(summary)
+    assert "4 expert copies" in (Path(summary.report)).read_text()
     for key, workers in copies.items():
         states = [pool.kept[w].expert_states([key])[key] for w in workers]
         assert states[0].keys() == states[1].keys() and any("." in name for name in states[0])  # AdamW too

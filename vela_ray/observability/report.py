@@ -217,6 +217,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         "expert traffic by link tier: " + ", ".join(
             f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()),
         condensation_text(s),
+        *([masters_text(s)] if len(s.master_nodes) > 1 else []),
     ]
     for c in compare_comm(run):
         predicted = "n/a" if c.predicted_bytes is None else f"{c.predicted_bytes / MiB:.2f}"
@@ -230,6 +231,17 @@ def summary_text(source: RunSummary | str | Path) -> str:
     lines += [f"{name}: {path}" for name, path in
               (("adapter", s.adapter_dir), ("report", s.report), ("checkpoint", s.checkpoint)) if path]
     return "\n".join(lines)
+
+
+def masters_text(s: RunSummary) -> str:
+    """One line on data-parallel masters and the expert copies they use."""
+    nodes = len(set(s.master_nodes))
+    copies = 0
+    if s.placement.routes is not None:
+        copies = int(experts_per_worker(len(s.worker_nodes), np.asarray(s.placement.routes)).sum()
+                     - np.asarray(s.placement.routes[0]).size)
+    return (f"{len(s.master_nodes)} data-parallel masters on {nodes} node(s); "
+            + (f"{copies} expert copies (replicas), each master using its nearest" if copies else "no expert copies"))
 
 
 def condensation_text(s: RunSummary) -> str:
@@ -390,7 +402,9 @@ def overview(run: Run) -> str:
     facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'
                     for k, v in facts.items())
-    return f'<div class="cards">{cards}</div><p class="condensation">{html.escape(condensation_text(s))}</p>'
+    masters = f'<p class="masters">{html.escape(masters_text(s))}</p>' if len(s.master_nodes) > 1 else ""
+    return (f'<div class="cards">{cards}</div><p class="condensation">{html.escape(condensation_text(s))}</p>'
+            + masters)
 
 
 def changes_table(summary: RunSummary) -> str:
