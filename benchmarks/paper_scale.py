@@ -28,13 +28,10 @@ Reads top to bottom:
      DeepSeek's EPLB (`placement.eplb_routes`: copies balanced by expert load, each
      master using its nearest copy). With one copy per expert, 2/3 of all rows
      cross nodes whatever the table: only copies help, and the tight capacity
-     (258 slots for 256 experts) leaves room for 2. Under the shared-NIC model
-     every worker's link is INTRA: each worker has a master on its own node, and
-     a cross-node pair is held back by the two NICs it crosses, which the model
-     counts. Under the paper's model (no NICs) it is CROSS, every worker's slowest
-     master link (`PlacementProblem.bandwidths`: the model has one bandwidth per
-     worker). That column so charges a node-local copy's rows at 1.17 GB/s and
-     overstates what replicas cost: read the shared-NIC one. These rows also pay
+     (258 slots for 256 experts) leaves room for 2. Each master's link to a worker
+     is INTRA on its own node and CROSS to the others (`master_bandwidths`), so a
+     node-local copy's rows go at INTRA; under the shared-NIC model a cross-node
+     pair is also held back by the two NICs it crosses. These rows also pay
      the ring all-reduce of the masters' backbone LoRA gradients, counted as EP's
      (below), in bytes and in both time columns;
   5. expert parallelism for comparison: each rank holds K/6 tokens, row (token,
@@ -96,8 +93,8 @@ LEGEND = ("ep: expert parallelism, 6 ranks. sequential to improved: one master o
           "improved (NIC-aware): placed for the shared-NIC model. master per node: 3 data-parallel masters (node0-2), "
           "one copy per expert; + replicas: copies in spare capacity (`placement.replicate`); EPLB replicas: "
           "DeepSeek's EPLB copies, each master using its nearest. The master-per-node rows include the masters' "
-          "backbone all-reduce; their paper-model column charges every worker link at 1.17 GB/s, its slowest "
-          "master link. Last column: shared-NIC seconds over EP's.")
+          "backbone all-reduce; each master's links are 18.3 GB/s to its own node's workers, 1.17 GB/s to the "
+          "others. Last column: shared-NIC seconds over EP's.")
 
 
 def parse_args() -> argparse.Namespace:
@@ -126,8 +123,9 @@ def problem_for(probs: np.ndarray, capacity: int, *, shared_nic: bool = False) -
 def masters_problem_for(probs: np.ndarray, capacity: int, *, shared_nic: bool = False) -> PlacementProblem:
     """A master on every node; with `shared_nic`, one CROSS-bandwidth NIC per node (module docstring, 4.)."""
     links = node_shared_links(NODES, MASTERS, CROSS) if shared_nic else []
+    per_master = [[INTRA if at == node else CROSS for node in NODES] for at in MASTERS]
     return PlacementProblem(probs=probs, top_k=TOP_K, tokens_per_step=TOKENS, hidden_size=HIDDEN,
-                            bits_per_element=BITS, bandwidths=[INTRA if shared_nic else CROSS] * len(NODES),
+                            bits_per_element=BITS, bandwidths=[CROSS] * len(NODES), master_bandwidths=per_master,
                             capacities=[capacity] * len(NODES), worker_nodes=NODES, master_nodes=MASTERS,
                             shared_links=links)
 

@@ -28,7 +28,8 @@ slowest of worker n's master links), a NIC carries the rows of the (master, work
 pairs it separates. A placement is then either one table for all masters, or
 `routes [M, L, E]`, each master's own table (replicated experts: the workers hosting
 an expert are those any master routes it to); with routes, worker n's link time is
-that of its busiest master link, its compute that of all masters' rows.
+that of its busiest master link (each at its own bandwidth, `problem.master_bandwidths`),
+its compute that of all masters' rows.
 
 The forward pass sends each (token, expert) row to its worker and gathers the
 output back: b*H/8 bytes each way, b*H/4 per row, as in the paper. The
@@ -185,9 +186,9 @@ def layer_worker_times(problem: PlacementProblem, expert_to_worker: np.ndarray) 
     """[num_workers, num_layers] expected seconds E[T_{n,l}] per training step."""
     if np.ndim(expert_to_worker) == 2:
         return problem.seconds_per_prob[:, None] * worker_layer_probs(problem, expert_to_worker)
-    mass = master_mass(problem, expert_to_worker)
-    return (problem.link_seconds_per_prob[:, None] * mass.max(axis=0)
-            + problem.compute_seconds_per_prob[:, None] * mass.mean(axis=0))
+    mass = master_mass(problem, expert_to_worker)  # [M, N, L]
+    links = problem.master_link_seconds_per_prob[:, :, None] * mass  # each master's link to each worker
+    return links.max(axis=0) + problem.compute_seconds_per_prob[:, None] * mass.mean(axis=0)
 
 
 def shared_link_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:

@@ -146,6 +146,11 @@ class PlacementProblem(BaseModel):
     master_nodes: list[str] | None = None
     """Node of each data-parallel master (they split each step's tokens equally); None: one master on
     `master_node`. With several, `bandwidths[n]` is worker n's slowest master link."""
+    master_bandwidths: list[list[float]] | None = None
+    """[num_masters][num_workers] bytes/s of each master's link to each worker (a master reaches the
+    workers beside it faster than the others); None: `bandwidths` for every master. Its column minima
+    must be `bandwidths`: one table shared by all masters waits for its slowest link, per-master routes
+    for each master's own."""
     include_backward: bool = True
     """Count the backward pass too (output-grads out, input-grads back): doubles times and bytes."""
     compute_seconds_per_row: list[float] | None = None
@@ -220,6 +225,8 @@ class PlacementProblem(BaseModel):
         return self
 
     def _check_masters(self) -> None:
+        if self.master_bandwidths is not None:
+            self._check_master_bandwidths()
         if self.master_nodes is None:
             return
         if not self.master_nodes:
@@ -284,6 +291,17 @@ class PlacementProblem(BaseModel):
                 raise ValueError(f"shared_links[{index}] ({link.name!r}) names master {bad[0]} but there are "
                                  f"{self.num_masters} masters: give indices into master_nodes")
 
+    def _check_master_bandwidths(self) -> None:
+        links = np.asarray(self.master_bandwidths, dtype=np.float64)
+        if links.shape != (self.num_masters, self.num_workers):
+            raise ValueError(f"master_bandwidths is {list(links.shape)} but there are {self.num_masters} masters "
+                             f"and {self.num_workers} workers: give one row per master, one entry per worker")
+        if not (np.isfinite(links).all() and (links > 0).all()):
+            raise ValueError("master_bandwidths holds a bandwidth that is not positive and finite: measure each link")
+        if not np.allclose(links.min(axis=0), self.bandwidths, rtol=1e-9):
+            raise ValueError("bandwidths must be master_bandwidths' column minima (each worker's slowest master "
+                             "link): set bandwidths to them")
+
     # --- shapes and derived values ---------------------------------------------
 
     @property
@@ -337,6 +355,13 @@ class PlacementProblem(BaseModel):
     def link_seconds_per_prob(self) -> np.ndarray:
         """[num_workers] `seconds_per_prob`'s communication part: K * passes * b*H / (4 * M * B_n)."""
         return self.tokens_per_step * self.bytes_per_row / (self.num_masters * np.asarray(self.bandwidths))
+
+    @property
+    def master_link_seconds_per_prob(self) -> np.ndarray:
+        """[num_masters, num_workers] `link_seconds_per_prob` of each master's own link to each worker."""
+        links = np.asarray(self.master_bandwidths if self.master_bandwidths is not None
+                           else [self.bandwidths] * self.num_masters, dtype=np.float64)
+        return self.tokens_per_step * self.bytes_per_row / (self.num_masters * links)
 
     @property
     def compute_seconds_per_prob(self) -> np.ndarray:

@@ -140,7 +140,7 @@ class _State:
     """Routes, their per-master routing mass and each layer's candidate moves (axes: M, E, N per layer)."""
 
     probs: np.ndarray  # [L, E]
-    link_s: np.ndarray  # [N] seconds per unit of one master's routing mass on worker n's link
+    link_s: np.ndarray  # [M, N] seconds per unit of master m's routing mass on its link to worker n
     compute_s: np.ndarray  # [N] seconds per unit of routing mass (all masters' mean) on worker n
     shared_s: np.ndarray  # [R] seconds per unit of routing mass through shared link r
     crossings: np.ndarray  # [R, M, N] 1.0 where master m's rows to worker n cross shared link r
@@ -164,7 +164,7 @@ class _State:
         for table in routes:
             np.add.at(uses, (table, layers, experts), 1)
         moves = num_masters * num_experts * num_workers
-        state = cls(problem.probs, problem.link_seconds_per_prob, problem.compute_seconds_per_prob,
+        state = cls(problem.probs, problem.master_link_seconds_per_prob, problem.compute_seconds_per_prob,
                     problem.shared_link_seconds_per_prob, problem.shared_link_crossings,
                     np.asarray(problem.capacities), routes, uses, (uses > 0).sum(axis=(1, 2)),
                     master_mass(problem, routes), np.empty((num_layers, moves)), np.empty((num_layers, moves)),
@@ -181,7 +181,7 @@ class _State:
     def times(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """([N] worker times, [R] shared-link times) of one layer (`placement.cost.layer_times`'s terms)."""
         mass_MN = self.mass[:, :, layer]
-        workers = self.link_s * mass_MN.max(axis=0) + self.compute_s * mass_MN.mean(axis=0)
+        workers = (self.link_s * mass_MN).max(axis=0) + self.compute_s * mass_MN.mean(axis=0)
         links = self.shared_s * np.einsum("rmn,mn->r", self.crossings, mass_MN) / len(mass_MN)
         return workers, links
 
@@ -198,12 +198,13 @@ class _State:
         source = self.routes[:, layer, :, None]  # [M, E, 1]
         target = np.arange(num_workers)[None, None, :]  # [1, 1, N]
         prob = self.probs[layer][None, :, None]  # [1, E, 1]
-        # 1. the source and target workers' times after the move (only master m's mass changes)
-        others = _max_of_others(mass_MN)  # [M, N]
+        # 1. the source and target workers' times after the move (only master m's link and mass change)
+        others = _max_of_others(self.link_s * mass_MN)  # [M, N] the other masters' busiest link to n
         mean = mass_MN.mean(axis=0)
-        source_after = (self.link_s[source] * np.maximum(mass_MN[masters, source] - prob, others[masters, source])
+        link = self.link_s[masters, source], self.link_s[masters, target]
+        source_after = (np.maximum(link[0] * (mass_MN[masters, source] - prob), others[masters, source])
                         + self.compute_s[source] * (mean[source] - prob / num_masters))
-        target_after = (self.link_s[target] * np.maximum(mass_MN[masters, target] + prob, others[masters, target])
+        target_after = (np.maximum(link[1] * (mass_MN[masters, target] + prob), others[masters, target])
                         + self.compute_s[target] * (mean[target] + prob / num_masters))
         # 2. the slowest other worker, and every shared link after the move: [R, M, E, N]
         rest = _max_excluding(workers, source, target)
@@ -285,7 +286,7 @@ class _State:
 
 
 def _max_of_others(mass_MN: np.ndarray) -> np.ndarray:
-    """[M, N] max over the other masters m' != m of mass[m', n] (0 with one master)."""
+    """[M, N] max over the other masters m' != m of mass_MN[m', n] (0 with one master)."""
     num_masters = len(mass_MN)
     if num_masters == 1:
         return np.zeros_like(mass_MN)

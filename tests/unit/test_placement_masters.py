@@ -15,16 +15,24 @@ FAST_BUDGET_S = 0.5
 
 
 def masters_problem(rng: np.random.Generator, num_layers: int, num_experts: int, worker_nodes: list[str],
-                    master_nodes: list[str], *, slack: int = 0, compute: bool = False) -> PlacementProblem:
-    """Random skew and bandwidths; one NIC per node of a random bandwidth."""
+                    master_nodes: list[str], *, slack: int = 0, compute: bool = False,
+                    per_master: bool = False) -> PlacementProblem:
+    """Random skew and bandwidths; one NIC per node of a random bandwidth. With `per_master`, each master's
+    own links: 18 GB/s to the workers on its node, a random slower one to the others."""
     top_k = int(rng.integers(1, min(2, num_experts) + 1))
     probs = synthetic_probs(num_layers, num_experts, top_k, concentration=float(rng.choice([0.3, 1.0])),
                             seed=int(rng.integers(1 << 30)))
     num_workers, slots = len(worker_nodes), num_layers * num_experts + slack
     nodes = sorted(set(worker_nodes) | set(master_nodes))
+    bandwidths = [float(rng.choice([1e9, 3e9, 18e9])) for _ in range(num_workers)]
+    links = None
+    if per_master:
+        links = [[18e9 if at == node else float(rng.choice([1e9, 2e9])) for node in worker_nodes]
+                 for at in master_nodes]
+        bandwidths = np.min(links, axis=0).tolist()
     return PlacementProblem(
         probs=probs, top_k=top_k, tokens_per_step=1024, hidden_size=512,
-        bandwidths=[float(rng.choice([1e9, 3e9, 18e9])) for _ in range(num_workers)],
+        bandwidths=bandwidths, master_bandwidths=links,
         capacities=[slots // num_workers + (n < slots % num_workers) for n in range(num_workers)],
         worker_nodes=worker_nodes, master_nodes=master_nodes,
         compute_seconds_per_row=[float(rng.uniform(0, 2e-7)) for _ in range(num_workers)] if compute else None,
@@ -50,7 +58,8 @@ def recount(problem: PlacementProblem, routes) -> float:
         rows = {(m, n): 0.0 for m in range(len(masters)) for n in range(problem.num_workers)}
         for m, e in itertools.product(range(len(masters)), range(problem.num_experts)):
             rows[m, routes[m][layer][e]] += problem.tokens_per_step / len(masters) * problem.probs[layer][e]
-        slowest = max(max(rows[m, n] * per_row(problem.bandwidths[n]) for m in range(len(masters)))
+        links = problem.master_bandwidths or [problem.bandwidths] * len(masters)
+        slowest = max(max(rows[m, n] * per_row(links[m][n]) for m in range(len(masters)))
                       + compute[n] * sum(rows[m, n] for m in range(len(masters)))
                       for n in range(problem.num_workers))
         for node, bandwidth in nic.items():
@@ -95,7 +104,8 @@ def test_two_masters_worked_by_hand():
 @pytest.mark.parametrize("seed", range(6))
 def test_cost_model_equals_a_count_over_master_worker_pairs(seed):
     rng = np.random.default_rng(seed)
-    problem = masters_problem(rng, 3, 4, ["a", "a", "b", "c"], ["a", "b", "c"], slack=6, compute=seed % 2 == 1)
+    problem = masters_problem(rng, 3, 4, ["a", "a", "b", "c"], ["a", "b", "c"], slack=6, compute=seed % 2 == 1,
+                              per_master=seed >= 3)
     table = rng.integers(0, problem.num_workers, size=problem.probs.shape)
     assert step_time(problem, table) == pytest.approx(recount(problem, [table] * 3), rel=1e-12)
     routes = rng.integers(0, problem.num_workers, size=(3, *problem.probs.shape))  # each master its own copy
@@ -152,6 +162,9 @@ def test_with_a_master_on_every_node_and_no_replicas_every_table_sends_the_same_
 
 
 @pytest.mark.parametrize("fields, message", [
+    (dict(master_nodes=["a", "b"], master_bandwidths=[[1e9, 1e9]]), r"master_bandwidths is \[1, 2\] but there are 2"),
+    (dict(master_nodes=["a", "b"], master_bandwidths=[[2e9, 2e9], [3e9, 2e9]]),
+     r"bandwidths must be master_bandwidths' column minima"),
     (dict(master_nodes=[]), r"master_nodes is empty"),
     (dict(master_nodes=["a", "b"], master_node="b"), r"master_node 'b' is not master_nodes\[0\] \('a'\)"),
     (dict(master_nodes=["a"], shared_links=[dict(name="x", bandwidth_bytes_per_s=1e9, workers=[0],

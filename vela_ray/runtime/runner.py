@@ -127,14 +127,15 @@ def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarra
 
     With data-parallel `master_nodes`, `links` and `shared_links` are master 0's (`master_node`'s)
     measurements: the NICs keep their measured bandwidths and carry every master's crossing rows,
-    and each worker's link is its slowest master link (`masters_links`)."""
+    and every master's links are inferred from master 0's (`master_links`)."""
     num_layers, num_experts = backbone.shape
     top_k = top_k_of(backbone.model)
     if probs_LE is None:
         probs_LE = np.full((num_layers, num_experts), top_k / num_experts)
-    bandwidths = [link.bandwidth_bytes_per_s for link in links]
+    bandwidths, per_master = [link.bandwidth_bytes_per_s for link in links], None
     if master_nodes:
-        bandwidths = slowest_master_links(bandwidths, worker_nodes, master_node, master_nodes)
+        per_master = master_links(bandwidths, worker_nodes, master_node, master_nodes)
+        bandwidths = np.min(per_master, axis=0).tolist()
         nics = {link.name.removeprefix("nic:"): link.bandwidth_bytes_per_s for link in shared_links or []}
         shared_links = node_shared_links(worker_nodes, master_nodes, nics) if nics else []
     return PlacementProblem(
@@ -143,17 +144,27 @@ def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarra
         hidden_size=backbone.blocks[0].layout.hidden_size,
         bits_per_element=torch.finfo(config.torch_dtype).bits,
         bandwidths=bandwidths, capacities=capacities, worker_nodes=worker_nodes, master_node=master_node,
-        master_nodes=master_nodes, compute_seconds_per_row=compute_seconds_per_row, shared_links=shared_links or [],
+        master_nodes=master_nodes, master_bandwidths=per_master, compute_seconds_per_row=compute_seconds_per_row,
+        shared_links=shared_links or [],
     )
 
 
-def slowest_master_links(bandwidths: list[float], worker_nodes: list[str], master_node: str,
-                         master_nodes: list[str]) -> list[float]:
-    """Each worker's slowest link from any master, from master 0's measured links: a master on another
-    node than the worker reaches it over the slowest cross-node link master 0 measured."""
+def master_links(bandwidths: list[float], worker_nodes: list[str], master_node: str,
+                 master_nodes: list[str]) -> list[list[float]]:
+    """[M][N] each master's link to each worker, from master 0's measured `bandwidths`: master 0's own; a
+    master beside a worker gets the fastest link master 0 measured to a worker on its own node; one on
+    another node the slowest cross-node link master 0 measured (each falls back to the worker's own)."""
+    local = [b for b, node in zip(bandwidths, worker_nodes) if node == master_node]
     cross = [b for b, node in zip(bandwidths, worker_nodes) if node != master_node]
-    return [min([b] + (cross if any(m != node for m in master_nodes) and cross else []))
-            for b, node in zip(bandwidths, worker_nodes)]
+
+    def link(at: str, worker: int) -> float:
+        if at == master_node:
+            return bandwidths[worker]
+        if at == worker_nodes[worker]:
+            return max(local, default=bandwidths[worker])
+        return min(cross, default=bandwidths[worker])
+
+    return [[link(at, n) for n in range(len(worker_nodes))] for at in master_nodes]
 
 
 def master_device(config: JobConfig) -> torch.device:
