@@ -235,8 +235,9 @@ def simulate_sequences(
         np.add.at(served_SN, (sequences[:, None], row_node_SE), counts_SLE[:, layer])
         # 2. the next master: stay, or LUFFY's choice
         next_S = master_S if q is None else migrate_sequences(
-            tokens_S, served_SN, master_node_M, q=q, current_S=master_S, residual_rows_per_token=residual_rows_per_token,
-            hidden_size=problem.hidden_size, capacity_tokens=capacity_tokens)
+            tokens_S, served_SN, master_node_M, q=q, current_S=master_S,
+            residual_rows_per_token=residual_rows_per_token, hidden_size=problem.hidden_size,
+            capacity_tokens=capacity_tokens)
         # 3. count the crossings: dispatch from the master, gather to the next one, residual between them
         here, there = master_node_M[master_S], master_node_M[next_S]
         np.add.at(flow_LNN[layer], (here[:, None].repeat(len(nodes), 1), np.arange(len(nodes))), served_SN)
