@@ -133,6 +133,26 @@ def test_resume_with_another_lora_rank_is_refused(uninterrupted, tmp_path):
         VelaJob(JobConfig.from_dict(job).with_resume("latest")).run()
 
 
+def test_with_two_masters_a_killed_worker_is_replaced_the_other_master_restarted_and_the_run_equal(
+        uninterrupted, tmp_path):
+    job = json.loads(json.dumps(uninterrupted["job"]))
+    job["output"]["dir"] = str(tmp_path / "out")
+    job["cluster"].update(on_worker_loss="recover", num_masters=2)
+    job["checkpoint"] = {"every": 2, "keep": 10}
+    killer, killed = _kill_worker_1(tmp_path / "out", (tmp_path / "out" / "checkpoints" / "step-000002").is_dir,
+                                    delay_s=0.2)
+    summary = VelaJob(JobConfig.from_dict(job)).run()
+    killer.join(timeout=10)
+    assert killed, "the worker was never killed"
+
+    [recovery] = summary.recoveries
+    assert recovery.workers == [1] and len(summary.master_nodes) == 2
+    assert [h.step for h in summary.history] == list(range(1, STEPS + 1))
+    # two masters, rolled back and replayed, still train like the one uninterrupted master
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(uninterrupted["summary"].losses),
+                               rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("transport", ["object_ref", "collective"])
 def test_a_killed_expert_manager_is_replaced_in_place_and_the_run_finishes_as_if_nothing_happened(
         uninterrupted, tmp_path, transport):
