@@ -87,6 +87,13 @@ class MasterReplica:
         return self.master.dispatcher.counter.snapshot()
 
 
+def _raise_if_failed(refs: list) -> None:
+    """Raise the error of any of `refs` that has already failed (those that finished well return)."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref in ready:
+        ray.get(ref)
+
+
 def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
     """Nodes of masters 1..M-1: the workers' nodes other than master 0's, in order; round robin over
     all of them (master 0's last) when there are more masters than nodes."""
@@ -127,6 +134,7 @@ class RayPeers:
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         host = [{k: v.cpu() for k, v in m.items()} for m in micro_batches]
         refs = [a.train_step.remote(host, lr, max_grad_norm) for a in self.actors]
+        self.replicas.watch = lambda: _raise_if_failed(refs)  # master 0 must not wait for a failed master
         return lambda: ray.get(refs)
 
     def abort(self) -> None:

@@ -142,3 +142,47 @@ class _KeepingPool(InProcessPool):
     def close(self) -> None:
         self.kept = self.managers
         super().close()
+
+
+def test_a_master_waiting_in_the_gradient_sum_gives_up_as_soon_as_its_watch_sees_a_failed_master():
+    """A real gloo group of two ranks (threads): with both in, the sum is right; with rank 1 gone, rank 0's
+    watch ends its wait long before the group's timeout."""
+    import time
+
+    from vela_ray.model.collective import make_group, make_store
+    from vela_ray.training.replicas import ProcessGroupReplicas
+
+    store = make_store("127.0.0.1", 0, 2, is_master=True, timeout_s=GROUP_TIMEOUT_S)
+    groups = {}
+
+    def join(rank: int) -> None:
+        peer_store = store if rank == 0 else make_store("127.0.0.1", store.port, 2, is_master=False,
+                                                         timeout_s=GROUP_TIMEOUT_S)
+        groups[rank] = make_group(peer_store, rank, 2, timeout_s=GROUP_TIMEOUT_S)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    watched = ProcessGroupReplicas(groups[0], watch=lambda: None)
+    other, totals = ProcessGroupReplicas(groups[1]), {}
+    helper = threading.Thread(target=lambda: totals.setdefault(1, other.sum(2.0)))
+    helper.start()
+    assert watched.sum(1.0) == 3.0
+    helper.join()
+    assert totals[1] == 3.0
+
+    start = time.monotonic()
+
+    def failed_master() -> None:
+        if time.monotonic() - start > 0.2:
+            raise RuntimeError("master 1 died")
+
+    watched.watch = failed_master
+    with pytest.raises(RuntimeError, match="master 1 died"):
+        watched.sum(1.0)  # rank 1 never joins
+    assert time.monotonic() - start < GROUP_TIMEOUT_S / 3  # not the group's timeout
+
+
+GROUP_TIMEOUT_S = 6.0  # the abandoned sum is only released by it (when the group is dropped)

@@ -20,8 +20,9 @@ replicas in one process's threads do the same (the in-process form of several ma
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 from vela_ray.data.examples import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
+WATCH_INTERVAL_S = 0.005  # how often a waiting sum checks `ProcessGroupReplicas.watch`
 
 
 class Replicas(Protocol):
@@ -59,10 +61,14 @@ class ProcessGroupReplicas:
 
     `group`: None for torch's default group (the expert-parallel ranks), or a gloo group of its own
     (`vela_ray.model.collective.make_group`, the data-parallel masters), reduced on the host.
+    `watch`: with a group of its own, called while a sum waits; it raises when another rank has
+    failed (master 0 watches the other masters' Ray calls), so a rank that will never join does
+    not hold this one until the group's timeout.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, watch: Callable[[], None] | None = None):
         self.group = group
+        self.watch = watch
         self.grad_bytes = 0  # backbone LoRA gradients all-reduced so far, as this rank sent them
 
     def sync_grads(self, params: Sequence[nn.Parameter]) -> None:
@@ -88,7 +94,11 @@ class ProcessGroupReplicas:
             dist.all_reduce(tensor)
             return tensor
         host = tensor.cpu()  # a gloo group of its own reduces host tensors
-        self.group.allreduce([host]).wait()
+        work = self.group.allreduce([host])
+        while self.watch is not None and not work.is_completed():
+            self.watch()
+            time.sleep(WATCH_INTERVAL_S)
+        work.wait()
         return host.to(tensor.device)
 
 
