@@ -31,7 +31,8 @@ class ClusterError(VelaActorError):
 
 
 class WorkerLostError(VelaActorError):
-    """An ExpertManager process died mid-run; training stops and names the checkpoint to resume from."""
+    """An ExpertManager process (`workers`), or one of the other data-parallel masters (`workers` empty),
+    died mid-run; training stops and names the checkpoint to resume from (or recovers in place)."""
 
     def __init__(self, workers: list[int], message: str):
         super().__init__(message)

@@ -543,7 +543,9 @@ class JobRunner:
             dead = self.pool.lost_workers(err)
             if dead is None:
                 raise
-            raise WorkerLostError(dead, f"ExpertManager worker(s) {dead} died during step {step + 1}; training "
+            # every worker answers: the actor that died was one of the other data-parallel masters
+            who = f"ExpertManager worker(s) {dead}" if dead else "a data-parallel master (MasterReplica)"
+            raise WorkerLostError(dead, f"{who} died during step {step + 1}; training "
                                         f"stopped and its in-memory state since the last checkpoint is discarded; "
                                         f"{self._resume_hint()}. Cause: {err}") from None
 
