@@ -13,6 +13,7 @@ their own (master 0 in the MasterActor is rank 0) for the backbone gradient sum.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from vela_ray.training.step import STEPPED_ELSEWHERE, build_master, load_master_
 logger = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 300.0  # a master that never reaches the gradient sum (it failed) is given up after this
+GROUP_BREAK_GRACE_S = 20.0  # after the group broke, how long master 0 waits for Ray to say which master failed
 
 
 class MasterReplica:
@@ -50,6 +52,9 @@ class MasterReplica:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def join(self, host: str, port: int, handles: list, worker_nodes: list[str], table: list) -> None:
         """Join the masters' group, load the backbone and build brokers over `table` to `handles`."""
@@ -87,11 +92,20 @@ class MasterReplica:
         return self.master.dispatcher.counter.snapshot()
 
 
-def _raise_if_failed(refs: list) -> None:
-    """Raise the error of any of `refs` that has already failed (those that finished well return)."""
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+def _raise_if_failed(refs: list, timeout_s: float = 0.0) -> None:
+    """Raise the error of a failed one of `refs`, waiting up to `timeout_s` for them to end: a dead
+    master's (RayActorError) first, else the first error; those that finished well return."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    errors = []
     for ref in ready:
-        ray.get(ref)
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a surviving master whose group broke; reported if none died
+            errors.append(err)
+    if errors:
+        raise errors[0]
 
 
 def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
@@ -134,7 +148,8 @@ class RayPeers:
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         host = [{k: v.cpu() for k, v in m.items()} for m in micro_batches]
         refs = [a.train_step.remote(host, lr, max_grad_norm) for a in self.actors]
-        self.replicas.watch = lambda: _raise_if_failed(refs)  # master 0 must not wait for a failed master
+        # master 0 must not wait for a failed master, and must name it when the group breaks
+        self.replicas.watch = lambda group_failed: _raise_if_failed(refs, GROUP_BREAK_GRACE_S if group_failed else 0)
         return lambda: ray.get(refs)
 
     def abort(self) -> None:
@@ -150,6 +165,9 @@ class RayPeers:
 
     def traffic(self) -> list[TrafficSnapshot]:
         return ray.get([a.traffic.remote() for a in self.actors])
+
+    def pids(self) -> list[int]:
+        return ray.get([a.pid.remote() for a in self.actors])
 
     def close(self) -> None:
         for actor in self.actors:

@@ -165,7 +165,7 @@ def test_a_master_waiting_in_the_gradient_sum_gives_up_as_soon_as_its_watch_sees
         thread.start()
     for thread in threads:
         thread.join()
-    watched = ProcessGroupReplicas(groups[0], watch=lambda: None)
+    watched = ProcessGroupReplicas(groups[0], watch=lambda group_failed: None)
     other, totals = ProcessGroupReplicas(groups[1]), {}
     helper = threading.Thread(target=lambda: totals.setdefault(1, other.sum(2.0)))
     helper.start()
@@ -175,7 +175,7 @@ def test_a_master_waiting_in_the_gradient_sum_gives_up_as_soon_as_its_watch_sees
 
     start = time.monotonic()
 
-    def failed_master() -> None:
+    def failed_master(group_failed: bool) -> None:
         if time.monotonic() - start > 0.2:
             raise RuntimeError("master 1 died")
 

@@ -23,6 +23,7 @@ node). `SOLO` is the single master.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Protocol, Sequence
 
@@ -41,7 +42,7 @@ from vela_ray.training.step import (
     STEPPED_ELSEWHERE, Batch, MasterModel, build_master, load_master_state, train_step,
 )
 
-Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; each one's `PeerStep` dict
+Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; returns their `peer_step` records
 
 
 class PeerMasters(Protocol):
@@ -72,6 +73,10 @@ class PeerMasters(Protocol):
         """Each peer's traffic counts since it started."""
         ...
 
+    def pids(self) -> list[int]:
+        """Each peer's process id (operators and tests signal them by it)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -98,6 +103,9 @@ class SoloMaster:
         pass
 
     def traffic(self) -> list[TrafficSnapshot]:
+        return []
+
+    def pids(self) -> list[int]:
         return []
 
     def close(self) -> None:
@@ -182,6 +190,9 @@ class ThreadPeers:
 
     def traffic(self) -> list:
         return [m.dispatcher.counter.snapshot() for m in self.masters]
+
+    def pids(self) -> list[int]:
+        return [os.getpid()] * len(self.masters)
 
     def close(self) -> None:
         for routing in self.routing:

@@ -314,7 +314,8 @@ class JobRunner:
     def _write_workers(self, hosted: HostedExperts) -> None:
         """`workers.json`: where each worker's process runs (operators and tests signal them by pid)."""
         (self.out_dir / "workers.json").write_text(json.dumps(
-            {"pids": self.pool.pids(), "nodes": hosted.node_ids, "master_pid": os.getpid()}))
+            {"pids": self.pool.pids(), "nodes": hosted.node_ids, "master_pid": os.getpid(),
+             "master_pids": [os.getpid(), *self.peers.pids()]}))
 
     def _place(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts, resume: dict | None) -> Placement:
         cfg = self.config
@@ -518,11 +519,11 @@ class JobRunner:
             hosted = self.pool.replace(replaced)
         except Exception as exc:  # e.g. the lost node's resources never came back
             raise WorkerLostError(lost.workers, f"{lost.message}. Replacing them failed: {exc}") from None
-        self._write_workers(hosted)
         hosted.workers.copies = copies_of(self.state.tables)
         master.dispatcher.rebind(master.dispatcher.expert_to_worker, hosted.transport)
         self.peers.close()  # they may be stuck in the failed step's gradient sum: start them afresh
         self.peers = self.pool.start_peers(self.state.tables)
+        self._write_workers(hosted)
         master.optimizer.zero_grad(set_to_none=False)  # the failed step's partial gradients
         hosted.workers.zero_grad()  # ... and the survivors' (their saved graphs go with them)
         done = self._restore(master, hosted, last)

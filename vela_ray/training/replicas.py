@@ -61,12 +61,13 @@ class ProcessGroupReplicas:
 
     `group`: None for torch's default group (the expert-parallel ranks), or a gloo group of its own
     (`vela_ray.model.collective.make_group`, the data-parallel masters), reduced on the host.
-    `watch`: with a group of its own, called while a sum waits; it raises when another rank has
-    failed (master 0 watches the other masters' Ray calls), so a rank that will never join does
-    not hold this one until the group's timeout.
+    `watch(group_failed)`: with a group of its own, called while a sum waits (False) and once when the
+    group fails (True, e.g. a rank's connection closed); it raises the failed rank's own error
+    (master 0 watches the other masters' Ray calls), so a rank that will never join does not hold
+    this one until the group's timeout, and a dead one is named, not a closed socket.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, watch: Callable[[], None] | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, watch: Callable[[bool], None] | None = None):
         self.group = group
         self.watch = watch
         self.grad_bytes = 0  # backbone LoRA gradients all-reduced so far, as this rank sent them
@@ -95,10 +96,15 @@ class ProcessGroupReplicas:
             return tensor
         host = tensor.cpu()  # a gloo group of its own reduces host tensors
         work = self.group.allreduce([host])
-        while self.watch is not None and not work.is_completed():
-            self.watch()
-            time.sleep(WATCH_INTERVAL_S)
-        work.wait()
+        try:
+            while self.watch is not None and not work.is_completed():
+                self.watch(False)
+                time.sleep(WATCH_INTERVAL_S)
+            work.wait()
+        except RuntimeError:  # the group broke: some rank died or failed
+            if self.watch is not None:
+                self.watch(True)
+            raise
         return host.to(tensor.device)
 
 
