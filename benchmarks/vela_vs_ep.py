@@ -9,7 +9,8 @@ Reads top to bottom:
      Alpaca format) fine-tune the tiny pre-trained Mixtral for `--steps` steps with
      expert parallelism (6 ranks, 2 per node, all-to-all over gloo) and with
      vela-ray (master on node 0, 6 ExpertManagers, 2 per node) under the
-     sequential, random, `vela` (the paper's LP) and `improved` placements;
+     sequential, random, `vela` (the paper's LP) and `improved` placements, and with a master on
+     every node (`per_node`: `cluster.num_masters` = nodes, improved placement with replicas);
   3. per method: cross-node bytes per node per step (the broker's counters, as
      the paper's Fig. 5; EP adds its backbone all-reduce, estimated as a ring),
      median step time and its ratio to EP (Fig. 6), the cost model's predicted
@@ -53,7 +54,7 @@ from vela_ray.paths import data_dir  # noqa: E402
 
 logger = logging.getLogger("vela_vs_ep")
 RESULTS = ROOT / "benchmarks" / "results" / "vela_vs_ep"
-METHODS = ("ep", "sequential", "random", "vela", "improved")
+METHODS = ("ep", "sequential", "random", "vela", "improved", "per_node")
 DATASETS = {
     "wikitext": {"kind": "text", "path": data_dir() / "wikitext-2" / "valid.txt"},
     "gsm8k_alpaca": {"kind": "instruct", "path": data_dir() / "instruct" / "gsm8k_alpaca.json"},
@@ -104,16 +105,19 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
     from vela_ray.training.tiny_model import tiny_model_path
 
     data = DATASETS[dataset]
+    solver = {"ep": "sequential", "per_node": "improved"}.get(method, method)
+    per_node = method == "per_node"  # issue 15: a data-parallel master on every node, hot experts copied
     return {
         "model": {"path": str(tiny_model_path(build=False))},
         "data": {"kind": data["kind"], "path": str(data["path"]), "seq_len": args.seq_len, "limit": args.limit},
         "cluster": {"num_workers": args.nodes * args.workers_per_node, "workers_per_node": args.workers_per_node,
-                    "num_cpus_per_worker": 1.0, "transport": args.transport},
+                    "num_cpus_per_worker": 1.0, "transport": "object_ref" if per_node else args.transport,
+                    "num_masters": args.nodes if per_node else 1},
         # The paper's LP minimises communication only; `improved` is vela-ray's best: it also weighs
         # each worker's measured expert compute (sequential and random ignore the cost model).
-        "placement": {"solver": "sequential" if method == "ep" else method, "profile": "measure",
-                      "profile_batches": 4, "capacity": args.capacity,
-                      "cost_model": "communication+compute" if method == "improved" else "communication"},
+        "placement": {"solver": solver, "profile": "measure", "profile_batches": 4, "capacity": args.capacity,
+                      "cost_model": "communication+compute" if solver == "improved" else "communication",
+                      "replicas": per_node},
         "training": {"steps": steps, "batch_size": args.batch_size, "eval_batches": 1,
                      "optimizer": {"lr": args.lr}},
         "output": {"dir": str(out_dir)},

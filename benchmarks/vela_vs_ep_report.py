@@ -21,25 +21,30 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 from benchmarks import paper_scale  # noqa: E402
+from placement import cost  # noqa: E402
 from vela_ray.observability.report import expected_times  # noqa: E402
 from vela_ray.training.summary import RunSummary  # noqa: E402
 
 LABELS = {"ep": "EP", "sequential": "vela-ray + sequential", "random": "vela-ray + random",
-          "vela": "vela-ray + LP (paper)", "improved": "vela-ray + improved"}
+          "vela": "vela-ray + LP (paper)", "improved": "vela-ray + improved",
+          "per_node": "vela-ray, a master per node + replicas"}
 
 
 def allreduce_cross_bytes(summary: RunSummary) -> float:
-    """Cross-node bytes of one ring all-reduce of EP's backbone LoRA gradients (ranks in index order)."""
-    nodes = summary.worker_nodes
+    """Cross-node bytes of one ring all-reduce of the backbone LoRA gradients (ranks in index order):
+    EP's ranks, or vela-ray's data-parallel masters; 0 for one master."""
+    nodes = summary.worker_nodes if summary.mode == "expert_parallel" else summary.master_nodes
     ranks = len(nodes)
+    if ranks < 2:
+        return 0.0
     crossings = sum(nodes[r] != nodes[(r + 1) % ranks] for r in range(ranks))
     return crossings * 2 * (ranks - 1) / ranks * (summary.allreduce_bytes_per_step or 0)
 
 
 def cross_per_node_by_step(summary: RunSummary) -> list[float]:
-    """Cross-node bytes per node of every step: broker counts (+ EP's all-reduce estimate) / nodes."""
-    nodes = len(set(summary.worker_nodes) | {summary.master_node})
-    extra = allreduce_cross_bytes(summary) if summary.mode == "expert_parallel" else 0.0
+    """Cross-node bytes per node of every step: broker counts (+ the backbone all-reduce estimate) / nodes."""
+    nodes = len(set(summary.worker_nodes) | {summary.master_node} | set(summary.master_nodes))
+    extra = allreduce_cross_bytes(summary)
     return [(h.bytes_by_tier.get("cross_node", 0) + extra) / nodes for h in summary.history]
 
 
@@ -65,7 +70,31 @@ def link_view(summary: RunSummary) -> dict | None:
     return view
 
 
-def method_row(run: dict, unshaped: dict | None, warmup: int) -> dict:
+def predicted_comm_delta(shaped: RunSummary, unshaped: RunSummary, compute_s_per_row: list[float] | None
+                         ) -> float | None:
+    """The cost model's step time on the shaped run's probed links minus on the unshaped run's, for the
+    placement trained with: the same quantity as the measured communication (shaped minus unshaped
+    step time), unlike the solver's absolute communication estimate. With the workers' measured
+    compute a layer waits for its slowest worker's link plus compute, so communication that overlaps
+    a busier worker's compute costs nothing, as it does in the measurement."""
+    problems = shaped.placement.problem, unshaped.placement.problem
+    if None in problems:
+        return None
+    table = shaped.placement.table if shaped.placement.routes is None else np.asarray(shaped.placement.routes)
+    with_compute = [p.model_copy(update={"compute_seconds_per_row": compute_s_per_row}) for p in problems]
+    return cost.step_time(with_compute[0], table) - cost.step_time(with_compute[1], table)
+
+
+def measured_compute(runs: dict) -> list[float] | None:
+    """Seconds per row of each worker as the placement service measured them in any of the runs."""
+    for run in runs.values():
+        problem = RunSummary.model_validate(run["summary"]).placement.problem
+        if problem is not None and problem.compute_seconds_per_row is not None:
+            return problem.compute_seconds_per_row
+    return None
+
+
+def method_row(run: dict, unshaped: dict | None, warmup: int, compute_s_per_row: list[float] | None = None) -> dict:
     """One method's numbers from a raw run (`vela_vs_ep.run_one`) and, if any, its unshaped rerun."""
     summary = RunSummary.model_validate(run["summary"])
     per_step = cross_per_node_by_step(summary)
@@ -93,6 +122,7 @@ def method_row(run: dict, unshaped: dict | None, warmup: int) -> dict:
         again = RunSummary.model_validate(unshaped["summary"])
         row["unshaped_median_step_time_s"] = median_step(again, min(warmup, len(again.history) - 1))
         row["measured_comm_s"] = step - row["unshaped_median_step_time_s"]
+        row["predicted_comm_delta_s"] = predicted_comm_delta(summary, again, compute_s_per_row)
     return row
 
 
@@ -101,7 +131,8 @@ def build_results(args, grid: dict, links: dict) -> dict:
     datasets = {}
     for name, runs in grid["runs"].items():
         unshaped = grid.get("unshaped", {}).get(name, {})
-        rows = {m: method_row(s, unshaped.get(m), args.warmup_steps) for m, s in runs.items()}
+        compute = measured_compute(runs)
+        rows = {m: method_row(s, unshaped.get(m), args.warmup_steps, compute) for m, s in runs.items()}
         if "ep" in rows:
             ep = rows["ep"]
             for row in rows.values():
@@ -157,7 +188,8 @@ def _breakdown_lines(results: dict) -> list[str]:
             if r.get("measured_comm_s") is not None:
                 lines.append(f"- {name} / {LABELS[method]}: step {r['median_step_time_s']:.3f} = comm "
                              f"{r['measured_comm_s']:.3f} ({r['measured_comm_s'] / r['median_step_time_s']:.0%}) + "
-                             f"rest {r['unshaped_median_step_time_s']:.3f}")
+                             f"rest {r['unshaped_median_step_time_s']:.3f}"
+                             + _delta_text(r.get("predicted_comm_delta_s"), r["measured_comm_s"]))
         serial = results["serial_compute"].get(name)
         if serial:
             lines.append(f"- {name}: the step's arithmetic alone (single process, one thread, no transport): "
@@ -167,6 +199,13 @@ def _breakdown_lines(results: dict) -> list[str]:
         lines += ["", f"Machine load (1-minute average) at run starts and ends: {min(loads):.1f} to {max(loads):.1f} "
                       "(2 cores, shared with other work)."]
     return lines
+
+
+def _delta_text(predicted: float | None, measured: float) -> str:
+    if predicted is None:
+        return ""
+    off = f" ({predicted / measured - 1:+.0%})" if measured > 0 else ""
+    return f"; the cost model (links + compute) predicts comm {predicted:.3f}{off}"
 
 
 def _placement_view_line(datasets: dict) -> str:

@@ -120,3 +120,17 @@ def test_the_model_side_sink_never_imports_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "MemoryMetricsBackend"
+
+
+def test_each_masters_traffic_is_binned_by_its_own_link_tiers():
+    """Data-parallel masters: worker 1 is cross-node to master 0 and same-node to master 1."""
+    sink, mem = _sink()
+    master0 = _step_traffic()  # tiers: worker 0 same_node, worker 1 cross_node
+    master1 = TrafficCounter(2, 2, ["cross_node", "same_node"])
+    master1.record(1, 1, "gather", 4, 400)
+    sink.record_step(1, 1.0, 0.1, tokens=2, traffic_delta=[master0.snapshot(), master1.snapshot()])
+    assert mem.value("vela_expert_traffic_bytes_total", layer=1, worker=1, direction="gather",
+                     link_tier="cross_node") == 400  # master 0's rows
+    assert mem.value("vela_expert_traffic_bytes_total", layer=1, worker=1, direction="gather",
+                     link_tier="same_node") == 400  # master 1's
+    assert mem.value("vela_expert_traffic_rows_total", layer=1, worker=1, direction="gather") == 8

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Protocol
+from typing import Iterator, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -182,13 +182,16 @@ class MetricsSink:
         self._row_share_N = None if probs_LE is None else routing_mass(probs_LE, table_LE, num_workers).sum(axis=1)
 
     def record_step(self, step: int, loss: float, step_time_s: float, tokens: int,
-                    traffic_delta: TrafficSnapshot | None = None, expert_counts_LE: np.ndarray | None = None,
+                    traffic_delta: TrafficSnapshot | Sequence[TrafficSnapshot] | None = None,
+                    expert_counts_LE: np.ndarray | None = None,
                     drift_L: np.ndarray | None = None,
                     predicted_rows_per_worker: np.ndarray | None = None) -> None:
         """Record one optimizer step.
 
         tokens: tokens that entered each MoE layer in this step (all micro-batches);
-        traffic_delta: the broker's TrafficSnapshot difference over the step;
+        traffic_delta: the broker's TrafficSnapshot difference over the step; with data-parallel masters,
+            one per master, each binned by its own link tiers (a worker on master 1's node is
+            `same_node` to master 1's rows and `cross_node` to master 0's);
         expert_counts_LE: [L, E] rows routed to each expert in the step;
         drift_L: [L] TV distance of the step's access to the placed profile;
         predicted_rows_per_worker: [N] rows each worker should receive in the step; default:
@@ -201,12 +204,14 @@ class MetricsSink:
         if step_time_s > 0:
             self.backend.set("vela_tokens_per_second", tokens / step_time_s, {})
         if traffic_delta is not None:
-            self._record_traffic(traffic_delta)
+            deltas = [traffic_delta] if isinstance(traffic_delta, TrafficSnapshot) else list(traffic_delta)
+            for delta in deltas:
+                self._record_traffic(delta)
             predicted = predicted_rows_per_worker
             if predicted is None and self._row_share_N is not None:
                 predicted = tokens * self._row_share_N
             if predicted is not None:
-                self._record_load(traffic_delta, np.asarray(predicted, dtype=np.float64))
+                self._record_load(sum(deltas[1:], deltas[0]), np.asarray(predicted, dtype=np.float64))
         if expert_counts_LE is not None:
             self._record_routing(np.asarray(expert_counts_LE))
         if drift_L is not None:

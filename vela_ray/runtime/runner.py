@@ -564,6 +564,7 @@ class JobRunner:
         micro = micro_batches(backbone.train_set.rows(rows), cfg.micro_batch_size or cfg.batch_size)
         tokens = int(backbone.train_set.attention_mask[rows].sum())  # padding excluded
         before, waited_before = counter.snapshot(), sum(master.dispatcher.round_trip_s.values())
+        reduced_before = getattr(self.peers.replicas, "grad_bytes", 0)  # masters' backbone all-reduce
         lr = lr_at(cfg.optimizer, step, cfg.steps)
         start = time.perf_counter()
         peers_done = self.peers.start_step(micro, lr, cfg.optimizer.max_grad_norm)
@@ -578,16 +579,18 @@ class JobRunner:
         if master.dispatcher.condenser is not None:
             master.dispatcher.condenser.observe_loss(loss)  # the adaptive threshold follows the loss
         own: TrafficSnapshot = counter.snapshot() - before
-        delta = sum((p["traffic"] for p in peer_traffic), own)  # every master's rows (tiers: master 0's)
+        traffic = [own, *(p["traffic"] for p in peer_traffic)]  # each master's rows, by its own link tiers
+        delta = sum(traffic[1:], own)  # every master's rows (tiers: master 0's)
         counts_LE = np.sum([routing.take_counts().numpy(), *[p["routed_LE"] for p in peer_traffic]], axis=0)
         routed = self.state.tokens_routed_LE
         self.state.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE  # training steps only
         record = StepRecord(step=step + 1, loss=loss, step_time_s=step_time, tokens=tokens,
                             expert_round_trip_s=sum(master.dispatcher.round_trip_s.values()) - waited_before,
                             bytes_by_tier=_added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_traffic]]),
-                            bytes_by_worker=delta.bytes_by_worker())
+                            bytes_by_worker=delta.bytes_by_worker(),
+                            allreduce_bytes=getattr(self.peers.replicas, "grad_bytes", 0) - reduced_before)
         self.metrics.record_step(step + 1, loss, step_time, tokens=tokens,
-                                 traffic_delta=delta, expert_counts_LE=counts_LE,
+                                 traffic_delta=traffic, expert_counts_LE=counts_LE,
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             record.eval_loss = self._eval(backbone, master)
@@ -666,6 +669,7 @@ class JobRunner:
             worker_received_bytes=self.received, tokens_routed=[] if routed is None else routed.astype(int).tolist(),
             worker_tiers=list(traffics[0].worker_tiers), worker_nodes=hosted.node_ids, master_node=self.pool.master_node,
             master_nodes=self.peers.nodes,
+            allreduce_bytes_per_step=history[-1].allreduce_bytes if self.peers.num_masters > 1 and history else None,
             placement=PlacementRecord.of(state.plan, state.problem, self.config.placement.cost_model),
             links=state.links, timings_s=state.timings_s,
             adapter_dir=str((self.out_dir / "adapter").resolve()),

@@ -46,7 +46,8 @@ class StepRecord(_Record):
     tokens: int = 0
     """Non-padding tokens of the step's batch."""
     allreduce_bytes: int = 0
-    """Expert-parallel baseline only: backbone LoRA gradient all-reduce bytes of this step."""
+    """Backbone LoRA gradient all-reduce bytes of this step, as one rank sent them to the group (the
+    expert-parallel ranks', or data-parallel masters' over the network; 0 for one master)."""
 
 
 class StepBreakdown(_Record):
@@ -244,7 +245,7 @@ class RunSummary(_Record):
     checkpoint: str | None = None
     """The last checkpoint written (None: checkpoints off or none written)."""
     allreduce_bytes_per_step: int | None = None
-    """Expert-parallel baseline only."""
+    """Expert-parallel ranks, or data-parallel masters (`cluster.num_masters` > 1); None otherwise."""
     control_bytes: int | None = None
     """Expert-parallel baseline only: the [N, E] count exchanges before each all-to-all."""
     data: DataRecord | None = None
