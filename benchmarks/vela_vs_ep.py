@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start each run once the 1-minute load average is below this (shared machine)")
     p.add_argument("--max-wait-s", type=float, default=20.0, help="longest wait for --max-load before a run")
     p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: rebuild --out's tables and plots from the raw runs in its results.json "
+                        "(after a change to the report or the cost model)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver inside node 0
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)  # where the inner driver writes
@@ -280,6 +283,9 @@ def main(argv=None) -> None:
     if args.inner:
         inner_main(args, run_grid)
         return
+    if args.render:
+        render(args.out)
+        return
     start = time.perf_counter()
     if args.no_emulate:
         grid, links = run_unshaped_cluster(args, run_grid), {"note": "unshaped ray.cluster_utils cluster, one loopback"}
@@ -288,6 +294,16 @@ def main(argv=None) -> None:
     results = report.build_results(args, grid, links)
     results["benchmark_wall_s"] = time.perf_counter() - start
     report.write_all(results, args.out)
+    print(report.markdown(results))
+
+
+def render(out: Path) -> None:
+    """Tables and plots again from a results.json's raw runs, with the settings they ran under."""
+    saved = json.loads((out / "results.json").read_text())
+    settings = {**saved["settings"], "out": out, "no_emulate": not saved["shaped"]}
+    results = report.build_results(argparse.Namespace(**settings), saved["raw"], saved["links"])
+    results["benchmark_wall_s"] = saved.get("benchmark_wall_s")
+    report.write_all(results, out)
     print(report.markdown(results))
 
 
