@@ -1,8 +1,10 @@
 """MasterActor: the Ray shell around one run of `vela_ray.runtime.runner.JobRunner`.
 
 It runs on the driver's node and holds the backbone; the ExpertManagers are a
-`RayWorkerPool`; metrics go to Ray's exporter. All of the run's logic is the runner's,
-which tests drive in one process over `InProcessPool`.
+`RayWorkerPool`, or with `cluster.experts_on_master` an `InProcessPool` on the master's
+own device (one GPU runs a whole job, rows passed by direct call); metrics go to Ray's
+exporter. All of the run's logic is the runner's, which tests drive in one process over
+`InProcessPool`.
 
 The actor takes two calls at once (`max_concurrency=2` in `vela_ray.api`): `run`, and
 `stop(reason)` from the driver on Ctrl-C or SIGTERM. The runner checks between steps and
@@ -23,6 +25,7 @@ from actors.pool import RayWorkerPool
 from vela_ray.config import JobConfig
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.quiet import silence_known_warnings
+from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.summary import RunSummary
 
@@ -40,7 +43,12 @@ class MasterActor:
         """The whole job; returns the summary also written to `output.dir/summary.json`."""
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # INFO lines reach the driver's terminal
         silence_known_warnings()
-        pool = RayWorkerPool(self.config, ray.get_runtime_context().get_node_id())
+        node = ray.get_runtime_context().get_node_id()
+        if self.config.cluster.experts_on_master:  # the one-GPU configuration: experts beside the backbone
+            pool = InProcessPool(self.config, device="cuda" if self.config.cluster.master_gpus else "cpu",
+                                 master_node=node)
+        else:
+            pool = RayWorkerPool(self.config, node)
         runner = JobRunner(self.config, pool, MetricsSink(RayMetricsBackend()), should_stop=self.stop_reason)
         return runner.run()
 

@@ -83,6 +83,21 @@ class ClusterSection(_Section):
                              "sends its rows to every worker, so without replicated experts (M-1)/M of the rows "
                              "cross nodes; it spreads the backbone's compute, not the traffic")
 
+    experts_on_master: bool = Field(
+        False, description="host the num_workers ExpertManagers in the master's own process, on its device (its "
+                           "GPU with master_gpus: 1): no worker actors, rows move by direct call (the same_process "
+                           "link tier). The one-GPU configuration; the master's memory must hold every expert")
+
+    @model_validator(mode="after")
+    def _experts_on_master_alone(self) -> "ClusterSection":
+        if self.experts_on_master and self.num_masters > 1:
+            raise ValueError(f"cluster.experts_on_master needs cluster.num_masters: 1 (it is {self.num_masters}): "
+                             "the other masters would have no ExpertManagers to send rows to")
+        if self.experts_on_master and self.num_gpus_per_worker:
+            raise ValueError("cluster.experts_on_master puts the ExpertManagers on the master's device, so "
+                             "cluster.num_gpus_per_worker must be 0 (give the master its GPU with master_gpus: 1)")
+        return self
+
     @model_validator(mode="after")
     def _masters_over_object_refs(self) -> "ClusterSection":
         if self.num_masters > 1 and self.transport != "object_ref":

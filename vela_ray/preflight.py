@@ -300,7 +300,7 @@ def check_cluster_resources(config: JobConfig, available: dict[str, float]) -> N
     then blames CPUs even when GPUs are what is missing. Pure: no Ray import.
     """
     cluster = config.cluster
-    workers = cluster.num_workers
+    workers = 0 if cluster.experts_on_master else cluster.num_workers  # worker actors
     gpus_needed, gpus = workers * cluster.num_gpus_per_worker, float(available.get("GPU", 0.0))
     if gpus_needed > gpus:
         raise ValueError(

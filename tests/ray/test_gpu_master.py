@@ -25,3 +25,17 @@ def test_master_on_gpu_with_cpu_workers_over_gloo_equals_peft(ray_session, tmp_p
     assert json.loads((tmp_path / "out" / "config.json").read_text())["cluster"]["master_gpus"] == 1
     ref_losses, _ = reference_losses(config, device="cuda")
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def test_one_gpu_holds_the_backbone_and_every_expert_and_equals_peft(ray_session, tmp_path):
+    """`cluster.experts_on_master`: the ExpertManagers on the master's GPU, rows by direct call."""
+    model_dir = make_checkpoint(tmp_path / "model")
+    job = job_dict(model_dir, tmp_path / "out", steps=4, cluster={"num_workers": 2, "experts_on_master": True},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    config = JobConfig.from_dict(job)
+    summary = VelaJob(config).run()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["cluster"]["master_gpus"] == 1
+    assert {tier for tier, n in summary.traffic_bytes_by_tier.items() if n} == {"same_process"}
+    ref_losses, _ = reference_losses(config, device="cuda")
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)

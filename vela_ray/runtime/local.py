@@ -32,18 +32,21 @@ IN_PROCESS_LINK = LinkRecord(latency_s=0.0, bandwidth_bytes_per_s=1e12)
 class InProcessPool:
     """`WorkerPool` whose workers are plain ExpertManager objects in this process."""
 
-    master_node = LOCAL_NODE
-
-    def __init__(self, config: JobConfig, links: list[LinkRecord] | None = None):
-        """`links`: report these instead of function calls' (an emulated cluster's, for placement tests)."""
+    def __init__(self, config: JobConfig, links: list[LinkRecord] | None = None, device: str = "cpu",
+                 master_node: str = LOCAL_NODE):
+        """`links`: report these instead of function calls' (an emulated cluster's, for placement tests);
+        `device`: where the ExpertManagers keep their experts (the master's, `cluster.experts_on_master`);
+        `master_node`: the Ray node the master runs on, for the summary (the workers share it)."""
         self.config = config
         self.links = links
+        self.device = device
+        self.master_node = master_node
         self.managers: list[ExpertManager] = []
         self.table: np.ndarray | None = None
         self.lock = threading.Lock()  # the masters' threads take turns on the workers
 
     def start(self, table: np.ndarray) -> HostedExperts:
-        self.managers = [ExpertManager(spec) for spec in manager_specs(self.config, table)]
+        self.managers = [ExpertManager(spec) for spec in manager_specs(self.config, table, self.device)]
         self.table = np.array(table)
         return self._hosted()
 
@@ -65,7 +68,7 @@ class InProcessPool:
         return stats
 
     def replace(self, workers: list[int]) -> HostedExperts:
-        specs = manager_specs(self.config, self.table)
+        specs = manager_specs(self.config, self.table, self.device)
         for n in workers:
             self.managers[n] = ExpertManager(specs[n])
         return self._hosted()
