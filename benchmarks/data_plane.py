@@ -12,11 +12,21 @@ T tokens, top-2: ~R/N rows of D floats per worker), through:
                       `actors.transports.data_plane_env`)
     collective        the collective data plane: torch.distributed (gloo) point-to-point to
                       each ExpertManager's serving loop (`vela_ray.model.collective`)
+    rdt_gloo          Ray Direct Transport: actor methods returning tensors with
+                      `@ray.method(tensor_transport="gloo")`, the actors in a group from
+                      `ray.experimental.collective.create_collective_group`. The driver cannot
+                      join that group, and a gloo RDT object reaches a process only as an
+                      argument of a task on it, so the broker runs in a master actor that stages
+                      each worker's rows in a task on itself and collects the results in
+                      another (`RdtMaster`); the env is the object-ref default's
     raw_p2p           the floor: the same experts in plain processes, the same rows over
                       gloo point-to-point with no headers, no Ray, shapes known in advance
 
 The compiled-graph transport was measured here too (78 ms against the collective plane's
 45 ms, results/data_plane.json of commit 4d4c48f) and removed for it.
+Ray Direct Transport costs per tensor a task that makes it, a send task and a receive task
+(one `_ray_system` thread per actor runs them in turn), and the master a task to collect the
+results: 186 ms against the collective plane's 44 ms on 2 shared cores (load ~6).
 
 Each setting runs in its own subprocess with its own local Ray (the Ray variables are
 read when a Ray process starts); settings alternate over `--rounds` so that a burst
@@ -37,13 +47,16 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import count
 from pathlib import Path
+
+import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_plane.json"
-SETTINGS = ("ray_default", "inline", "inline_zero_copy", "collective", "raw_p2p")
+SETTINGS = ("ray_default", "inline", "inline_zero_copy", "rdt_gloo", "collective", "raw_p2p")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,11 +119,11 @@ def child(args) -> dict:
     top_k = torch.randint(0, args.experts, (args.tokens, 2), generator=g)
     if args.child == "raw_p2p":
         return raw_p2p(args, table, worker_specs, hidden_TD, top_k)
-    import ray
-
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if args.child == "rdt_gloo":
+        return rdt_gloo(args, table, worker_specs, hidden_TD, top_k)
     from actors.cluster import spawn_expert_managers
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     cluster = spawn_expert_managers(worker_specs, num_cpus_per_worker=0.25, env_vars=setting_env(args.child))
     transport = transport_for(args.child, cluster)
     dispatcher = ExpertDispatcher(table, transport)
@@ -125,6 +138,112 @@ def child(args) -> dict:
     transport.close()
     ray.shutdown()
     return {"seconds": seconds[3:], "rows_per_worker": [e - s for _, s, e in plan.worker_rows]}
+
+
+def rdt_gloo(args, table, worker_specs, hidden_TD, top_k) -> dict:
+    """Ray Direct Transport over gloo: the broker in `RdtMaster`, the experts in `RdtExpertManager`s."""
+    env = {"runtime_env": {"env_vars": setting_env("rdt_gloo")}}
+    workers = [RdtExpertManager.options(num_cpus=0.25, **env).remote(spec) for spec in worker_specs]
+    master = RdtMaster.options(num_cpus=0.25, **env).remote(table, workers)
+    ray.get(master.form_group.remote())
+    result = ray.get(master.time_round_trips.remote(hidden_TD, top_k, args.iters + 3))
+    ray.shutdown()
+    return {"seconds": result["seconds"][3:], "rows_per_worker": result["rows_per_worker"]}
+
+
+@ray.remote
+class RdtExpertManager:
+    """An ExpertManager whose results leave over gloo; its rows arrive over gloo as an RDT argument."""
+
+    def __init__(self, spec):
+        from vela_ray.training.expert_manager import ExpertManager
+
+        self.manager = ExpertManager(spec)
+
+    @ray.method(tensor_transport="gloo")
+    def forward(self, rows_RD, layer: int, expert_ids_R, key):
+        from vela_ray.model.transport import ForwardRequest
+
+        return self.manager.forward(ForwardRequest(layer, expert_ids_R, rows_RD, key))
+
+    @ray.method(tensor_transport="gloo")
+    def backward(self, grad_RD, key):
+        return self.manager.backward(key, grad_RD)
+
+
+@ray.remote(max_concurrency=4)  # threads: `stage` and `collect` run while a round trip waits on them
+class RdtMaster:
+    """The broker (`ExpertDispatcher`) in an actor of the gloo group, with itself as its `Transport`.
+
+    A gloo RDT object moves only when it is an argument of another actor's task, and the caller
+    that owns it issues the send and the receive (`__ray_send__`, `__ray_recv__` tasks). So rows go
+    out as the result of `stage` (a task on this actor) passed to the worker's method, and the
+    results come back as arguments of `collect` (another task on this actor).
+    """
+
+    def __init__(self, table, workers: list):
+        from vela_ray.model.broker import ExpertDispatcher
+        from vela_ray.model.traffic import link_tiers
+
+        self.workers, self.num_workers = workers, len(workers)
+        self.tiers = link_tiers("node", ["node"] * len(workers))  # all on this node, in other processes
+        self.slots, self.outbox, self.inbox = count(), {}, {}
+        self.dispatcher = ExpertDispatcher(table, self)
+
+    def form_group(self) -> None:
+        """This actor rank 0, worker n rank n + 1; formed here, as the group lives in its creator's process."""
+        from ray.experimental.collective import create_collective_group
+
+        create_collective_group([ray.get_runtime_context().current_actor] + self.workers, backend="gloo")
+
+    @ray.method(tensor_transport="gloo")
+    def stage(self, slot: int):
+        return self.outbox.pop(slot)
+
+    def collect(self, slot: int, *tensors) -> None:
+        self.inbox[slot] = tensors
+
+    def time_round_trips(self, hidden_TD, top_k, iterations: int) -> dict:
+        """The same loop as `child`, run here: seconds per forward + backward."""
+        plan = self.dispatcher.plan(0, top_k)
+        rows_RD = hidden_TD.index_select(0, plan.token_idx_R)
+        seconds = []
+        for i in range(iterations):
+            start = time.perf_counter()
+            self.round_trip(plan, rows_RD, key=i)
+            seconds.append(time.perf_counter() - start)
+        return {"seconds": seconds, "rows_per_worker": [e - s for _, s, e in plan.worker_rows]}
+
+    def round_trip(self, plan, rows_RD, key) -> tuple:
+        """`child`'s timed body: (expert outputs [R, D], d rows [R, D] for d outputs of ones)."""
+        import torch
+
+        out_RD = self.dispatcher.forward(plan, rows_RD, key=key)
+        return out_RD, self.dispatcher.backward(plan, torch.ones_like(out_RD), key=key)
+
+    # -- Transport (`vela_ray.model.transport`) --
+
+    def forward(self, requests: dict) -> dict:
+        return self._fan_out({w: (self.workers[w].forward, r.rows, (r.layer, r.expert_ids.clone(), r.key))
+                              for w, r in requests.items()})
+
+    def backward(self, key, grads: dict) -> dict:
+        return self._fan_out({w: (self.workers[w].backward, grad, (key,)) for w, grad in grads.items()})
+
+    def worker_tiers(self) -> list:
+        return self.tiers
+
+    def _fan_out(self, calls: dict) -> dict:
+        """{worker: (method, tensor, args)} -> {worker: method(tensor, *args)}, both tensors over gloo."""
+        me = ray.get_runtime_context().current_actor
+        results = {}
+        for worker, (method, tensor, method_args) in calls.items():
+            slot = next(self.slots)
+            self.outbox[slot] = tensor.contiguous()
+            results[worker] = method.remote(me.stage.remote(slot), *method_args)
+        slot = next(self.slots)
+        ray.get(me.collect.remote(slot, *results.values()))
+        return dict(zip(results, self.inbox.pop(slot)))
 
 
 def raw_p2p(args, table, worker_specs, hidden_TD, top_k) -> dict:
@@ -210,12 +329,13 @@ def main() -> None:
     kb = [r * args.hidden * 4 / 1024 for r in rows]
     print(f"\nforward+backward fan-out to {args.workers} workers, {min(kb):.0f}-{max(kb):.0f} KiB of rows each "
           f"(load {os.getloadavg()[0]:.1f}):")
-    print(f"{'setting':<18}{'median ms':>10}{'/ raw_p2p':>11}{'/ inline_zero_copy':>19}")
+    print(f"{'setting':<18}{'median ms':>10}{'/ raw_p2p':>11}{'/ inline_zero_copy':>19}{'/ collective':>13}")
     for s in SETTINGS:
         print(f"{s:<18}{1e3 * medians[s]:>10.2f}{medians[s] / medians['raw_p2p']:>11.2f}"
-              f"{medians[s] / medians['inline_zero_copy']:>19.2f}")
+              f"{medians[s] / medians['inline_zero_copy']:>19.2f}{medians[s] / medians['collective']:>13.2f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args),
+                                   "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
                                    "median_s": medians, "rows_per_worker": rows, "seconds": times}, indent=1))
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from vela_ray.data.datasets import DataConfig
 from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.tiers import ExpertTiersConfig
 
 if TYPE_CHECKING:
     from vela_ray.preflight import Preflight
@@ -87,6 +88,9 @@ class ClusterSection(_Section):
         False, description="host the num_workers ExpertManagers in the master's own process, on its device (its "
                            "GPU with master_gpus: 1): no worker actors, rows move by direct call (the same_process "
                            "link tier). The one-GPU configuration; the master's memory must hold every expert")
+    expert_tiers: ExpertTiersConfig = Field(
+        default_factory=ExpertTiersConfig, description="APTMoE's CPU/device expert tiers: workers keep experts in host "
+                                                       "memory and compute each on the CPU or their device (Eq. 1)")
 
     @model_validator(mode="after")
     def _experts_on_master_alone(self) -> "ClusterSection":
@@ -195,6 +199,16 @@ class CondensationSection(_Section):
         return self
 
 
+class ZoSection(_Section):
+    """Zeroth-order training (`training.method: zo`; MeZO's ZO-SGD, `vela_ray.training.zo`)."""
+
+    eps: float = Field(
+        1e-3, gt=0, description="perturbation scale: each step measures the loss at theta + eps*z and "
+                                "theta - eps*z (z ~ N(0, I), drawn per LoRA tensor) and steps along z by "
+                                "lr * (L+ - L-) / (2 eps). MeZO's default 1e-3; much smaller loses the "
+                                "difference to rounding (fp32), much larger biases it")
+
+
 class TrainingSection(_Section):
     steps: int = Field(ge=1, description="optimizer steps")
     batch_size: int = Field(8, ge=1, description="rows per optimizer step (the paper: 8)")
@@ -207,6 +221,12 @@ class TrainingSection(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     condensation: CondensationSection = Field(
         default_factory=CondensationSection, description="LUFFY's token condensation: LOSSY, off by default")
+    method: Literal["first_order", "zo"] = Field(
+        "first_order", description="first_order: backward and AdamW (equals transformers + peft); zo: zeroth-order "
+        "ZO-SGD (MeZO): two no-grad forwards per step, no backward, no activations kept, no gradient traffic; "
+        "steps with optimizer.lr and its schedule (AdamW's other settings and max_grad_norm are unused). A "
+        "different optimizer: it needs many more steps and a smaller lr")
+    zo: ZoSection = Field(default_factory=ZoSection, description="settings of method: zo")
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "TrainingSection":
@@ -225,6 +245,9 @@ class CheckpointSection(_Section):
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
     dir: Path | None = Field(None, description="checkpoint root; None: output.dir/checkpoints")
     resume: str | None = Field(None, description="`latest` or a checkpoint directory to continue from")
+    asynchronous: bool = Field(
+        False, description="copy the state to host memory at a checkpoint step and write it on background "
+                           "threads while training goes on; published (atomically, as ever) once all is written")
 
 
 class OutputSection(_Section):
@@ -244,6 +267,26 @@ class JobConfig(_Section):
     training: TrainingSection
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
+
+    @model_validator(mode="after")
+    def _zo_where_it_runs(self) -> "JobConfig":
+        """What `training.method: zo` does not support (yet), each refused with its fix."""
+        if self.training.method != "zo":
+            return self
+        refused = [
+            (self.mode != "vela", f"mode: {self.mode} (the master's ZO step drives ExpertManagers): use mode: vela"),
+            (self.cluster.num_masters > 1, f"cluster.num_masters: {self.cluster.num_masters} (one master draws "
+                                           "the backbone's perturbation): use 1"),
+            (self.training.condensation.enabled, "training.condensation.enabled (it condenses only forwards "
+                                                 "that keep a graph, so it would do nothing): turn it off"),
+            (self.cluster.on_worker_loss == "recover", "cluster.on_worker_loss: recover: use stop and resume from "
+                                                       "the checkpoint it names"),
+        ]
+        for unsupported, what in refused:
+            if unsupported:
+                raise ValueError(f"training.method: zo does not support {what}, or use training.method: "
+                                 "first_order")
+        return self
 
     @model_validator(mode="after")
     def _condensation_where_it_runs(self) -> "JobConfig":

@@ -43,6 +43,19 @@ class WorkerLostError(VelaActorError):
         return (type(self), (self.workers, self.message))
 
 
+class CheckpointWriteError(VelaActorError):
+    """An asynchronous checkpoint (`checkpoint.asynchronous`) failed in the background; nothing of it was
+    published. Raised where the run next waits for it, with the cause in one line."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(f"asynchronous checkpoint of step {step} failed: {message}")
+        self.step = step
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.message))
+
+
 class RunInterrupted(VelaActorError):
     """The run stopped between steps on request (Ctrl-C, SIGTERM, its driver gone), after a checkpoint."""
 

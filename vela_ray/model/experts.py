@@ -41,7 +41,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Literal, Mapping
+from typing import Callable, Hashable, Iterable, Literal, Mapping
 
 import torch
 from torch import nn
@@ -219,7 +219,10 @@ class LayerExperts(nn.Module):
     """The shard's experts of one MoE layer: the family's experts class over them, plus their adapters."""
 
     def __init__(self, layer: int, prototype: nn.Module, weights: dict[int, ExpertParams], lora: LoraSpec,
-                 seed: int | None = None):
+                 seed: int | None = None, adapters: Mapping[int, ExpertAdapter] | None = None):
+        """`adapters`: each expert's existing LoRA factors instead of fresh ones, shared, so gradients reach
+        them (a tiered worker's device copy of some experts, `vela_ray.training.tiered`); they may live on
+        another device than `weights`, whose device the factors are moved to in each call."""
         super().__init__()
         self.layer = layer
         self.expert_ids = sorted(weights)
@@ -231,13 +234,14 @@ class LayerExperts(nn.Module):
         self.scaling = lora.scaling
         in_out = {slot_name(s): lora_in_out(prototype, s) for s in self.stacks}
         self.hidden_size = in_out[slot_name(self.stacks[0])][0]  # the first stack reads the hidden states
-        dtype = next(iter(weights.values()))[self.stacks[0]].dtype if weights else torch.float32
+        first = next(iter(weights.values()))[self.stacks[0]] if weights else torch.empty(0)
         self.adapters = nn.ModuleDict({
-            str(e): ExpertAdapter(in_out, lora, dtype, None if seed is None else expert_generator(seed, layer, e))
+            str(e): adapters[e] if adapters is not None
+            else ExpertAdapter(in_out, lora, first.dtype, None if seed is None else expert_generator(seed, layer, e))
             for e in self.expert_ids
         })
-        local_of = torch.full((_num_experts(prototype),), -1, dtype=torch.long)
-        local_of[self.expert_ids] = torch.arange(len(self.expert_ids))
+        local_of = torch.full((_num_experts(prototype),), -1, dtype=torch.long, device=first.device)
+        local_of[self.expert_ids] = torch.arange(len(self.expert_ids), device=first.device)
         self.register_buffer("local_of", local_of, persistent=False)
 
     def forward(self, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
@@ -287,8 +291,9 @@ class LayerExperts(nn.Module):
         each call, so gradients reach each expert's own parameters (optimizer state and checkpoints
         are keyed by logical expert)."""
         adapters = [self.adapters[str(e)] for e in self.expert_ids]
-        return (torch.stack([getattr(a, f"lora_A_{slot}") for a in adapters]),
-                torch.stack([getattr(a, f"lora_B_{slot}") for a in adapters]))
+        device = self.local_of.device  # the frozen weights': shared adapters may live elsewhere (no-op if not)
+        return (torch.stack([getattr(a, f"lora_A_{slot}") for a in adapters]).to(device),
+                torch.stack([getattr(a, f"lora_B_{slot}") for a in adapters]).to(device))
 
     def _grouped(self, adapted: dict, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
         """A "grouped" call: every local expert gets the same number of rows, zero-padded. A zero row gives
@@ -355,11 +360,14 @@ class ExpertShard(nn.Module):
         return self.layers[str(layer)].adapters[str(expert)]
 
     def forward_rows(
-        self, layer: int, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor, key: Hashable | None = None
+        self, layer: int, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor, key: Hashable | None = None,
+        compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Expert outputs for `rows_RD`, row i through expert `expert_ids_R[i]` of `layer`.
 
         With `key`, the graph is kept for `backward_rows(key, ...)`; without it no graph is built.
+        `compute(expert_ids_R, rows_RD)` stands in for the layer's `LayerExperts` (a tiered worker
+        splits the rows between its CPU and its device, `vela_ray.training.tiered`).
         """
         if rows_RD.shape[0] == 0:  # nothing routed here: an empty entry keeps backward_rows(key) valid
             if key is not None:
@@ -369,7 +377,7 @@ class ExpertShard(nn.Module):
             raise KeyError(f"no experts of MoE layer {layer} are hosted here")
         with torch.enable_grad() if key is not None else torch.no_grad():
             rows_RD = rows_RD.detach().requires_grad_(key is not None)
-            out_RD = self.layers[str(layer)](expert_ids_R, rows_RD)
+            out_RD = (compute or self.layers[str(layer)])(expert_ids_R, rows_RD)
         if key is not None:
             self._saved[key] = (rows_RD, out_RD)
         return out_RD.detach()

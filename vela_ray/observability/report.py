@@ -257,7 +257,8 @@ def _headline(run: Run) -> str:
     s = run.summary
     where = f"run {run.dir}: " if run.dir is not None else ""
     mode = "expert-parallel baseline, " if s.mode == "expert_parallel" else ""
-    return f"{where}{mode}{s.steps} steps, {_loss_text(s)}"
+    method = "zeroth-order (ZO-SGD) " if s.method == "zo" else ""
+    return f"{where}{mode}{s.steps} {method}steps, {_loss_text(s)}"
 
 
 def _loss_text(s: RunSummary) -> str:

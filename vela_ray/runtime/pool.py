@@ -104,6 +104,7 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
             worker=n, keys=[tuple(k) for k in np.argwhere(hosts[n]).tolist()],
             model_dir=str(config.model.path.resolve()), lora=config.lora_spec,
             optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
+            tiers=config.cluster.expert_tiers,
         )
         for n in range(config.cluster.num_workers)
     ]

@@ -8,8 +8,10 @@ Stages of `JobRunner.run()`:
      an elastic resume, read from a file, or uniform), links, compute and capacities from the
      pool, `placement_problem` (pure), solve; move the experts that changed worker between the
      live workers (`vela_ray.runtime.migration`) and swap the brokers' table;
-  5. start state (checkpoint or init adapter), then train: `train_step` per step, a
-     checkpoint every `checkpoint.every` steps and at the end, eval loss, metrics; every
+  5. start state (checkpoint or init adapter), then train: `train_step` per step (a ZO-SGD step,
+     `vela_ray.training.zo`, with `training.method: zo`), a
+     checkpoint every `checkpoint.every` steps and at the end (written while training goes on with
+     `checkpoint.asynchronous`), eval loss, metrics; every
      `placement.replan.every` steps a re-solve on the recent routing when it drifted, adopted
      only when its saving pays for the migration; a lost worker replaced in place and the run
      rolled back to the last checkpoint with `cluster.on_worker_loss: recover`;
@@ -41,7 +43,7 @@ from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, sequential_batches
 from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model, total_variation
-from vela_ray.errors import RunInterrupted, WorkerLostError
+from vela_ray.errors import CheckpointWriteError, ExpertWorkerError, RunInterrupted, WorkerLostError
 from vela_ray.model.condensation import Condenser
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
@@ -56,6 +58,7 @@ from vela_ray.runtime.masters import PeerMasters, SoloMaster, master_share
 from vela_ray.runtime.pool import HostedExperts, WorkerPool
 from vela_ray.training import checkpoint
 from vela_ray.training.optim import lr_at
+from vela_ray.training.popularity import PopularityPredictor, routing_pairs
 from vela_ray.training.step import (
     LossFn, MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state,
     model_loss, train_step,
@@ -64,10 +67,12 @@ from vela_ray.training.summary import (
     CondensationRecord, DataRecord, LinkRecord, MigrationRecord, PlacementRecord, RecoveryRecord, ReplanRecord,
     RunSummary, StepRecord, step_breakdown,
 )
+from vela_ray.training.zo import ZoTrainer
 
 logger = logging.getLogger(__name__)
 
 StopCheck = Callable[[], "str | None"]  # why the run should stop now, or None to go on
+CHECKPOINT_POLL_S = 0.05  # how often an asynchronous checkpoint asks the workers whether their parts are written
 
 
 @dataclass
@@ -95,6 +100,16 @@ class Backbone:
 
 
 @dataclass
+class PendingCheckpoint:
+    """A checkpoint between its snapshot and its publication (`checkpoint.asynchronous`)."""
+
+    step: int
+    routed_LE: np.ndarray | None  # tokens_routed_LE at its step
+    stall_s: float  # how long training has stood still for it so far
+    write: checkpoint.Background[Path] | None = None  # writes the files and publishes; returns the checkpoint
+
+
+@dataclass
 class RunState:
     """What the run has decided and measured so far; each stage fills its part."""
 
@@ -106,7 +121,8 @@ class RunState:
     shared_links: list[SharedLink] = field(default_factory=list)  # NICs the links share, measured with them
     start_step: int = 0
     history: list[StepRecord] = field(default_factory=list)
-    last_checkpoint: Path | None = None
+    last_checkpoint: Path | None = None  # the newest published checkpoint of this run (or before it)
+    writing: PendingCheckpoint | None = None  # an asynchronous checkpoint in flight: at most one
     tokens_routed_LE: np.ndarray | None = None
     routed_at_checkpoint: np.ndarray | None = None  # tokens_routed_LE when last_checkpoint was written
     timings_s: dict[str, float | list[float]] = field(default_factory=dict)
@@ -195,6 +211,8 @@ class JobRunner:
         self.out_dir = Path(config.output.dir)
         self.state = RunState()
         self.peers: PeerMasters = SoloMaster(pool.master_node)
+        training = config.training  # `training.method: zo`: ZO-SGD steps instead of `train_step`
+        self.zo = ZoTrainer(training.zo.eps, training.seed) if training.method == "zo" else None
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -216,6 +234,7 @@ class JobRunner:
             master.dispatcher.condenser = self._condenser()
             self.peers = self.pool.start_peers(table)
             self._settle_placement(backbone, master, hosted, table, resume)
+            self._fit_popularity_predictor(backbone, master, hosted)
             self._publish_placement(backbone)
             self.state.start_step = self._load_start_state(master, hosted, resume)
             hosted = self._train(backbone, master, hosted)
@@ -378,6 +397,20 @@ class JobRunner:
         profile.save(self.out_dir / "profile.json", npy_path=self.out_dir / "profile.npy")
         return profile.probs_array()
 
+    def _fit_popularity_predictor(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts) -> None:
+        """With `cluster.expert_tiers`: fit APTMoE's popularity predictor on the routing of the profile batches
+        (inference through the brokers) and send it to every worker (`vela_ray.training.popularity`)."""
+        if not self.config.cluster.expert_tiers.enabled or len(backbone.blocks) < 2:
+            return
+        batches = sequential_batches(backbone.train_set, self.config.training.batch_size,
+                                     max_batches=self.config.placement.profile_batches, token_mask=True)
+        pairs = routing_pairs(master.peft_model, batches, backbone.blocks)
+        predictor = PopularityPredictor.from_model(backbone.model, backbone.blocks)
+        predictor.fit(pairs)
+        logger.info("popularity predictor: top-k overlap per layer on its fitting batches %s",
+                    {layer: round(overlap, 3) for layer, overlap in predictor.top_k_overlap(pairs).items()})
+        hosted.workers.set_predictor(predictor.state_dict(), predictor.top_k)
+
     def _capacities(self, backbone: Backbone) -> list[int]:
         total = int(np.prod(backbone.shape))
         cap = self.config.placement.capacity
@@ -469,7 +502,8 @@ class JobRunner:
         self.state.last_checkpoint = checkpoint.latest(self.config.checkpoint_root)
         start = self.state.start_step
         if self.config.cluster.on_worker_loss == "recover" and (start == 0 or not self._checkpointed(start)):
-            self.state.last_checkpoint = self._save_checkpoint(master, hosted, start)  # to roll back to
+            self._save_checkpoint(master, hosted, start)  # to roll back to
+            self._settle_checkpoint()  # published before any step: there always is one
         received_before, compute_before = hosted.workers.received(), hosted.workers.compute_seconds()
         routing = RoutingRecorder(backbone.blocks, top_k_of(backbone.model), record_confidence=False).attach()
         train_start = time.perf_counter()
@@ -488,7 +522,9 @@ class JobRunner:
                 step += 1
         finally:
             routing.detach()
+            self._settle_checkpoint(failing=True)  # a failing run leaves none in flight (the last step's is settled)
         self.state.timings_s["train_s"] = time.perf_counter() - train_start
+        self._settle_zo(master, hosted)  # eval and export read the adapters
         history = self.state.history
         if history and history[-1].eval_loss is None:
             history[-1].eval_loss = self._eval(backbone, master)
@@ -505,6 +541,7 @@ class JobRunner:
         """`on_worker_loss: recover`: new workers in place of the lost ones, everyone back to the last
         checkpoint; returns the new workers and the step to go on from (the steps since are replayed).
         Re-raises `lost` when recovery is off, used up, or has no checkpoint of this run to go back to."""
+        self._settle_checkpoint(failing=True)  # the one in flight, once published, is the one to go back to
         cluster, last = self.config.cluster, self.state.last_checkpoint
         if cluster.on_worker_loss != "recover" or len(self.state.recoveries) >= cluster.max_recoveries \
                 or last is None:
@@ -544,6 +581,7 @@ class JobRunner:
             dead = self.pool.lost_workers(err)
             if dead is None:
                 raise
+            self._settle_checkpoint(failing=True)  # the hint names the newest checkpoint that got published
             # every worker answers: the actor that died was one of the other data-parallel masters
             who = f"ExpertManager worker(s) {dead}" if dead else "a data-parallel master (MasterReplica)"
             raise WorkerLostError(dead, f"{who} died during step {step + 1}; training "
@@ -569,8 +607,12 @@ class JobRunner:
         start = time.perf_counter()
         peers_done = self.peers.start_step(micro, lr, cfg.optimizer.max_grad_norm)
         try:
-            loss = train_step(master, hosted.workers, [on_device(m, self.device) for m in micro], lr,
-                              cfg.optimizer.max_grad_norm, loss_fn=self._loss_fn(master), replicas=self.peers.replicas)
+            if self.zo is not None:
+                loss = self.zo.step(master, hosted.workers, [on_device(m, self.device) for m in micro], lr, step).loss
+            else:
+                loss = train_step(master, hosted.workers, [on_device(m, self.device) for m in micro], lr,
+                                  cfg.optimizer.max_grad_norm, loss_fn=self._loss_fn(master),
+                                  replicas=self.peers.replicas)
         except BaseException:
             self.peers.abort()
             raise
@@ -593,15 +635,24 @@ class JobRunner:
                                  traffic_delta=traffic, expert_counts_LE=counts_LE,
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            self._settle_zo(master, hosted)
             record.eval_loss = self._eval(backbone, master)
             routing.take_counts()  # the eval pass's routing is not training traffic
         self.state.history.append(record)
         every = self.config.checkpoint.every
         if step + 1 == cfg.steps or (every and (step + 1) % every == 0):
-            self.state.last_checkpoint = self._save_checkpoint(master, hosted, step + 1)
+            self._save_checkpoint(master, hosted, step + 1)
+        if step + 1 == cfg.steps:
+            self._settle_checkpoint()  # the run's last checkpoint is published before it ends
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             logger.info("step %d/%d loss %.4f%s (%.2f s)", step + 1, cfg.steps, loss,
                         "" if record.eval_loss is None else f" eval {record.eval_loss:.4f}", step_time)
+
+    def _settle_zo(self, master: MasterModel, hosted: HostedExperts) -> None:
+        """`training.method: zo`: apply the last step's update, fused into the next step's first pass until
+        now, so that whatever reads the adapters next sees them unperturbed (`ZoTrainer.settle`)."""
+        if self.zo is not None:
+            self.zo.settle(master, hosted.workers)
 
     def _condenser(self) -> Condenser | None:
         """Token condensation (LOSSY) with `training.condensation.enabled`; it lives in master 0's brokers only."""
@@ -619,8 +670,10 @@ class JobRunner:
         reason = self.should_stop()
         if reason is None or done == self.config.training.steps:
             return
-        if self.state.last_checkpoint is None or not self.state.last_checkpoint.name.endswith(f"{done:06d}"):
-            self.state.last_checkpoint = self._save_checkpoint(master, hosted, done)
+        self._settle_checkpoint()  # the one in flight may be of step `done`
+        if not self._checkpointed(done):
+            self._save_checkpoint(master, hosted, done)
+            self._settle_checkpoint()
         raise RunInterrupted(done, str(self.state.last_checkpoint), reason)
 
     def _eval(self, backbone: Backbone, master: MasterModel) -> float:
@@ -628,27 +681,76 @@ class JobRunner:
         batches = sequential_batches(backbone.eval_set, cfg.batch_size, cfg.eval_batches)
         return eval_loss(master, [on_device(batch, self.device) for batch in batches])
 
-    def _save_checkpoint(self, master: MasterModel, hosted: HostedExperts, step: int) -> Path:
-        """Atomic checkpoint of `step`: workers write their experts' parts in parallel, the master the rest."""
-        cfg = self.config
+    def _save_checkpoint(self, master: MasterModel, hosted: HostedExperts, step: int) -> None:
+        """Atomic checkpoint of `step`: workers write their experts' parts in parallel, the master the rest;
+        `state.last_checkpoint` names it once published. With `checkpoint.asynchronous` the master and the
+        workers only copy their state here and write it on threads while training goes on; it is published
+        in the background and becomes `last_checkpoint` at the next `_settle_checkpoint`."""
+        self._settle_checkpoint()  # at most one in flight
+        self._settle_zo(master, hosted)  # a checkpoint holds unperturbed adapters
+        cfg, asynchronous = self.config, self.config.checkpoint.asynchronous
         start = time.perf_counter()
         staging = checkpoint.begin(cfg.checkpoint_root, step)
-        tensors = master_state(master)
+        tensors = master_state(master, copy=asynchronous)
         tensors["rng.torch"] = torch.get_rng_state()
-        checkpoint.write_tensors(staging / "backbone.safetensors", tensors)
-        checkpoint.write_json(staging / "trainer.json", {
+        trainer = {
             "step": step, "data_position": step, "total_steps": cfg.training.steps,
             "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),
             "placement": self.state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
             "profile": None if self.state.placed_probs is None else np.asarray(self.state.placed_probs).tolist(),
             "condenser": master.dispatcher.condenser.state() if master.dispatcher.condenser is not None else None,
-        })
-        hosted.workers.save_checkpoint_parts(str(staging))
-        final = checkpoint.finalize(staging, step, self._checkpoint_meta(), keep=cfg.checkpoint.keep)
-        routed = self.state.tokens_routed_LE
-        self.state.routed_at_checkpoint = None if routed is None else routed.copy()
-        logger.info("checkpoint %s written in %.2f s", final, time.perf_counter() - start)
-        return final
+        }
+        workers, meta, routed = hosted.workers, self._checkpoint_meta(), self.state.tokens_routed_LE
+        workers.snapshot_checkpoint_parts(str(staging))
+
+        def write() -> Path:
+            checkpoint.write_tensors(staging / "backbone.safetensors", tensors)
+            checkpoint.write_json(staging / "trainer.json", trainer)
+            workers.finish_checkpoint_parts(poll_s=CHECKPOINT_POLL_S if asynchronous else None)
+            return checkpoint.finalize(staging, step, meta, keep=cfg.checkpoint.keep)
+
+        pending = PendingCheckpoint(step, None if routed is None else routed.copy(), 0.0)
+        if asynchronous:
+            pending.write = checkpoint.Background(write, name=f"vela-checkpoint-{step}")
+            pending.stall_s = time.perf_counter() - start
+            self.state.writing = pending
+            logger.info("checkpoint of step %d: state copied in %.3f s, writing it in the background", step,
+                        pending.stall_s)
+        else:
+            final = write()
+            pending.stall_s = time.perf_counter() - start
+            self._published(pending, final)
+
+    def _settle_checkpoint(self, *, failing: bool = False) -> None:
+        """Wait for the asynchronous checkpoint in flight, if any; once published it is `last_checkpoint`.
+
+        If its writing failed, nothing of it was published (its staging directory goes with the next
+        prune) and this raises `CheckpointWriteError` with the cause; a lost worker's own error instead,
+        so that `_guarded` recovers. With `failing` (the run is failing or recovering already) it logs.
+        """
+        pending, self.state.writing = self.state.writing, None
+        if pending is None:
+            return
+        start = time.perf_counter()
+        try:
+            final = pending.write.result()
+        except Exception as err:
+            cause = _one_line(err)
+            if failing:
+                logger.warning("asynchronous checkpoint of step %d dropped, nothing of it published: %s",
+                               pending.step, cause)
+                return
+            if self.pool.lost_workers(err) is not None:
+                raise
+            raise CheckpointWriteError(pending.step, f"{cause}; nothing of it was published; "
+                                                     f"{self._resume_hint()}") from err
+        pending.stall_s += time.perf_counter() - start
+        self._published(pending, final)
+
+    def _published(self, pending: PendingCheckpoint, final: Path) -> None:
+        self.state.last_checkpoint, self.state.routed_at_checkpoint = final, pending.routed_LE
+        self.state.timings_s.setdefault("checkpoint_stall_s", []).append(pending.stall_s)
+        logger.info("checkpoint %s published (training stood still %.3f s for it)", final, pending.stall_s)
 
     # --- summary ---------------------------------------------------------------------------
 
@@ -658,7 +760,7 @@ class JobRunner:
         history = state.history
         routed = state.tokens_routed_LE
         return RunSummary(
-            mode="vela", steps=len(history), losses=[h.loss for h in history],
+            mode="vela", method=self.config.training.method, steps=len(history), losses=[h.loss for h in history],
             eval_loss=history[-1].eval_loss if history else None,
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
             history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),
@@ -677,7 +779,16 @@ class JobRunner:
             data=DataRecord.of(self.config.data, self.backbone.train_set),
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries,
             condensation=CondensationRecord.of(master.dispatcher.condenser),
+            expert_tiers=[stats for stats in hosted.workers.tier_stats() if stats is not None],
         )
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line: a worker's own message (not Ray's traceback around it), else the first line."""
+    if isinstance(err, ExpertWorkerError):
+        return f"expert worker {err.worker}: {err.message}"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _added(dicts: list[dict[str, int]]) -> dict[str, int]:

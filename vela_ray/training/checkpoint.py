@@ -17,6 +17,12 @@ back past corrupt ones to the newest that passes its checksums. Staging
 directories a crash left behind are deleted by the next `prune`. Workers write
 their own parts in parallel into the staging directory; the master never holds
 expert state.
+
+Asynchronous (`checkpoint.asynchronous`): between two steps the master and each worker
+only copy their state to host memory; a `Background` thread writes the copy while
+training goes on, and the master publishes (manifest, rename, prune) once its files and
+every worker's part are written. The staging directory, manifest and rename are the same,
+so a crash mid-write still leaves only a staging directory.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
+from typing import Callable, Generic, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -41,6 +49,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _STAGING_DIR = re.compile(r"^\.step-\d{6,}\.tmp-[0-9a-f]+$")
+T = TypeVar("T")
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -82,7 +91,7 @@ def finalize(staging: Path, step: int, meta: dict, keep: int | None = None) -> P
     _fsync_dir(staging)
     final = staging.parent / f"step-{step:06d}"
     if final.exists():  # a checkpoint of this step already exists (e.g. a resumed run): replace it
-        shutil.rmtree(final)
+        _delete(final)
     os.rename(staging, final)
     _fsync_dir(staging.parent)
     if keep:
@@ -99,8 +108,21 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     """
     removed = staging_dirs(root) + valid_checkpoints(root)[:-keep]
     for old in removed:
-        shutil.rmtree(old, ignore_errors=True)
+        _delete(old)
     return removed
+
+
+def _delete(path: Path) -> None:
+    """Delete a checkpoint or staging directory. A checkpoint is first renamed to a staging name, so
+    that a crash mid-delete leaves a staging directory (the next prune's), never a torn checkpoint."""
+    if _STEP_DIR.match(path.name):
+        trash = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:  # deleted already (as rmtree's ignore_errors below tolerates)
+            return
+        path = trash
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def staging_dirs(root: str | Path) -> list[Path]:
@@ -120,6 +142,39 @@ def _expert_index(staging: Path) -> dict[str, str]:
                 layer, expert = name.split(".")[:2]
                 index[f"{layer[1:]}.{expert[1:]}"] = str(part.relative_to(staging))
     return index
+
+
+class Background(Generic[T]):
+    """`work()` on a daemon thread: the writing of an asynchronous checkpoint (the master's files and
+    publication, or one worker's part), from a snapshot the training thread no longer touches.
+
+        write = Background(lambda: write_tensors(path, copied), name="vela-checkpoint")
+        write.join(0.0)     # False while it runs
+        write.result()      # waits; its return value, or its exception re-raised
+    """
+
+    def __init__(self, work: Callable[[], T], name: str):
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], T]) -> None:
+        try:
+            self._result = work()
+        except BaseException as err:  # re-raised on the waiting thread by `result`
+            self._error = err
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait up to `timeout_s` (None: until it ends); True once it has ended."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def result(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 # --- reading ------------------------------------------------------------------------------

@@ -18,10 +18,15 @@ weights. Tests may pass in-memory `weights` instead of a `model_dir`.
 Data plane: `forward`, `backward` (Ray object refs), or `join_collective`: a serving
 loop on a thread of this process, answering the master over torch.distributed
 (`vela_ray.model.collective`). Control plane: `grad_sq_norm`,
-`step`, `zero_grad`, `lora_state`, `load_lora_state` (and `lora_grads` for tests).
+`step`, `zero_grad`, `lora_state`, `load_lora_state` (and `lora_grads` for tests);
+`zo_apply` for zeroth-order training (`vela_ray.training.zo`).
 Topology and sizing: `node_id`, `pid`, `bytes_per_expert`, `capacity`, `ping`.
+APTMoE's CPU/device tiers (`spec.tiers`, `vela_ray.training.tiered`): the data plane computes each expert
+on the CPU or the device; `tier_stats`, `set_tier_speeds`, `set_predictor`.
 Live migration (`vela_ray.runtime.migration`): `expert_states` (what a leaving expert
 carries), `rehost` (host a new key set, reading arriving experts' weights from the checkpoint).
+Checkpoints: `save_checkpoint_part`, or asynchronously `snapshot_checkpoint_part` (copies, then
+writes on a thread) and `finish_checkpoint_part` (polled by the master).
 
 Any failure in the data plane is re-raised as `ExpertWorkerError` naming this
 worker and the (layer, expert) keys involved, with the worker's traceback (Ray adds it,
@@ -48,9 +53,12 @@ from vela_ray.training import checkpoint
 from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
 from vela_ray.model.loading import checkpoint_prototypes, read_experts
 from vela_ray.model.modeling import experts_prototypes
-from vela_ray.training.optim import OptimizerConfig, ShardTrainer, grad_sq_norm
+from vela_ray.training.optim import OptimizerConfig, ShardTrainer, ZoTerm, apply_zo_terms, grad_sq_norm
 from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import ForwardRequest
+from vela_ray.training.popularity import PopularityPredictor
+from vela_ray.training.tiered import TieredExperts, seconds_per_row
+from vela_ray.training.tiers import ExpertTiersConfig, TierCounters, TierSpeeds
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +93,8 @@ class ExpertManagerSpec(BaseModel):
     seed: int = Field(0, description="LoRA init seed, combined with each (layer, expert)")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="None keeps the stored dtype")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the experts run")
+    tiers: ExpertTiersConfig = Field(default_factory=ExpertTiersConfig, description="APTMoE's CPU/device tiers: "
+                                     "experts in host memory, `device` only the tier of a bounded cache")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ExpertManagerSpec":
@@ -129,7 +139,7 @@ class ExpertManager:
         silence_known_warnings()  # an actor process: Ray is imported by now, so the filters stay in front
         self.worker = spec.worker
         self.spec = spec
-        self.device = torch.device(spec.device)
+        self.device = torch.device("cpu" if spec.tiers.enabled else spec.device)  # tiered: the shard is in host memory
         weights, self.prototypes = load_expert_weights(spec)
         self._host(weights)
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
@@ -144,6 +154,9 @@ class ExpertManager:
         # A placement may leave a worker without experts; torch's AdamW refuses an empty parameter list.
         self.trainer = ShardTrainer(self.shard, self.spec.optim) if self.keys else None
         self.dtype = next(iter(next(iter(weights.values())).values())).dtype if weights else torch.float32
+        tiers = self.spec.tiers  # APTMoE's tiers (`vela_ray.training.tiered`): the data plane goes through them
+        self.tiered = TieredExperts(self.shard, self.prototypes, self.spec.lora, tiers, torch.device(self.spec.device),
+                                    self.worker, previous=getattr(self, "tiered", None)) if tiers.enabled else None
 
     # -- data plane -------------------------------------------------------------------------
 
@@ -167,7 +180,7 @@ class ExpertManager:
         start = time.perf_counter()
         try:
             rows_RD = request.rows.to(self.device, self.dtype)
-            return self.shard.forward_rows(request.layer, request.expert_ids, rows_RD, request.key)
+            return (self.tiered or self.shard).forward_rows(request.layer, request.expert_ids, rows_RD, request.key)
         except Exception as exc:
             experts = sorted({(request.layer, int(e)) for e in request.expert_ids.tolist()})
             raise self._error(f"forward of experts {experts} (key {request.key!r})", exc) from exc
@@ -178,7 +191,7 @@ class ExpertManager:
         self.received_bytes += grad.numel() * grad.element_size()
         start = time.perf_counter()
         try:
-            return self.shard.backward_rows(key, grad.to(self.device))
+            return (self.tiered or self.shard).backward_rows(key, grad.to(self.device))
         except Exception as exc:
             raise self._error(f"backward of key {key!r}", exc) from exc
         finally:
@@ -242,6 +255,13 @@ class ExpertManager:
         if self.trainer:
             self.trainer.zero_grad()
 
+    def zo_apply(self, terms: list[ZoTerm]) -> None:
+        """Zeroth-order training (`vela_ray.training.zo`): add each (step seed, coefficient) term's noise to
+        every hosted expert's LoRA. Each tensor's noise comes from its logical checkpoint name, so any
+        placement adds the same numbers (and copies of a replicated expert stay identical)."""
+        by_name = {key: dict(self.shard.expert(*key).named_parameters()) for key in self.keys}
+        apply_zo_terms(checkpoint.expert_part_tensors(by_name), terms)
+
     def lora_state(self) -> LoraState:
         """This worker's adapters, keyed by logical (layer, expert), on the CPU."""
         return {key: {n: t.cpu() for n, t in params.items()} for key, params in self.shard.lora_state().items()}
@@ -277,11 +297,40 @@ class ExpertManager:
     def save_checkpoint_part(self, staging_dir: str, not_counted: NotCounted | None = None) -> str:
         """Write this worker's experts' LoRA and AdamW state, named by logical expert; returns the file.
         Copies of replicated experts in `not_counted[self.worker]` are left to the worker that counts them."""
+        self.snapshot_checkpoint_part(staging_dir, not_counted)
+        return self.finish_checkpoint_part()
+
+    def snapshot_checkpoint_part(self, staging_dir: str, not_counted: NotCounted | None = None) -> None:
+        """`save_checkpoint_part` in two halves: copy the state to host memory now (so the next step cannot
+        change what is saved) and write it on a thread of this process; `finish_checkpoint_part` waits."""
+        previous = getattr(self, "_part_write", None)
+        if previous is not None:
+            previous.join()  # an abandoned checkpoint's part: at most one write in flight
         skip = {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
         path = Path(staging_dir) / "experts" / f"part-{self.worker}.safetensors"
-        keys = [k for k in self.keys if k not in skip]
-        checkpoint.write_tensors(path, checkpoint.expert_part_tensors(self.expert_states(keys)))
-        return str(path)
+        tensors = checkpoint.expert_part_tensors(self.expert_states([k for k in self.keys if k not in skip]))
+
+        def write() -> str:
+            checkpoint.write_tensors(path, tensors)
+            return str(path)
+
+        self._part_write = checkpoint.Background(write, name=f"vela-checkpoint-part-{self.worker}")
+
+    def finish_checkpoint_part(self, timeout_s: float | None = None) -> str | None:
+        """The file `snapshot_checkpoint_part` writes, once written; None if still writing after `timeout_s`
+        (None: wait). The master polls with 0 while training goes on: a blocked actor would hold up the
+        rows of the step in flight. Answers alike until the next snapshot; a failed write raises."""
+        write = getattr(self, "_part_write", None)
+        if write is None:
+            raise ExpertWorkerError(self.worker, "no checkpoint part is being written; call "
+                                                 "snapshot_checkpoint_part first")
+        if not write.join(timeout_s):
+            return None
+        try:
+            return write.result()
+        except Exception as exc:
+            raise ExpertWorkerError(self.worker, f"writing its checkpoint part failed with "
+                                                 f"{type(exc).__name__}: {exc}") from exc
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Load LoRA and AdamW state of the experts this worker hosts, whichever worker wrote them."""
@@ -362,6 +411,23 @@ class ExpertManager:
         """Wall seconds spent so far in expert forward/backward (CUDA work is timed as launched)."""
         return self.compute_s
 
+    # -- APTMoE's tiers (`cluster.expert_tiers`, vela_ray.training.tiered) ----------------------
+
+    def tier_stats(self) -> TierCounters | None:
+        """Experts and rows per tier, uploads, predictor accuracy and speeds so far; None when untiered."""
+        return self.tiered.stats() if self.tiered else None
+
+    def set_tier_speeds(self, speeds: TierSpeeds) -> None:
+        """Decide tiers by `speeds` instead of this worker's own measurement (taken at its first request)."""
+        if self.tiered:
+            self.tiered.speeds = speeds
+
+    def set_predictor(self, state: dict[str, torch.Tensor], top_k: int) -> None:
+        """Forecast each next layer's demand with this popularity predictor (a `PopularityPredictor`'s
+        state_dict, fitted on the master: `vela_ray.training.popularity`)."""
+        if self.tiered:
+            self.tiered.predictor = PopularityPredictor.from_state(state, top_k)
+
     def echo(self, payload: torch.Tensor) -> int:
         """Receive a probe payload (the PlacementService times these); returns its size in bytes."""
         return payload.numel() * payload.element_size()
@@ -369,27 +435,14 @@ class ExpertManager:
     def seconds_per_row(self, num_rows: int, repeats: int = 3) -> float | None:
         """Wall seconds of one row's forward + backward through a hosted expert, best of `repeats`.
 
-        The placement cost model's compute term (`PlacementProblem.compute_seconds_per_row`).
-        Random rows; gradients are returned, not accumulated, so training state is untouched.
-        None when this worker hosts no expert.
+        The placement cost model's compute term (`PlacementProblem.compute_seconds_per_row`); on a tiered
+        worker the CPU's (its shard is in host memory). Random rows; gradients are returned, not
+        accumulated, so training state is untouched. None when this worker hosts no expert.
         """
         if not self.keys:
             return None
         layer, expert = self.keys[0]
-        experts = self.shard.layers[str(layer)]
-        ids_R = torch.full((num_rows,), expert, dtype=torch.long, device=self.device)
-        rows_RD = torch.randn(num_rows, experts.hidden_size, dtype=self.dtype, device=self.device)
-        rows_RD.requires_grad_(True)
-        timings = []
-        for _ in range(repeats + 1):  # the first call warms kernels and the allocator
-            start = time.perf_counter()
-            out_RD = experts(ids_R, rows_RD)
-            torch.autograd.grad(out_RD, [rows_RD, *self.shard.expert(layer, expert).parameters()],
-                                torch.ones_like(out_RD))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            timings.append(time.perf_counter() - start)
-        return min(timings[1:]) / num_rows
+        return seconds_per_row(self.shard.layers[str(layer)], expert, num_rows, repeats)
 
     def bytes_per_expert(self) -> int:
         """Mean bytes one hosted expert needs: frozen weights + LoRA with its gradient and AdamW moments."""

@@ -7,12 +7,17 @@ all adapters of the original model with global grad-norm clipping, so:
 - the clip coefficient comes from the global norm sqrt(master^2 + sum of workers^2);
 - expert gradients start as zeros, not None, so an expert that saw no token in a step
   still gets its AdamW update (weight decay, momentum), exactly as peft's fused matrix does.
+
+Zeroth-order training (`vela_ray.training.zo`) shares one piece the same way: `apply_zo_terms`
+adds coefficient * z to each tensor, z drawn from (step seed, the tensor's name) by `zo_noise`,
+so each side draws the noise of its own tensors and only seeds and scalars travel.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import TYPE_CHECKING, Iterable, Literal
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -130,3 +135,46 @@ class ShardTrainer:
                     # AdamW keeps `step` on the CPU unless capturable; the moments live with the parameter
                     self.optimizer.state[param] = {k: v.clone() if k == "step" else v.to(param.device).clone()
                                                    for k, v in slots.items()}
+
+
+# --- zeroth-order (ZO-SGD): what every owner of LoRA tensors applies to its own -----------------------
+
+ZoTerm = tuple[int, float]
+"""(step seed, coefficient): add coefficient * z(step seed, tensor name) to a tensor."""
+
+
+def zo_tensor_seed(step_seed: int, name: str) -> int:
+    """The generator seed of one tensor's noise: a stable hash of (step seed, canonical tensor name).
+
+    blake2b, not Python's `hash` (salted per process for strings): every process derives the same
+    seed for the same tensor, whichever worker hosts it."""
+    digest = hashlib.blake2b(f"{step_seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def zo_noise(step_seed: int, name: str, like: torch.Tensor) -> torch.Tensor:
+    """z ~ N(0, I) shaped like `like`, for the tensor called `name` in the step of `step_seed`.
+
+    Drawn on the CPU in fp32 whatever `like`'s device and dtype (a CUDA generator draws other
+    numbers), then moved there: the master's GPU and a CPU worker add the same z."""
+    import torch
+
+    generator = torch.Generator().manual_seed(zo_tensor_seed(step_seed, name))
+    return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
+
+
+def apply_zo_terms(named: Mapping[str, torch.Tensor], terms: Sequence[ZoTerm]) -> None:
+    """One pass over the tensors: each gets every term in order, its noise drawn once per step seed.
+
+    One add per term, not one add of the summed coefficients, so a fused pass (restore, update and
+    next perturbation together) rounds exactly as MeZO's separate passes do, and a run that settles
+    between steps (for a checkpoint) keeps the same bits as one that never does."""
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in named.items():
+            noise: dict[int, torch.Tensor] = {}
+            for seed, coefficient in terms:
+                if seed not in noise:
+                    noise[seed] = zo_noise(seed, name, tensor)
+                tensor.add_(noise[seed], alpha=coefficient)

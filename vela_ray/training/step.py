@@ -14,6 +14,7 @@ brokers and in-process ExpertManagers: the single-process form of vela-ray.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -95,6 +96,11 @@ class ExpertWorkers:
     def zero_grad(self) -> None:
         self._call_all("zero_grad")
 
+    def zo_apply(self, terms: list[tuple[int, float]]) -> None:
+        """Zeroth-order training (`vela_ray.training.zo`): every worker adds each (step seed, coefficient)
+        term's noise to its own experts' LoRA, drawing the noise itself; only the scalars travel."""
+        self._call_all("zo_apply", terms)
+
     def lora_state(self) -> LoraState:
         """All experts' adapters, keyed by logical (layer, expert)."""
         state: LoraState = {}
@@ -111,6 +117,22 @@ class ExpertWorkers:
         expert once, by the worker that counts it)."""
         return self._call_all("save_checkpoint_part", staging_dir, self.not_counted)
 
+    def snapshot_checkpoint_parts(self, staging_dir: str) -> None:
+        """`save_checkpoint_parts` in two halves: every worker copies its state now and writes it into the
+        staging directory on a thread of its own; `finish_checkpoint_parts` waits for the files."""
+        self._call_all("snapshot_checkpoint_part", staging_dir, self.not_counted)
+
+    def finish_checkpoint_parts(self, poll_s: float | None = None) -> list[str]:
+        """Every worker's part file once written (a failed write raises). `poll_s`: ask every `poll_s`
+        seconds instead of waiting inside the workers, which would hold up their data plane meanwhile."""
+        if poll_s is None:
+            return self._call_all("finish_checkpoint_part")
+        while True:
+            parts = self._call_all("finish_checkpoint_part", 0.0)
+            if all(part is not None for part in parts):
+                return parts
+            time.sleep(poll_s)
+
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         self._call_all("load_checkpoint", checkpoint_dir)
 
@@ -121,6 +143,14 @@ class ExpertWorkers:
     def compute_seconds(self) -> list[float]:
         """Per worker: seconds of expert compute so far."""
         return self._call_all("compute_seconds")
+
+    def tier_stats(self) -> list:
+        """Per worker: its `tiers.TierCounters` (`cluster.expert_tiers`), None where untiered."""
+        return self._call_all("tier_stats")
+
+    def set_predictor(self, state: dict[str, torch.Tensor], top_k: int) -> None:
+        """Every tiered worker forecasts next-layer demand with this `popularity.PopularityPredictor` state."""
+        self._call_all("set_predictor", state, top_k)
 
 
 STEPPED_ELSEWHERE = ExpertWorkers(lambda method, *args: [], 0)
@@ -268,15 +298,16 @@ def _load_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], 
             by_key[key].copy_(value)
 
 
-def master_state(master: MasterModel) -> dict[str, torch.Tensor]:
-    """Backbone LoRA values and AdamW state by parameter name, for checkpoints."""
+def master_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Tensor]:
+    """Backbone LoRA values and AdamW state by parameter name, for checkpoints. `copy`: always fresh host
+    tensors (on the CPU the others share the live ones): a snapshot the next step cannot change."""
     tensors = {}
     for name, param in master.peft_model.named_parameters():
         if not param.requires_grad:
             continue
-        tensors[name] = param.detach().cpu()
+        tensors[name] = param.detach().to("cpu", copy=copy)
         for slot, value in master.optimizer.state.get(param, {}).items():
-            tensors[f"{name}.{slot}"] = torch.as_tensor(value).detach().cpu()
+            tensors[f"{name}.{slot}"] = torch.as_tensor(value).detach().to("cpu", copy=copy)
     return tensors
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from placement import Placement, PlacementProblem, cost
+from vela_ray.training.tiers import TierCounters
 
 SUMMARY_FILE = "summary.json"
 
@@ -218,6 +219,8 @@ class RunSummary(_Record):
     """A finished run (see the module docstring)."""
 
     mode: Literal["vela", "expert_parallel"] = "vela"
+    method: Literal["first_order", "zo"] = "first_order"
+    """`training.method`: backward + AdamW, or zeroth-order ZO-SGD (two no-grad forwards per step)."""
     steps: int
     losses: list[float]
     eval_loss: float | None
@@ -254,6 +257,9 @@ class RunSummary(_Record):
     recoveries: list[RecoveryRecord] = Field(default_factory=list)
     condensation: CondensationRecord | None = None
     """Token condensation (None: a run from before it existed, or the expert-parallel baseline: exact)."""
+    expert_tiers: list[TierCounters] = Field(default_factory=list)
+    """APTMoE's CPU/device tiers per worker (`cluster.expert_tiers`): experts and rows per tier, uploads,
+    predictor accuracy, measured speeds; empty when the tiers are off."""
 
     @property
     def tokens_per_s(self) -> float:

@@ -1,0 +1,313 @@
+"""Benchmark: one LoRA training step of a real-size MoE on one GPU, three ways side by side.
+
+    peft              transformers + peft, the whole model on the GPU: experts_implementation="grouped_mm",
+                      LoRA on attention and on the experts (peft's `target_parameters`, as
+                      `vela_ray.model.adapters.full_lora_config` writes it)
+    vela_gpu          vela-ray with every expert on the master's GPU: one in-process ExpertManager on
+                      CUDA, rows by direct call (`cluster.experts_on_master`)
+    vela_cpu_workers  vela-ray: the master (backbone, its LoRA and AdamW) on the GPU, the experts on 2 CPU
+                      ExpertManagers (Ray actors, `--worker-cpus` each) over the collective data plane (gloo)
+
+Models with real dimensions and random weights, built here from transformers configs (no hub):
+
+    olmoe   OLMoE-1B-7B: 16 layers, 64 experts top-8, hidden 2048, expert intermediate 1024
+    qwen3   Qwen3-30B-A3B: `--layers` of its 48, 128 experts top-8, hidden 2048, expert intermediate 768
+
+The same step for all three: one micro-batch of `--batch` x `--seq` tokens (8 x 1024), bf16 weights,
+LoRA r=8 alpha=16, forward, backward, global grad-norm clipping to 1.0, AdamW (vela-ray's
+`train_step`, and its clipping and AdamW code for peft). Reported: tokens/s (median step over
+`--steps` after `--warmup`) and peak GPU memory of the steps (allocated, after the build). A setup
+that runs out of GPU memory is reported as such and the others go on. Expert weights are drawn once
+per layer and shared by its experts (the arithmetic does not depend on the values), so no copy of the
+experts sits on the master or in Ray's object store while the workers build theirs.
+
+    python benchmarks/gpu_step.py                                  # both models, all setups (one GPU)
+    python benchmarks/gpu_step.py --models qwen3 --layers 16
+    python benchmarks/gpu_step.py --device cpu --tiny --out /tmp/smoke.json   # toy sizes, no GPU
+
+Results: a table, and benchmarks/results/gpu_step.json on a GPU (with the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the repository root first, as in every benchmark here (tests import this file)
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_step.json"
+MODELS = ("olmoe", "qwen3")
+SETUPS = ("peft", "vela_gpu", "vela_cpu_workers")
+LR, MAX_GRAD_NORM = 1e-4, 1.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to run")
+    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="setups to run")
+    p.add_argument("--layers", type=int, default=12,
+                   help="Qwen3-30B-A3B layers of its 48 (all three setups; peft needs the most GPU memory)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--rank", type=int, default=8, help="LoRA r (alpha = 2r)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights' dtype")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (kernel selection, allocator)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per setup")
+    p.add_argument("--worker-cpus", type=int, default=max(1, ((os.cpu_count() or 2) - 2) // 2),
+                   help="CPUs (torch threads) of each CPU ExpertManager in vela_cpu_workers")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="toy dimensions (2 layers, hidden 64) and batch 2 x 32")
+    p.add_argument("--seed", type=int, default=0, help="weights, LoRA init and tokens")
+    p.add_argument("--out", type=Path, help=f"results JSON (default on a GPU: {RESULTS.relative_to(ROOT)})")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch, args.seq = min(args.batch, 2), min(args.seq, 32)
+    return args
+
+
+# -- models ---------------------------------------------------------------------------------------------
+
+def model_config(name: str, args: argparse.Namespace):
+    """The transformers config of `name` at its real dimensions (or toy ones with --tiny)."""
+    from transformers import OlmoeConfig, Qwen3MoeConfig
+
+    common = dict(attn_implementation="sdpa", experts_implementation="grouped_mm", use_cache=False,
+                  tie_word_embeddings=False)
+    if args.tiny:
+        tiny = dict(vocab_size=512, bos_token_id=None, eos_token_id=None, pad_token_id=None, hidden_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_experts=8, num_experts_per_tok=2,
+                    max_position_embeddings=256, **common)
+        if name == "olmoe":
+            return OlmoeConfig(intermediate_size=32, num_key_value_heads=4, **tiny)
+        return Qwen3MoeConfig(moe_intermediate_size=32, num_key_value_heads=2, head_dim=16, norm_topk_prob=True, **tiny)
+    if name == "olmoe":  # allenai/OLMoE-1B-7B-0924's config.json
+        return OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                           num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                           max_position_embeddings=4096, rms_norm_eps=1e-5, norm_topk_prob=False, **common)
+    if not 1 <= args.layers <= 48:
+        raise ValueError(f"--layers {args.layers}: Qwen3-30B-A3B has 48 layers; give 1 to 48")
+    return Qwen3MoeConfig(  # Qwen/Qwen3-30B-A3B's config.json, with --layers of its 48 layers
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6, **common)
+
+
+def random_model(config, dtype: torch.dtype, device: torch.device, with_experts: bool, seed: int) -> nn.Module:
+    """The causal LM with random weights on `device`, by the model's own init (std 0.02, norms 1, rotary
+    tables); without its experts, which stay on the meta device for the brokers to replace."""
+    from transformers import AutoModelForCausalLM
+
+    from vela_ray.model.modeling import find_moe_blocks
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    unallocated = set() if with_experts else {id(m) for b in find_moe_blocks(model) for m in b.block.experts.modules()}
+    for module in model.modules():
+        if id(module) not in unallocated:
+            module.to_empty(device=device, recurse=False)
+    torch.manual_seed(seed)
+    model.initialize_weights()  # on meta tensors (the experts left out) a no-op
+    return model
+
+
+def expert_specs(config, dtype: torch.dtype, num_workers: int, device: str, args: argparse.Namespace) -> tuple:
+    """(placement table [L, E], one ExpertManagerSpec per worker): expert e on worker e mod N; every expert
+    of a layer shares one random slice per weight (the workers stack their own copies)."""
+    from vela_ray.model.experts import LoraSpec
+    from vela_ray.model.modeling import experts_prototypes
+    from vela_ray.training.expert_manager import ExpertManagerSpec
+    from vela_ray.training.optim import OptimizerConfig
+
+    prototypes = experts_prototypes(config)
+    generator = torch.Generator().manual_seed(args.seed)
+    shared = {layer: {name: (torch.randn(t.shape[1:], generator=generator) * 0.02).to(device, dtype)
+                      for name, t in [*proto.named_parameters(recurse=False), *proto.named_buffers(recurse=False)]}
+              for layer, proto in prototypes.items()}
+    table = torch.arange(config.num_experts).remainder(num_workers).repeat(len(prototypes), 1)
+    lora = LoraSpec(r=args.rank, alpha=2.0 * args.rank)
+
+    def spec(worker: int) -> ExpertManagerSpec:
+        keys = [(layer, e) for layer in prototypes for e in range(config.num_experts) if table[layer, e] == worker]
+        return ExpertManagerSpec(worker=worker, keys=keys, weights={k: shared[k[0]] for k in keys}, hf_config=config,
+                                 lora=lora, optim=OptimizerConfig(lr=LR), seed=args.seed, device=device)
+    return table, [spec(n) for n in range(num_workers)]
+
+
+# -- setups: each returns the step and what to release -------------------------------------------------
+
+@dataclass
+class Setup:
+    step: Callable[[dict], float]  # one training step on a batch; returns the loss
+    close: Callable[[], None] = lambda: None
+
+
+def build_peft(config, dtype, device, args) -> Setup:
+    from peft import get_peft_model
+
+    from vela_ray.model.adapters import full_lora_config
+    from vela_ray.model.experts import LoraSpec
+    from vela_ray.training.optim import OptimizerConfig, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+
+    model = random_model(config, dtype, device, with_experts=True, seed=args.seed)
+    model = get_peft_model(model, full_lora_config(model, LoraSpec(r=args.rank, alpha=2.0 * args.rank)))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(params, OptimizerConfig(lr=LR))
+
+    def step(batch: dict) -> float:  # what train_step does for a lone master, on the whole model
+        loss = model(**batch).loss
+        loss.backward()
+        apply_step(optimizer, LR, clip_coefficient(grad_sq_norm(params), MAX_GRAD_NORM))
+        return float(loss.detach())
+    return Setup(step)
+
+
+def build_vela(config, dtype, device, args, cpu_workers: bool) -> Setup:
+    from vela_ray.model.experts import LoraSpec
+    from vela_ray.model.transport import InProcessTransport
+    from vela_ray.training.expert_manager import ExpertManager
+    from vela_ray.training.optim import OptimizerConfig
+    from vela_ray.training.step import ExpertWorkers, build_master, train_step
+
+    close: Callable[[], None] = lambda: None
+    if cpu_workers:
+        table, specs = expert_specs(config, dtype, 2, "cpu", args)
+        workers, transport, close = ray_workers(specs, args.worker_cpus)
+    else:
+        table, specs = expert_specs(config, dtype, 1, device.type, args)
+        managers = [ExpertManager(spec) for spec in specs]
+        workers, transport = ExpertWorkers.in_process(managers), InProcessTransport(managers)
+    model = random_model(config, dtype, device, with_experts=False, seed=args.seed)
+    master = build_master(model, table, transport, LoraSpec(r=args.rank, alpha=2.0 * args.rank),
+                          OptimizerConfig(lr=LR))
+    master.peft_model.to(device)  # as the runner does; everything but the brokers is there already
+    return Setup(lambda batch: train_step(master, workers, [batch], LR, MAX_GRAD_NORM), close)
+
+
+def ray_workers(specs: list, worker_cpus: int) -> tuple:
+    """(control plane, collective data plane, close) over one ExpertManager actor per spec."""
+    import ray
+
+    from actors.cluster import spawn_expert_managers
+    from actors.transports import collective_transport
+    from actors.workers import actor_workers
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(os.cpu_count() or 1, len(specs) * worker_cpus), include_dashboard=False,
+                 log_to_driver=False)
+    cluster = spawn_expert_managers(specs, num_cpus_per_worker=worker_cpus)
+    transport = collective_transport(cluster.handles, cluster.worker_tiers())
+
+    def close() -> None:
+        transport.close()
+        cluster.shutdown()
+        if started:
+            ray.shutdown()
+    return actor_workers(cluster.handles), transport, close
+
+
+BUILDERS = {"peft": build_peft, "vela_gpu": lambda *a: build_vela(*a, cpu_workers=False),
+            "vela_cpu_workers": lambda *a: build_vela(*a, cpu_workers=True)}
+
+
+# -- measuring -------------------------------------------------------------------------------------------
+
+def run_setup(name: str, model: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """Build `name` for `model`, run its steps; tokens/s and GPU memory, or the error that stopped it."""
+    config = model_config(model, args)
+    dtype = getattr(torch, args.dtype)
+    cuda = device.type == "cuda"
+    generator = torch.Generator().manual_seed(args.seed)
+    input_ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    batch = {"input_ids": input_ids, "labels": input_ids}
+    setup, seconds, losses = None, [], []
+    try:
+        build_start = time.perf_counter()
+        setup = BUILDERS[name](config, dtype, device, args)
+        build_s = time.perf_counter() - build_start
+        if cuda:
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(args.warmup + args.steps):
+            start = time.perf_counter()
+            losses.append(setup.step(batch))  # float(loss) waits for the GPU
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                seconds.append(time.perf_counter() - start)
+    except torch.OutOfMemoryError as exc:
+        return {"error": f"out of GPU memory: {str(exc).splitlines()[0]}"}
+    finally:
+        if setup is not None:
+            setup.close()
+        del setup
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    median = statistics.median(seconds)
+    gib = 2.0 ** 30
+    return {"tokens_per_s": args.batch * args.seq / median, "median_step_s": median, "step_s": seconds,
+            "losses": losses, "build_s": build_s,
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
+            "resident_gpu_gib": resident / gib if cuda else None}
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'model':<8}{'setup':<18}{'tokens/s':>10}{'step s':>9}{'peak GPU GiB':>14}{'/ peft tok/s':>14}")
+    for model, by_setup in results.items():
+        for name, r in by_setup.items():
+            if "error" in r:
+                print(f"{model:<8}{name:<18}  {r['error'][:70]}")
+                continue
+            peak = f"{r['peak_gpu_gib']:.1f}" if r["peak_gpu_gib"] is not None else "-"
+            base = by_setup.get("peft", {}).get("tokens_per_s")
+            ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+            print(f"{model:<8}{name:<18}{r['tokens_per_s']:>10.0f}{r['median_step_s']:>9.2f}{peak:>14}{ratio:>14}")
+
+
+def main(argv=None) -> int:
+    from vela_ray.quiet import silence_known_warnings
+
+    args = parse_args(argv)
+    silence_known_warnings()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_step: no CUDA device here; run it on a machine with one GPU, or "
+              "`python benchmarks/gpu_step.py --device cpu --tiny` for a smoke run at toy sizes")
+        return 0
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    results: dict[str, dict] = {}
+    for model in args.models:
+        for name in args.setups:
+            print(f"{model} {name} ...", flush=True)
+            results.setdefault(model, {})[name] = run_setup(name, model, args, device)
+    print_table(results)
+    out = args.out or (RESULTS if device.type == "cuda" else None)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/gpu_step.py", *argv]),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

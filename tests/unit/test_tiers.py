@@ -1,0 +1,388 @@
+"""APTMoE's CPU/device expert tiers (`vela_ray.training.tiers`, `expert_cache`, `popularity`, `tiered`).
+
+The policies are checked on hand-worked and brute-forced instances; a tiered ExpertManager is checked
+against an untiered one on the tiny pre-trained model's experts (forward outputs, input gradients,
+LoRA gradients, fp32 to 1e-6) with every decision forced each way: on the CPU the "device" is the CPU,
+so the cache, its uploads, evictions and the dropped-weights hooks all run. The popularity predictor is
+fitted on that model's real routing. The CUDA path (pinned memory, the upload stream) is `gpu`-marked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from vela_ray.config import ClusterSection, JobConfig
+from vela_ray.data.datasets import pack_text, sequential_batches
+from vela_ray.paths import data_dir
+from vela_ray.runtime.local import InProcessPool
+from vela_ray.runtime.runner import JobRunner
+from vela_ray.training import tiered as tiered_module
+from vela_ray.training.expert_cache import DeviceExpertCache
+from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
+from vela_ray.model.experts import LoraSpec
+from vela_ray.model.families import debug_model
+from vela_ray.model.modeling import expert_weights, find_moe_blocks
+from vela_ray.training.popularity import PopularityPredictor, demand_overlap, routing_pairs, top_k_overlap
+from vela_ray.training.tiers import (
+    ExpertTiersConfig, TierSpeeds, affinity_split, critical_path_s, historical_order, upload_order,
+)
+from vela_ray.training.tiny_model import tiny_model_path
+
+# load of one expert: 1e6 B / 1e10 B/s = 1e-4 s; CPU: 1e-5 s per row
+SPEEDS = TierSpeeds(cpu_s_per_row=1e-5, device_s_per_row=1e-7, upload_bytes_per_s=1e10, bytes_per_expert=10**6)
+CPU_ONLY = TierSpeeds(cpu_s_per_row=1e-5, bytes_per_expert=10**6)
+ALL_TO_DEVICE = TierSpeeds(cpu_s_per_row=1.0, device_s_per_row=1e-9, upload_bytes_per_s=1e18, bytes_per_expert=1)
+LORA = LoraSpec(r=4, alpha=8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Hundreds of tiny matmuls: a second OpenMP thread only waits at barriers, seconds on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- the affinity rule (Eq. 1) ------------------------------------------------------------------------------
+
+
+def test_a_one_row_expert_computes_on_the_cpu_and_a_thousand_row_expert_on_the_device():
+    # no load: CPU 1001e-5 = 1.0e-2 s; load the 1000-row one: max(1e-5, 1e-4) = 1e-4 s; both: 2e-4 s
+    assert affinity_split([1, 1000], [False, False], SPEEDS, max_device=8) == [False, True]
+    # alone, the 1-row expert is cheaper on the CPU (1e-5 s) than its load (1e-4 s)
+    assert affinity_split([1], [False], SPEEDS, max_device=8) == [False]
+    # once cached it costs no load: the device takes it
+    assert affinity_split([1], [True], SPEEDS, max_device=8) == [True]
+
+
+def test_without_a_device_rows_or_room_every_expert_stays_on_the_cpu():
+    assert affinity_split([5, 1000], [True, False], CPU_ONLY, max_device=8) == [False, False]
+    assert affinity_split([5, 1000], [False, False], SPEEDS, max_device=0) == [False, False]
+    assert affinity_split([0, 0], [True, False], SPEEDS, max_device=8) == [False, False]
+    assert affinity_split([], [], SPEEDS, max_device=8) == []
+
+
+def test_the_cap_on_device_experts_prefers_a_busy_upload_to_an_idle_cached_expert():
+    # cap 1: keep the cached 1-row expert (CPU 1e-2 s for the other) or load the 1000-row one (1e-4 s)
+    assert affinity_split([1, 1000], [True, False], SPEEDS, max_device=1) == [False, True]
+
+
+def test_affinity_split_minimises_its_critical_path_over_every_subset():
+    rng = random.Random(0)
+    for _ in range(300):
+        num = rng.randint(1, 6)
+        rows = [rng.choice([0, 1, 2, 5, 30, 200, 1000]) for _ in range(num)]
+        resident = [rng.random() < 0.3 for _ in range(num)]
+        cap = rng.randint(0, num)
+        speeds = TierSpeeds(cpu_s_per_row=rng.uniform(1e-6, 1e-4), device_s_per_row=1e-7,
+                            upload_bytes_per_s=rng.uniform(1e8, 1e11), bytes_per_expert=10**6)
+        fixed = rng.choice([0.0, 1e-3])
+        chosen = affinity_split(rows, resident, speeds, cap, fixed)
+        assert sum(chosen) <= cap
+        best = min(critical_path_s(rows, resident, subset, speeds, fixed)
+                   for subset in itertools.product([False, True], repeat=num) if sum(subset) <= cap)
+        assert critical_path_s(rows, resident, chosen, speeds, fixed) == pytest.approx(best, rel=1e-12)
+
+
+def papers_greedy(rows: list[int], speeds: TierSpeeds, fixed: float) -> list[bool]:
+    """Eq. 1 as the paper words it: load from the highest intensity down while R > 1, stopping on the
+    better side of R = 1."""
+    order = sorted(range(len(rows)), key=lambda e: -rows[e])
+    cpu_s, load_s, loaded = sum(speeds.cpu_seconds(r) for r in rows), fixed, []
+    for e in order:
+        if rows[e] == 0 or cpu_s <= load_s:  # R <= 1: stop loading
+            break
+        if max(cpu_s - speeds.cpu_seconds(rows[e]), load_s + speeds.load_seconds()) >= cpu_s:
+            break  # crossing R = 1 here would lengthen the critical path
+        cpu_s, load_s = cpu_s - speeds.cpu_seconds(rows[e]), load_s + speeds.load_seconds()
+        loaded.append(e)
+    return [e in loaded for e in range(len(rows))]
+
+
+def test_with_nothing_cached_and_room_for_all_the_split_is_the_papers_greedy():
+    rng = random.Random(1)
+    for _ in range(300):
+        rows = [rng.choice([0, 1, 3, 10, 50, 400]) for _ in range(rng.randint(1, 8))]
+        speeds = TierSpeeds(cpu_s_per_row=rng.uniform(1e-6, 1e-4), device_s_per_row=1e-7,
+                            upload_bytes_per_s=rng.uniform(1e8, 1e11), bytes_per_expert=10**6)
+        fixed = rng.choice([0.0, 2e-3])
+        ours = affinity_split(rows, [False] * len(rows), speeds, len(rows), fixed)
+        theirs = papers_greedy(rows, speeds, fixed)
+        assert critical_path_s(rows, [False] * len(rows), ours, speeds, fixed) == pytest.approx(
+            critical_path_s(rows, [False] * len(rows), theirs, speeds, fixed), rel=1e-12)
+
+
+# --- demand-priority upload order and the cache ---------------------------------------------------------------
+
+
+def test_upload_order_is_this_layer_then_the_predicted_next_layer_then_popular_within_capacity():
+    now, upcoming, popular = [(2, 5), (2, 1)], [(3, 0), (2, 1), (3, 4)], [(2, 5), (0, 7), (1, 1)]
+    assert upload_order([now, upcoming, popular], capacity=5) == [(2, 5), (2, 1), (3, 0), (3, 4), (0, 7)]
+    assert upload_order([now, upcoming, popular], capacity=1) == [(2, 5)]
+    assert upload_order([[], [], []], capacity=4) == []
+
+
+def test_historical_order_takes_each_layers_top_expert_before_any_second_starting_after_this_layer():
+    scores = {(0, 1): 9.0, (0, 2): 5.0, (1, 3): 2.0, (1, 0): 7.0, (2, 6): 1.0, (2, 7): 0.0}
+    # from layer 0: layers 1, 2, 0; ranks: (1,0) (2,6) (0,1), then (1,3) (0,2); (2,7) had no rows
+    assert historical_order(scores, num_layers=3, start_layer=0) == [(1, 0), (2, 6), (0, 1), (1, 3), (0, 2)]
+
+
+def _fake_host(key):
+    return {"w": torch.full((2, 2), float(key[1]))}
+
+
+def test_the_cache_evicts_the_least_recently_used_expert_outside_the_plan_and_never_one_in_use():
+    cache = DeviceExpertCache(_fake_host, capacity=3, device=torch.device("cpu"))
+    cache.schedule([(0, 0), (0, 1), (0, 2)])
+    assert cache.uploads == 3 and cache.upload_bytes == 3 * 16
+    cache.fetch((0, 0))  # (0, 1) is now the least recently used
+    cache.schedule([(0, 3), (0, 0), (0, 2)])  # (0, 1) left the plan: it goes
+    assert sorted(cache.keys()) == [(0, 0), (0, 2), (0, 3)] and cache.evictions == 1
+    cache.fetch((1, 0), protected=[(0, 0), (0, 2)])  # a miss beyond the plan evicts the plan's only free one
+    assert sorted(cache.keys()) == [(0, 0), (0, 2), (1, 0)]
+    assert torch.equal(cache.fetch((1, 0))["w"], torch.zeros(2, 2)) and cache.hits == 2
+    with pytest.raises(RuntimeError, match="cache_experts"):
+        cache.fetch((1, 1), protected=[(0, 0), (0, 2), (1, 0)])
+    with pytest.raises(ValueError, match="at least one expert"):
+        DeviceExpertCache(_fake_host, capacity=0, device=torch.device("cpu"))
+
+
+def test_expert_tiers_are_a_cluster_setting_off_by_default():
+    assert not ClusterSection().expert_tiers.enabled
+    tiers = ClusterSection(expert_tiers={"enabled": True, "cache_experts": 4}).expert_tiers
+    assert tiers == ExpertTiersConfig(enabled=True, cache_experts=4)
+
+
+# --- a tiered ExpertManager equals an untiered one ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir():
+    try:
+        return tiny_model_path(build=False)
+    except ValueError:
+        pytest.skip("the tiny pre-trained model is not built (`vela build-tiny-model`)")
+
+
+KEYS = [(layer, e) for layer in (0, 1) for e in range(8)]
+COUNTS = [40, 1, 0, 7, 20, 2, 3, 15]  # rows per expert of each layer: skewed, one expert without rows
+
+
+def make_manager(model_dir, tiers: ExpertTiersConfig | None = None, device: str = "cpu") -> ExpertManager:
+    spec = ExpertManagerSpec(worker=0, keys=KEYS, model_dir=str(model_dir), lora=LORA, seed=3, device=device,
+                             **({"tiers": tiers} if tiers else {}))
+    manager = ExpertManager(spec)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # non-zero B, so every LoRA factor gets a gradient
+        for name, param in manager.shard.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return manager
+
+
+def requests(layer: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expert ids [R], rows [R, D], d(outputs) [R, D]) of one layer, grouped by expert as the broker sends."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([e for e, n in enumerate(COUNTS) for _ in range(n)])
+    return ids, torch.randn(len(ids), hidden, generator=generator), torch.randn(len(ids), hidden, generator=generator)
+
+
+def run_both_layers(manager: ExpertManager) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """Forward layers 0 then 1, backward 1 then 0 (as the master does); outputs, input grads, LoRA grads."""
+    outs, grads, data = [], {}, {layer: requests(layer, 128, seed=layer) for layer in (0, 1)}
+    for layer in (0, 1):
+        ids, rows, _ = data[layer]
+        outs.append(manager.forward_rows(layer, ids, rows, key=("mb", layer)))
+    for layer in (1, 0):
+        grads[layer] = manager.backward_rows(("mb", layer), data[layer][2])
+    return outs, [grads[0], grads[1]], manager.lora_grads()
+
+
+@pytest.mark.parametrize("speeds, cache_experts, expect", [
+    (CPU_ONLY, 8, "cpu"),
+    (ALL_TO_DEVICE, 8, "device"),
+    (ALL_TO_DEVICE, 3, "both"),  # the cap: 3 experts per request on the device, the rest on the CPU
+], ids=["all-cpu", "all-device", "capped-mixed"])
+def test_a_tiered_manager_equals_an_untiered_one(tiny_model_dir, speeds, cache_experts, expect):
+    reference = run_both_layers(make_manager(tiny_model_dir))
+    tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=cache_experts))
+    tiered.set_tier_speeds(speeds)
+    outs, grads, lora = run_both_layers(tiered)
+    for got, want in zip(outs + grads, reference[0] + reference[1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for key, named in reference[2].items():
+        for name, want in named.items():
+            torch.testing.assert_close(lora[key][name], want, rtol=0, atol=1e-6, msg=f"{key} {name}")
+    stats = tiered.tier_stats()
+    active = 2 * sum(1 for n in COUNTS if n)  # 7 experts with rows per layer, two layers
+    assert stats.experts_cpu + stats.experts_device == active
+    assert stats.rows_cpu + stats.rows_device == 2 * sum(COUNTS)
+    if expect == "cpu":
+        assert stats.experts_device == 0 and stats.uploads == 0
+    if expect == "device":
+        assert stats.experts_cpu == 0 and stats.uploads >= active and stats.dropped_weights > 0
+    if expect == "both":
+        assert stats.experts_device == 2 * 3 and stats.experts_cpu == active - 6
+        # the backward of layer 1 found layer 0's experts evicted: the cache held 3 at a time
+        assert stats.uploads > stats.experts_device and stats.evictions > 0
+        assert stats.rows_device == 2 * (40 + 20 + 15)  # the three busiest experts of each layer
+
+
+def test_a_tiered_manager_without_grad_keeps_no_graph_and_answers_an_empty_request(tiny_model_dir):
+    tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=2))
+    tiered.set_tier_speeds(ALL_TO_DEVICE)
+    ids, rows, _ = requests(0, 128, seed=0)
+    reference = make_manager(tiny_model_dir).forward_rows(0, ids, rows)
+    torch.testing.assert_close(tiered.forward_rows(0, ids, rows), reference, rtol=0, atol=1e-6)
+    empty = tiered.forward_rows(1, ids[:0], rows[:0], key="empty")
+    assert empty.shape == (0, 128) and tiered.backward_rows("empty", rows[:0]).shape == (0, 128)
+    assert not tiered.shard._saved
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+def test_a_tiered_manager_equals_an_untiered_one_for_other_expert_layouts(family):
+    """gpt-oss: transposed, interleaved, biased stacks (low-rank path); Llama 4: experts called on rows grouped
+    by expert, LoRA folded into the weights (peft's path), whose folded weights the graph keeps."""
+    model = debug_model(family, seed=0)
+    blocks = find_moe_blocks(model)
+    layer, num_experts, hidden = blocks[0].index, blocks[0].layout.num_experts, blocks[0].layout.hidden_size
+    weights = expert_weights(blocks[:1])
+    counts = [(9, 1, 0, 4, 2, 6, 1, 3)[e % 8] for e in range(num_experts)]
+    ids = torch.tensor([e for e, n in enumerate(counts) for _ in range(n)])
+    generator = torch.Generator().manual_seed(5)
+    rows, grad = torch.randn(len(ids), hidden, generator=generator), torch.randn(len(ids), hidden, generator=generator)
+    results = []
+    for tiers, speeds in [(None, None), (ExpertTiersConfig(enabled=True, cache_experts=2), ALL_TO_DEVICE)]:
+        spec = ExpertManagerSpec(worker=0, keys=sorted(weights), weights=weights, hf_config=model.config, lora=LORA,
+                                 seed=3, **({"tiers": tiers} if tiers else {}))
+        manager = ExpertManager(spec)
+        with torch.no_grad():
+            for name, param in manager.shard.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(6)) * 0.1)
+        if speeds:
+            manager.set_tier_speeds(speeds)
+        out = manager.forward_rows(layer, ids, rows, key="k")
+        results.append((out, manager.backward_rows("k", grad), manager.lora_grads()))
+    (out, grad_in, lora), (t_out, t_grad_in, t_lora) = results
+    torch.testing.assert_close(t_out, out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(t_grad_in, grad_in, rtol=0, atol=1e-6)
+    for key, named in lora.items():
+        for name, want in named.items():
+            torch.testing.assert_close(t_lora[key][name], want, rtol=0, atol=1e-6, msg=f"{key} {name}")
+    assert manager.tier_stats().experts_device == 2
+
+
+# --- the popularity predictor ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def routing(tiny_model_dir):
+    """Real routing of the tiny model on Tiny Shakespeare (its fine-tuning data): fit and held-out pairs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = pack_text(tokenizer, data_dir() / "tinyshakespeare" / "input.txt", seq_len=64, max_blocks=48)
+    batches = list(sequential_batches(data, batch_size=8))
+    return model, routing_pairs(model, batches[:4]), routing_pairs(model, batches[4:])
+
+
+def test_the_fitted_predictor_forecasts_the_next_layers_experts_better_than_a_uniform_guess(routing):
+    model, fit_pairs, held_out = routing
+    predictor = PopularityPredictor.from_model(model)
+    assert predictor.layers() == [1, 2, 3]
+    before = predictor.top_k_overlap(held_out)
+    losses = predictor.fit(fit_pairs, steps=40)
+    after = predictor.top_k_overlap(held_out)
+    uniform = 2 / 8  # a random guess of K = 2 of E = 8 experts shares K / E of the real ones
+    assert losses[-1] < losses[0]
+    for layer in (1, 2, 3):
+        assert after[layer] > uniform + 0.15, (before, after)
+        assert after[layer] >= before[layer] - 0.02
+    real_E = torch.bincount(held_out[2][1].reshape(-1), minlength=8)
+    assert demand_overlap(predictor.predict_rows(2, held_out[2][0]), real_E) > demand_overlap(torch.ones(8), real_E)
+
+
+def test_a_tiered_manager_scores_its_forecast_of_the_next_layer(routing, tiny_model_dir):
+    model, fit_pairs, held_out = routing
+    predictor = PopularityPredictor.from_model(model)
+    predictor.fit(fit_pairs, steps=10)
+    manager = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=4))
+    manager.set_tier_speeds(SPEEDS)
+    manager.set_predictor(predictor.state_dict(), predictor.top_k)
+    rows0 = held_out[1][0][:64]  # layer 0's router input: what its experts receive
+    ids0 = torch.arange(64) % 8  # any experts of layer 0
+    manager.forward_rows(0, ids0, rows0)
+    rows1, top1 = held_out[2][0][:64], held_out[1][1][:64]  # layer 1's real choices for the same tokens
+    manager.forward_rows(1, top1.reshape(-1), rows1.repeat_interleave(2, dim=0))
+    stats = manager.tier_stats()
+    assert stats.predictions == 1 and 0.0 <= stats.predicted_overlap <= 1.0
+    assert stats.speeds == SPEEDS
+
+
+def test_top_k_overlap_counts_shared_choices_per_token():
+    predicted = torch.tensor([[0, 1], [2, 3]])
+    real = torch.tensor([[1, 0], [3, 4]])
+    assert top_k_overlap(predicted, real) == pytest.approx((2 / 2 + 1 / 2) / 2)
+    assert demand_overlap(torch.tensor([3, 1, 0]), torch.tensor([1, 1, 2])) == pytest.approx(0.25 + 0.25)
+    assert demand_overlap(torch.zeros(3), torch.ones(3)) is None
+
+
+# --- a whole job ------------------------------------------------------------------------------------------------
+
+
+def test_a_tiered_job_equals_peft_and_reports_its_tiers(tmp_path, monkeypatch):
+    # speeds as if a device were there: a load costs 1e4 B / 1e8 B/s = 1e-4 s, ten rows of CPU time, so
+    # the busy experts go to the (CPU-backed) device tier and the quiet ones stay on the CPU
+    monkeypatch.setattr(tiered_module, "measure_speeds", lambda tiered: TierSpeeds(
+        cpu_s_per_row=1e-5, device_s_per_row=1e-7, upload_bytes_per_s=1e8, bytes_per_expert=10**4))
+    model_dir = make_checkpoint(tmp_path / "model")
+    job = job_dict(model_dir, tmp_path / "out", steps=2,
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
+                   cluster={"num_workers": 2, "expert_tiers": {"enabled": True, "cache_experts": 3}},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    config = JobConfig.from_dict(job)
+    config.preflight()
+    summary = JobRunner(config, InProcessPool(config)).run()
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert [stats.worker for stats in summary.expert_tiers] == [0, 1]
+    for stats in summary.expert_tiers:
+        assert stats.experts_cpu > 0 and stats.experts_device > 0 and stats.uploads > 0
+        assert stats.predictions > 0 and 0.0 < stats.predicted_overlap <= 1.0  # fitted by the runner
+
+
+# --- the CUDA path -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_host_weights_are_pinned_uploads_run_on_their_own_stream_and_results_match(tiny_model_dir):
+    reference = run_both_layers(make_manager(tiny_model_dir))
+    tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=3), device="cuda")
+    assert all(t.is_pinned() for t in tiered.tiered.host_params((0, 0)).values())
+    assert tiered.tiered.cache.stream is not None
+    speeds = tiered.tiered.measured_speeds()
+    assert speeds.has_device and speeds.upload_bytes_per_s > 0 and speeds.device_s_per_row > 0
+    tiered.set_tier_speeds(ALL_TO_DEVICE)
+    data = {layer: requests(layer, 128, seed=layer) for layer in (0, 1)}
+    before = torch.cuda.memory_allocated()
+    outs = [tiered.forward_rows(layer, data[layer][0], data[layer][1], key=("mb", layer)) for layer in (0, 1)]
+    # the graphs waiting for backward keep no device weights: the cache's 3 experts and small activations
+    assert torch.cuda.memory_allocated() - before <= 3 * speeds.bytes_per_expert + 2**20
+    grads = {layer: tiered.backward_rows(("mb", layer), data[layer][2]) for layer in (1, 0)}
+    for got, want in zip(outs + [grads[0], grads[1]], reference[0] + reference[1]):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)  # other kernels than the CPU's
+    lora = tiered.lora_grads()
+    for key, named in reference[2].items():
+        for name, want in named.items():
+            torch.testing.assert_close(lora[key][name], want, rtol=1e-4, atol=1e-5)
+    stats = tiered.tier_stats()
+    assert stats.experts_device == 6 and stats.experts_cpu == 8 and stats.dropped_weights > 0
+    assert stats.upload_bytes >= 6 * speeds.bytes_per_expert

@@ -1,0 +1,142 @@
+"""The device tier of a tiered ExpertManager: a bounded cache of experts' frozen weights, copied from host.
+
+    cache = DeviceExpertCache(host_params, capacity=8, device=torch.device("cuda"))
+    cache.schedule([(0, 3), (0, 5), (1, 2)])     # start the copies, most urgent first (prefetch)
+    params = cache.fetch((0, 3))                 # ready on the current stream: {parameter: [..]}
+
+- Host weights are pinned by the caller (`vela_ray.training.tiered`), so on CUDA the copies run on a
+  stream of their own and overlap the CPU's experts and the device's compute; a CUDA event per expert
+  tells the compute stream when its weights have landed. On the CPU the "device" is the CPU: the copies
+  are clones, so the same code path, counters and evictions run in tests.
+- Eviction: at most `capacity` experts; room is made by evicting the least recently used expert outside
+  the latest plan (`schedule`), failing that the least recently used one of the plan, never one the
+  caller has in use (`fetch(..., protected=...)`). A plan never exceeds the capacity, so its own
+  copies never evict each other.
+- `DroppedWeights`: saved-tensor hooks for a forward graph that keep no device copy of the frozen
+  weights between forward and backward: the device holds only the cache's experts, not every expert
+  whose graph waits for its backward; backward fetches them again (a hit when prefetched).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterable
+
+import torch
+
+from vela_ray.model.experts import ExpertKey, ExpertParams
+
+
+class DeviceExpertCache:
+    """At most `capacity` experts' frozen weights on `device`, copied from `host_params(key)`."""
+
+    def __init__(self, host_params: Callable[[ExpertKey], ExpertParams], capacity: int, device: torch.device):
+        if capacity < 1:
+            raise ValueError(f"the device cache must hold at least one expert, got capacity {capacity}")
+        self.host_params = host_params
+        self.capacity = capacity
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._entries: OrderedDict[ExpertKey, tuple[ExpertParams, torch.cuda.Event | None]] = OrderedDict()
+        self._wanted: set[ExpertKey] = set()
+        self.uploads = self.upload_bytes = self.hits = self.evictions = 0
+
+    def resident(self, key: ExpertKey) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[ExpertKey]:
+        """Resident experts, least recently used first."""
+        return list(self._entries)
+
+    def schedule(self, order: Iterable[ExpertKey]) -> None:
+        """Make `order` (at most `capacity`, most urgent first) resident: copy the missing ones in that order,
+        asynchronously on CUDA. `order` is the plan the evictions respect until the next call."""
+        order = list(order)[:self.capacity]
+        self._wanted = set(order)
+        for key in order:
+            if key not in self._entries:
+                self._upload(key, in_use=set())
+
+    def fetch(self, key: ExpertKey, protected: Iterable[ExpertKey] = ()) -> ExpertParams:
+        """`key`'s weights on the device, usable on the current stream; copied now on a miss, which never
+        evicts the experts in `protected` (those the caller is using)."""
+        if key in self._entries:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        else:
+            self._upload(key, in_use=set(protected))
+        params, ready = self._entries[key]
+        if ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ready)
+            for tensor in params.values():
+                tensor.record_stream(stream)  # freed on eviction only once this stream is done with it
+        return params
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._wanted = set()
+
+    def _upload(self, key: ExpertKey, in_use: set[ExpertKey]) -> None:
+        self._make_room(in_use | {key})
+        host = self.host_params(key)
+        if self.stream is None:
+            params, ready = {name: t.clone() for name, t in host.items()}, None
+        else:
+            with torch.cuda.stream(self.stream):  # allocated on, and copied by, the upload stream
+                params = {name: t.to(self.device, non_blocking=True) for name, t in host.items()}
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        self._entries[key] = (params, ready)
+        self.uploads += 1
+        self.upload_bytes += sum(t.numel() * t.element_size() for t in host.values())
+
+    def _make_room(self, in_use: set[ExpertKey]) -> None:
+        """Evict the least recently used expert outside the plan, failing that the least recently used of
+        the plan, never one `in_use`, until there is room for one more."""
+        while len(self._entries) >= self.capacity:
+            victim = next((k for k in self._entries if k not in self._wanted and k not in in_use), None)
+            if victim is None:
+                victim = next((k for k in self._entries if k not in in_use), None)
+            if victim is None:
+                raise RuntimeError(f"the device cache of {self.capacity} experts is full of experts in use "
+                                   f"({list(self._entries)}); raise cluster.expert_tiers.cache_experts")
+            del self._entries[victim]
+            self.evictions += 1
+
+
+class DroppedWeights:
+    """Saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)`) around one
+    device computation: a saved tensor that is a view of one of `stacks` (a layer's frozen weights stacked
+    for this computation) is kept as (name, size, stride, offset); backward rebuilds the stacks with
+    `restack()` once, at the first such tensor it unpacks, and takes the same views of them. Frozen
+    weights only: they do not change between forward and backward, so the views hold the same numbers."""
+
+    def __init__(self, stacks: dict[str, torch.Tensor], restack: Callable[[], dict[str, torch.Tensor]]):
+        self._names = {t.untyped_storage().data_ptr(): name for name, t in stacks.items()}
+        self._restack = restack
+        self._rebuilt: dict[str, torch.Tensor] = {}
+        self.dropped = 0
+
+    def pack(self, tensor: torch.Tensor):
+        if tensor.requires_grad or tensor.layout != torch.strided:
+            return tensor
+        name = self._names.get(tensor.untyped_storage().data_ptr())
+        if name is None:
+            return tensor
+        self.dropped += 1
+        return name, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+
+    def unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        name, size, stride, offset = packed
+        if not self._rebuilt:
+            self._rebuilt = self._restack()
+        return self._rebuilt[name].as_strided(size, stride, offset)
+
+
+def stack_experts(params: list[ExpertParams]) -> dict[str, torch.Tensor]:
+    """{parameter: [n, ...]}: the experts' slices stacked in the given order, as `LayerExperts` holds them."""
+    return {name: torch.stack([p[name] for p in params]) for name in params[0]}
+

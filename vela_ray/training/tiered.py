@@ -1,0 +1,293 @@
+"""A tiered ExpertManager's data plane: APTMoE's CPU/device expert tiers (paper §III).
+
+With `cluster.expert_tiers.enabled` a worker keeps its experts' frozen weights in host memory (pinned
+with CUDA) and at most `cache_experts` of them on its device, and computes each expert of a request
+where Eq. 1 says (`vela_ray.training.tiers`). `ExpertManager` calls this instead of its shard:
+
+    tiered = TieredExperts(shard, prototypes, lora, ExpertTiersConfig(enabled=True), torch.device("cuda"))
+    out_RD = tiered.forward_rows(layer, expert_ids_R, rows_RD, key)     # ExpertShard's calls
+    grad_RD = tiered.backward_rows(key, grad_out_RD)
+
+Stages of one forward request (one MoE layer of one micro-batch):
+  1. rows per hosted expert; the popularity predictor's forecast for this layer is scored against them;
+  2. each expert's tier from its rows, the cache's residents and the measured `TierSpeeds` (Eq. 1);
+  3. the next layer's demand forecast (`popularity.PopularityPredictor` on these rows) and the cache
+     plan (`tiers.upload_order`): this layer's device experts, the next layer's predicted device experts,
+     historically popular ones; copies start on the upload stream;
+  4. the CPU experts computed by the host shard while the copies run (the paper's overlap; the device
+     part comes second because the experts code syncs the host on routing checks);
+  5. the device experts: cached weights stacked into a `LayerExperts` that shares the host's adapters,
+     under `expert_cache.DroppedWeights`, so the graph keeps no device copy of the weights;
+  6. both tiers' outputs scattered back into request order: one autograd graph, kept by the shard.
+Backward keeps the forward's tiers (the routing is known, §III-C 5): the plan uploads this key's device
+experts, then those of the layer whose backward comes next; autograd runs both tiers.
+
+LoRA factors, gradients and AdamW stay in host memory (the shard and its `ShardTrainer` are on the
+CPU): device experts read factors copied in each call, and gradients flow back through the copy, so
+one optimizer over host tensors steps every expert wherever it computed, and results equal an
+untiered worker's (a test checks forward, input and LoRA gradients to 1e-6 in fp32).
+
+Left out (see the task's report): the paper's pipeline-stage loading of attention and gate blocks (the
+master holds them here), re-ordering copies already queued on the GPU, and offloading activations.
+
+Legend: R = rows of the request, D = hidden size, E = hosted experts of the layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from itertools import chain
+from typing import Hashable, Mapping
+
+import torch
+from torch import nn
+
+from vela_ray.model.experts import ExpertKey, ExpertParams, ExpertShard, LayerExperts, LoraSpec
+from vela_ray.training.expert_cache import DeviceExpertCache, DroppedWeights, stack_experts
+from vela_ray.training.popularity import PopularityPredictor, demand_overlap
+from vela_ray.training.tiers import (
+    ExpertTiersConfig, TierCounters, TierSpeeds, affinity_split, historical_order, upload_order,
+)
+
+logger = logging.getLogger(__name__)
+
+SPEED_ROWS = 256  # rows per timing in `measure_speeds`: enough to be past launch overheads on a GPU
+_POPULARITY_DECAY = 0.5  # historical popularity: each request of a layer halves its experts' past rows
+
+
+class TieredExperts:
+    """An `ExpertShard` in host memory plus a bounded device cache of its experts (see the module docstring)."""
+
+    def __init__(self, shard: ExpertShard, prototypes: Mapping[int, nn.Module] | nn.Module, lora: LoraSpec,
+                 config: ExpertTiersConfig, device: torch.device, worker: int = 0,
+                 previous: TieredExperts | None = None):
+        """`previous`: the tiers of this worker before a `rehost`, whose speeds, predictor and counters go on."""
+        self.shard = shard
+        self.prototype_of = (lambda layer: prototypes) if isinstance(prototypes, nn.Module) else prototypes.__getitem__
+        self.lora = lora
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            pin_frozen_weights(shard)
+        self.cache = DeviceExpertCache(self.host_params, config.cache_experts, self.device)
+        self.speeds: TierSpeeds | None = previous.speeds if previous else None
+        self.predictor: PopularityPredictor | None = previous.predictor if previous else None
+        self.counters = previous.stats() if previous else TierCounters(worker=worker)  # the old cache's counts in
+        self._plans: dict[Hashable, tuple[int, list[int]]] = {}  # backward key -> (layer, device experts)
+        self._forecast: dict[int, torch.Tensor] = {}  # MoE layer -> predicted rows per expert [experts of layer]
+        self._popularity: dict[ExpertKey, float] = {}
+        self._num_layers = 1 + max((int(layer) for layer in shard.layers), default=0)
+
+    # -- ExpertShard's data-plane calls -------------------------------------------------------
+
+    def forward_rows(self, layer: int, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor,
+                     key: Hashable | None = None) -> torch.Tensor:
+        if rows_RD.shape[0] == 0 or str(layer) not in self.shard.layers:  # the shard's own answers
+            return self.shard.forward_rows(layer, expert_ids_R, rows_RD, key)
+        experts = self.shard.layers[str(layer)].expert_ids
+        rows_E = _rows_per_expert(expert_ids_R, experts)
+        self._score_forecast(layer, rows_E)  # 1.
+        on_device = self._split(layer, experts, rows_E)  # 2.
+        device_experts = _busiest_first(experts, rows_E, on_device)
+        self._remember_popularity(layer, experts, rows_E)
+        self._plan_uploads(layer, device_experts, rows_RD)  # 3.
+        self._count(rows_E, on_device)
+        compute = functools.partial(self._compute, layer, device_experts)  # 4.-6.
+        out_RD = self.shard.forward_rows(layer, expert_ids_R, rows_RD, key, compute=compute)
+        if key is not None:
+            self._forget_released()
+            self._plans[key] = (layer, device_experts)
+        return out_RD
+
+    def backward_rows(self, key: Hashable, grad_out_RD: torch.Tensor) -> torch.Tensor:
+        layer, device_experts = self._plans.pop(key, (None, []))
+        if device_experts:
+            following = next((plan[1] for plan in reversed(self._plans.values()) if plan[0] == layer - 1), [])
+            self.cache.schedule(upload_order([[(layer, e) for e in device_experts],
+                                              [(layer - 1, e) for e in following]], self.cache.capacity))
+        return self.shard.backward_rows(key, grad_out_RD)
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def _split(self, layer: int, experts: list[int], rows_E: list[int]) -> list[bool]:
+        resident_E = [self.cache.resident((layer, e)) for e in experts]
+        return affinity_split(rows_E, resident_E, self.measured_speeds(), self.cache.capacity)
+
+    def _plan_uploads(self, layer: int, device_experts: list[int], rows_RD: torch.Tensor) -> None:
+        """Forecast the next layer and start the cache's copies, most urgent first (demand priority)."""
+        upcoming = self._forecast_next(layer, rows_RD)
+        self.cache.schedule(upload_order([
+            [(layer, e) for e in device_experts],  # inter-expert: needed now
+            [(layer + 1, e) for e in upcoming],  # inter-layer: predicted for the next layer
+            historical_order(self._popularity, self._num_layers, layer),  # inter-stage: popular lately
+        ], self.cache.capacity) if device_experts or upcoming else [])
+
+    def _forecast_next(self, layer: int, rows_RD: torch.Tensor) -> list[int]:
+        """The next layer's experts Eq. 1 would put on the device for the predicted demand, busiest first."""
+        nxt = layer + 1
+        if self.predictor is None or str(nxt) not in self.shard.layers or nxt not in self.predictor.layers():
+            return []
+        experts = self.shard.layers[str(nxt)].expert_ids
+        predicted = self.predictor.predict_rows(nxt, rows_RD.detach())
+        self._forecast[nxt] = predicted
+        rows_E = predicted[experts].tolist()
+        return _busiest_first(experts, rows_E, self._split(nxt, experts, rows_E))
+
+    def _score_forecast(self, layer: int, rows_E: list[int]) -> None:
+        predicted = self._forecast.pop(layer, None)
+        if predicted is None:
+            return
+        overlap = demand_overlap(predicted[self.shard.layers[str(layer)].expert_ids], torch.tensor(rows_E))
+        if overlap is not None:
+            self.counters.predictions += 1
+            self.counters.predicted_overlap_sum += overlap
+
+    def _count(self, rows_E: list[int], on_device: list[bool]) -> None:
+        counters = self.counters
+        for rows, dev in zip(rows_E, on_device):
+            if rows:
+                counters.experts_device += dev
+                counters.experts_cpu += not dev
+                counters.rows_device += rows if dev else 0
+                counters.rows_cpu += 0 if dev else rows
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def _compute(self, layer: int, device_experts: list[int], expert_ids_R: torch.Tensor,
+                 rows_RD: torch.Tensor) -> torch.Tensor:
+        """Unweighted outputs [R, D]: CPU experts on the host shard, then the device experts; differentiable."""
+        host_layer = self.shard.layers[str(layer)]
+        if not device_experts:
+            return host_layer(expert_ids_R, rows_RD)
+        on_device_R = torch.isin(expert_ids_R, torch.tensor(device_experts, dtype=expert_ids_R.dtype))
+        cpu_R, dev_R = (~on_device_R).nonzero().squeeze(1), on_device_R.nonzero().squeeze(1)
+        parts = []
+        if len(cpu_R):
+            parts.append((cpu_R, host_layer(expert_ids_R[cpu_R], rows_RD[cpu_R])))
+        parts.append((dev_R, self._device_forward(layer, device_experts, expert_ids_R[dev_R], rows_RD[dev_R])))
+        out_RD = parts[0][1].new_zeros(rows_RD.shape[0], parts[0][1].shape[1])
+        for index_R, part_RD in parts:
+            out_RD = out_RD.index_copy(0, index_R, part_RD)
+        return out_RD
+
+    def _device_forward(self, layer: int, experts: list[int], expert_ids_R: torch.Tensor,
+                        rows_RD: torch.Tensor) -> torch.Tensor:
+        """`experts`' rows through their cached weights on the device, the host adapters shared."""
+        view = self.device_view(layer, experts)
+        stacks = dict(chain(view.module.named_parameters(recurse=False), view.module.named_buffers(recurse=False)))
+        keys = [(layer, e) for e in view.expert_ids]
+        hooks = DroppedWeights(stacks, lambda: stack_experts([self.cache.fetch(k, protected=keys) for k in keys]))
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            out_RD = view(expert_ids_R.to(self.device), rows_RD.to(self.device))
+        self.counters.dropped_weights += hooks.dropped
+        return out_RD.to(rows_RD.device)
+
+    def device_view(self, layer: int, experts: list[int]) -> LayerExperts:
+        """A `LayerExperts` of `experts` over their cached device weights (uploaded now if missing), sharing
+        the host shard's adapters, so gradients reach the same LoRA parameters."""
+        host_layer = self.shard.layers[str(layer)]
+        keys = [(layer, e) for e in experts]
+        weights = {e: self.cache.fetch((layer, e), protected=keys) for e in experts}
+        return LayerExperts(layer, self.prototype_of(layer), weights, self.lora,
+                            adapters={e: host_layer.adapters[str(e)] for e in experts})
+
+    def host_params(self, key: ExpertKey) -> ExpertParams:
+        """One expert's frozen tensors in host memory: views of its layer's stacks (pinned with CUDA)."""
+        layer_experts = self.shard.layers[str(key[0])]
+        local = int(layer_experts.local_of[key[1]])
+        module = layer_experts.module
+        return {name: t[local] for name, t in chain(module.named_parameters(recurse=False),
+                                                    module.named_buffers(recurse=False))}
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _remember_popularity(self, layer: int, experts: list[int], rows_E: list[int]) -> None:
+        for e, rows in zip(experts, rows_E):
+            self._popularity[(layer, e)] = _POPULARITY_DECAY * self._popularity.get((layer, e), 0.0) + rows
+
+    def _forget_released(self) -> None:
+        """Drop plans of graphs the shard released without a backward (an abandoned step, `ShardTrainer`)."""
+        saved = self.shard._saved  # the shard owns the graphs; a plan lives exactly as long as its graph
+        if len(self._plans) > len(saved):
+            self._plans = {k: plan for k, plan in self._plans.items() if k in saved}
+
+    def measured_speeds(self) -> TierSpeeds:
+        if self.speeds is None:
+            self.speeds = measure_speeds(self)
+            logger.info("tier speeds: %s", self.speeds)
+        return self.speeds
+
+    def stats(self) -> TierCounters:
+        """The counters so far, the cache's included (and those of caches before a `rehost`)."""
+        c, cache = self.counters, self.cache
+        return c.model_copy(update=dict(uploads=c.uploads + cache.uploads, cache_hits=c.cache_hits + cache.hits,
+                                        upload_bytes=c.upload_bytes + cache.upload_bytes,
+                                        evictions=c.evictions + cache.evictions, speeds=self.speeds))
+
+
+def _busiest_first(experts: list[int], rows_E: list[int], on_device_E: list[bool]) -> list[int]:
+    """The device experts, most rows first (the order their uploads are queued in)."""
+    return [e for _, e, dev in sorted(zip(rows_E, experts, on_device_E), key=lambda t: -t[0]) if dev]
+
+
+def _rows_per_expert(expert_ids_R: torch.Tensor, experts: list[int]) -> list[int]:
+    """Rows of each of `experts` (global ids within the layer) in the request."""
+    counts = torch.bincount(expert_ids_R.cpu(), minlength=max(experts) + 1)
+    return counts[experts].tolist()
+
+
+def pin_frozen_weights(shard: ExpertShard) -> None:
+    """Move the shard's frozen expert stacks into page-locked host memory, so uploads run asynchronously
+    (from pageable memory a copy is staged through a pinned buffer and blocks the host)."""
+    for layer_experts in shard.layers.values():
+        module = layer_experts.module
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.is_pinned():
+                module._parameters[name] = nn.Parameter(param.detach().pin_memory(), requires_grad=False)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and not buffer.is_pinned():
+                module._buffers[name] = buffer.pin_memory()
+
+
+def seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, repeats: int = 3) -> float:
+    """Wall seconds of one row's forward + backward through `expert` of `layer_experts`, best of `repeats`,
+    on the device of its weights. Random rows; gradients are returned, not accumulated, so training
+    state is untouched."""
+    device = layer_experts.local_of.device
+    dtype = getattr(layer_experts.module, layer_experts.stacks[0]).dtype
+    ids_R = torch.full((num_rows,), expert, dtype=torch.long, device=device)
+    rows_RD = torch.randn(num_rows, layer_experts.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    timings = []
+    for _ in range(repeats + 1):  # the first call warms kernels and the allocator
+        start = time.perf_counter()
+        out_RD = layer_experts(ids_R, rows_RD)
+        torch.autograd.grad(out_RD, [rows_RD, *layer_experts.adapters[str(expert)].parameters()],
+                            torch.ones_like(out_RD))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timings.append(time.perf_counter() - start)
+    return min(timings[1:]) / num_rows
+
+
+def measure_speeds(tiered: TieredExperts, num_rows: int = SPEED_ROWS, repeats: int = 3) -> TierSpeeds:
+    """The worker's `TierSpeeds`, timed on its first hosted expert: CPU and device seconds per row, and the
+    host-to-device rate of one expert's upload from pinned memory. Without CUDA the device figures are
+    None, so every expert computes on the CPU."""
+    layer_name, host_layer = next(iter(tiered.shard.layers.items()))
+    layer, expert = int(layer_name), host_layer.expert_ids[0]
+    host = tiered.host_params((layer, expert))
+    expert_bytes = sum(t.numel() * t.element_size() for t in host.values())
+    cpu_s = seconds_per_row(host_layer, expert, num_rows, repeats)
+    if tiered.device.type != "cuda":
+        return TierSpeeds(cpu_s_per_row=cpu_s, bytes_per_expert=expert_bytes)
+    copies = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        params = {name: t.to(tiered.device, non_blocking=True) for name, t in host.items()}
+        torch.cuda.synchronize(tiered.device)
+        copies.append(time.perf_counter() - start)
+    view = LayerExperts(layer, tiered.prototype_of(layer), {expert: params}, tiered.lora,
+                        adapters={expert: host_layer.adapters[str(expert)]})
+    return TierSpeeds(cpu_s_per_row=cpu_s, device_s_per_row=seconds_per_row(view, expert, num_rows, repeats),
+                      upload_bytes_per_s=expert_bytes / min(copies[1:]), bytes_per_expert=expert_bytes)
