@@ -144,6 +144,7 @@ class ExpertManager:
         self._host(weights)
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
         self.compute_s = 0.0  # wall seconds spent in expert forward/backward (the data plane's arithmetic)
+        self._part_write: checkpoint.Background[str] | None = None  # the checkpoint part being written, if any
         logger.info("expert worker %d: hosting %d experts on %s", self.worker, len(self.keys), self.device)
 
     def _host(self, weights: ExpertWeights) -> None:
@@ -303,7 +304,7 @@ class ExpertManager:
     def snapshot_checkpoint_part(self, staging_dir: str, not_counted: NotCounted | None = None) -> None:
         """`save_checkpoint_part` in two halves: copy the state to host memory now (so the next step cannot
         change what is saved) and write it on a thread of this process; `finish_checkpoint_part` waits."""
-        previous = getattr(self, "_part_write", None)
+        previous = self._part_write
         if previous is not None:
             previous.join()  # an abandoned checkpoint's part: at most one write in flight
         skip = {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
@@ -320,7 +321,7 @@ class ExpertManager:
         """The file `snapshot_checkpoint_part` writes, once written; None if still writing after `timeout_s`
         (None: wait). The master polls with 0 while training goes on: a blocked actor would hold up the
         rows of the step in flight. Answers alike until the next snapshot; a failed write raises."""
-        write = getattr(self, "_part_write", None)
+        write = self._part_write
         if write is None:
             raise ExpertWorkerError(self.worker, "no checkpoint part is being written; call "
                                                  "snapshot_checkpoint_part first")
