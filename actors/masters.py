@@ -65,8 +65,8 @@ class MasterReplica:
         torch.manual_seed(cfg.training.seed)
         model = load_backbone(cfg.model.path, cfg.torch_dtype)
         self.master = build_master(model, master_table(table, self.rank), self._transport(handles, worker_nodes),
-                                   cfg.lora_spec,
-                                   cfg.training.optimizer, master=self.rank, num_masters=self.num_masters)
+                                   cfg.lora_spec, cfg.training.optimizer, master=self.rank,
+                                   num_masters=self.num_masters, row_format=cfg.cluster.row_format)
         self.master.peft_model.to(self.device)
         self.routing = RoutingRecorder.for_model(self.master.peft_model, record_confidence=False).attach()
         self.share = master_share(self.rank, self.num_masters, self.master.peft_model, self.device)

@@ -19,6 +19,8 @@ T tokens, top-2: ~R/N rows of D floats per worker), through:
                       argument of a task on it, so the broker runs in a master actor that stages
                       each worker's rows in a task on itself and collects the results in
                       another (`RdtMaster`); the env is the object-ref default's
+    collective_bf16   the collective plane with `cluster.row_format: bfloat16` (LOSSY): rows, results
+    collective_fp8    and gradients in bf16, or float8 with a scale per row (`vela_ray.model.wire`)
     raw_p2p           the floor: the same experts in plain processes, the same rows over
                       gloo point-to-point with no headers, no Ray, shapes known in advance
 
@@ -34,6 +36,8 @@ of load on this shared machine hits all of them.
 
     python benchmarks/data_plane.py                     # D=128, T=1024, N=6
     python benchmarks/data_plane.py --hidden 1024 --tokens 2048
+    python benchmarks/data_plane.py --settings collective collective_bf16 collective_fp8 raw_p2p \
+        --hidden 1024 --out benchmarks/results/data_plane_low_bit.json
 
 Results: a table of median round-trip ms and ratios, and benchmarks/results/data_plane.json.
 """
@@ -56,7 +60,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_plane.json"
-SETTINGS = ("ray_default", "inline", "inline_zero_copy", "rdt_gloo", "collective", "raw_p2p")
+SETTINGS = ("ray_default", "inline", "inline_zero_copy", "rdt_gloo", "collective", "collective_bf16",
+            "collective_fp8", "raw_p2p")
+ROW_FORMATS = {"collective_bf16": "bfloat16", "collective_fp8": "float8"}  # the rest: exact
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=6, help="ExpertManagers")
     p.add_argument("--iters", type=int, default=40, help="timed round trips per setting and round")
     p.add_argument("--rounds", type=int, default=2, help="times each setting runs, alternating")
+    p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS), help="settings to run")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     p.add_argument("--child", choices=SETTINGS, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -102,7 +110,7 @@ def transport_for(setting: str, cluster):
     from actors.transports import RayObjectRefTransport, collective_transport
 
     tiers = cluster.worker_tiers()
-    if setting == "collective":
+    if setting.startswith("collective"):
         return collective_transport(cluster.handles, tiers)
     return RayObjectRefTransport(cluster.handles, tiers, zero_copy=setting == "inline_zero_copy")
 
@@ -126,7 +134,7 @@ def child(args) -> dict:
 
     cluster = spawn_expert_managers(worker_specs, num_cpus_per_worker=0.25, env_vars=setting_env(args.child))
     transport = transport_for(args.child, cluster)
-    dispatcher = ExpertDispatcher(table, transport)
+    dispatcher = ExpertDispatcher(table, transport, row_format=ROW_FORMATS.get(args.child, "exact"))
     plan = dispatcher.plan(0, top_k)
     rows_RD = hidden_TD.index_select(0, plan.token_idx_R)
     seconds = []
@@ -137,7 +145,8 @@ def child(args) -> dict:
         seconds.append(time.perf_counter() - start)
     transport.close()
     ray.shutdown()
-    return {"seconds": seconds[3:], "rows_per_worker": [e - s for _, s, e in plan.worker_rows]}
+    return {"seconds": seconds[3:], "rows_per_worker": [e - s for _, s, e in plan.worker_rows],
+            "bytes_per_trip": int(dispatcher.counter.bytes.sum()) // len(seconds)}
 
 
 def rdt_gloo(args, table, worker_specs, hidden_TD, top_k) -> dict:
@@ -312,31 +321,39 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    settings = [s for s in SETTINGS if s in args.settings]
+    times: dict[str, list[float]] = {s: [] for s in settings}
+    trip_bytes: dict[str, int] = {}
     rows = None
     for round_ in range(args.rounds):
-        for setting in SETTINGS:
+        for setting in settings:
             env = {**os.environ, **setting_env(setting)}
             argv = [sys.executable, __file__, "--child", setting] + [
-                f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "rounds")]
+                f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                if k not in ("child", "rounds", "settings", "out")]
             out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
             times[setting] += result["seconds"]
             rows = result["rows_per_worker"]
+            if "bytes_per_trip" in result:
+                trip_bytes[setting] = result["bytes_per_trip"]
             print(f"round {round_ + 1} {setting}: median {1e3 * statistics.median(result['seconds']):.2f} ms",
                   flush=True)
     medians = {s: statistics.median(t) for s, t in times.items()}
     kb = [r * args.hidden * 4 / 1024 for r in rows]
-    print(f"\nforward+backward fan-out to {args.workers} workers, {min(kb):.0f}-{max(kb):.0f} KiB of rows each "
-          f"(load {os.getloadavg()[0]:.1f}):")
-    print(f"{'setting':<18}{'median ms':>10}{'/ raw_p2p':>11}{'/ inline_zero_copy':>19}{'/ collective':>13}")
-    for s in SETTINGS:
-        print(f"{s:<18}{1e3 * medians[s]:>10.2f}{medians[s] / medians['raw_p2p']:>11.2f}"
-              f"{medians[s] / medians['inline_zero_copy']:>19.2f}{medians[s] / medians['collective']:>13.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args),
-                                   "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
-                                   "median_s": medians, "rows_per_worker": rows, "seconds": times}, indent=1))
+    print(f"\nforward+backward fan-out to {args.workers} workers, {min(kb):.0f}-{max(kb):.0f} KiB of fp32 rows "
+          f"each (load {os.getloadavg()[0]:.1f}):")
+    references = [r for r in ("raw_p2p", "inline_zero_copy", "collective") if r in medians]
+    print(f"{'setting':<18}{'median ms':>10}{'MiB/trip':>10}" + "".join(f"{'/ ' + r:>19}" for r in references))
+    for s in settings:
+        mib = f"{trip_bytes[s] / 2**20:.2f}" if s in trip_bytes else "-"
+        print(f"{s:<18}{1e3 * medians[s]:>10.2f}{mib:>10}"
+              + "".join(f"{medians[s] / medians[r]:>19.2f}" for r in references))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args) | {"out": str(args.out)},
+                                    "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
+                                    "median_s": medians, "bytes_per_trip": trip_bytes, "rows_per_worker": rows,
+                                    "seconds": times}, indent=1))
 
 
 if __name__ == "__main__":

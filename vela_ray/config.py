@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vela_ray.data.datasets import DataConfig
+from vela_ray.model.traffic import RowFormat
 from vela_ray.training.optim import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
 
@@ -66,6 +67,10 @@ class ClusterSection(_Section):
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
                                      "default, 100 KiB). Saves the object store's round trips on small layers")
+    row_format: RowFormat = Field(
+        "exact", description="how rows, expert results and their gradients travel between master and workers: "
+                             "exact, or LOSSY bfloat16 (half of fp32's bytes) or float8 (e4m3 with a scale per row, "
+                             "about a quarter); computed in model.dtype on both sides (ZO-Offloading §5.4)")
     zero_copy_tensors: bool = Field(
         True, description="Ray pickles tensors without copying them (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS in "
                           "vela's actors); the data plane only reads the tensors it receives")
@@ -298,6 +303,19 @@ class JobConfig(_Section):
         if self.cluster.num_masters > 1:
             raise ValueError(f"training.condensation.enabled needs cluster.num_masters: 1 (it is "
                              f"{self.cluster.num_masters}): only master 0's brokers condense; turn one off")
+        return self
+
+    @model_validator(mode="after")
+    def _row_format_that_changes_something(self) -> "JobConfig":
+        row_format = self.cluster.row_format
+        if row_format != "exact" and self.mode != "vela":
+            raise ValueError(f"cluster.row_format: {row_format} is for mode: vela (the master's brokers encode "
+                             "rows); the expert-parallel baseline moves rows exactly: use row_format: exact")
+        for field, value in (("cluster.row_format", row_format),
+                             ("cluster.expert_tiers.upload_format", self.cluster.expert_tiers.upload_format)):
+            if value == "bfloat16" and self.model.dtype == "bfloat16":
+                raise ValueError(f"{field}: bfloat16 with model.dtype: bfloat16 saves nothing (the tensors are "
+                                 "bf16 already): use exact, or float8 for fewer bytes")
         return self
 
     @model_validator(mode="after")

@@ -13,9 +13,10 @@ import pytest
 
 from vela_ray.observability.metrics import METRICS, MemoryMetricsBackend, MetricsSink
 from vela_ray.model.traffic import TrafficCounter
+from vela_ray.training.tiers import TierCounters
 
 UNITS = ("_seconds", "_bytes_total", "_total", "_ratio", "_per_second", "_version", "_experts", "_loss", "_step",
-         "_drift")
+         "_drift", "_info")
 
 
 def _sink() -> tuple[MetricsSink, MemoryMetricsBackend]:
@@ -134,3 +135,40 @@ def test_each_masters_traffic_is_binned_by_its_own_link_tiers():
     assert mem.value("vela_expert_traffic_bytes_total", layer=1, worker=1, direction="gather",
                      link_tier="same_node") == 400  # master 1's
     assert mem.value("vela_expert_traffic_rows_total", layer=1, worker=1, direction="gather") == 8
+
+
+def test_record_tiers_turns_each_workers_running_counts_into_counter_increments():
+    sink, mem = _sink()
+    first = TierCounters(worker=0, rows_cpu=100, rows_device=300, uploads=4, upload_bytes=4000, predictions=10,
+                         predicted_overlap_sum=8.0)
+    sink.record_tiers([first, None, TierCounters(worker=2)])  # worker 1 untiered, worker 2 idle so far
+    later = first.model_copy(update={"rows_cpu": 150, "rows_device": 500, "uploads": 6, "upload_bytes": 6000,
+                                     "predictions": 20, "predicted_overlap_sum": 18.0})
+    sink.record_tiers([later, None, TierCounters(worker=2, rows_cpu=7)])
+    sink.record_tiers([later, None])  # nothing new: nothing added
+    assert mem.value("vela_tier_rows_total", worker=0, tier="cpu") == 150
+    assert mem.value("vela_tier_rows_total", worker=0, tier="device") == 500
+    assert mem.value("vela_tier_uploads_total", worker=0) == 6
+    assert mem.value("vela_tier_upload_bytes_total", worker=0) == 6000
+    assert mem.value("vela_tier_predictor_overlap_ratio", worker=0) == pytest.approx(0.9)  # 18 / 20 so far
+    assert mem.value("vela_tier_rows_total", worker=2, tier="cpu") == 7
+    assert (("tier", "device"), ("worker", "2")) not in mem.counters["vela_tier_rows_total"]  # zero: no series
+    assert (("worker", "2"),) not in mem.gauges.get("vela_tier_predictor_overlap_ratio", {})  # nothing predicted
+    assert not any(("worker", "1") in key for series in mem.counters.values() for key in series)
+
+
+def test_a_replaced_worker_counting_from_zero_adds_all_of_its_counts():
+    sink, mem = _sink()
+    sink.record_tiers([TierCounters(worker=1, rows_cpu=50, uploads=3, upload_bytes=300)])
+    sink.record_tiers([TierCounters(worker=1, rows_cpu=20, uploads=1, upload_bytes=100)])  # a recovered worker
+    assert mem.value("vela_tier_rows_total", worker=1, tier="cpu") == 70
+    assert mem.value("vela_tier_uploads_total", worker=1) == 4
+    assert mem.value("vela_tier_upload_bytes_total", worker=1) == 400
+
+
+def test_the_training_method_is_an_info_series():
+    sink, mem = _sink()
+    sink.set_method("zo")
+    assert mem.value("vela_training_method_info", method="zo") == 1
+    assert mem.value("vela_training_method_info", method="first_order") == 0
+    assert len(mem.gauges["vela_training_method_info"]) == 2

@@ -20,8 +20,9 @@ import pytest
 from placement import PlacementProblem, step_time, synthetic_probs, worker_bytes
 from placement.cost import routing_mass
 from vela_ray.cli import main
-from vela_ray.observability.report import compare_comm, load_run, summary_text, write_report
+from vela_ray.observability.report import compare_comm, human_bytes, load_run, summary_text, tiers_text, write_report
 from vela_ray.training.summary import LinkRecord, PlacementRecord, RunSummary, StepRecord
+from vela_ray.training.tiers import TierCounters, TierSpeeds
 
 CHROMIUM = Path("/usr/bin/chromium")
 TIERS = ["same_node", "cross_node", "cross_node"]
@@ -214,3 +215,72 @@ def test_report_renders_in_headless_chromium_without_errors(tmp_path):
     result = _chromium(tmp_path, f"--screenshot={shot}", page.as_uri())
     assert result.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shot.stat().st_size > 50_000  # a blank 1280x2400 page compresses to a few KB
+
+
+# --- APTMoE's expert tiers and the training method --------------------------------------------------------
+
+MiB_100 = 100 * 2**20  # bytes of one expert upload in these runs
+
+
+def _tiers() -> list[TierCounters]:
+    """Worker 0 with a device (600 of its 800 rows there, 10 uploads, predictor 18/20); worker 2 without one."""
+    gpu = TierSpeeds(cpu_s_per_row=2e-5, device_s_per_row=1e-7, upload_bytes_per_s=2.5e10, bytes_per_expert=MiB_100)
+    cpu = TierSpeeds(cpu_s_per_row=4e-5, bytes_per_expert=MiB_100)
+    return [TierCounters(worker=0, experts_cpu=30, experts_device=10, rows_cpu=200, rows_device=600, uploads=10,
+                         upload_bytes=10 * MiB_100, cache_hits=5, predictions=20, predicted_overlap_sum=18.0,
+                         speeds=gpu),
+            TierCounters(worker=2, experts_cpu=12, rows_cpu=200, uploads=4, upload_bytes=4 * MiB_100, speeds=cpu)]
+
+
+def test_a_zo_run_with_expert_tiers_shows_both_in_the_terminal_and_the_page(tmp_path, capsys):
+    summary = make_summary().model_copy(update={"method": "zo", "expert_tiers": _tiers()})
+    text = summary_text(summary)
+    assert text.startswith("12 zeroth-order (ZO-SGD) steps, loss 2.9000 -> 1.8000")
+    # 600 of 1000 rows on a device; 1400 MiB uploaded; 18 / 20 predicted demand
+    tiers_line = "expert tiers: 60% of expert rows on device, 14 uploads (1.4 GiB), predictor accuracy 0.90"
+    assert tiers_line in text.splitlines() and tiers_text(summary) == tiers_line
+
+    run_dir = make_run_dir(tmp_path / "run", summary)
+    page = write_report(run_dir).read_text()
+    assert '<section id="tiers"><h2>Expert tiers (APTMoE)</h2>' in page
+    assert ('<div class="k">method</div><div class="v">zeroth-order (ZO-SGD)<br><small>two forwards per step, '
+            "no backward traffic</small></div>") in page
+    assert f'<p class="tiers">{tiers_line}</p>' in page
+    table = page[page.index('<table class="tiers">'):]
+    table = table[:table.index("</table>")]
+    rows = re.findall(r"<tr>(<td>.*?)</tr>", table)
+    cells = [re.findall(r"<td>(.*?)</td>", row) for row in rows]
+    # worker, link tier, computations CPU/device, rows CPU/device, device share, uploads, bytes, hits,
+    # predictor, us/row CPU/device, upload GB/s
+    assert cells == [
+        ["w0", "same_node", "30", "10", "200", "600", "75.0%", "10", "1000.0 MiB", "5", "0.900", "20", "0.1", "25.00"],
+        ["w2", "cross_node", "12", "0", "200", "0", "0.0%", "4", "400.0 MiB", "0", "n/a", "40", "n/a", "n/a"],
+        ["all", "", "42", "10", "400", "600", "60.0%", "14", "1.4 GiB", "5", "0.900", "n/a", "n/a", "n/a"],
+    ]
+
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "r.html")]) == 0  # `vela report` prints it
+    assert tiers_line in capsys.readouterr().out.splitlines()
+
+
+def test_without_tiers_the_section_and_line_are_absent_and_first_order_is_named(tmp_path):
+    summary = make_summary()
+    assert tiers_text(summary) == "" and "expert tiers" not in summary_text(summary)
+    assert "zeroth-order" not in summary_text(summary)
+    page = write_report(make_run_dir(tmp_path / "run", summary)).read_text()
+    assert '<section id="tiers">' not in page and "APTMoE" not in page and 'class="tiers"' not in page
+    assert '<div class="k">method</div><div class="v">first-order<br><small>backward + AdamW</small></div>' in page
+
+
+def test_the_tier_note_names_the_cache_size_and_a_lossy_upload_format(tmp_path):
+    summary = make_summary().model_copy(update={"expert_tiers": _tiers()[:1]})
+    run_dir = make_run_dir(tmp_path / "run", summary)
+    (run_dir / "config.json").write_text(json.dumps(
+        {"cluster": {"expert_tiers": {"enabled": True, "cache_experts": 6, "upload_format": "float8"}}}))
+    page = write_report(run_dir).read_text()
+    assert "a device cache of at most 6 experts" in page and "float8 (LOSSY" in page
+    assert "<td>all</td>" not in page  # one tiered worker: no total row
+
+
+def test_human_bytes_uses_binary_units():
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536 * 2**20, 3 * 2**40)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 GiB", "3.0 TiB"]

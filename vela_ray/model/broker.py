@@ -12,11 +12,12 @@ Stages of `ExpertBroker.forward(hidden_TD, top_k_index_TK, top_k_weights_TK)`:
   3. combine on the master: out_TD = sum_k weight_TK * expert_out, in autograd, so
      the router's inputs get their gradient as in the original module.
 
-The arithmetic equals the original experts module; only where it runs changes. The one
-exception is opt-in and LOSSY: with a `condensation.Condenser` on the dispatcher, training
+The arithmetic equals the original experts module; only where it runs changes. Two
+exceptions are opt-in and LOSSY: with a `condensation.Condenser` on the dispatcher, training
 forwards send only a representative of each group of similar rows of one expert (stage 2)
-and every row takes its representative's output (`ExpertBroker._condense`).
-Traffic is counted here, once, for every transport.
+and every row takes its representative's output (`ExpertBroker._condense`); with a low-bit
+`row_format` (`vela_ray.model.wire`) rows, results and gradients travel in bf16 or fp8.
+Traffic is counted here, once, for every transport, in the bytes that travel.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vela_ray.model import wire
 from vela_ray.model.traffic import TrafficCounter
 from vela_ray.model.transport import ForwardRequest, Transport
 
@@ -54,9 +56,10 @@ class ExpertDispatcher:
     """Shared by all brokers of a model: the placement table, the transport and the counters."""
 
     def __init__(self, expert_to_worker: torch.Tensor, transport: Transport, counter: TrafficCounter | None = None,
-                 *, master: int = 0, num_masters: int = 1):
+                 *, master: int = 0, num_masters: int = 1, row_format: wire.RowFormat = "exact"):
         """`master` of `num_masters`: data-parallel masters share the workers, so each numbers the forwards
-        it saves there (`new_key`) in its own residue class: master, master + M, ..."""
+        it saves there (`new_key`) in its own residue class: master, master + M, ...
+        `row_format`: how rows travel (`vela_ray.model.wire`; LOSSY unless exact)."""
         table = torch.as_tensor(expert_to_worker, dtype=torch.long)
         if table.dim() != 2:
             raise ValueError(f"expert_to_worker must be [layers, experts], got shape {tuple(table.shape)}")
@@ -67,6 +70,7 @@ class ExpertDispatcher:
             )
         self.expert_to_worker = table
         self.transport = transport
+        self.row_format = row_format
         num_layers = table.shape[0]
         self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
         self.latency = None  # optional: anything with .observe(layer, seconds, phase), e.g. metrics.MetricsSink.latency
@@ -120,7 +124,8 @@ class ExpertDispatcher:
 
     def forward(self, plan: DispatchPlan, rows_RD: torch.Tensor, key) -> torch.Tensor:
         requests = {
-            w: ForwardRequest(plan.layer, plan.expert_ids_R[s:e], rows_RD[s:e], key) for w, s, e in plan.worker_rows
+            w: ForwardRequest(plan.layer, plan.expert_ids_R[s:e], wire.encode(rows_RD[s:e], self.row_format), key)
+            for w, s, e in plan.worker_rows
         }
         self._count(plan.layer, "dispatch", {w: r.rows for w, r in requests.items()})
         start = time.perf_counter()
@@ -130,7 +135,7 @@ class ExpertDispatcher:
         return _concat_in_plan_order(plan, outputs, rows_RD)
 
     def backward(self, plan: DispatchPlan, grad_RD: torch.Tensor, key) -> torch.Tensor:
-        grads = {w: grad_RD[s:e].contiguous() for w, s, e in plan.worker_rows}
+        grads = {w: wire.encode(grad_RD[s:e].contiguous(), self.row_format) for w, s, e in plan.worker_rows}
         self._count(plan.layer, "grad_dispatch", grads)
         start = time.perf_counter()
         grad_rows = self.transport.backward(key, grads)
@@ -142,7 +147,7 @@ class ExpertDispatcher:
 def _concat_in_plan_order(plan: DispatchPlan, parts: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if not plan.worker_rows:
         return like.new_zeros(like.shape)
-    return torch.cat([parts[w].to(like.device, like.dtype) for w, _, _ in plan.worker_rows])
+    return torch.cat([wire.decode(parts[w].to(like.device), like.dtype) for w, _, _ in plan.worker_rows])
 
 
 class _RemoteExperts(torch.autograd.Function):

@@ -44,7 +44,7 @@ OP_STOP, OP_FORWARD, OP_BACKWARD = 0, 1, 2
 STATUS_OK, STATUS_ERROR = 0, 1
 TAG_HEADER, TAG_IDS, TAG_ROWS, TAG_REPLY, TAG_RESULT, TAG_ERROR = range(6)
 NO_KEY = -1
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8]  # uint8: float8 rows (model.wire)
 SERVE_TIMEOUT_S = 7 * 24 * 3600.0  # a worker waits this long for its next message (idle is normal)
 
 

@@ -23,6 +23,7 @@ Direction = Literal["dispatch", "gather", "grad_dispatch", "grad_gather"]
 DIRECTIONS: tuple[Direction, ...] = ("dispatch", "gather", "grad_dispatch", "grad_gather")
 LinkTier = Literal["same_process", "same_node", "cross_node"]
 LINK_TIERS: tuple[LinkTier, ...] = ("same_process", "same_node", "cross_node")
+RowFormat = Literal["exact", "bfloat16", "float8"]  # how tensors cross a link (`vela_ray.model.wire`)
 
 
 class TrafficSnapshot(BaseModel):

@@ -1,4 +1,4 @@
-"""Live training metrics in Prometheus form: expert traffic, routing, load, loss, step time.
+"""Live training metrics in Prometheus form: expert traffic, routing, load, loss, step time, expert tiers.
 
 The master feeds a `MetricsSink` plain data it already has, once per step:
 
@@ -10,6 +10,8 @@ The master feeds a `MetricsSink` plain data it already has, once per step:
                      expert_counts_LE=counts_LE,       # [L, E] rows routed to each expert
                      drift_L=tv_L)                     # [L] TV distance to the initial profile
     latency = sink.latency                             # the broker: latency.observe(layer, seconds)
+    sink.set_method("zo")                              # `training.method`, once
+    sink.record_tiers(workers.tier_stats())            # `cluster.expert_tiers`: [N] TierCounters (None: untiered)
 
 Every metric is declared once in `METRICS` (name, kind, unit in the name, tags);
 the Grafana dashboard and its test read the names from there. Ray exports
@@ -31,15 +33,23 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Literal, Protocol, Sequence
 
 import numpy as np
 
 from placement.cost import routing_mass
 from vela_ray.model.traffic import DIRECTIONS, TrafficSnapshot
 
+if TYPE_CHECKING:
+    from vela_ray.training.tiers import TierCounters
+
 MetricKind = Literal["counter", "gauge", "histogram"]
 PROMETHEUS_PREFIX = "ray_"  # what Ray's metrics agent puts in front of every application metric
+
+TRAINING_METHODS = ("first_order", "zo")  # `training.method`
+# TierCounters fields exported as counters: (counter, tier label or None, field); cumulative on the worker
+TIER_COUNTERS = (("vela_tier_rows_total", "cpu", "rows_cpu"), ("vela_tier_rows_total", "device", "rows_device"),
+                 ("vela_tier_uploads_total", None, "uploads"), ("vela_tier_upload_bytes_total", None, "upload_bytes"))
 
 # Seconds: 50 us .. 30 s, for one broker round trip (a layer's dispatch + gather on all workers).
 ROUND_TRIP_BUCKETS_S = [5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
@@ -91,6 +101,20 @@ METRICS: dict[str, MetricSpec] = _specs(
     MetricSpec("vela_locality_drift", "gauge",
                "Total-variation distance between the last step's expert access and the profile placed by.",
                ("layer",)),
+    MetricSpec("vela_training_method_info", "gauge",
+               "1 for the training method in use (first_order: backward + AdamW; zo: ZO-SGD, two forwards per "
+               "step, no backward traffic), 0 for the others.", ("method",)),
+    MetricSpec("vela_tier_rows_total", "counter",
+               "Expert rows a tiered worker computed on its CPU or its device (cluster.expert_tiers, APTMoE).",
+               ("worker", "tier")),
+    MetricSpec("vela_tier_uploads_total", "counter",
+               "Expert weight copies from a tiered worker's host memory into its device cache.", ("worker",)),
+    MetricSpec("vela_tier_upload_bytes_total", "counter",
+               "Bytes of expert weights a tiered worker uploaded from host memory into its device cache.",
+               ("worker",)),
+    MetricSpec("vela_tier_predictor_overlap_ratio", "gauge",
+               "Accuracy of a tiered worker's next-layer popularity predictor so far: mean demand overlap "
+               "(1: the predicted expert shares were exact).", ("worker",)),
 )
 
 
@@ -163,6 +187,36 @@ class MetricsSink:
         self.backend: MetricsBackend = backend if backend is not None else MemoryMetricsBackend()
         self.latency = LatencyRecorder(self.backend)
         self._row_share_N: np.ndarray | None = None  # expected rows per token on each worker (sum of its P)
+        self._tiers_seen: dict[int, dict[str, int]] = {}  # worker -> TierCounters fields last recorded
+
+    def set_method(self, method: str) -> None:
+        """Publish `training.method` ("first_order" or "zo"): its info series 1, the other's 0."""
+        for known in dict.fromkeys((*TRAINING_METHODS, method)):
+            self.backend.set("vela_training_method_info", float(known == method), {"method": known})
+
+    def record_tiers(self, tiers: Sequence[TierCounters | None]) -> None:
+        """Record the tiered workers' counters (`ExpertWorkers.tier_stats()`; None: an untiered worker).
+
+        They are cumulative on each worker, so the counters grow by the difference to the last call;
+        call it as often as you like (each step, every few). A worker whose counts went down was
+        replaced (a recovery) and counts from zero again: all of its counts are new.
+        """
+        for stats in tiers:
+            if stats is None:
+                continue
+            worker = str(stats.worker)
+            seen = self._tiers_seen.get(stats.worker, {})
+            now = {field: int(getattr(stats, field)) for _, _, field in TIER_COUNTERS}
+            if any(now[field] < seen.get(field, 0) for field in now):
+                seen = {}  # a replaced worker
+            for name, tier, field in TIER_COUNTERS:
+                delta = now[field] - seen.get(field, 0)
+                if delta > 0:
+                    self.backend.inc(name, float(delta), {"worker": worker, **({"tier": tier} if tier else {})})
+            self._tiers_seen[stats.worker] = now
+            if stats.predicted_overlap is not None:
+                self.backend.set("vela_tier_predictor_overlap_ratio", float(stats.predicted_overlap),
+                                 {"worker": worker})
 
     def set_placement(self, version: int, expert_to_worker: np.ndarray | list, num_workers: int,
                       probs_LE: np.ndarray | None = None, expected_comm_time_s: float | None = None) -> None:

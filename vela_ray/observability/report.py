@@ -13,11 +13,12 @@ inline SVG from matplotlib, so the page needs no network and no scripts beyond a
 tiny self-check (`window.onerror` and a count of rendered charts, written into
 `<body data-rendered=...>` for the browser test).
 
-Sections: the run at a glance (and whether token condensation made training lossy); the
-placement map (layers x workers: which experts each worker holds, shaded by the routing
-mass it serves); the access
-heatmap P [L, E] with each expert's worker; traffic by link tier per step;
-predicted vs measured communication per worker; loss (+ eval loss); the config.
+Sections: the run at a glance (the training method, first-order or zeroth-order, and whether
+token condensation made training lossy); the placement map (layers x workers: which experts each
+worker holds, shaded by the routing mass it serves); the access heatmap P [L, E] with each expert's
+worker; traffic by link tier per step; predicted vs measured communication per worker; APTMoE's
+expert tiers per worker (with `cluster.expert_tiers`: rows on CPU vs device, uploads, predictor
+accuracy, measured speeds); loss (+ eval loss); the config.
 
 Predicted bytes per worker and step are the cost model's (`PlacementRecord.predicted_bytes_per_worker`,
 i.e. `placement.cost.worker_bytes` of the problem the placement was solved for); a run that solved
@@ -47,10 +48,14 @@ from placement.cost import experts_per_worker, routing_mass  # noqa: E402
 from placement.io import load_profile  # noqa: E402
 from vela_ray.observability.plots import access_heatmap_figure  # noqa: E402
 from vela_ray.training.summary import PlacementRecord, RunSummary, StepRecord  # noqa: E402
+from vela_ray.training.tiers import TierCounters  # noqa: E402
 
 MiB = 2**20
 TIER_COLOURS = {"same_process": "#9e9e9e", "same_node": "#1f77b4", "cross_node": "#d62728"}
 SOLVED_PROFILE = "the placement problem in summary.json"
+# `RunSummary.method`: its name, and what one step does
+METHODS = {"first_order": ("first-order", "backward + AdamW"),
+           "zo": ("zeroth-order (ZO-SGD)", "two forwards per step, no backward traffic")}
 
 
 # --- reading a run ------------------------------------------------------------------------------
@@ -205,8 +210,9 @@ def _expected_texts(plan: PlacementRecord) -> dict[str, str]:
 
 
 def summary_text(source: RunSummary | str | Path) -> str:
-    """A few lines for the terminal: loss, step time, placement, traffic by tier, predicted vs measured,
-    and where the adapter, report and last checkpoint went. `source`: a run directory or its RunSummary."""
+    """A few lines for the terminal: loss (and the method when zeroth-order), step time, placement, traffic by
+    tier, the expert tiers (when on), predicted vs measured, and where the adapter, report and last checkpoint
+    went. `source`: a run directory or its RunSummary."""
     run = load_run(source)
     s = run.summary
     expected = ", ".join(f"{label} {text}" for label, text in _expected_texts(s.placement).items())
@@ -217,6 +223,8 @@ def summary_text(source: RunSummary | str | Path) -> str:
         "expert traffic by link tier: " + ", ".join(
             f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()),
         condensation_text(s),
+        *([row_format_text(s)] if s.row_format != "exact" else []),
+        *([tiers_text(s)] if s.expert_tiers else []),
         *([masters_text(s)] if len(s.master_nodes) > 1 else []),
     ]
     for c in compare_comm(run):
@@ -251,6 +259,49 @@ def condensation_text(s: RunSummary) -> str:
         return "token condensation: off (exact)"
     return (f"token condensation: on (LOSSY): {c.condensed_fraction:.1%} of rows condensed, "
             f"{c.bytes_saved_total / 1e6:.1f} MB saved")
+
+
+def row_format_text(s: RunSummary) -> str:
+    """One line when rows travelled in a low-bit format (LOSSY, `cluster.row_format`); "" when exact."""
+    if s.row_format == "exact":
+        return ""
+    return (f"rows travelled in {s.row_format} (LOSSY, cluster.row_format): results differ from "
+            "transformers + peft by the rounding")
+
+
+def tiers_text(s: RunSummary) -> str:
+    """One line on APTMoE's expert tiers over all tiered workers ("" when the tiers were off)."""
+    if not s.expert_tiers:
+        return ""
+    total = tier_total(s.expert_tiers)
+    share = device_share(total)
+    parts = ["no expert rows computed" if share is None else f"{share:.0%} of expert rows on device",
+             f"{total.uploads} uploads ({human_bytes(total.upload_bytes)})"]
+    if total.predicted_overlap is not None:
+        parts.append(f"predictor accuracy {total.predicted_overlap:.2f}")
+    return "expert tiers: " + ", ".join(parts)
+
+
+def tier_total(tiers: list[TierCounters]) -> TierCounters:
+    """The workers' counters summed (speeds dropped: they are each worker's own)."""
+    summed = [name for name, field in TierCounters.model_fields.items() if field.annotation in (int, float)
+              and name != "worker"]
+    return TierCounters(worker=-1, **{name: sum(getattr(t, name) for t in tiers) for name in summed})
+
+
+def device_share(c: TierCounters) -> float | None:
+    """Share of the expert rows computed on the device (None: no rows)."""
+    rows = c.rows_cpu + c.rows_device
+    return c.rows_device / rows if rows else None
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units: "512 B", "3.0 KiB", "1.2 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _headline(run: Run) -> str:
@@ -392,6 +443,7 @@ def overview(run: Run) -> str:
     s = run.summary
     facts = {
         "mode": "expert-parallel baseline" if s.mode == "expert_parallel" else "vela",
+        "method": "{}<br><small>{}</small>".format(*map(html.escape, METHODS[s.method])),
         "steps": s.steps,
         "loss": f"{s.losses[0]:.4f} &rarr; {s.losses[-1]:.4f}" if s.losses else "n/a",
         "eval loss": "n/a" if s.eval_loss is None else f"{s.eval_loss:.4f}",
@@ -404,8 +456,52 @@ def overview(run: Run) -> str:
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'
                     for k, v in facts.items())
     masters = f'<p class="masters">{html.escape(masters_text(s))}</p>' if len(s.master_nodes) > 1 else ""
+    tiers = f'<p class="tiers">{html.escape(tiers_text(s))}</p>' if s.expert_tiers else ""
+    rows = f'<p class="condensation">{html.escape(row_format_text(s))}</p>' if s.row_format != "exact" else ""
     return (f'<div class="cards">{cards}</div><p class="condensation">{html.escape(condensation_text(s))}</p>'
-            + masters)
+            + rows + tiers + masters)
+
+
+def tiers_table(summary: RunSummary) -> str:
+    """Per tiered worker (and all of them): expert computations and rows per tier, uploads, predictor, speeds."""
+    def row(name: str, tier: str, c: TierCounters) -> str:
+        speed = lambda field: getattr(c.speeds, field, None)  # noqa: E731  (None: not measured, or a total)
+        cells = [name, html.escape(tier), c.experts_cpu, c.experts_device, c.rows_cpu, c.rows_device,
+                 _number(device_share(c), "{:.1%}"), c.uploads, human_bytes(c.upload_bytes), c.cache_hits,
+                 _number(c.predicted_overlap, "{:.3f}"), _number(speed("cpu_s_per_row"), "{:.3g}", 1e6),
+                 _number(speed("device_s_per_row"), "{:.3g}", 1e6),
+                 _number(speed("upload_bytes_per_s"), "{:.2f}", 1e-9)]
+        return "<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>"
+
+    tiers = summary.worker_tiers
+    rows = [row(f"w{c.worker}", tiers[c.worker] if 0 <= c.worker < len(tiers) else "?", c)
+            for c in summary.expert_tiers]
+    if len(summary.expert_tiers) > 1:
+        rows.append(row("all", "", tier_total(summary.expert_tiers)))
+    head = ('<tr><th rowspan="2">worker</th><th rowspan="2">link tier</th><th colspan="2">expert computations</th>'
+            '<th colspan="2">rows</th><th rowspan="2">rows on device</th><th rowspan="2">uploads</th>'
+            '<th rowspan="2">upload bytes</th><th rowspan="2">cache hits</th><th rowspan="2">predictor accuracy</th>'
+            '<th colspan="2">&micro;s per row</th><th rowspan="2">upload GB/s</th></tr>'
+            "<tr><th>CPU</th><th>device</th><th>CPU</th><th>device</th><th>CPU</th><th>device</th></tr>")
+    return f'<table class="tiers">{head}{"".join(rows)}</table>'
+
+
+def _number(x: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "n/a" if x is None else fmt.format(x * scale)
+
+
+def _tiers_note(run: Run) -> str:
+    """What the tier table counts; the cache size and upload format when the run's config.json is there."""
+    tiers_cfg = ((run.config or {}).get("cluster") or {}).get("expert_tiers") or {}
+    cache = tiers_cfg.get("cache_experts")
+    upload_format = tiers_cfg.get("upload_format")
+    lossy = (f" Uploads travelled as {upload_format} (LOSSY: device experts computed with rounded weights)."
+             if upload_format not in (None, "exact") else "")
+    return ("Each tiered worker keeps its experts' frozen weights in host memory and computes each expert of a "
+            "request on its CPU or its device, as APTMoE's Eq. 1 decides, uploading weights into a device cache"
+            + ("" if cache is None else f" of at most {cache} experts") + ". An expert computation is one expert "
+            "with rows in one request. Predictor accuracy: the mean demand overlap of the next-layer popularity "
+            "forecast (1 = exact). Seconds per row and upload bandwidth: measured on the worker." + lossy)
 
 
 def changes_table(summary: RunSummary) -> str:
@@ -459,6 +555,8 @@ def render_html(run: Run) -> str:
                  "link tier between the master and the worker."),
         _section("comm", "Predicted vs measured communication",
                  _chart("comm", comm_chart(comms)) + comm_table(comms), html.escape(_comm_note(run))),
+        *([_section("tiers", "Expert tiers (APTMoE)", tiers_table(run.summary), html.escape(_tiers_note(run)))]
+          if run.summary.expert_tiers else []),
         _section("loss", "Loss", _chart("loss", loss_chart(run.summary.history))),
         *([_section("changes", "Placement changes and recoveries", changes_table(run.summary),
                     "Experts moved between live workers, re-solves on drifted routing, lost workers replaced.")]

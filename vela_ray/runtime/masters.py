@@ -137,7 +137,8 @@ class ThreadPeers:
         torch.manual_seed(cfg.training.seed)  # as master 0's Backbone.load; load_state makes them equal anyway
         model = load_backbone(cfg.model.path, cfg.torch_dtype)
         return build_master(model, master_table(table, rank), InProcessTransport(managers, self.lock), cfg.lora_spec,
-                            cfg.training.optimizer, master=rank, num_masters=self.num_masters)
+                            cfg.training.optimizer, master=rank, num_masters=self.num_masters,
+                            row_format=cfg.cluster.row_format)
 
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         self._errors = []

@@ -213,6 +213,7 @@ class JobRunner:
         self.peers: PeerMasters = SoloMaster(pool.master_node)
         training = config.training  # `training.method: zo`: ZO-SGD steps instead of `train_step`
         self.zo = ZoTrainer(training.zo.eps, training.seed) if training.method == "zo" else None
+        self.metrics.set_method(training.method)
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -228,7 +229,8 @@ class JobRunner:
         hosted.workers.copies = copies_of(table)
         try:
             master = build_master(backbone.model, master_table(table), hosted.transport, self.config.lora_spec,
-                                  self.config.training.optimizer, num_masters=self.config.cluster.num_masters)
+                                  self.config.training.optimizer, num_masters=self.config.cluster.num_masters,
+                                  row_format=self.config.cluster.row_format)
             master.peft_model.to(self.device)  # after the brokers replaced the (unallocated) experts
             master.dispatcher.latency = self.metrics.latency
             master.dispatcher.condenser = self._condenser()
@@ -634,6 +636,8 @@ class JobRunner:
         self.metrics.record_step(step + 1, loss, step_time, tokens=tokens,
                                  traffic_delta=traffic, expert_counts_LE=counts_LE,
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
+        if self.config.cluster.expert_tiers.enabled:
+            self.metrics.record_tiers(hosted.workers.tier_stats())
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             self._settle_zo(master, hosted)
             record.eval_loss = self._eval(backbone, master)
@@ -760,7 +764,8 @@ class JobRunner:
         history = state.history
         routed = state.tokens_routed_LE
         return RunSummary(
-            mode="vela", method=self.config.training.method, steps=len(history), losses=[h.loss for h in history],
+            mode="vela", method=self.config.training.method, row_format=self.config.cluster.row_format,
+            steps=len(history), losses=[h.loss for h in history],
             eval_loss=history[-1].eval_loss if history else None,
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
             history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),

@@ -12,6 +12,9 @@
   the latest plan (`schedule`), failing that the least recently used one of the plan, never one the
   caller has in use (`fetch(..., protected=...)`). A plan never exceeds the capacity, so its own
   copies never evict each other.
+- Low-bit uploads (`cluster.expert_tiers.upload_format`, LOSSY): `host_params` gives the weights in a
+  wire form of fewer bytes (`vela_ray.model.wire`) and `decode` restores them on the device, so the
+  link carries half (bf16) or about a quarter (fp8) of the bytes; `upload_bytes` counts what crossed.
 - `DroppedWeights`: saved-tensor hooks for a forward graph that keep no device copy of the frozen
   weights between forward and backward: the device holds only the cache's experts, not every expert
   whose graph waits for its backward; backward fetches them again (a hit when prefetched).
@@ -30,12 +33,15 @@ from vela_ray.model.experts import ExpertKey, ExpertParams
 class DeviceExpertCache:
     """At most `capacity` experts' frozen weights on `device`, copied from `host_params(key)`."""
 
-    def __init__(self, host_params: Callable[[ExpertKey], ExpertParams], capacity: int, device: torch.device):
+    def __init__(self, host_params: Callable[[ExpertKey], ExpertParams], capacity: int, device: torch.device,
+                 decode: Callable[[ExpertParams], ExpertParams] | None = None):
+        """`decode`: the weights from `host_params`'s wire form, on the device (None: they are as they are)."""
         if capacity < 1:
             raise ValueError(f"the device cache must hold at least one expert, got capacity {capacity}")
         self.host_params = host_params
         self.capacity = capacity
         self.device = device
+        self.decode = decode
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._entries: OrderedDict[ExpertKey, tuple[ExpertParams, torch.cuda.Event | None]] = OrderedDict()
         self._wanted: set[ExpertKey] = set()
@@ -81,10 +87,12 @@ class DeviceExpertCache:
         self._make_room(in_use | {key})
         host = self.host_params(key)
         if self.stream is None:
-            params, ready = {name: t.clone() for name, t in host.items()}, None
+            params = self.decode(host) if self.decode else {name: t.clone() for name, t in host.items()}
+            ready = None
         else:
             with torch.cuda.stream(self.stream):  # allocated on, and copied by, the upload stream
                 params = {name: t.to(self.device, non_blocking=True) for name, t in host.items()}
+                params = self.decode(params) if self.decode else params
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
         self._entries[key] = (params, ready)

@@ -51,6 +51,7 @@ from vela_ray.errors import ExpertWorkerError
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
 from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
+from vela_ray.model import wire
 from vela_ray.model.loading import checkpoint_prototypes, read_experts
 from vela_ray.model.modeling import experts_prototypes
 from vela_ray.training.optim import OptimizerConfig, ShardTrainer, ZoTerm, apply_zo_terms, grad_sq_norm
@@ -180,8 +181,9 @@ class ExpertManager:
         self.received_bytes += request.rows.numel() * request.rows.element_size()
         start = time.perf_counter()
         try:
-            rows_RD = request.rows.to(self.device, self.dtype)
-            return (self.tiered or self.shard).forward_rows(request.layer, request.expert_ids, rows_RD, request.key)
+            rows_RD = wire.decode(request.rows.to(self.device), self.dtype)
+            out_RD = (self.tiered or self.shard).forward_rows(request.layer, request.expert_ids, rows_RD, request.key)
+            return wire.encode(out_RD, wire.reply_format(request.rows, self.dtype))
         except Exception as exc:
             experts = sorted({(request.layer, int(e)) for e in request.expert_ids.tolist()})
             raise self._error(f"forward of experts {experts} (key {request.key!r})", exc) from exc
@@ -192,7 +194,8 @@ class ExpertManager:
         self.received_bytes += grad.numel() * grad.element_size()
         start = time.perf_counter()
         try:
-            return (self.tiered or self.shard).backward_rows(key, grad.to(self.device))
+            grad_RD = (self.tiered or self.shard).backward_rows(key, wire.decode(grad.to(self.device), self.dtype))
+            return wire.encode(grad_RD, wire.reply_format(grad, self.dtype))
         except Exception as exc:
             raise self._error(f"backward of key {key!r}", exc) from exc
         finally:

@@ -30,6 +30,7 @@ from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import OptimizerConfig, apply_step, clip_coefficient, grad_sq_norm, make_adamw
 from vela_ray.training.replicas import SINGLE, Replicas
 from vela_ray.model.transport import InProcessTransport, Transport
+from vela_ray.model.traffic import RowFormat
 
 Batch = dict[str, torch.Tensor]
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
@@ -173,11 +174,12 @@ class MasterModel:
 
 def build_master(
     model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig,
-    *, master: int = 0, num_masters: int = 1,
+    *, master: int = 0, num_masters: int = 1, row_format: RowFormat = "exact",
 ) -> MasterModel:
     """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA.
 
     `master` of `num_masters`: which data-parallel master this is (`vela_ray.runtime.masters`).
+    `row_format`: how its rows travel (`vela_ray.model.wire`; LOSSY unless exact).
 
     Training needs no KV cache; without one, a batch with `position_ids` and no `attention_mask`
     (packed rows) gets transformers' per-example attention mask (it only looks when no cache is given)."""
@@ -185,7 +187,7 @@ def build_master(
         config.use_cache = False
     full_cfg = full_lora_config(model, lora)
     dispatcher = ExpertDispatcher(torch.as_tensor(expert_to_worker), transport, master=master,
-                                  num_masters=num_masters)
+                                  num_masters=num_masters, row_format=row_format)
     attach_brokers(model, dispatcher)
     peft_model = get_peft_model(model, backbone_lora_config(full_cfg))
     params = [p for p in peft_model.parameters() if p.requires_grad]

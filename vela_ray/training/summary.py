@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from placement import Placement, PlacementProblem, cost
+from vela_ray.model.traffic import RowFormat
 from vela_ray.training.tiers import TierCounters
 
 SUMMARY_FILE = "summary.json"
@@ -221,6 +222,8 @@ class RunSummary(_Record):
     mode: Literal["vela", "expert_parallel"] = "vela"
     method: Literal["first_order", "zo"] = "first_order"
     """`training.method`: backward + AdamW, or zeroth-order ZO-SGD (two no-grad forwards per step)."""
+    row_format: RowFormat = "exact"
+    """`cluster.row_format`: how rows travelled; LOSSY unless exact (`vela_ray.model.wire`)."""
     steps: int
     losses: list[float]
     eval_loss: float | None

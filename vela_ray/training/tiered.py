@@ -44,6 +44,7 @@ from typing import Hashable, Mapping
 import torch
 from torch import nn
 
+from vela_ray.model import wire
 from vela_ray.model.experts import ExpertKey, ExpertParams, ExpertShard, LayerExperts, LoraSpec
 from vela_ray.training.expert_cache import DeviceExpertCache, DroppedWeights, stack_experts
 from vela_ray.training.popularity import PopularityPredictor, demand_overlap
@@ -70,7 +71,11 @@ class TieredExperts:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             pin_frozen_weights(shard)
-        self.cache = DeviceExpertCache(self.host_params, config.cache_experts, self.device)
+        self.upload_format = config.upload_format
+        self._wire_params: dict[ExpertKey, ExpertParams] = {}  # low-bit uploads: each expert encoded once
+        self._host_dtypes: dict[str, torch.dtype] = {}
+        self.cache = DeviceExpertCache(self.upload_params, config.cache_experts, self.device,
+                                       decode=None if self.upload_format == "exact" else self._decode_upload)
         self.speeds: TierSpeeds | None = previous.speeds if previous else None
         self.predictor: PopularityPredictor | None = previous.predictor if previous else None
         self.counters = previous.stats() if previous else TierCounters(worker=worker)  # the old cache's counts in
@@ -199,6 +204,27 @@ class TieredExperts:
         module = layer_experts.module
         return {name: t[local] for name, t in chain(module.named_parameters(recurse=False),
                                                     module.named_buffers(recurse=False))}
+
+    def upload_params(self, key: ExpertKey) -> ExpertParams:
+        """What an upload of `key` copies: its host tensors, or with a low-bit `upload_format` (LOSSY) their
+        wire form (`vela_ray.model.wire`), encoded at the first upload and kept (pinned with CUDA), so
+        each later upload moves fewer bytes and costs no encoding."""
+        if self.upload_format == "exact":
+            return self.host_params(key)
+        if key not in self._wire_params:
+            host = self.host_params(key)
+            self._host_dtypes = {name: t.dtype for name, t in host.items()}  # the same for every expert
+            encoded = {name: wire.encode(t, self.upload_format) if t.is_floating_point() else t
+                       for name, t in host.items()}
+            if self.device.type == "cuda":
+                encoded = {name: t if t.is_pinned() else t.pin_memory() for name, t in encoded.items()}
+            self._wire_params[key] = encoded
+        return self._wire_params[key]
+
+    def _decode_upload(self, params: ExpertParams) -> ExpertParams:
+        dtypes = self._host_dtypes
+        return {name: wire.decode(t, dtypes[name]) if dtypes[name].is_floating_point else t
+                for name, t in params.items()}
 
     # -- bookkeeping ----------------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ from typing import Hashable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vela_ray.model.traffic import RowFormat
+
 
 class ExpertTiersConfig(BaseModel):
     """`cluster.expert_tiers`: APTMoE's CPU/device expert tiers on every ExpertManager."""
@@ -39,6 +41,10 @@ class ExpertTiersConfig(BaseModel):
     cache_experts: int = Field(
         8, ge=1, description="experts whose frozen weights the worker's device holds at once (the cache); also the "
                              "most experts one request computes on the device")
+    upload_format: RowFormat = Field(
+        "exact", description="how frozen expert weights travel from host to device cache: exact, or LOSSY "
+                             "bfloat16 / float8 (e4m3, a scale per row; ZO-Offloading §5.4): fewer upload bytes, and "
+                             "device experts compute with the rounded weights while CPU experts keep the exact ones")
 
 
 class TierSpeeds(BaseModel):
