@@ -157,12 +157,14 @@ def test_with_two_masters_a_killed_master_is_restarted_and_the_run_equals_the_un
                                rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("transport", ["object_ref", "collective"])
+@pytest.mark.parametrize("transport, tiers", [("object_ref", True), ("collective", False)],
+                         ids=["object_ref-tiered", "collective"])
 def test_a_killed_expert_manager_is_replaced_in_place_and_the_run_finishes_as_if_nothing_happened(
-        uninterrupted, tmp_path, transport):
+        uninterrupted, tmp_path, transport, tiers):
     job = json.loads(json.dumps(uninterrupted["job"]))
     job["output"]["dir"] = str(tmp_path / "out")
-    job["cluster"].update(transport=transport, on_worker_loss="recover")
+    # tiered workers (no device here: every expert on the CPU tier) compute as untiered ones do
+    job["cluster"].update(transport=transport, on_worker_loss="recover", expert_tiers={"enabled": tiers})
     job["checkpoint"] = {"every": 2, "keep": 10}
     ckpt_root = tmp_path / "out" / "checkpoints"
     # mid-step 3 or 4: the run must roll back and replay
@@ -179,3 +181,6 @@ def test_a_killed_expert_manager_is_replaced_in_place_and_the_run_finishes_as_if
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(uninterrupted["summary"].losses),
                                rtol=1e-5, atol=0)
     _assert_same_adapter(_adapter(summary), _adapter(uninterrupted["summary"]))
+    if tiers:  # the replacement got the popularity predictor too: it scored forecasts while replaying
+        assert [stats.worker for stats in summary.expert_tiers] == [0, 1, 2]
+        assert all(stats.predictions > 0 for stats in summary.expert_tiers)

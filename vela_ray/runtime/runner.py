@@ -131,6 +131,8 @@ class RunState:
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     migrating: bool = False  # between pool.migrate's start and its end
     tables: np.ndarray | None = None  # what the workers host: a table [L, E], or routes [M, L, E] with replicas
+    predictor: tuple[dict, int] | None = None  # the tiers' fitted popularity predictor (state, top-k), re-sent
+    # to workers that replace lost ones
 
 
 def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
@@ -411,7 +413,8 @@ class JobRunner:
         predictor.fit(pairs)
         logger.info("popularity predictor: top-k overlap per layer on its fitting batches %s",
                     {layer: round(overlap, 3) for layer, overlap in predictor.top_k_overlap(pairs).items()})
-        hosted.workers.set_predictor(predictor.state_dict(), predictor.top_k)
+        self.state.predictor = (predictor.state_dict(), predictor.top_k)
+        hosted.workers.set_predictor(*self.state.predictor)
 
     def _capacities(self, backbone: Backbone) -> list[int]:
         total = int(np.prod(backbone.shape))
@@ -559,6 +562,8 @@ class JobRunner:
         except Exception as exc:  # e.g. the lost node's resources never came back
             raise WorkerLostError(lost.workers, f"{lost.message}. Replacing them failed: {exc}") from None
         hosted.workers.copies = copies_of(self.state.tables)
+        if self.state.predictor is not None:  # the new workers' tiers forecast as the old ones did
+            hosted.workers.set_predictor(*self.state.predictor)
         master.dispatcher.rebind(master.dispatcher.expert_to_worker, hosted.transport)
         self.peers.close()  # they may be stuck in the failed step's gradient sum: start them afresh
         self.peers = self.pool.start_peers(self.state.tables)
