@@ -131,7 +131,8 @@ class RayWorkerPool:
 
     def capacities(self) -> list[int]:
         handles = self.cluster.handles
-        return capacity_from_memory(ray.get([h.free_bytes.remote() for h in handles]), self.bytes_per_expert())
+        return capacity_from_memory(ray.get([h.free_bytes.remote() for h in handles]), self.bytes_per_expert(),
+                                    ray.get([h.memory_pool.remote() for h in handles]))
 
     def pids(self) -> list[int]:
         return ray.get([h.pid.remote() for h in self.cluster.handles])

@@ -21,6 +21,7 @@ from vela_ray.config import ClusterSection, JobConfig
 from vela_ray.data.datasets import pack_text, sequential_batches
 from vela_ray.paths import data_dir
 from vela_ray.runtime.local import InProcessPool
+from vela_ray.runtime.pool import capacity_from_memory
 from vela_ray.runtime.runner import JobRunner
 from vela_ray.training import tiered as tiered_module
 from vela_ray.training.expert_cache import DeviceExpertCache
@@ -30,7 +31,8 @@ from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
 from vela_ray.training.popularity import PopularityPredictor, demand_overlap, routing_pairs, top_k_overlap
 from vela_ray.training.tiers import (
-    ExpertTiersConfig, TierSpeeds, affinity_split, critical_path_s, historical_order, upload_order,
+    ExpertTiersConfig, TierSpeeds, affinity_split, critical_path_s, historical_order, request_seconds_per_row,
+    upload_order,
 )
 from vela_ray.training.tiny_model import tiny_model_path
 
@@ -386,3 +388,36 @@ def test_on_cuda_host_weights_are_pinned_uploads_run_on_their_own_stream_and_res
     stats = tiered.tier_stats()
     assert stats.experts_device == 6 and stats.experts_cpu == 8 and stats.dropped_weights > 0
     assert stats.upload_bytes >= 6 * speeds.bytes_per_expert
+
+
+# --- what placement sees of a tiered worker: compute per row and capacity ------------------------------------------
+
+
+def test_a_request_costs_the_cpu_speed_without_a_device_and_less_with_one_that_beats_it():
+    assert request_seconds_per_row(CPU_ONLY, 256, 8, resident=0, max_device=8) == CPU_ONLY.cpu_s_per_row
+    # a device 100x faster per row, a load worth 10 CPU rows: 32 rows per expert go to the device, uploads
+    # and CPU run side by side, so a row costs less than on the CPU and no less than on the device
+    tiered = request_seconds_per_row(SPEEDS, 256, 8, resident=0, max_device=8)
+    assert SPEEDS.device_s_per_row < tiered < SPEEDS.cpu_s_per_row
+    # all cached: no loads, every row on the device
+    assert request_seconds_per_row(SPEEDS, 256, 8, resident=8, max_device=8) == pytest.approx(SPEEDS.device_s_per_row)
+    # brute force over every split of the uncached request: the rule's choice is the cheapest
+    rows_E = [32] * 8
+    best = min(critical_path_s(rows_E, [False] * 8, split, SPEEDS) + sum(32 for d in split if d) * 1e-7
+               for split in itertools.product([False, True], repeat=8))
+    assert tiered * 256 == pytest.approx(best)
+
+
+def test_a_tiered_manager_reports_its_tiers_compute_and_its_host_memory(tiny_model_dir):
+    manager = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=4))
+    manager.set_tier_speeds(SPEEDS)
+    experts_of_layer = 8  # KEYS: two layers of 8, a cache of 4: a quarter of each layer's experts cached
+    assert manager.seconds_per_row(256) == request_seconds_per_row(SPEEDS, 256, experts_of_layer, 2, 4)
+    assert manager.memory_pool() == "local/host"
+
+
+def test_workers_sharing_one_memory_split_it():
+    free, per_expert = [1000, 1000, 1000, 600], 100
+    assert capacity_from_memory(free, per_expert) == [10, 10, 10, 6]  # each its own memory
+    # three tiered workers on one node's host memory, one on a GPU of its own
+    assert capacity_from_memory(free, per_expert, ["a/host", "a/host", "a/host", "a/cuda:0"]) == [3, 3, 3, 6]

@@ -86,7 +86,8 @@ class InProcessPool:
         return next(m.bytes_per_expert() for m in self.managers if m.keys)
 
     def capacities(self) -> list[int]:
-        return capacity_from_memory([m.free_bytes() for m in self.managers], self.bytes_per_expert())
+        return capacity_from_memory([m.free_bytes() for m in self.managers], self.bytes_per_expert(),
+                                    [m.memory_pool() for m in self.managers])
 
     def pids(self) -> list[int]:
         return [os.getpid()] * len(self.managers)

@@ -9,6 +9,7 @@ implementations: `vela_ray.runtime.local.InProcessPool` (this process) and
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -110,11 +111,16 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
     ]
 
 
-def capacity_from_memory(free_bytes: list[int], bytes_per_expert: int) -> list[int]:
-    """Experts of `bytes_per_expert` that fit in each worker's free memory."""
+def capacity_from_memory(free_bytes: list[int], bytes_per_expert: int, memory_pools: list[str] | None = None
+                         ) -> list[int]:
+    """Experts of `bytes_per_expert` that fit in each worker's free memory. `memory_pools[n]` names the memory
+    worker n measured (`ExpertManager.memory_pool`): workers that share one (CPU or tiered workers on one
+    node's host memory, in-process workers on one GPU) split it evenly instead of each counting all of it."""
     if bytes_per_expert <= 0:
         raise ValueError(f"bytes_per_expert must be positive, got {bytes_per_expert}")
-    return [int(free // bytes_per_expert) for free in free_bytes]
+    pools = memory_pools or [str(n) for n in range(len(free_bytes))]
+    sharing = Counter(pools)
+    return [int(free // sharing[pool] // bytes_per_expert) for free, pool in zip(free_bytes, pools)]
 
 
 def fill_unmeasured(per_row_s: list[float | None]) -> list[float]:

@@ -59,7 +59,7 @@ from vela_ray.model.traffic import LOCAL_NODE
 from vela_ray.model.transport import ForwardRequest
 from vela_ray.training.popularity import PopularityPredictor
 from vela_ray.training.tiered import TieredExperts, seconds_per_row
-from vela_ray.training.tiers import ExpertTiersConfig, TierCounters, TierSpeeds
+from vela_ray.training.tiers import ExpertTiersConfig, TierCounters, TierSpeeds, request_seconds_per_row
 
 logger = logging.getLogger(__name__)
 
@@ -439,14 +439,21 @@ class ExpertManager:
     def seconds_per_row(self, num_rows: int, repeats: int = 3) -> float | None:
         """Wall seconds of one row's forward + backward through a hosted expert, best of `repeats`.
 
-        The placement cost model's compute term (`PlacementProblem.compute_seconds_per_row`); on a tiered
-        worker the CPU's (its shard is in host memory). Random rows; gradients are returned, not
-        accumulated, so training state is untouched. None when this worker hosts no expert.
+        The placement cost model's compute term (`PlacementProblem.compute_seconds_per_row`). Random rows;
+        gradients are returned, not accumulated, so training state is untouched. None when this worker hosts
+        no expert. A tiered worker answers for its tiers: `num_rows` spread over its first layer's experts,
+        a share of them cached, each computed where Eq. 1 puts it, from its measured `TierSpeeds`
+        (`tiers.request_seconds_per_row`).
         """
         if not self.keys:
             return None
         layer, expert = self.keys[0]
-        return seconds_per_row(self.shard.layers[str(layer)], expert, num_rows, repeats)
+        if self.tiered is None:
+            return seconds_per_row(self.shard.layers[str(layer)], expert, num_rows, repeats)
+        experts = len(self.shard.layers[str(layer)].expert_ids)
+        cache = self.tiered.cache.capacity
+        resident = min(experts, experts * cache // len(self.keys))  # the layer's share of the cache
+        return request_seconds_per_row(self.tiered.measured_speeds(), num_rows, experts, resident, cache)
 
     def bytes_per_expert(self) -> int:
         """Mean bytes one hosted expert needs: frozen weights + LoRA with its gradient and AdamW moments."""
@@ -457,10 +464,18 @@ class ExpertManager:
         return (frozen + _LORA_COPIES * lora) // len(self.keys)
 
     def free_bytes(self) -> int:
-        """Free memory on this worker's device: what more experts could fill."""
-        if self.device.type == "cuda":
+        """Free memory where this worker keeps its experts: its GPU's, or host memory on a CPU worker and on
+        a tiered one (APTMoE: frozen weights, LoRA and AdamW in host memory, only the bounded cache on the
+        device). Workers that share that memory each see all of it: `memory_pool` says which do."""
+        if self.device.type == "cuda" and self.tiered is None:
             return int(torch.cuda.mem_get_info(self.device)[0])
         return int(psutil.virtual_memory().available)
+
+    def memory_pool(self) -> str:
+        """Names the memory `free_bytes` measured: workers with the same name split it (`capacity_from_memory`)."""
+        if self.device.type == "cuda" and self.tiered is None:
+            return f"{self.node_id()}/cuda:{torch.cuda.get_device_properties(self.device).uuid}"
+        return f"{self.node_id()}/host"
 
     def num_experts(self) -> int:
         return len(self.keys)

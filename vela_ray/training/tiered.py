@@ -299,10 +299,11 @@ def seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, rep
 def measure_speeds(tiered: TieredExperts, num_rows: int = SPEED_ROWS, repeats: int = 3) -> TierSpeeds:
     """The worker's `TierSpeeds`, timed on its first hosted expert: CPU and device seconds per row, and the
     host-to-device rate of one expert's upload from pinned memory. Without CUDA the device figures are
-    None, so every expert computes on the CPU."""
+    None, so every expert computes on the CPU. With a low-bit `upload_format` an upload is the wire form's
+    copy and its decoding, and moves the wire form's bytes."""
     layer_name, host_layer = next(iter(tiered.shard.layers.items()))
     layer, expert = int(layer_name), host_layer.expert_ids[0]
-    host = tiered.host_params((layer, expert))
+    host = tiered.upload_params((layer, expert))
     expert_bytes = sum(t.numel() * t.element_size() for t in host.values())
     cpu_s = seconds_per_row(host_layer, expert, num_rows, repeats)
     if tiered.device.type != "cuda":
@@ -311,6 +312,7 @@ def measure_speeds(tiered: TieredExperts, num_rows: int = SPEED_ROWS, repeats: i
     for _ in range(repeats + 1):
         start = time.perf_counter()
         params = {name: t.to(tiered.device, non_blocking=True) for name, t in host.items()}
+        params = tiered.cache.decode(params) if tiered.cache.decode else params
         torch.cuda.synchronize(tiered.device)
         copies.append(time.perf_counter() - start)
     view = LayerExperts(layer, tiered.prototype_of(layer), {expert: params}, tiered.lora,

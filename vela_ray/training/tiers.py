@@ -130,6 +130,23 @@ def critical_path_s(rows_E: Sequence[int], resident_E: Sequence[bool], on_device
     return max(cpu_s, fixed_load_s + (loads * speeds.load_seconds() if loads else 0.0))
 
 
+def request_seconds_per_row(speeds: TierSpeeds, num_rows: int, num_experts: int, resident: int,
+                            max_device: int) -> float:
+    """Seconds per row of a request of `num_rows` rows spread evenly over `num_experts` experts, of which
+    `resident` are in the device cache, computed where Eq. 1 puts them: the critical path (CPU experts
+    against uploads) plus the device's compute of its rows. What a tiered worker costs the placement's
+    compute-aware model per row (`placement.cost_model: communication+compute`); without a device tier,
+    the CPU's seconds per row."""
+    if num_rows <= 0 or num_experts <= 0:
+        return speeds.cpu_s_per_row
+    rows_E = [num_rows // num_experts + (e < num_rows % num_experts) for e in range(num_experts)]
+    resident_E = [e < resident for e in range(num_experts)]
+    on_device = affinity_split(rows_E, resident_E, speeds, max_device)
+    device_rows = sum(r for r, dev in zip(rows_E, on_device) if dev)
+    device_s = device_rows * speeds.device_s_per_row if device_rows else 0.0
+    return (critical_path_s(rows_E, resident_E, on_device, speeds) + device_s) / num_rows
+
+
 def upload_order(queues: Sequence[Sequence[Hashable]], capacity: int) -> list[Hashable]:
     """The experts the device cache should hold, most urgent first: the queues in priority order (the
     paper's inter-expert, inter-layer and inter-stage queues: this layer's device experts, the next
