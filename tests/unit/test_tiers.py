@@ -421,3 +421,13 @@ def test_workers_sharing_one_memory_split_it():
     assert capacity_from_memory(free, per_expert) == [10, 10, 10, 6]  # each its own memory
     # three tiered workers on one node's host memory, one on a GPU of its own
     assert capacity_from_memory(free, per_expert, ["a/host", "a/host", "a/host", "a/cuda:0"]) == [3, 3, 3, 6]
+
+
+def test_a_tiered_manager_first_asked_without_grad_measures_its_speeds_all_the_same(tiny_model_dir):
+    # in-process (InProcessPool) the first request may come from an eval or ZO forward under no_grad
+    tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=2))
+    ids, rows, _ = requests(0, 128, seed=0)
+    with torch.no_grad():
+        out = tiered.forward_rows(0, ids, rows)
+    torch.testing.assert_close(out, make_manager(tiny_model_dir).forward_rows(0, ids, rows), rtol=0, atol=1e-6)
+    assert tiered.tier_stats().speeds.cpu_s_per_row > 0

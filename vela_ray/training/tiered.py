@@ -279,7 +279,13 @@ def pin_frozen_weights(shard: ExpertShard) -> None:
 def seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, repeats: int = 3) -> float:
     """Wall seconds of one row's forward + backward through `expert` of `layer_experts`, best of `repeats`,
     on the device of its weights. Random rows; gradients are returned, not accumulated, so training
-    state is untouched."""
+    state is untouched. Grad mode is on whatever the caller's: a tiered worker first measures inside a
+    request, which may be a no-grad forward (eval, ZO) or the broker's autograd Function."""
+    with torch.enable_grad():
+        return _seconds_per_row(layer_experts, expert, num_rows, repeats)
+
+
+def _seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, repeats: int) -> float:
     device = layer_experts.local_of.device
     dtype = getattr(layer_experts.module, layer_experts.stacks[0]).dtype
     ids_R = torch.full((num_rows,), expert, dtype=torch.long, device=device)
