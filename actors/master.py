@@ -1,8 +1,9 @@
 """MasterActor: the Ray shell around one run of `vela_ray.runtime.runner.JobRunner`.
 
 It runs on the driver's node and holds the backbone; the ExpertManagers are a
-`RayWorkerPool`, or with `cluster.experts_on_master` an `InProcessPool` on the master's
-own device (one GPU runs a whole job, rows passed by direct call); metrics go to Ray's
+`RayWorkerPool` (with `cluster.workers_on_master`, some of them in this process on the master's
+device), or with every worker there an `InProcessPool` (one GPU runs a whole job, rows passed
+by direct call); metrics go to Ray's
 exporter. All of the run's logic is the runner's, which tests drive in one process over
 `InProcessPool`.
 
@@ -44,7 +45,7 @@ class MasterActor:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # INFO lines reach the driver's terminal
         silence_known_warnings()
         node = ray.get_runtime_context().get_node_id()
-        if self.config.cluster.experts_on_master:  # the one-GPU configuration: experts beside the backbone
+        if self.config.cluster.num_worker_actors == 0:  # the one-GPU configuration: experts beside the backbone
             pool = InProcessPool(self.config, device="cuda" if self.config.cluster.master_gpus else "cpu",
                                  master_node=node)
         else:

@@ -4,6 +4,11 @@ Workers are spawned with one placement-group bundle each (`actors.cluster`), the
 plane is a Ray transport (object refs, or the collective plane formed through Ray), and links and compute are
 measured by the PlacementService on the master's node. A dead actor shows up as a
 `RayActorError`; `lost_workers` pings every worker to name the dead ones.
+
+With `cluster.workers_on_master: K` the last K workers are ExpertManagers in this (the master's)
+process on its device: `SplitTransport` serves them by direct call while the actors' rows travel,
+their link is a function call's, and they die only with the master. Workers 0..A-1 are the actors,
+so an actor's position in the cluster is its worker number.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from actors.transports import RayObjectRefTransport, collective_transport, data_
 from actors.workers import actor_workers
 from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
+from vela_ray.model.transport import InProcessTransport, SplitTransport
 from vela_ray.config import JobConfig
 from vela_ray.runtime.masters import PeerMasters, SoloMaster
 from vela_ray.runtime.migration import MigrationPlan
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
-from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
+from vela_ray.runtime.local import IN_PROCESS_LINK
+from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec, MigrationStats
 from vela_ray.training.summary import LinkRecord
 
 logger = logging.getLogger(__name__)
@@ -48,15 +55,22 @@ class RayWorkerPool:
         self.cluster: ExpertCluster | None = None
         self.transport: Any = None
         self.table: np.ndarray | None = None
+        self.num_actors = cluster.num_worker_actors
+        self.local_device = "cuda" if cluster.master_gpus else "cpu"
+        self.local: list[ExpertManager] = []  # workers num_actors.. in this process (`cluster.workers_on_master`)
 
     def start(self, table: np.ndarray) -> HostedExperts:
         self.close()
         self.table = np.array(table)
         self.cluster = spawn_expert_managers(self._specs(), self.spawn_config)
+        self.local = [ExpertManager(spec) for spec in manager_specs(self.config, self.table, self.local_device)
+                      [self.num_actors:]]
         return self._connect()
 
     def _specs(self) -> list[ExpertManagerSpec]:
-        return manager_specs(self.config, self.table, "cuda" if self.config.cluster.num_gpus_per_worker else "cpu")
+        """The actors' specs (workers 0..num_actors-1)."""
+        device = "cuda" if self.config.cluster.num_gpus_per_worker else "cpu"
+        return manager_specs(self.config, self.table, device)[:self.num_actors]
 
     def _connect(self) -> HostedExperts:
         """The control plane and a fresh data plane over the current actors."""
@@ -66,7 +80,10 @@ class RayWorkerPool:
         else:
             self.transport = RayObjectRefTransport(self.cluster.handles, tiers,
                                                    zero_copy=self.config.cluster.zero_copy_tensors)
-        return HostedExperts(actor_workers(self.cluster.handles), self.transport, self.cluster.node_ids)
+        if self.local:
+            self.transport = SplitTransport(self.transport, InProcessTransport(self.local))
+        return HostedExperts(actor_workers(self.cluster.handles, local=self.local), self.transport,
+                             [*self.cluster.node_ids, *[self.master_node] * len(self.local)])
 
     def start_peers(self, table: np.ndarray) -> PeerMasters:
         if self.config.cluster.num_masters == 1:
@@ -77,12 +94,19 @@ class RayWorkerPool:
         """Worker-to-worker: each receiver gets its senders' object refs, so the state travels from the
         sender's object store to the receiver's without passing through the master."""
         plan = MigrationPlan.between(self.table, table)
-        handles = self.cluster.handles
-        sent = {pair: handles[pair[0]].expert_states.remote(keys) for pair, keys in plan.by_pair().items()}
-        stats = ray.get([handles[n].rehost.remote(plan.keys_of(n), *[sent[p] for p in plan.senders_to(n)])
-                         for n in plan.touched()])
+        sent = {pair: self._call(pair[0], "expert_states", keys) for pair, keys in plan.by_pair().items()}
+        stats = [self._call(n, "rehost", plan.keys_of(n), *[sent[p] for p in plan.senders_to(n)])
+                 for n in plan.touched()]
         self.table = plan.new
-        return stats
+        return [_value(s) for s in stats]
+
+    def _call(self, worker: int, method: str, *args: Any) -> Any:
+        """`method` on `worker`: an ObjectRef from an actor, the value from a worker in this process (which
+        gets the values of ObjectRef arguments)."""
+        if worker < self.num_actors:
+            return getattr(self.cluster.handles[worker], method).remote(*args)
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+        return getattr(self.local[worker - self.num_actors], method)(*args)
 
     def replace(self, workers: list[int]) -> HostedExperts:
         """New actors for `workers` in their bundles; the data plane is formed again over all workers
@@ -103,7 +127,7 @@ class RayWorkerPool:
     def measure_links(self) -> list[LinkRecord]:
         service = spawn_placement_service(self.master_node, self.env_vars)
         try:
-            return ray.get(service.probe.remote(self.cluster.handles))
+            return ray.get(service.probe.remote(self.cluster.handles)) + [IN_PROCESS_LINK] * len(self.local)
         finally:
             ray.kill(service)
 
@@ -122,20 +146,23 @@ class RayWorkerPool:
                                  {link.name.removeprefix("nic:"): measured[link.name] for link in links})
 
     def measure_compute(self, num_rows: int) -> list[float]:
-        return fill_unmeasured(ray.get([h.seconds_per_row.remote(num_rows) for h in self.cluster.handles]))
+        return fill_unmeasured(self._ask_all("seconds_per_row", num_rows))
 
     def bytes_per_expert(self) -> int:
-        handles = self.cluster.handles
-        hosting = [h for h, n in zip(handles, ray.get([h.num_experts.remote() for h in handles])) if n]
-        return ray.get(hosting[0].bytes_per_expert.remote())
+        hosting = next(n for n, count in enumerate(self._ask_all("num_experts")) if count)
+        return _value(self._call(hosting, "bytes_per_expert"))
 
     def capacities(self) -> list[int]:
-        handles = self.cluster.handles
-        return capacity_from_memory(ray.get([h.free_bytes.remote() for h in handles]), self.bytes_per_expert(),
-                                    ray.get([h.memory_pool.remote() for h in handles]))
+        return capacity_from_memory(self._ask_all("free_bytes"), self.bytes_per_expert(),
+                                    self._ask_all("memory_pool"))
 
     def pids(self) -> list[int]:
-        return ray.get([h.pid.remote() for h in self.cluster.handles])
+        return self._ask_all("pid")
+
+    def _ask_all(self, method: str, *args: Any) -> list[Any]:
+        """`method` on every worker: the actors in parallel, then those in this process."""
+        refs = [getattr(h, method).remote(*args) for h in self.cluster.handles]
+        return ray.get(refs) + [getattr(m, method)(*args) for m in self.local]
 
     def lost_workers(self, error: BaseException) -> list[int] | None:
         if not isinstance(error, (ray.exceptions.RayActorError, PeerLostError)):
@@ -157,3 +184,9 @@ class RayWorkerPool:
         if self.cluster is not None:
             self.cluster.shutdown()
             self.cluster = None
+        self.local = []
+
+
+def _value(answer: Any) -> Any:
+    """What `RayWorkerPool._call` answered: an actor's ObjectRef resolved, a local worker's value as is."""
+    return ray.get(answer) if isinstance(answer, ray.ObjectRef) else answer

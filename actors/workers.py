@@ -18,13 +18,17 @@ import ray
 from vela_ray.training.step import ExpertWorkers
 
 
-def actor_workers(handles: Sequence[Any], timeout_s: float | None = None) -> ExpertWorkers:
-    """ExpertWorkers over actor handles; `handles[n]` is worker n."""
-    handles = list(handles)
+def actor_workers(handles: Sequence[Any], timeout_s: float | None = None, local: Sequence[Any] = ()
+                  ) -> ExpertWorkers:
+    """ExpertWorkers over actor handles; `handles[n]` is worker n, and `local[i]` (ExpertManagers in this
+    process, `cluster.workers_on_master`) worker len(handles) + i, called while the actors work."""
+    handles, local = list(handles), list(local)
 
     def call_all(method: str, *args: Any) -> list[Any]:
         # A dict argument (an adapter state) is stored once in the object store, not once per worker.
-        args = tuple(ray.put(a) if isinstance(a, dict) else a for a in args)
-        return ray.get([getattr(h, method).remote(*args) for h in handles], timeout=timeout_s)
+        stored = tuple(ray.put(a) if isinstance(a, dict) and handles else a for a in args)
+        refs = [getattr(h, method).remote(*stored) for h in handles]
+        here = [getattr(w, method)(*args) for w in local]
+        return ray.get(refs, timeout=timeout_s) + here
 
-    return ExpertWorkers(call_all, len(handles))
+    return ExpertWorkers(call_all, len(handles) + len(local))

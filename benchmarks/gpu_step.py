@@ -4,7 +4,7 @@
                       LoRA on attention and on the experts (peft's `target_parameters`, as
                       `vela_ray.model.adapters.full_lora_config` writes it)
     vela_gpu          vela-ray with every expert on the master's GPU: one in-process ExpertManager on
-                      CUDA, rows by direct call (`cluster.experts_on_master`)
+                      CUDA, rows by direct call (`cluster.workers_on_master = num_workers`)
     vela_cpu_workers  vela-ray: the master (backbone, its LoRA and AdamW) on the GPU, the experts on 2 CPU
                       ExpertManagers (Ray actors, `--worker-cpus` each) over the collective data plane (gloo)
 

@@ -89,23 +89,42 @@ class ClusterSection(_Section):
                              "sends its rows to every worker, so without replicated experts (M-1)/M of the rows "
                              "cross nodes; it spreads the backbone's compute, not the traffic")
 
-    experts_on_master: bool = Field(
-        False, description="host the num_workers ExpertManagers in the master's own process, on its device (its "
-                           "GPU with master_gpus: 1): no worker actors, rows move by direct call (the same_process "
-                           "link tier). The one-GPU configuration; the master's memory must hold every expert")
+    workers_on_master: int = Field(
+        0, ge=0, description="the last K of the num_workers ExpertManagers live in the master's own process, on its "
+                             "device (its GPU with master_gpus: 1): rows to them move by direct call (the "
+                             "same_process link tier, the fastest the placement sees) while the other workers' "
+                             "rows travel. K = num_workers: the one-GPU configuration, no worker actors")
     expert_tiers: ExpertTiersConfig = Field(
         default_factory=ExpertTiersConfig, description="APTMoE's CPU/device expert tiers: workers keep experts in host "
                                                        "memory and compute each on the CPU or their device (Eq. 1)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "experts_on_master" in data:
+            raise ValueError("cluster.experts_on_master is now cluster.workers_on_master: the number of "
+                             "ExpertManagers in the master's process (num_workers for all of them)")
+        return data
+
     @model_validator(mode="after")
-    def _experts_on_master_alone(self) -> "ClusterSection":
-        if self.experts_on_master and self.num_masters > 1:
-            raise ValueError(f"cluster.experts_on_master needs cluster.num_masters: 1 (it is {self.num_masters}): "
-                             "the other masters would have no ExpertManagers to send rows to")
-        if self.experts_on_master and self.num_gpus_per_worker:
-            raise ValueError("cluster.experts_on_master puts the ExpertManagers on the master's device, so "
-                             "cluster.num_gpus_per_worker must be 0 (give the master its GPU with master_gpus: 1)")
+    def _workers_on_master_fit(self) -> "ClusterSection":
+        k = self.workers_on_master
+        if k > self.num_workers:
+            raise ValueError(f"cluster.workers_on_master ({k}) cannot exceed cluster.num_workers "
+                             f"({self.num_workers})")
+        if k and self.num_masters > 1:
+            raise ValueError(f"cluster.workers_on_master needs cluster.num_masters: 1 (it is {self.num_masters}): "
+                             "the other masters could not reach ExpertManagers in master 0's process")
+        if k == self.num_workers and self.num_gpus_per_worker:
+            raise ValueError("cluster.workers_on_master = num_workers puts every ExpertManager on the master's "
+                             "device, so cluster.num_gpus_per_worker must be 0 (give the master its GPU with "
+                             "master_gpus: 1)")
         return self
+
+    @property
+    def num_worker_actors(self) -> int:
+        """ExpertManagers that run as Ray actors (the rest live in the master's process)."""
+        return self.num_workers - self.workers_on_master
 
     @model_validator(mode="after")
     def _masters_over_object_refs(self) -> "ClusterSection":

@@ -300,7 +300,7 @@ def check_cluster_resources(config: JobConfig, available: dict[str, float]) -> N
     then blames CPUs even when GPUs are what is missing. Pure: no Ray import.
     """
     cluster = config.cluster
-    workers = 0 if cluster.experts_on_master else cluster.num_workers  # worker actors
+    workers = cluster.num_worker_actors
     gpus_needed, gpus = workers * cluster.num_gpus_per_worker, float(available.get("GPU", 0.0))
     if gpus_needed > gpus:
         raise ValueError(
@@ -319,12 +319,12 @@ def master_gpus(config: JobConfig, available: dict[str, float]) -> int:
     """The master's GPU count: `cluster.master_gpus`, or 1 when the cluster has a GPU the workers leave
     free. Call after `check_cluster_resources`; ValueError if an explicit 1 does not fit. Pure: no Ray."""
     cluster = config.cluster
-    spare = float(available.get("GPU", 0.0)) - cluster.num_workers * cluster.num_gpus_per_worker
+    spare = float(available.get("GPU", 0.0)) - cluster.num_worker_actors * cluster.num_gpus_per_worker
     if cluster.master_gpus is None:
         return 1 if spare >= 1 else 0
     if cluster.master_gpus > spare:
         raise ValueError(f"cluster.master_gpus {cluster.master_gpus} needs a GPU beyond the workers' "
-                         f"{cluster.num_workers * cluster.num_gpus_per_worker}, but the Ray cluster has "
+                         f"{cluster.num_worker_actors * cluster.num_gpus_per_worker}, but the Ray cluster has "
                          f"{float(available.get('GPU', 0.0)):g}; set cluster.master_gpus: 0 or free a GPU")
     return cluster.master_gpus
 

@@ -28,9 +28,9 @@ def test_master_on_gpu_with_cpu_workers_over_gloo_equals_peft(ray_session, tmp_p
 
 
 def test_one_gpu_holds_the_backbone_and_every_expert_and_equals_peft(ray_session, tmp_path):
-    """`cluster.experts_on_master`: the ExpertManagers on the master's GPU, rows by direct call."""
+    """`cluster.workers_on_master: num_workers`: the ExpertManagers on the master's GPU, rows by direct call."""
     model_dir = make_checkpoint(tmp_path / "model")
-    job = job_dict(model_dir, tmp_path / "out", steps=4, cluster={"num_workers": 2, "experts_on_master": True},
+    job = job_dict(model_dir, tmp_path / "out", steps=4, cluster={"num_workers": 2, "workers_on_master": 2},
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)

@@ -18,13 +18,19 @@ STEPS = 4
 
 # Qwen3-MoE's step over both Ray data planes is tests/ray/test_transport_conformance.py's; a whole job
 # more would add half a minute of CI for no path that Mixtral's does not take.
+CLUSTERS = {"object_ref": {}, "collective": {"transport": "collective"},
+            "all_on_master": {"workers_on_master": 3},  # the one-GPU configuration: no worker actors
+            "one_on_master": {"workers_on_master": 1, "transport": "collective"}}  # 2 actors + 1 in-process
+
+
 @pytest.mark.parametrize("family,transport", [("mixtral", "object_ref"), ("mixtral", "collective"),
-                                              ("gpt_oss", "object_ref"), ("mixtral", "experts_on_master")])
+                                              ("gpt_oss", "object_ref"), ("mixtral", "all_on_master"),
+                                              ("mixtral", "one_on_master")])
 def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, family, transport):
     model_dir = make_checkpoint(tmp_path / "model", family)
     job = job_dict(model_dir, tmp_path / "out", steps=STEPS,
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
-                   cluster={"experts_on_master": True} if transport == "experts_on_master" else {"transport": transport},
+                   cluster=CLUSTERS[transport],
                    placement={"cost_model": "communication+compute"},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)
@@ -40,9 +46,13 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert written["losses"] == summary.losses
     assert sum(written["traffic_bytes_by_tier"].values()) > 0
-    if config.cluster.experts_on_master:  # no worker actors: every row went by direct call
-        assert {tier for tier, n in written["traffic_bytes_by_tier"].items() if n} == {"same_process"}
+    used_tiers = {tier for tier, n in written["traffic_bytes_by_tier"].items() if n}
+    if transport == "all_on_master":  # no worker actors: every row went by direct call
+        assert used_tiers == {"same_process"}
         assert written["master_node"] not in ("", "local")
+    if transport == "one_on_master":  # worker 2 in the master's process, the others over the collective plane
+        assert written["worker_tiers"] == ["same_node", "same_node", "same_process"] and len(used_tiers) == 2
+        assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["pids"])) == 3
     assert (tmp_path / "out" / "placement.json").is_file() and (tmp_path / "out" / "profile.npy").is_file()
     placed = written["placement"]  # the compute-aware cost model measured every worker's compute per row
     assert placed["cost_model"] == "communication+compute"

@@ -81,7 +81,11 @@ def test_resume_continues_when_training_steps_was_raised(checkpoint, tmp_path):
      r"cluster.num_workers 10 x cluster.num_cpus_per_worker 0.5 needs 5 CPUs but the Ray cluster has 2;"),
     ({"num_workers": 3, "num_cpus_per_worker": 0.5}, {"CPU": 1.5, "GPU": 0.0}, None),
     ({"num_workers": 2, "num_gpus_per_worker": 1, "num_cpus_per_worker": 1}, {"CPU": 8.0, "GPU": 2.0}, None),
-    ({"num_workers": 10, "experts_on_master": True}, {"CPU": 1.0}, None),  # no worker actors to place
+    ({"num_workers": 10, "workers_on_master": 10}, {"CPU": 1.0}, None),  # no worker actors to place
+    # two of three workers are actors with a GPU each; the third shares the master's
+    ({"num_workers": 3, "workers_on_master": 1, "num_gpus_per_worker": 1}, {"CPU": 8.0, "GPU": 2.0}, None),
+    ({"num_workers": 3, "workers_on_master": 1, "num_gpus_per_worker": 1}, {"CPU": 8.0, "GPU": 1.0},
+     r"needs 2 GPUs .* has 1;"),
 ])
 def test_cluster_resources_name_the_real_shortage(checkpoint, tmp_path, cluster, available, message):
     config = _config(checkpoint, tmp_path, cluster=cluster)

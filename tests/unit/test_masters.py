@@ -93,10 +93,12 @@ def test_thread_group_sums_agree_bitwise_on_every_thread():
      r"a micro-batch of 2 rows cannot feed cluster.num_masters = 3 masters"),
     ({"cluster": {"num_masters": 2}, "training": {"steps": 1, "condensation": {"enabled": True}}},
      r"training.condensation.enabled needs cluster.num_masters: 1 \(it is 2\)"),
-    ({"cluster": {"num_masters": 2, "experts_on_master": True}},
-     r"cluster.experts_on_master needs cluster.num_masters: 1 \(it is 2\)"),
-    ({"cluster": {"num_gpus_per_worker": 1, "experts_on_master": True}},
+    ({"cluster": {"num_masters": 2, "workers_on_master": 1}},
+     r"cluster.workers_on_master needs cluster.num_masters: 1 \(it is 2\)"),
+    ({"cluster": {"num_gpus_per_worker": 1, "workers_on_master": 3}},
      r"cluster.num_gpus_per_worker must be 0"),
+    ({"cluster": {"workers_on_master": 4}}, r"cluster.workers_on_master \(4\) cannot exceed cluster.num_workers \(3\)"),
+    ({"cluster": {"experts_on_master": True}}, r"cluster.experts_on_master is now cluster.workers_on_master"),
 ])
 def test_masters_the_job_cannot_feed_are_refused_in_one_line(tmp_path, sections, message):
     with pytest.raises(ValueError, match=message):

@@ -6,6 +6,7 @@ issue them concurrently (Ray: one remote call or channel write per worker,
 then wait for all). Backends:
 
 - `InProcessTransport` here: shards live in the master's process (tests, one-GPU runs);
+- `SplitTransport` here: some workers in the master's process, the others behind a Ray transport;
 - Ray object refs in `actors/transports.py`;
 - torch.distributed point-to-point in `vela_ray.model.collective` (formed through Ray).
 
@@ -15,7 +16,9 @@ All backends pass the same conformance suite (tests/ray/test_transport_conforman
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from dataclasses import dataclass
 from typing import Hashable, Protocol, runtime_checkable
@@ -86,3 +89,41 @@ class InProcessTransport:
 
     def worker_tiers(self) -> list[LinkTier]:
         return ["same_process"] * self.num_workers
+
+
+class SplitTransport:
+    """Workers 0..A-1 over `remote` (Ray actors), A..N-1 over `local` (ExpertManagers in this process,
+    `cluster.workers_on_master`): one layer's remote rows are posted first and travel, on a thread of
+    their own, while the local experts compute (the master overlaps its in-process experts with the
+    rows in flight); then both answers are merged in worker order."""
+
+    def __init__(self, remote: Transport, local: Transport):
+        self.remote, self.local = remote, local
+        self.split = remote.num_workers
+        self.num_workers = remote.num_workers + local.num_workers
+        self._remote_thread = ThreadPoolExecutor(1, thread_name_prefix="vela-remote-rows")
+
+    def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
+        return self._both(self.remote.forward, self.local.forward, requests)
+
+    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return self._both(functools.partial(self.remote.backward, key), functools.partial(self.local.backward, key),
+                          grads)
+
+    def worker_tiers(self) -> list[LinkTier]:
+        return [*self.remote.worker_tiers(), *self.local.worker_tiers()]
+
+    def close(self) -> None:
+        self._remote_thread.shutdown(wait=True)
+        if hasattr(self.remote, "close"):
+            self.remote.close()
+
+    def _both(self, remote_call, local_call, parts: dict) -> dict[int, torch.Tensor]:
+        remote = {w: p for w, p in parts.items() if w < self.split}
+        local = {w - self.split: p for w, p in parts.items() if w >= self.split}
+        pending = self._remote_thread.submit(remote_call, remote) if remote else None
+        try:
+            out = {w + self.split: result for w, result in local_call(local).items()} if local else {}
+        finally:  # the remote call ends before the next one starts, even when a local expert failed
+            remote_out = pending.result() if pending is not None else {}
+        return remote_out | out

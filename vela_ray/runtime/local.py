@@ -35,7 +35,7 @@ class InProcessPool:
     def __init__(self, config: JobConfig, links: list[LinkRecord] | None = None, device: str = "cpu",
                  master_node: str = LOCAL_NODE):
         """`links`: report these instead of function calls' (an emulated cluster's, for placement tests);
-        `device`: where the ExpertManagers keep their experts (the master's, `cluster.experts_on_master`);
+        `device`: where the ExpertManagers keep their experts (the master's, `cluster.workers_on_master`);
         `master_node`: the Ray node the master runs on, for the summary (the workers share it)."""
         self.config = config
         self.links = links
