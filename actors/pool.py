@@ -109,12 +109,18 @@ class RayWorkerPool:
         return getattr(self.local[worker - self.num_actors], method)(*args)
 
     def replace(self, workers: list[int]) -> HostedExperts:
-        """New actors for `workers` in their bundles; the data plane is formed again over all workers
+        """New actors for `workers` in their bundles (new objects for those in this process: the runner
+        restarts every worker after a loss mid-migration); the data plane is formed again over all workers
         (a collective group cannot take a new member)."""
         if self.transport is not None:
             self._close_transport()
         specs = self._specs()
-        respawn_expert_managers(self.cluster, [specs[n] for n in workers], self.spawn_config)
+        if actors := [n for n in workers if n < self.num_actors]:
+            respawn_expert_managers(self.cluster, [specs[n] for n in actors], self.spawn_config)
+        local_specs = manager_specs(self.config, self.table, self.local_device)
+        for n in workers:
+            if n >= self.num_actors:
+                self.local[n - self.num_actors] = ExpertManager(local_specs[n])
         return self._connect()
 
     def _close_transport(self) -> None:

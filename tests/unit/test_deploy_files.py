@@ -125,7 +125,7 @@ def _assert_nodes_hold(job: JobConfig, nodes: list[Node]) -> None:
     free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(job, totals)
     per_node = cluster.workers_per_node or cluster.num_workers
     placed = [0] * len(nodes)
-    for worker in range(cluster.num_workers):
+    for worker in range(cluster.num_worker_actors):  # the others live in the master's process
         node = next((i for i, n in enumerate(free) if placed[i] < per_node
                      and n.get("GPU", 0.0) >= cluster.num_gpus_per_worker
                      and n["CPU"] >= cluster.num_cpus_per_worker), None)
