@@ -10,8 +10,9 @@ Stages of `JobRunner.run()`:
      live workers (`vela_ray.runtime.migration`) and swap the brokers' table;
   5. start state (checkpoint or init adapter), then train: `train_step` per step (a ZO-SGD step,
      `vela_ray.training.zo`, with `training.method: zo`), a
-     checkpoint every `checkpoint.every` steps and at the end (written while training goes on with
-     `checkpoint.asynchronous`), eval loss, metrics; every
+     checkpoint every `checkpoint.every` steps and at the end (written and published by
+     `vela_ray.runtime.checkpointing`, while training goes on with `checkpoint.asynchronous`),
+     eval loss, metrics; every
      `placement.replan.every` steps a re-solve on the recent routing when it drifted, adopted
      only when its saving pays for the migration; a lost worker replaced in place and the run
      rolled back to the last checkpoint with `cluster.on_worker_loss: recover`;
@@ -43,13 +44,14 @@ from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, sequential_batches
 from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model, total_variation
-from vela_ray.errors import CheckpointWriteError, ExpertWorkerError, RunInterrupted, WorkerLostError
+from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.model.condensation import Condenser
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.observability.report import write_report
+from vela_ray.runtime.checkpointing import CheckpointWriter
 from vela_ray.runtime.migration import (
     MigrationPlan, copies_of, estimated_seconds_per_expert, master_table, migration_record, replan,
     seconds_per_moved_expert,
@@ -72,7 +74,6 @@ from vela_ray.training.zo import ZoTrainer
 logger = logging.getLogger(__name__)
 
 StopCheck = Callable[[], "str | None"]  # why the run should stop now, or None to go on
-CHECKPOINT_POLL_S = 0.05  # how often an asynchronous checkpoint asks the workers whether their parts are written
 
 
 @dataclass
@@ -100,16 +101,6 @@ class Backbone:
 
 
 @dataclass
-class PendingCheckpoint:
-    """A checkpoint between its snapshot and its publication (`checkpoint.asynchronous`)."""
-
-    step: int
-    routed_LE: np.ndarray | None  # tokens_routed_LE at its step
-    stall_s: float  # how long training has stood still for it so far
-    write: checkpoint.Background[Path] | None = None  # writes the files and publishes; returns the checkpoint
-
-
-@dataclass
 class RunState:
     """What the run has decided and measured so far; each stage fills its part."""
 
@@ -122,7 +113,6 @@ class RunState:
     start_step: int = 0
     history: list[StepRecord] = field(default_factory=list)
     last_checkpoint: Path | None = None  # the newest published checkpoint of this run (or before it)
-    writing: PendingCheckpoint | None = None  # an asynchronous checkpoint in flight: at most one
     tokens_routed_LE: np.ndarray | None = None
     routed_at_checkpoint: np.ndarray | None = None  # tokens_routed_LE when last_checkpoint was written
     timings_s: dict[str, float | list[float]] = field(default_factory=dict)
@@ -212,6 +202,7 @@ class JobRunner:
         self.should_stop = should_stop
         self.out_dir = Path(config.output.dir)
         self.state = RunState()
+        self.checkpoints = CheckpointWriter(config, self.state, pool)  # writes and publishes what the runner saves
         self.peers: PeerMasters = SoloMaster(pool.master_node)
         training = config.training  # `training.method: zo`: ZO-SGD steps instead of `train_step`
         self.zo = ZoTrainer(training.zo.eps, training.seed) if training.method == "zo" else None
@@ -508,7 +499,7 @@ class JobRunner:
         start = self.state.start_step
         if self.config.cluster.on_worker_loss == "recover" and (start == 0 or not self._checkpointed(start)):
             self._save_checkpoint(master, hosted, start)  # to roll back to
-            self._settle_checkpoint()  # published before any step: there always is one
+            self.checkpoints.settle()  # published before any step: there always is one
         received_before, compute_before = hosted.workers.received(), hosted.workers.compute_seconds()
         routing = RoutingRecorder(backbone.blocks, top_k_of(backbone.model), record_confidence=False).attach()
         train_start = time.perf_counter()
@@ -527,7 +518,7 @@ class JobRunner:
                 step += 1
         finally:
             routing.detach()
-            self._settle_checkpoint(failing=True)  # a failing run leaves none in flight (the last step's is settled)
+            self.checkpoints.settle(failing=True)  # a failing run leaves none in flight (the last step's is settled)
         self.state.timings_s["train_s"] = time.perf_counter() - train_start
         self._settle_zo(master, hosted)  # eval and export read the adapters
         history = self.state.history
@@ -546,7 +537,7 @@ class JobRunner:
         """`on_worker_loss: recover`: new workers in place of the lost ones, everyone back to the last
         checkpoint; returns the new workers and the step to go on from (the steps since are replayed).
         Re-raises `lost` when recovery is off, used up, or has no checkpoint of this run to go back to."""
-        self._settle_checkpoint(failing=True)  # the one in flight, once published, is the one to go back to
+        self.checkpoints.settle(failing=True)  # the one in flight, once published, is the one to go back to
         cluster, last = self.config.cluster, self.state.last_checkpoint
         if cluster.on_worker_loss != "recover" or len(self.state.recoveries) >= cluster.max_recoveries \
                 or last is None:
@@ -588,18 +579,12 @@ class JobRunner:
             dead = self.pool.lost_workers(err)
             if dead is None:
                 raise
-            self._settle_checkpoint(failing=True)  # the hint names the newest checkpoint that got published
+            self.checkpoints.settle(failing=True)  # the hint names the newest checkpoint that got published
             # every worker answers: the actor that died was one of the other data-parallel masters
             who = f"ExpertManager worker(s) {dead}" if dead else "a data-parallel master (MasterReplica)"
             raise WorkerLostError(dead, f"{who} died during step {step + 1}; training "
                                         f"stopped and its in-memory state since the last checkpoint is discarded; "
-                                        f"{self._resume_hint()}. Cause: {err}") from None
-
-    def _resume_hint(self) -> str:
-        last = self.state.last_checkpoint
-        if last is None:
-            return "no checkpoint was written yet; set checkpoint.every to bound lost work"
-        return f"resume from checkpoint {last} with `vela train --config ... --resume {last}`"
+                                        f"{self.checkpoints.resume_hint()}. Cause: {err}") from None
 
     def _step(self, backbone: Backbone, master: MasterModel, hosted: HostedExperts, routing: RoutingRecorder,
               step: int) -> None:
@@ -652,7 +637,7 @@ class JobRunner:
         if step + 1 == cfg.steps or (every and (step + 1) % every == 0):
             self._save_checkpoint(master, hosted, step + 1)
         if step + 1 == cfg.steps:
-            self._settle_checkpoint()  # the run's last checkpoint is published before it ends
+            self.checkpoints.settle()  # the run's last checkpoint is published before it ends
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             logger.info("step %d/%d loss %.4f%s (%.2f s)", step + 1, cfg.steps, loss,
                         "" if record.eval_loss is None else f" eval {record.eval_loss:.4f}", step_time)
@@ -679,10 +664,10 @@ class JobRunner:
         reason = self.should_stop()
         if reason is None or done == self.config.training.steps:
             return
-        self._settle_checkpoint()  # the one in flight may be of step `done`
+        self.checkpoints.settle()  # the one in flight may be of step `done`
         if not self._checkpointed(done):
             self._save_checkpoint(master, hosted, done)
-            self._settle_checkpoint()
+            self.checkpoints.settle()
         raise RunInterrupted(done, str(self.state.last_checkpoint), reason)
 
     def _eval(self, backbone: Backbone, master: MasterModel) -> float:
@@ -691,16 +676,20 @@ class JobRunner:
         return eval_loss(master, [on_device(batch, self.device) for batch in batches])
 
     def _save_checkpoint(self, master: MasterModel, hosted: HostedExperts, step: int) -> None:
-        """Atomic checkpoint of `step`: workers write their experts' parts in parallel, the master the rest;
-        `state.last_checkpoint` names it once published. With `checkpoint.asynchronous` the master and the
-        workers only copy their state here and write it on threads while training goes on; it is published
-        in the background and becomes `last_checkpoint` at the next `_settle_checkpoint`."""
-        self._settle_checkpoint()  # at most one in flight
+        """Checkpoint of `step` (`CheckpointWriter.save`), of unperturbed adapters; with
+        `checkpoint.asynchronous` it becomes `state.last_checkpoint` at the next `checkpoints.settle()`."""
+        self.checkpoints.settle()  # at most one in flight
         self._settle_zo(master, hosted)  # a checkpoint holds unperturbed adapters
-        cfg, asynchronous = self.config, self.config.checkpoint.asynchronous
-        start = time.perf_counter()
-        staging = checkpoint.begin(cfg.checkpoint_root, step)
-        tensors = master_state(master, copy=asynchronous)
+        self.checkpoints.save(step, hosted.workers, self._checkpoint_meta(),
+                              lambda copy: self._checkpoint_contents(master, step, copy))
+
+    def _checkpoint_contents(self, master: MasterModel, step: int,
+                             copy: bool) -> tuple[dict[str, torch.Tensor], dict]:
+        """What the master writes into the checkpoint of `step`: its LoRA, AdamW state and the torch RNG
+        (copied with `copy`: an asynchronous checkpoint writes them while training changes the originals),
+        and `trainer.json` (where the run stands, its placement, config, profile and condenser)."""
+        cfg = self.config
+        tensors = master_state(master, copy=copy)
         tensors["rng.torch"] = torch.get_rng_state()
         trainer = {
             "step": step, "data_position": step, "total_steps": cfg.training.steps,
@@ -709,57 +698,7 @@ class JobRunner:
             "profile": None if self.state.placed_probs is None else np.asarray(self.state.placed_probs).tolist(),
             "condenser": master.dispatcher.condenser.state() if master.dispatcher.condenser is not None else None,
         }
-        workers, meta, routed = hosted.workers, self._checkpoint_meta(), self.state.tokens_routed_LE
-        workers.snapshot_checkpoint_parts(str(staging))
-
-        def write() -> Path:
-            checkpoint.write_tensors(staging / "backbone.safetensors", tensors)
-            checkpoint.write_json(staging / "trainer.json", trainer)
-            workers.finish_checkpoint_parts(poll_s=CHECKPOINT_POLL_S if asynchronous else None)
-            return checkpoint.finalize(staging, step, meta, keep=cfg.checkpoint.keep)
-
-        pending = PendingCheckpoint(step, None if routed is None else routed.copy(), 0.0)
-        if asynchronous:
-            pending.write = checkpoint.Background(write, name=f"vela-checkpoint-{step}")
-            pending.stall_s = time.perf_counter() - start
-            self.state.writing = pending
-            logger.info("checkpoint of step %d: state copied in %.3f s, writing it in the background", step,
-                        pending.stall_s)
-        else:
-            final = write()
-            pending.stall_s = time.perf_counter() - start
-            self._published(pending, final)
-
-    def _settle_checkpoint(self, *, failing: bool = False) -> None:
-        """Wait for the asynchronous checkpoint in flight, if any; once published it is `last_checkpoint`.
-
-        If its writing failed, nothing of it was published (its staging directory goes with the next
-        prune) and this raises `CheckpointWriteError` with the cause; a lost worker's own error instead,
-        so that `_guarded` recovers. With `failing` (the run is failing or recovering already) it logs.
-        """
-        pending, self.state.writing = self.state.writing, None
-        if pending is None:
-            return
-        start = time.perf_counter()
-        try:
-            final = pending.write.result()
-        except Exception as err:
-            cause = _one_line(err)
-            if failing:
-                logger.warning("asynchronous checkpoint of step %d dropped, nothing of it published: %s",
-                               pending.step, cause)
-                return
-            if self.pool.lost_workers(err) is not None:
-                raise
-            raise CheckpointWriteError(pending.step, f"{cause}; nothing of it was published; "
-                                                     f"{self._resume_hint()}") from err
-        pending.stall_s += time.perf_counter() - start
-        self._published(pending, final)
-
-    def _published(self, pending: PendingCheckpoint, final: Path) -> None:
-        self.state.last_checkpoint, self.state.routed_at_checkpoint = final, pending.routed_LE
-        self.state.timings_s.setdefault("checkpoint_stall_s", []).append(pending.stall_s)
-        logger.info("checkpoint %s published (training stood still %.3f s for it)", final, pending.stall_s)
+        return tensors, trainer
 
     # --- summary ---------------------------------------------------------------------------
 
@@ -791,14 +730,6 @@ class JobRunner:
             condensation=CondensationRecord.of(master.dispatcher.condenser),
             expert_tiers=[stats for stats in hosted.workers.tier_stats() if stats is not None],
         )
-
-
-def _one_line(err: BaseException) -> str:
-    """An error as one line: a worker's own message (not Ray's traceback around it), else the first line."""
-    if isinstance(err, ExpertWorkerError):
-        return f"expert worker {err.worker}: {err.message}"
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _added(dicts: list[dict[str, int]]) -> dict[str, int]:

@@ -1,0 +1,137 @@
+"""How a run's checkpoints are written, settled and published: `CheckpointWriter`.
+
+The job runner (`vela_ray.runtime.runner`) decides when a checkpoint is due and gathers what the
+master writes into it (its state and `trainer.json`); the writer stages the checkpoint, has the
+workers write their experts' parts into it and publishes it through `vela_ray.training.checkpoint`
+(the file format, atomic publication and the keep-`checkpoint.keep` pruning live there), then
+records it in the run's `RunState`: `last_checkpoint`, `routed_at_checkpoint` and the
+`checkpoint_stall_s` timings.
+
+With `checkpoint.asynchronous` the master and the workers only copy their state at the checkpoint
+step; a background thread writes and publishes it while training goes on, and it becomes
+`last_checkpoint` when the runner next calls `settle`. At most one is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from vela_ray.config import JobConfig
+from vela_ray.errors import CheckpointWriteError, ExpertWorkerError
+from vela_ray.runtime.pool import WorkerPool
+from vela_ray.training import checkpoint
+from vela_ray.training.step import ExpertWorkers
+
+if TYPE_CHECKING:
+    from vela_ray.runtime.runner import RunState
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_POLL_S = 0.05  # how often an asynchronous checkpoint asks the workers whether their parts are written
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint between its snapshot and its publication (`checkpoint.asynchronous`)."""
+
+    step: int
+    routed_LE: np.ndarray | None  # tokens_routed_LE at its step
+    stall_s: float  # how long training has stood still for it so far
+    write: checkpoint.Background[Path] | None = None  # writes the files and publishes; returns the checkpoint
+
+
+class CheckpointWriter:
+    """Writes this run's checkpoints, synchronously or in the background, and publishes them into `state`."""
+
+    def __init__(self, config: JobConfig, state: RunState, pool: WorkerPool):
+        self.config = config
+        self.state = state  # where a published checkpoint is recorded, and the routing it is saved with
+        self.pool = pool  # says whether a failed write is a lost worker's (the runner recovers from those)
+        self.writing: PendingCheckpoint | None = None  # an asynchronous checkpoint in flight: at most one
+
+    def save(self, step: int, workers: ExpertWorkers, meta: dict,
+             contents: Callable[[bool], tuple[dict[str, torch.Tensor], dict]]) -> None:
+        """Atomic checkpoint of `step`: workers write their experts' parts in parallel, the master the rest,
+        `contents(copy)`: its tensors and `trainer.json` (copied with `copy`, as an asynchronous checkpoint is
+        written from them while training goes on); `meta` goes into the manifest. `state.last_checkpoint`
+        names it once published. With `checkpoint.asynchronous` the master and the workers only copy their
+        state here and write it on threads while training goes on; it is published in the background and
+        becomes `last_checkpoint` at the next `settle`, which must come before the next `save`."""
+        assert self.writing is None, "settle() the checkpoint in flight first: at most one is"
+        cfg, asynchronous = self.config, self.config.checkpoint.asynchronous
+        start = time.perf_counter()
+        staging = checkpoint.begin(cfg.checkpoint_root, step)
+        tensors, trainer = contents(asynchronous)
+        routed = self.state.tokens_routed_LE
+        workers.snapshot_checkpoint_parts(str(staging))
+
+        def write() -> Path:
+            checkpoint.write_tensors(staging / "backbone.safetensors", tensors)
+            checkpoint.write_json(staging / "trainer.json", trainer)
+            workers.finish_checkpoint_parts(poll_s=CHECKPOINT_POLL_S if asynchronous else None)
+            return checkpoint.finalize(staging, step, meta, keep=cfg.checkpoint.keep)
+
+        pending = PendingCheckpoint(step, None if routed is None else routed.copy(), 0.0)
+        if asynchronous:
+            pending.write = checkpoint.Background(write, name=f"vela-checkpoint-{step}")
+            pending.stall_s = time.perf_counter() - start
+            self.writing = pending
+            logger.info("checkpoint of step %d: state copied in %.3f s, writing it in the background", step,
+                        pending.stall_s)
+        else:
+            final = write()
+            pending.stall_s = time.perf_counter() - start
+            self._publish(pending, final)
+
+    def settle(self, *, failing: bool = False) -> None:
+        """Wait for the asynchronous checkpoint in flight, if any; once published it is `last_checkpoint`.
+
+        If its writing failed, nothing of it was published (its staging directory goes with the next
+        prune) and this raises `CheckpointWriteError` with the cause; a lost worker's own error instead,
+        so that the runner recovers. With `failing` (the run is failing or recovering already) it logs.
+        """
+        pending, self.writing = self.writing, None
+        if pending is None:
+            return
+        start = time.perf_counter()
+        try:
+            final = pending.write.result()
+        except Exception as err:
+            cause = _one_line(err)
+            if failing:
+                logger.warning("asynchronous checkpoint of step %d dropped, nothing of it published: %s",
+                               pending.step, cause)
+                return
+            if self.pool.lost_workers(err) is not None:
+                raise
+            raise CheckpointWriteError(pending.step, f"{cause}; nothing of it was published; "
+                                                     f"{self.resume_hint()}") from err
+        pending.stall_s += time.perf_counter() - start
+        self._publish(pending, final)
+
+    def resume_hint(self) -> str:
+        """What an error that stops the run tells the user to go on from: the newest published checkpoint."""
+        last = self.state.last_checkpoint
+        if last is None:
+            return "no checkpoint was written yet; set checkpoint.every to bound lost work"
+        return f"resume from checkpoint {last} with `vela train --config ... --resume {last}`"
+
+    def _publish(self, pending: PendingCheckpoint, final: Path) -> None:
+        self.state.last_checkpoint, self.state.routed_at_checkpoint = final, pending.routed_LE
+        self.state.timings_s.setdefault("checkpoint_stall_s", []).append(pending.stall_s)
+        logger.info("checkpoint %s published (training stood still %.3f s for it)", final, pending.stall_s)
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line: a worker's own message (not Ray's traceback around it), else the first line."""
+    if isinstance(err, ExpertWorkerError):
+        return f"expert worker {err.worker}: {err.message}"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
