@@ -12,6 +12,16 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="vela-tests-d
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module of tiny models (`pytestmark = pytest.mark.usefixtures(...)`): a
+    second OpenMP thread only spin-waits at barriers on a shared 2-core machine, many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests need a CUDA device: skipped, saying so, where there is none (`make test-gpu` runs them)."""
     if torch.cuda.is_available():

@@ -39,14 +39,7 @@ def model_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("model") / "mixtral")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the debug model gains nothing from two, and on a busy 2-core machine OpenMP's
-    waiting threads make every step many times slower. The checkpoint writers are threads of their own."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _job(model_dir: Path, out: Path, asynchronous: bool, steps: int = STEPS, **checkpoint_section) -> dict:

@@ -17,13 +17,7 @@ from benchmarks import big_on_one_gpu as bench
 SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one torch thread. A second one only spin-waits on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_smoke_run_trains_all_three_setups_and_reports_the_tiers(tmp_path):

@@ -43,13 +43,7 @@ ALL_TO_DEVICE = TierSpeeds(cpu_s_per_row=1.0, device_s_per_row=1e-9, upload_byte
 LORA = LoraSpec(r=4, alpha=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Hundreds of tiny matmuls: a second OpenMP thread only waits at barriers, seconds on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- the affinity rule (Eq. 1) ------------------------------------------------------------------------------

@@ -25,12 +25,7 @@ from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiers import ExpertTiersConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- the codec ---------------------------------------------------------------------------------------------

@@ -43,13 +43,7 @@ LORA = LoraSpec(r=4, alpha=8)
 EPS, LR, SEED, STEPS = 1e-2, 1e-2, 7, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one torch thread. A second one only spin-waits on a shared 2-core machine (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
