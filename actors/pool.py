@@ -75,8 +75,8 @@ class RayWorkerPool:
     def _connect(self) -> HostedExperts:
         """The control plane and a fresh data plane over the current actors."""
         tiers = self.cluster.worker_tiers(self.master_node)
-        if self.config.cluster.transport == "collective":
-            self.transport = collective_transport(self.cluster.handles, tiers)
+        if self.config.cluster.transport == "collective":  # rows over NCCL where master and workers have GPUs
+            self.transport = collective_transport(self.cluster.handles, tiers, device=self.local_device)
         else:
             self.transport = RayObjectRefTransport(self.cluster.handles, tiers,
                                                    zero_copy=self.config.cluster.zero_copy_tensors)

@@ -5,9 +5,10 @@ conformance suite (tests/ray/test_transport_conformance.py):
 
 - `RayObjectRefTransport`: one `.remote` call per worker with rows, then one
   `ray.get` for all. Always works; tensors travel as Ray objects.
-- `collective_transport(...)`: forms a torch.distributed group with the ExpertManagers
+- `collective_transport(...)`: forms torch.distributed groups with the ExpertManagers
   through Ray once, then rows travel point-to-point with no Ray task per layer
-  (`vela_ray.model.collective.CollectiveTransport`).
+  (`vela_ray.model.collective.CollectiveTransport`): headers over gloo, the rows
+  themselves over NCCL when the master and every worker have a GPU of their own.
 
 A Ray compiled-graph transport lived here until the collective plane beat it on the
 same fan-out (0.58x its round trip, `benchmarks/data_plane.py`, results of commit
@@ -25,7 +26,7 @@ from typing import Hashable, Sequence
 import ray
 import torch
 
-from vela_ray.model.collective import CollectiveTransport, make_group, make_store
+from vela_ray.model.collective import Backend, CollectiveTransport, form_data_plane, make_group, make_store
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import ForwardRequest
 
@@ -103,11 +104,16 @@ class RayObjectRefTransport:
 
 
 def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], timeout_s: float = 300.0,
-                         join_timeout_s: float = 120.0) -> CollectiveTransport:
-    """Form the data-plane group (this process rank 0, worker n rank n + 1) and return its transport.
+                         join_timeout_s: float = 120.0, device: str | torch.device = "cpu",
+                         data_backend: Backend | None = None) -> CollectiveTransport:
+    """Form the collective planes (this process rank 0, worker n rank n + 1) and return their transport.
 
-    The rendezvous store listens on a free port of this node; every worker joins through one Ray
-    call and then serves rows on a thread until the transport is closed.
+    The rendezvous store listens on a free port of this node; every worker joins the control plane
+    (gloo) through one Ray call and then serves rows on a thread until the transport is closed. Over
+    the control plane the master then gathers each worker's device and forms the data plane
+    (`vela_ray.model.collective.form_data_plane`). `device`: the master's, where its rows are and its
+    results come back with NCCL. `data_backend`: "gloo" or "nccl" instead of the automatic choice
+    (`vela_ray.model.collective.data_backend`), e.g. "gloo" to compare the two.
     """
     tiers = _check_tiers(handles, worker_tiers)
     world_size = len(handles) + 1
@@ -116,7 +122,10 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
     joins = [h.join_collective.remote(store.host, store.port, world_size, join_timeout_s) for h in handles]
     group = make_group(store, 0, world_size, join_timeout_s, address)
     ray.get(joins, timeout=join_timeout_s)
-    logger.info("collective data plane (gloo) over %d expert workers", len(handles))
+    # the workers' devices travel over the control plane; on failure it tells their loops to stop first
+    data = form_data_plane(group, store, len(handles), device, data_backend, timeout_s, join_timeout_s, address)
+    logger.info("collective data plane over %d expert workers: control over gloo, rows over %s",
+                len(handles), data.backend)
 
     def join_serving_loops() -> None:  # best effort: a dead worker has no loop left to join
         for ref in [h.leave_collective.remote() for h in handles]:
@@ -125,4 +134,4 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
 
-    return CollectiveTransport(group, tiers, timeout_s, on_close=join_serving_loops)
+    return CollectiveTransport(group, data, tiers, timeout_s, on_close=join_serving_loops)

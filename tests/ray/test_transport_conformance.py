@@ -183,6 +183,18 @@ def test_low_bit_rows_come_back_in_their_wire_form_close_to_the_exact_result(bac
                                        atol=0.15 * want.abs().max().item())
 
 
+def test_collective_rows_travel_on_a_data_plane_of_their_own(synthetic_cluster):
+    """The collective backend above runs split planes: headers over gloo, rows over a second group (gloo on
+    these CPU actors, NCCL when every rank has a GPU of its own), which the suite exercises."""
+    cluster = synthetic_cluster
+    transport = collective_transport(cluster.handles, cluster.worker_tiers(), timeout_s=TIMEOUT_S)
+    try:
+        assert transport.data.group is not transport.group
+        assert transport.data.backend == "gloo" and transport.data.device == torch.device("cpu")
+    finally:
+        transport.close()
+
+
 def _ray_pair(family: str, kind: str, ray_pool):
     """build_pair with the experts in ExpertManager actors behind a Ray transport."""
     hf_config = debug_config(family)

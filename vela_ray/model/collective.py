@@ -1,35 +1,59 @@
 """CollectiveTransport: rows over torch.distributed point-to-point, one serving loop per worker.
 
-The master is rank 0 of a process group it forms once with the ExpertManagers (worker n is
-rank n + 1; forming it through Ray is `actors.transports.collective_transport`). After that a
-MoE layer costs no Ray task: the master posts, for every worker of the layer at once, a
-header, the rows' expert ids and the rows, and each worker's serving loop (`serve`, a thread
-in the ExpertManager) receives them, computes, and sends back a reply header and the result.
-Messages (tags keep the streams apart):
+The master is rank 0 of two groups it forms once with the ExpertManagers (worker n is rank
+n + 1; forming them through Ray is `actors.transports.collective_transport`). After that a MoE
+layer costs no Ray task: the master posts, for every worker of the layer at once, a header, the
+rows' expert ids and the rows, and each worker's serving loop (`serve`, a thread in the
+ExpertManager) receives them, computes, and sends back a reply and the result.
 
+Two planes. The control plane is a gloo group of small CPU tensors told apart by tags; a dead
+peer closes its TCP connection, so a wait on it fails at once (`PeerLostError`), a hung one after
+`timeout_s`. The data plane is a second group that carries only the [R, D] payloads, on each
+rank's device: NCCL when every rank has a CUDA device of its own (`data_backend`; NCCL refuses two
+ranks on one GPU), gloo otherwise. NCCL ignores tags, so the data plane uses one tag and relies on
+posting order alone: for each worker both sides post its sends and receives in the same order,
+whatever the outcome (a failed request still sends its zeros). The CPU tests, on a gloo data
+plane, run the very protocol NCCL runs.
+
+    control plane (gloo, CPU tensors, tags)
     master -> worker   header int64 [op, layer, key id, rows R, width D, dtype]   TAG_HEADER
-                       forward: expert ids int64 [R], rows [R, D]; backward: d(outputs) [R, D]
-    worker -> master   reply int64 [status, message length]                       TAG_REPLY
-                       result [R, D] in the request's dtype (zeros on error)      TAG_RESULT
-                       status ERROR: the message, uint8 [length]                  TAG_ERROR
+                       forward: expert ids int64 [R] (on the master's CPU already)  TAG_IDS
+                       OP_DATA_PLANE: JSON text uint8 [R]                          TAG_TEXT
+    worker -> master   reply int64 [status, text length]                          TAG_REPLY
+                       status ERROR: the error; setup: the answer; uint8 [length]  TAG_TEXT
+    data plane (nccl or gloo, tensors on the rank's device, TAG_DATA, posting order)
+    master -> worker   forward: rows [R, D]; backward: d(outputs) [R, D]
+    worker -> master   result [R, D] in the request's dtype (zeros on error)
 
-The result has the request's shape and dtype, so the master posts every receive of a layer
-at once, before any worker has answered.
+The result has the request's shape and dtype, so the master posts every receive of a layer at
+once, before any worker has answered. It waits for a worker's reply on the control plane before
+it waits for that worker's result: the reply proves the worker alive and past its compute (on a
+GPU: launched), and it posts the result's send right after. With NCCL a data-plane wait does
+not block the host (it orders the current CUDA stream after the transfer), so time is bounded by
+the control plane; NCCL's own watchdog (twice `timeout_s`) only backs up a worker that dies
+between its reply and its result. After a lost peer `close` tells the other workers to stop and
+drops both groups (NCCL's are aborted; gloo's sockets close as the group goes).
+
+Setup, once, on the control plane (`form_data_plane`): OP_DESCRIBE asks each worker for its
+device (`device_descriptor`), the master picks the backend, OP_DATA_PLANE sends the rendezvous
+(store address, backend, timeout); every rank forms the data group and echoes one tensor over
+it, so NCCL's communicators exist before the first layer.
 
 Keys of the saved graphs (any hashable on the master) travel as small integers the master
 assigns. A worker's exception is sent back as text and raised on the master as the
-`ExpertWorkerError` naming the worker, and the loop goes on serving. A dead worker closes its
-TCP connection, so the master's wait fails at once with `PeerLostError`; a hung one fails
-after `timeout_s`. Gloo moves CPU tensors; results come back on the CPU.
+`ExpertWorkerError` naming the worker, and the loop goes on serving. Results come back on the
+master's data-plane device: its GPU with NCCL (hidden states never cross to the host), the CPU
+with gloo.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import traceback
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol
+from typing import Callable, Hashable, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,12 +64,18 @@ from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
 
-OP_STOP, OP_FORWARD, OP_BACKWARD = 0, 1, 2
+OP_STOP, OP_FORWARD, OP_BACKWARD, OP_DESCRIBE, OP_DATA_PLANE = range(5)
 STATUS_OK, STATUS_ERROR = 0, 1
-TAG_HEADER, TAG_IDS, TAG_ROWS, TAG_REPLY, TAG_RESULT, TAG_ERROR = range(6)
+TAG_HEADER, TAG_IDS, TAG_REPLY, TAG_TEXT = range(4)  # control plane
+TAG_DATA = 0  # data plane: the only tag (NCCL ignores tags; messages match in posting order)
 NO_KEY = -1
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8]  # uint8: float8 rows (model.wire)
 SERVE_TIMEOUT_S = 7 * 24 * 3600.0  # a worker waits this long for its next message (idle is normal)
+DATA_PREFIX = "vela-data-plane/"  # the data group's keys in the rendezvous store
+NCCL_TIMEOUT_FACTOR = 2  # NCCL's watchdog: a backstop behind the control plane's timeout
+STOP_AFTER_LOSS_S = 5.0  # after a lost worker, how long close() waits for each other worker to take its stop
+
+Backend = Literal["nccl", "gloo"]
 
 
 class PeerLostError(RuntimeError):
@@ -78,93 +108,380 @@ def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float,
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
+def make_nccl_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """An NCCL group of its own; its communicators are created at each pair's first operation."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def node_address() -> str:
+    """This process's address as other nodes reach it: its Ray node's IP (loopback outside Ray)."""
+    import ray  # unit tests form groups in one process, without Ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+# -- where payloads live, and over what -------------------------------------------------------
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`device` with its index: a bare "cuda" is this thread's current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_descriptor(device: str | torch.device) -> str:
+    """"cpu", or "cuda:<the GPU's UUID>": the same on every process that sees that physical GPU,
+    whatever its index there (Ray gives each actor its own CUDA_VISIBLE_DEVICES)."""
+    device = resolve_device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(device.index).uuid}"
+
+
+def data_backend(devices: list[str], nccl_available: bool | None = None) -> Backend:
+    """The data plane's backend for ranks on `devices` (`device_descriptor`s, master first):
+    "nccl" when every rank has a CUDA device of its own and NCCL is built in, else "gloo"."""
+    if any(not d.startswith("cuda:") for d in devices):
+        return "gloo"  # a rank on the CPU: rows cross host memory anyway
+    if not (dist.is_nccl_available() if nccl_available is None else nccl_available):
+        logger.warning("collective data plane: every rank has a GPU but this torch has no NCCL; rows "
+                       "travel over gloo through host memory")
+        return "gloo"
+    shared = sorted({rank for rank, d in enumerate(devices) if devices.count(d) > 1})
+    if shared:
+        logger.warning("collective data plane: ranks %s share a GPU and NCCL refuses two ranks on one GPU; "
+                       "rows travel over gloo through host memory (or serve those experts in the master's "
+                       "process: cluster.workers_on_master)", shared)
+        return "gloo"
+    return "nccl"
+
+
+@dataclass
+class DataPlane:
+    """The group the [R, D] payloads travel on, and the device they live on at this rank."""
+
+    group: dist.ProcessGroup
+    backend: Backend
+    device: torch.device
+    timeout: datetime.timedelta  # how long a gloo wait may block (an NCCL wait never blocks the host)
+
+    @classmethod
+    def form(cls, store: dist.Store, rank: int, world_size: int, backend: Backend, device: torch.device,
+             timeout_s: float, address: str) -> "DataPlane":
+        """Join the data group (gloo: blocks until every rank has joined; NCCL: at once)."""
+        prefixed = dist.PrefixStore(DATA_PREFIX, store)
+        if backend == "nccl":
+            torch.cuda.set_device(device)  # NCCL's streams and this thread's current stream: this GPU
+            group = make_nccl_group(prefixed, rank, world_size, NCCL_TIMEOUT_FACTOR * timeout_s)
+        else:
+            group, device = make_group(prefixed, rank, world_size, timeout_s, address), torch.device("cpu")
+        return cls(group, backend, device, datetime.timedelta(seconds=timeout_s))
+
+    def send(self, tensor: torch.Tensor, peer: int):
+        return self.group.send([tensor], peer, TAG_DATA)
+
+    def recv(self, tensor: torch.Tensor, peer: int):
+        return self.group.recv([tensor], peer, TAG_DATA)
+
+    def wait(self, work, block: bool = False) -> None:
+        """gloo (or `block`): block until done or the timeout; NCCL: order the current CUDA stream
+        after it, and the host goes on."""
+        if self.backend == "nccl" and not block:
+            work.wait()
+        else:
+            work.wait(self.timeout)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def release(self) -> None:
+        """Free NCCL's communicators (an abort: never blocks on a peer); a gloo group just goes."""
+        if self.backend == "nccl":
+            self.group.abort()
+
+
+# -- control-plane messages -------------------------------------------------------------------
+
 def _header(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
+
+
+def _text(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
+def _error_text(exc: BaseException) -> str:
+    text = exc.message if isinstance(exc, ExpertWorkerError) else f"{type(exc).__name__}: {exc}"
+    return text + "\n" + "".join(traceback.format_exception(exc.__cause__ or exc))
 
 
 class RowServer(Protocol):
     """What a worker's serving loop calls: an ExpertManager's data plane."""
 
     worker: int
+    device: torch.device  # where it computes: its data plane's device when that is NCCL
 
     def _forward(self, request: ForwardRequest) -> torch.Tensor: ...
 
     def _backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor: ...
 
 
+# -- the worker's side ------------------------------------------------------------------------
+
 def serve(group: dist.ProcessGroup, server: RowServer) -> None:
     """Answer the master (rank 0) until it says stop or its link closes: the worker's serving loop."""
+    loop = _ServingLoop(group, server)
     try:
-        while _serve_one(group, server):
+        while loop.serve_one():
             pass
-    except RuntimeError as err:  # the link to the master closed: it is gone or dropped the group
+    except RuntimeError as err:  # the link to the master closed: it is gone or dropped the groups
         logger.warning("expert worker %d: data plane closed (%s)", server.worker, str(err).splitlines()[0])
+    finally:
+        if loop.data is not None:
+            loop.data.release()
 
 
-def _serve_one(group: dist.ProcessGroup, server: RowServer) -> bool:
-    """Receive one request and answer it; False on the master's stop."""
-    timeout = datetime.timedelta(seconds=SERVE_TIMEOUT_S)
-    header = torch.empty(6, dtype=torch.int64)
-    group.recv([header], 0, TAG_HEADER).wait(timeout)
-    op, layer, key_id, num_rows, width, dtype = header.tolist()
-    if op == OP_STOP:
-        return False
-    shape, dtype = (num_rows, width), DTYPES[dtype]
-    if op == OP_FORWARD:
-        ids = torch.empty(num_rows, dtype=torch.int64)
-        rows = torch.empty(shape, dtype=dtype)
-        _recv_all(group, [(ids, TAG_IDS), (rows, TAG_ROWS)], timeout)
+class _ServingLoop:
+    """One worker's end of both planes: `group` (control) and, once set up, `data`."""
+
+    def __init__(self, group: dist.ProcessGroup, server: RowServer):
+        self.group, self.server = group, server
+        self.data: DataPlane | None = None
+        self.timeout = datetime.timedelta(seconds=SERVE_TIMEOUT_S)
+
+    def serve_one(self) -> bool:
+        """Receive one request and answer it; False on the master's stop."""
+        header = torch.empty(6, dtype=torch.int64)
+        self.group.recv([header], 0, TAG_HEADER).wait(self.timeout)
+        op, layer, key_id, num_rows, width, dtype = header.tolist()
+        if op == OP_STOP:
+            return False
+        if op == OP_DESCRIBE:
+            self._answer(STATUS_OK, device_descriptor(self.server.device))
+        elif op == OP_DATA_PLANE:
+            self._join_data_plane(self._recv_text(num_rows))
+        elif op == OP_FORWARD:
+            self._forward(layer, key_id, (num_rows, width), DTYPES[dtype])
+        else:
+            self._backward(key_id, (num_rows, width), DTYPES[dtype])
+        return True
+
+    def _forward(self, layer: int, key_id: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        ids = torch.empty(shape[0], dtype=torch.int64)
+        ids_work = self.group.recv([ids], 0, TAG_IDS)
+        rows = self._recv_rows(shape, dtype)
+        ids_work.wait(self.timeout)
         key = None if key_id == NO_KEY else key_id
-        _reply(group, lambda: server._forward(ForwardRequest(layer, ids, rows, key)), rows)
-    else:
-        grad = torch.empty(shape, dtype=dtype)
-        _recv_all(group, [(grad, TAG_ROWS)], timeout)
-        _reply(group, lambda: server._backward(key_id, grad), grad)
-    return True
+        self._reply(lambda: self.server._forward(ForwardRequest(layer, ids, rows, key)), rows)
+
+    def _backward(self, key_id: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        grad = self._recv_rows(shape, dtype)
+        self._reply(lambda: self.server._backward(key_id, grad), grad)
+
+    def _recv_rows(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        if self.data is None:
+            raise RuntimeError("rows arrived before the data plane was set up (OP_DATA_PLANE)")
+        rows = self.data.empty(shape, dtype)
+        self.data.wait(self.data.recv(rows, 0))
+        return rows
+
+    def _reply(self, compute: Callable[[], torch.Tensor], like: torch.Tensor) -> None:
+        """Send the result in `like`'s shape, dtype and device, or zeros and the error's text: the
+        data plane gets its message either way, so it stays in step (the loop survives a bad request)."""
+        try:
+            result = compute().detach().to(like.device, like.dtype).contiguous()
+            if result.shape != like.shape:
+                raise RuntimeError(f"result has shape {tuple(result.shape)}, the request {tuple(like.shape)}")
+            status, text = STATUS_OK, ""
+        except Exception as exc:  # sent to the master, raised there as ExpertWorkerError, traceback included
+            result, status, text = torch.zeros_like(like), STATUS_ERROR, _error_text(exc)
+        message = _text(text)
+        self.group.send([_header(status, len(message))], 0, TAG_REPLY).wait()
+        self.data.wait(self.data.send(result, 0))
+        if len(message):
+            self.group.send([message], 0, TAG_TEXT).wait()
+
+    def _answer(self, status: int, text: str) -> None:
+        message = _text(text)
+        self.group.send([_header(status, len(message))], 0, TAG_REPLY).wait()
+        if len(message):
+            self.group.send([message], 0, TAG_TEXT).wait()
+
+    def _recv_text(self, length: int) -> str:
+        message = torch.empty(length, dtype=torch.uint8)
+        self.group.recv([message], 0, TAG_TEXT).wait(self.timeout)
+        return bytes(message.tolist()).decode()
+
+    def _join_data_plane(self, setup_json: str) -> None:
+        """Form the data group the master described, answer, then echo the master's probe over it."""
+        setup = json.loads(setup_json)
+        try:
+            if self.data is not None:
+                self.data.release()
+            store = make_store(setup["host"], setup["port"], setup["world_size"], False, setup["join_timeout_s"])
+            device = resolve_device(self.server.device)
+            self.data = DataPlane.form(store, self.server.worker + 1, setup["world_size"], setup["backend"],
+                                       device, setup["timeout_s"], node_address())
+        except Exception as exc:
+            self.data = None
+            self._answer(STATUS_ERROR, _error_text(exc))
+            return
+        self._answer(STATUS_OK, "")
+        probe = self.data.empty((1,), torch.float32)
+        self.data.wait(self.data.recv(probe, 0))
+        self.data.wait(self.data.send(probe + 1, 0))
 
 
-def _recv_all(group: dist.ProcessGroup, parts: list[tuple[torch.Tensor, int]], timeout) -> None:
-    for work in [group.recv([tensor], 0, tag) for tensor, tag in parts]:
-        work.wait(timeout)
+# -- the master's side ------------------------------------------------------------------------
 
-
-def _reply(group: dist.ProcessGroup, compute, like: torch.Tensor) -> None:
-    """Send the result in `like`'s shape and dtype, or zeros and the error's text (the loop survives a
-    bad request)."""
+def _checked(worker: int, operation: Callable):
+    """Run one point-to-point operation with `worker`; a broken link or a timeout is its loss."""
     try:
-        result = compute().detach().to("cpu", like.dtype).contiguous()
-        if result.shape != like.shape:
-            raise RuntimeError(f"result has shape {tuple(result.shape)}, the request {tuple(like.shape)}")
-        message = None
-    except Exception as exc:  # sent to the master, raised there as ExpertWorkerError, traceback included
-        text = exc.message if isinstance(exc, ExpertWorkerError) else f"{type(exc).__name__}: {exc}"
-        text += "\n" + "".join(traceback.format_exception(exc.__cause__ or exc))
-        result, message = torch.zeros_like(like), torch.tensor(list(text.encode()), dtype=torch.uint8)
-    status = STATUS_OK if message is None else STATUS_ERROR
-    group.send([_header(status, 0 if message is None else len(message))], 0, TAG_REPLY).wait()
-    group.send([result], 0, TAG_RESULT).wait()
-    if message is not None:
-        group.send([message], 0, TAG_ERROR).wait()
+        return operation()
+    except PeerLostError:
+        raise
+    except RuntimeError as err:
+        raise PeerLostError(worker, str(err).splitlines()[0]) from None
+
+
+def _recv_answer(group: dist.ProcessGroup, worker: int, timeout: datetime.timedelta) -> tuple[int, str]:
+    """One worker's reply on the control plane: (status, text)."""
+    reply = torch.empty(2, dtype=torch.int64)
+    _checked(worker, lambda: group.recv([reply], worker + 1, TAG_REPLY).wait(timeout))
+    status, length = reply.tolist()
+    return status, _recv_worker_text(group, worker, length, timeout)
+
+
+def _recv_worker_text(group: dist.ProcessGroup, worker: int, length: int, timeout: datetime.timedelta) -> str:
+    if not length:
+        return ""
+    message = torch.empty(length, dtype=torch.uint8)
+    _checked(worker, lambda: group.recv([message], worker + 1, TAG_TEXT).wait(timeout))
+    return bytes(message.tolist()).decode(errors="replace")
+
+
+def _tell_all(group: dist.ProcessGroup, num_workers: int, header: torch.Tensor, text: str,
+              timeout: datetime.timedelta) -> None:
+    """Send every worker `header`, and `text` after it if any."""
+    message = _text(text)
+    for worker in range(num_workers):
+        _checked(worker, lambda: group.send([header], worker + 1, TAG_HEADER).wait(timeout))
+        if len(message):
+            _checked(worker, lambda: group.send([message], worker + 1, TAG_TEXT).wait(timeout))
+
+
+def _answers(group: dist.ProcessGroup, num_workers: int, timeout: datetime.timedelta) -> list[tuple[int, str]]:
+    """Every worker's answer to the last request: (status, text)."""
+    return [_recv_answer(group, worker, timeout) for worker in range(num_workers)]
+
+
+def _raise_first_error(answers: list[tuple[int, str]]) -> list[str]:
+    """The answers' texts, or the first error answer raised as the `ExpertWorkerError` naming its worker."""
+    for worker, (status, answer) in enumerate(answers):
+        if status == STATUS_ERROR:
+            raise ExpertWorkerError(worker, f"joining the collective data plane failed: {answer}")
+    return [answer for _, answer in answers]
+
+
+def _stop_all(group: dist.ProcessGroup, workers: list[int], timeout: datetime.timedelta) -> list[int]:
+    """Best effort: tell `workers`' loops to stop (posted to all first); returns those it did not reach."""
+    posted, unreached = [], []
+    for worker in workers:
+        try:
+            posted.append((worker, group.send([_header(OP_STOP, 0, 0, 0, 0, 0)], worker + 1, TAG_HEADER)))
+        except RuntimeError:
+            unreached.append(worker)
+    for worker, work in posted:
+        try:
+            work.wait(timeout)
+        except RuntimeError:
+            unreached.append(worker)
+    return unreached
+
+
+def form_data_plane(group: dist.ProcessGroup, store: dist.TCPStore, num_workers: int,
+                    device: str | torch.device = "cpu", backend: Backend | None = None, timeout_s: float = 300.0,
+                    join_timeout_s: float = 120.0, address: str = "127.0.0.1") -> DataPlane:
+    """The master's side of the setup over the control plane `group`, whose rendezvous `store` the
+    master listens on: ask the workers' devices, pick the backend (`data_backend`; `backend` overrides
+    it), have every rank form the data group, and probe each worker's link over it. If it fails, the
+    workers' loops are told to stop before the error is raised."""
+    join = datetime.timedelta(seconds=join_timeout_s)
+    try:
+        return _form_data_plane(group, store, num_workers, resolve_device(device), backend, timeout_s, join, address)
+    except BaseException:
+        _stop_all(group, list(range(num_workers)), join)
+        raise
+
+
+def _form_data_plane(group: dist.ProcessGroup, store: dist.TCPStore, num_workers: int, device: torch.device,
+                     backend: Backend | None, timeout_s: float, join: datetime.timedelta, address: str) -> DataPlane:
+    _tell_all(group, num_workers, _header(OP_DESCRIBE, 0, 0, 0, 0, 0), "", join)
+    devices = [device_descriptor(device)] + _raise_first_error(_answers(group, num_workers, join))
+    chosen = data_backend(devices)
+    if backend == "nccl" and chosen != "nccl":
+        raise ValueError(f"data_backend='nccl' needs every rank on a CUDA device of its own; the ranks' devices "
+                         f"are {devices} (master first): leave data_backend unset to use gloo")
+    backend = backend or chosen
+    setup = json.dumps({"backend": backend, "host": store.host, "port": store.port, "world_size": num_workers + 1,
+                        "timeout_s": timeout_s, "join_timeout_s": join.total_seconds()})
+    _tell_all(group, num_workers, _header(OP_DATA_PLANE, 0, 0, len(setup.encode()), 0, 0), setup, join)
+    data = DataPlane.form(store, 0, num_workers + 1, backend, device, timeout_s, address)
+    try:
+        answers = _answers(group, num_workers, join)
+        for worker, (status, _) in enumerate(answers):
+            if status == STATUS_OK:  # it waits for the probe: even if another worker failed
+                _probe(data, worker)
+        _raise_first_error(answers)
+    except BaseException:
+        data.release()
+        raise
+    return data
+
+
+def _probe(data: DataPlane, worker: int) -> None:
+    """One tensor to `worker` and back over the data plane, waited for on the host (bounded by the
+    timeout): NCCL creates the pair's communicator now, not in the first layer."""
+    probe = torch.full((1,), float(worker), device=data.device)
+    echo = data.empty((1,), torch.float32)
+    _checked(worker, lambda: data.wait(data.send(probe, worker + 1), block=True))
+    _checked(worker, lambda: data.wait(data.recv(echo, worker + 1), block=True))
+    if echo.item() != worker + 1:
+        raise PeerLostError(worker, f"the data plane's probe came back as {echo.item()}, not {worker + 1}")
+
+
+@dataclass
+class _Outgoing:
+    """One worker's request, ready to post: control-plane messages and the data-plane payload."""
+
+    worker: int
+    control: list[tuple[torch.Tensor, int]]  # (tensor, tag)
+    payload: torch.Tensor
 
 
 @dataclass
 class _Pending:
-    """One worker's outstanding answer: its reply header and its result, both receives posted."""
+    """One worker's outstanding answer: its reply (control plane) and its result (data plane), both posted."""
 
     worker: int
     reply: torch.Tensor
     result: torch.Tensor
-    works: list
+    reply_work: object
+    result_work: object
 
 
 class CollectiveTransport:
-    """The master's side (rank 0): `Transport` over a formed group whose rank n + 1 is worker n."""
+    """The master's side (rank 0): `Transport` over formed groups whose rank n + 1 is worker n."""
 
-    def __init__(self, group: dist.ProcessGroup, worker_tiers: list[LinkTier], timeout_s: float = 300.0,
-                 on_close=None):
-        """`timeout_s`: how long the master waits for one layer's answer before naming the worker lost.
-        `on_close`: called after the workers were told to stop (e.g. to join their serving loops)."""
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, data: DataPlane, worker_tiers: list[LinkTier],
+                 timeout_s: float = 300.0, on_close=None):
+        """`group`: the control plane; `data`: the data plane (`form_data_plane`). `timeout_s`: how long
+        the master waits for one layer's answer before naming the worker lost. `on_close`: called after
+        the workers were told to stop (e.g. to join their serving loops)."""
+        self.group, self.data = group, data
         self.tiers = list(worker_tiers)
         self.num_workers = len(self.tiers)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -172,67 +489,70 @@ class CollectiveTransport:
         self._keys: dict[Hashable, int] = {}
         self._next_key = 0
         self._closed = False
-        self._broken = False  # a peer was lost: the group's message streams are out of step
+        self._lost: int | None = None  # the worker whose link broke: the message streams are out of step
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
+        """Results on the data plane's device (the master's GPU with NCCL, the CPU with gloo)."""
+        self._check_usable()
         results = {w: r.rows.new_zeros(r.rows.shape) for w, r in requests.items() if r.rows.shape[0] == 0}
-        sends = []
-        for worker, req in requests.items():
-            if worker in results:
-                continue
-            key_id = NO_KEY if req.key is None else self._key_id(req.key)
-            rows = req.rows.cpu().contiguous()  # gloo moves host tensors
-            header = _header(OP_FORWARD, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype))
-            sends.append((worker, rows, [self._send(header, worker, TAG_HEADER),
-                                         self._send(req.expert_ids.to("cpu", torch.int64).contiguous(), worker,
-                                                    TAG_IDS),
-                                         self._send(rows, worker, TAG_ROWS)]))
-        results.update(self._gather(sends))
+        outgoing = [self._forward_message(w, r) for w, r in requests.items() if w not in results]
+        results.update(self._exchange(outgoing))
         return results
 
     def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        self._check_usable()
         key_id = self._keys.pop(key, None)
         if key_id is None and not grads:  # the forward sent no rows anywhere: nothing was saved
             return {}
         if key_id is None:
             raise ExpertWorkerError(min(grads), f"backward of key {key!r}: no forward was saved under it "
                                                 "(backward called twice or without forward)")
-        sends = []
+        outgoing = []
         for worker, grad in grads.items():
-            grad = grad.cpu().contiguous()
+            grad = grad.to(self.data.device).contiguous()
             header = _header(OP_BACKWARD, 0, key_id, grad.shape[0], grad.shape[1], DTYPES.index(grad.dtype))
-            sends.append((worker, grad, [self._send(header, worker, TAG_HEADER), self._send(grad, worker, TAG_ROWS)]))
-        return self._gather(sends)
+            outgoing.append(_Outgoing(worker, [(header, TAG_HEADER)], grad))
+        return self._exchange(outgoing)
 
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers
 
     def close(self) -> None:
-        """Tell every worker's loop to stop and wait for them; idempotent. After a lost peer the
-        others may be blocked mid-reply, so the group is dropped instead: its closed sockets end
-        their loops."""
+        """Tell every worker's loop to stop and wait for them; idempotent. After a lost peer the others
+        are told to stop too (briefly, best effort) and both groups are dropped: a loop still blocked
+        ends when their sockets close (gloo closes them when the group goes, not on abort)."""
         if self._closed:
             return
-        if self._broken:
-            group, self._closed, self.group = self.group, True, None
-            group.abort()  # closes its sockets: the others' loops end
+        others = [w for w in range(self.num_workers) if w != self._lost]
+        unreached = _stop_all(self.group, others, self.timeout if self._lost is None
+                              else datetime.timedelta(seconds=STOP_AFTER_LOSS_S))
+        if self._lost is not None or unreached:
+            self._abort()
             return
-        for worker in range(self.num_workers):
-            try:
-                self._send(_header(OP_STOP, 0, 0, 0, 0, 0), worker, TAG_HEADER).wait(self.timeout)
-            except (RuntimeError, PeerLostError):
-                pass
         self._closed = True
+        self.data.release()
         if self._on_close is not None:
             self._on_close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _abort(self) -> None:
+        group, data, self._closed, self.group, self.data = self.group, self.data, True, None, None
+        data.group.abort()  # NCCL: ops in flight end; gloo closes the sockets only as the groups go (here)
+        group.abort()
 
     def _key_id(self, key: Hashable) -> int:
         if key not in self._keys:
             self._keys[key] = self._next_key
             self._next_key += 1
         return self._keys[key]
+
+    def _forward_message(self, worker: int, req: ForwardRequest) -> _Outgoing:
+        key_id = NO_KEY if req.key is None else self._key_id(req.key)
+        rows = req.rows.to(self.data.device).contiguous()
+        header = _header(OP_FORWARD, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype))
+        ids = req.expert_ids.to("cpu", torch.int64).contiguous()  # the broker's ids are on the CPU already
+        return _Outgoing(worker, [(header, TAG_HEADER), (ids, TAG_IDS)], rows)
 
     def _send(self, tensor: torch.Tensor, worker: int, tag: int):
         return self._link(worker, lambda: self.group.send([tensor], worker + 1, tag))
@@ -243,35 +563,48 @@ class CollectiveTransport:
     def _wait(self, worker: int, work) -> None:
         self._link(worker, lambda: work.wait(self.timeout))
 
-    def _link(self, worker: int, operation):
-        """Run one point-to-point operation with `worker`; a broken link or a timeout is its loss."""
-        if self._closed or self._broken:
+    def _check_usable(self) -> None:
+        if self._closed or self._lost is not None:
             raise RuntimeError("CollectiveTransport is closed or lost a worker; form a new group to send rows")
-        try:
-            return operation()
-        except RuntimeError as err:
-            self._broken = True
-            raise PeerLostError(worker, str(err).splitlines()[0]) from None
 
-    def _gather(self, sends: list[tuple[int, torch.Tensor, list]]) -> dict[int, torch.Tensor]:
-        """Post every worker's receives at once (header and result), then wait for sends and answers."""
-        pending = []
-        for worker, like, _ in sends:
-            reply, result = torch.empty(2, dtype=torch.int64), torch.empty_like(like)
-            pending.append(_Pending(worker, reply, result, [self._recv(reply, worker, TAG_REPLY),
-                                                             self._recv(result, worker, TAG_RESULT)]))
-        for worker, _, works in sends:
-            for work in works:
+    def _link(self, worker: int, operation):
+        """Run one operation with `worker`; a broken link or a timeout is its loss."""
+        self._check_usable()
+        try:
+            return _checked(worker, operation)
+        except PeerLostError:
+            self._lost = worker
+            raise
+
+    def _exchange(self, outgoing: list[_Outgoing]) -> dict[int, torch.Tensor]:
+        """Post every worker's messages and receives at once, then wait for replies and results. All
+        of a layer's messages are built before any is posted, so a bad request posts nothing."""
+        posted = []
+        for o in outgoing:
+            control = [self._send(tensor, o.worker, tag) for tensor, tag in o.control]
+            posted.append((o.worker, control, self._link(o.worker, lambda: self.data.send(o.payload, o.worker + 1))))
+        pending = [self._post_receives(o.worker, o.payload) for o in outgoing]
+        for worker, control, payload in posted:
+            for work in control:
                 self._wait(worker, work)
+            self._link(worker, lambda: self.data.wait(payload))
+        return self._collect(pending)
+
+    def _post_receives(self, worker: int, like: torch.Tensor) -> _Pending:
+        reply, result = torch.empty(2, dtype=torch.int64), torch.empty_like(like)
+        return _Pending(worker, reply, result, self._recv(reply, worker, TAG_REPLY),
+                        self._link(worker, lambda: self.data.recv(result, worker + 1)))
+
+    def _collect(self, pending: list[_Pending]) -> dict[int, torch.Tensor]:
+        """Each worker's reply (control plane, bounded by the timeout), then its result (data plane)."""
         errors = []
         for p in pending:
-            for work in p.works:
-                self._wait(p.worker, work)
+            self._wait(p.worker, p.reply_work)
+            self._link(p.worker, lambda: self.data.wait(p.result_work))
             status, length = p.reply.tolist()
+            text = self._link(p.worker, lambda: _recv_worker_text(self.group, p.worker, length, self.timeout))
             if status == STATUS_ERROR:
-                message = torch.empty(length, dtype=torch.uint8)
-                self._wait(p.worker, self._recv(message, p.worker, TAG_ERROR))
-                errors.append(ExpertWorkerError(p.worker, bytes(message.tolist()).decode(errors="replace")))
+                errors.append(ExpertWorkerError(p.worker, text))
         if errors:
             raise errors[0]
         return {p.worker: p.result for p in pending}

@@ -217,17 +217,10 @@ class ExpertManager:
 
         self.leave_collective()
         store = collective.make_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
-        group = collective.make_group(store, self.worker + 1, world_size, timeout_s, self._address())
+        group = collective.make_group(store, self.worker + 1, world_size, timeout_s, collective.node_address())
         self._serving = threading.Thread(target=collective.serve, args=(group, self), daemon=True,
                                          name=f"vela-serve-{self.worker}")
         self._serving.start()
-
-    @staticmethod
-    def _address() -> str:
-        """This process's address as other nodes reach it: its Ray node's IP (loopback outside Ray)."""
-        import ray  # actors are built in-process by unit tests, where Ray is not needed
-
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
     def leave_collective(self, timeout_s: float = 30.0) -> bool:
         """Wait for the serving loop to end (after the master's stop); True if none is running."""
