@@ -70,18 +70,27 @@ def link_view(summary: RunSummary) -> dict | None:
     return view
 
 
-def predicted_comm_delta(shaped: RunSummary, unshaped: RunSummary, compute_s_per_row: list[float] | None
-                         ) -> float | None:
+def predicted_comm_delta(shaped: RunSummary, unshaped: RunSummary, compute_s_per_row: list[float] | None,
+                         full_duplex: bool = False) -> float | None:
     """The cost model's step time on the shaped run's probed links minus on the unshaped run's, for the
     placement trained with: the same quantity as the measured communication (shaped minus unshaped
     step time), unlike the solver's absolute communication estimate. With the workers' measured
     compute a layer waits for its slowest worker's link plus compute, so communication that overlaps
-    a busier worker's compute costs nothing, as it does in the measurement."""
+    a busier worker's compute costs nothing, as it does in the measurement.
+
+    The model counts a NIC's two directions against one bandwidth (half duplex: an upper bound).
+    `full_duplex` gives each direction the whole bandwidth (the emulated NICs shape egress and ingress
+    apart), the lower bound: a worker's gather can overlap another's dispatch only in part, as each
+    worker's rows go out before its results come back."""
     problems = shaped.placement.problem, unshaped.placement.problem
     if None in problems:
         return None
     table = shaped.placement.table if shaped.placement.routes is None else np.asarray(shaped.placement.routes)
-    with_compute = [p.model_copy(update={"compute_seconds_per_row": compute_s_per_row}) for p in problems]
+    scale = 2.0 if full_duplex else 1.0  # the traffic is even both ways: dispatch rows = gathered results
+    with_compute = [p.model_copy(update={
+        "compute_seconds_per_row": compute_s_per_row,
+        "shared_links": [link.model_copy(update={"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s * scale})
+                         for link in p.shared_links]}) for p in problems]
     return cost.step_time(with_compute[0], table) - cost.step_time(with_compute[1], table)
 
 
@@ -123,6 +132,8 @@ def method_row(run: dict, unshaped: dict | None, warmup: int, compute_s_per_row:
         row["unshaped_median_step_time_s"] = median_step(again, min(warmup, len(again.history) - 1))
         row["measured_comm_s"] = step - row["unshaped_median_step_time_s"]
         row["predicted_comm_delta_s"] = predicted_comm_delta(summary, again, compute_s_per_row)
+        row["predicted_comm_delta_full_duplex_s"] = predicted_comm_delta(summary, again, compute_s_per_row,
+                                                                         full_duplex=True)
     return row
 
 
@@ -189,7 +200,8 @@ def _breakdown_lines(results: dict) -> list[str]:
                 lines.append(f"- {name} / {LABELS[method]}: step {r['median_step_time_s']:.3f} = comm "
                              f"{r['measured_comm_s']:.3f} ({r['measured_comm_s'] / r['median_step_time_s']:.0%}) + "
                              f"rest {r['unshaped_median_step_time_s']:.3f}"
-                             + _delta_text(r.get("predicted_comm_delta_s"), r["measured_comm_s"]))
+                             + _delta_text(r.get("predicted_comm_delta_s"), r["measured_comm_s"],
+                                           r.get("predicted_comm_delta_full_duplex_s")))
         serial = results["serial_compute"].get(name)
         if serial:
             lines.append(f"- {name}: the step's arithmetic alone (single process, one thread, no transport): "
@@ -201,11 +213,17 @@ def _breakdown_lines(results: dict) -> list[str]:
     return lines
 
 
-def _delta_text(predicted: float | None, measured: float) -> str:
+def _delta_text(predicted: float | None, measured: float, full_duplex: float | None = None) -> str:
     if predicted is None:
         return ""
-    off = f" ({predicted / measured - 1:+.0%})" if measured > 0 else ""
-    return f"; the cost model (links + compute) predicts comm {predicted:.3f}{off}"
+
+    def off(value: float) -> str:
+        return f" ({value / measured - 1:+.0%})" if measured > 0 else ""
+
+    text = f"; the cost model (links + compute) predicts comm {predicted:.3f}{off(predicted)}"
+    if full_duplex is not None and full_duplex != predicted:
+        text += f", {full_duplex:.3f}{off(full_duplex)} with full-duplex NICs"
+    return text
 
 
 def _placement_view_line(datasets: dict) -> str:
