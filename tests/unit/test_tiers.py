@@ -407,7 +407,7 @@ def test_a_tiered_manager_reports_its_tiers_compute_and_its_host_memory(tiny_mod
     manager.set_tier_speeds(SPEEDS)
     experts_of_layer = 8  # KEYS: two layers of 8, a cache of 4: a quarter of each layer's experts cached
     assert manager.seconds_per_row(256) == request_seconds_per_row(SPEEDS, 256, experts_of_layer, 2, 4)
-    assert manager.memory_pool() == "local/host"
+    assert manager.memory_pool() == f"{manager.node_id()}/host"  # not its device's: the cache is bounded
 
 
 def test_workers_sharing_one_memory_split_it():
