@@ -58,10 +58,12 @@ class RayWorkerPool:
         self.num_actors = cluster.num_worker_actors
         self.local_device = "cuda" if cluster.master_gpus else "cpu"
         self.local: list[ExpertManager] = []  # workers num_actors.. in this process (`cluster.workers_on_master`)
+        self.placement_service: Any = None  # spawned by `start`, ended by `measure_links` or `close`
 
     def start(self, table: np.ndarray) -> HostedExperts:
         self.close()
         self.table = np.array(table)
+        self.placement_service = spawn_placement_service(self.master_node, self.env_vars)  # starts as workers load
         self.cluster = spawn_expert_managers(self._specs(), self.spawn_config)
         self.local = [ExpertManager(spec) for spec in manager_specs(self.config, self.table, self.local_device)
                       [self.num_actors:]]
@@ -130,26 +132,23 @@ class RayWorkerPool:
             logger.warning("closing the old data plane after a lost worker: %s", exc)
         self.transport = None
 
-    def measure_links(self) -> list[LinkRecord]:
-        service = spawn_placement_service(self.master_node, self.env_vars)
+    def measure_links(self, shared: bool = False) -> tuple[list[LinkRecord], list[SharedLink]]:
+        """Probed by the PlacementService `start` spawned beside the workers (its process starts while
+        they load), which ends here. Shared links: the NICs master traffic crosses
+        (`placement.node_shared_links`), each probed through its workers."""
+        service, self.placement_service = self.placement_service, None
+        service = service or spawn_placement_service(self.master_node, self.env_vars)
         try:
-            return ray.get(service.probe.remote(self.cluster.handles)) + [IN_PROCESS_LINK] * len(self.local)
-        finally:
-            ray.kill(service)
-
-    def measure_shared_links(self) -> list[SharedLink]:
-        """The NICs master traffic crosses (`placement.node_shared_links`), each probed through its workers."""
-        links = node_shared_links(self.cluster.node_ids, self.master_node, 1.0)
-        if not links:
-            return []
-        service = spawn_placement_service(self.master_node, self.env_vars)
-        try:
+            links = ray.get(service.probe.remote(self.cluster.handles)) + [IN_PROCESS_LINK] * len(self.local)
+            nics = node_shared_links(self.cluster.node_ids, self.master_node, 1.0) if shared else []
+            if not nics:
+                return links, []
             measured = ray.get(service.probe_shared.remote(self.cluster.handles,
-                                                           {link.name: link.workers for link in links}))
+                                                           {link.name: link.workers for link in nics}))
         finally:
             ray.kill(service)
-        return node_shared_links(self.cluster.node_ids, self.master_node,
-                                 {link.name.removeprefix("nic:"): measured[link.name] for link in links})
+        return links, node_shared_links(self.cluster.node_ids, self.master_node,
+                                        {link.name.removeprefix("nic:"): measured[link.name] for link in nics})
 
     def measure_compute(self, num_rows: int) -> list[float]:
         return fill_unmeasured(self._ask_all("seconds_per_row", num_rows))
@@ -184,6 +183,9 @@ class RayWorkerPool:
         return dead
 
     def close(self) -> None:
+        if self.placement_service is not None:
+            ray.kill(self.placement_service)
+            self.placement_service = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None

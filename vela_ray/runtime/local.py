@@ -73,11 +73,9 @@ class InProcessPool:
             self.managers[n] = ExpertManager(specs[n])
         return self._hosted()
 
-    def measure_links(self) -> list[LinkRecord]:
-        return list(self.links) if self.links else [IN_PROCESS_LINK] * len(self.managers)
-
-    def measure_shared_links(self) -> list[SharedLink]:
-        return []  # one process: no NIC between the master and its workers
+    def measure_links(self, shared: bool = False) -> tuple[list[LinkRecord], list[SharedLink]]:
+        links = list(self.links) if self.links else [IN_PROCESS_LINK] * len(self.managers)
+        return links, []  # one process: no NIC between the master and its workers
 
     def measure_compute(self, num_rows: int) -> list[float]:
         return fill_unmeasured([m.seconds_per_row(num_rows) for m in self.managers])

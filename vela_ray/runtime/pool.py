@@ -64,12 +64,9 @@ class WorkerPool(Protocol):
         the caller loads a checkpoint); returns the planes over the survivors and the new ones."""
         ...
 
-    def measure_links(self) -> list[LinkRecord]:
-        """The master's link to each worker."""
-        ...
-
-    def measure_shared_links(self) -> list[SharedLink]:
-        """What those links share, with its measured bandwidth: the NICs of `placement.node_shared_links`."""
+    def measure_links(self, shared: bool = False) -> tuple[list[LinkRecord], list[SharedLink]]:
+        """The master's link to each worker, and with `shared` what those links share, with its measured
+        bandwidth (the NICs of `placement.node_shared_links`; none without `shared`)."""
         ...
 
     def measure_compute(self, num_rows: int) -> list[float]:

@@ -356,9 +356,8 @@ class JobRunner:
         """This job's placement problem for profile `probs`; links, compute and capacities measured once."""
         cfg = self.config
         if not self.state.links:
-            self.state.links = self.pool.measure_links()
-            if cfg.placement.shared_links == "measure":
-                self.state.shared_links = self.pool.measure_shared_links()
+            self.state.links, self.state.shared_links = self.pool.measure_links(
+                shared=cfg.placement.shared_links == "measure")
         compute = self.state.problem.compute_seconds_per_row if self.state.problem else None
         if compute is None and cfg.placement.cost_model == "communication+compute":
             rows = max(1, cfg.training.batch_size * cfg.data.seq_len * top_k_of(backbone.model)
