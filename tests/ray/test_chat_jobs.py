@@ -14,6 +14,8 @@ from vela_ray import cli
 from vela_ray.config import JobConfig
 from vela_ray.data.chat import alpaca_to_messages
 from vela_ray.data.datasets import load_instruct_examples
+from vela_ray.runtime.local import InProcessPool
+from vela_ray.runtime.runner import JobRunner
 from vela_ray.paths import data_dir
 from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiny_model import CHAT_TEMPLATE
@@ -58,6 +60,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("layout", ["sharegpt_jsonl", "messages_parquet_packed"])
 def test_vela_train_on_chat_files_equals_peft(ray_session, model_dir, tmp_path, layout):
+    """ShareGPT runs as a user runs it (`vela train` over Ray); the packed Parquet file, whose difference
+    is all in the data, runs the same job in one process (`InProcessPool`)."""
     conversations = _conversations(60)
     if layout == "sharegpt_jsonl":
         data = {"path": str(_sharegpt_jsonl(tmp_path / "chat.jsonl", conversations))}
@@ -68,8 +72,12 @@ def test_vela_train_on_chat_files_equals_peft(ray_session, model_dir, tmp_path, 
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)
-    assert cli.main(["train", "--config", str(write_job(tmp_path / "job.yaml", job))]) == 0  # as a user runs it
-    summary = RunSummary.load(config.output.dir)
+    if layout == "sharegpt_jsonl":
+        assert cli.main(["train", "--config", str(write_job(tmp_path / "job.yaml", job))]) == 0
+        summary = RunSummary.load(config.output.dir)
+    else:
+        config.preflight()
+        summary = JobRunner(config, InProcessPool(config)).run()
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert summary.data.kind == "chat" and summary.data.packing == (layout != "sharegpt_jsonl")
