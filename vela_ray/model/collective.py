@@ -299,8 +299,9 @@ class _ServingLoop:
         except Exception as exc:  # sent to the master, raised there as ExpertWorkerError, traceback included
             result, status, text = torch.zeros_like(like), STATUS_ERROR, _error_text(exc)
         message = _text(text)
-        self.group.send([_header(status, len(message))], 0, TAG_REPLY).wait()
-        self.data.wait(self.data.send(result, 0))
+        reply = self.group.send([_header(status, len(message))], 0, TAG_REPLY)
+        self.data.wait(self.data.send(result, 0))  # posted with the reply in flight: they overlap
+        reply.wait()
         if len(message):
             self.group.send([message], 0, TAG_TEXT).wait()
 
