@@ -9,6 +9,9 @@ GPU with `num_gpus_per_worker=1`, so Ray pins each actor to one device):
     ...
     cluster.shutdown()
 
+`launch_expert_managers` starts the actors without waiting (they load their experts while the
+caller does other work, e.g. the master loading its backbone); `cluster.wait_ready()` then waits.
+
 Actors do not restart (`max_restarts=0`): a dead worker loses its experts'
 optimizer state, so recovery belongs to checkpointing, not to Ray.
 """
@@ -66,6 +69,18 @@ class ExpertCluster:
         master = master_node_id or ray.get_runtime_context().get_node_id()
         return link_tiers(master, self.node_ids)
 
+    def wait_ready(self, timeout_s: float) -> "ExpertCluster":
+        """Wait until every actor is up (its experts loaded) and learn its node; shut down and raise
+        ClusterError if they are not up within `timeout_s`."""
+        try:
+            self.node_ids = ray.get([h.node_id.remote() for h in self.handles], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            self.shutdown()
+            raise ClusterError(f"ExpertManagers not up after {timeout_s} s; raise "
+                               "`ready_timeout_s` if loading the experts is slow") from exc
+        logger.info("spawned %d expert workers on %d nodes", len(self.handles), len(set(self.node_ids)))
+        return self
+
     def shutdown(self) -> None:
         """Kill the actors and release their placement group."""
         for handle in self.handles:
@@ -82,17 +97,15 @@ def spawn_expert_managers(
     Raises ClusterError when the resources do not appear within `ready_timeout_s`.
     """
     config = config or SpawnConfig(**options)
+    return launch_expert_managers(specs, config).wait_ready(config.ready_timeout_s)
+
+
+def launch_expert_managers(specs: Sequence[ExpertManagerSpec], config: SpawnConfig) -> ExpertCluster:
+    """Reserve the bundles and start the actors, without waiting for them to load: the cluster's
+    `node_ids` are empty until `wait_ready`."""
     _check_specs(specs, config)
     pg = reserve_bundles(len(specs), config)
-    handles = [_start_actor(spec, pg, config) for spec in specs]
-    try:
-        node_ids = ray.get([h.node_id.remote() for h in handles], timeout=config.ready_timeout_s)
-    except ray.exceptions.GetTimeoutError as exc:
-        ExpertCluster(handles, [], pg).shutdown()
-        raise ClusterError(f"ExpertManagers not up after {config.ready_timeout_s} s; raise "
-                           "`ready_timeout_s` if loading the experts is slow") from exc
-    logger.info("spawned %d expert workers on %d nodes", len(handles), len(set(node_ids)))
-    return ExpertCluster(handles, node_ids, pg)
+    return ExpertCluster([_start_actor(spec, pg, config) for spec in specs], [], pg)
 
 
 def respawn_expert_managers(cluster: ExpertCluster, specs: Sequence[ExpertManagerSpec],

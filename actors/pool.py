@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from actors.cluster import ExpertCluster, SpawnConfig, respawn_expert_managers, spawn_expert_managers
+from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
 from actors.masters import RayPeers
 from actors.placement_service import spawn_placement_service
 from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
@@ -60,11 +60,18 @@ class RayWorkerPool:
         self.local: list[ExpertManager] = []  # workers num_actors.. in this process (`cluster.workers_on_master`)
         self.placement_service: Any = None  # spawned by `start`, ended by `measure_links` or `close`
 
-    def start(self, table: np.ndarray) -> HostedExperts:
+    def launch(self, table: np.ndarray) -> None:
+        """Start the actors for `table`, and the PlacementService beside them, without waiting."""
         self.close()
         self.table = np.array(table)
-        self.placement_service = spawn_placement_service(self.master_node, self.env_vars)  # starts as workers load
-        self.cluster = spawn_expert_managers(self._specs(), self.spawn_config)
+        self.placement_service = spawn_placement_service(self.master_node, self.env_vars)
+        self.cluster = launch_expert_managers(self._specs(), self.spawn_config)
+
+    def start(self, table: np.ndarray) -> HostedExperts:
+        """Wait for the actors `launch` started for `table` (launching them now if it did not)."""
+        if self.cluster is None or self.cluster.node_ids or not np.array_equal(self.table, table):
+            self.launch(table)
+        self.cluster.wait_ready(self.spawn_config.ready_timeout_s)
         self.local = [ExpertManager(spec) for spec in manager_specs(self.config, self.table, self.local_device)
                       [self.num_actors:]]
         return self._connect()

@@ -20,6 +20,7 @@ from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_lo
 from vela_ray.config import JobConfig
 from vela_ray.errors import RunInterrupted
 from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
+from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.runner import JobRunner
 from vela_ray.training import checkpoint
@@ -64,6 +65,8 @@ def test_a_whole_job_in_one_process_equals_peft(model_dir, tmp_path):
 
     assert RunSummary.load(out).model_dump_json() == summary.model_dump_json()  # written = returned
     assert summary.placement.problem is not None and (out / "profile.npy").is_file()
+    assert summary.timings_s["startup_s"] >= summary.timings_s["placement_s"] > 0  # placed before the first step
+    assert f"(first step {summary.timings_s['startup_s']:.1f} s after the start)" in summary_text(summary)
     assert summary.worker_tiers == ["same_process"] * 3
     assert [int(p.name[5:]) for p in checkpoint.valid_checkpoints(out / "checkpoints")] == [2, 4]
     assert summary.checkpoint == str(out / "checkpoints" / "step-000004")

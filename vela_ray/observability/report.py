@@ -216,9 +216,12 @@ def summary_text(source: RunSummary | str | Path) -> str:
     run = load_run(source)
     s = run.summary
     expected = ", ".join(f"{label} {text}" for label, text in _expected_texts(s.placement).items())
+    startup = s.timings_s.get("startup_s")
     lines = [
         _headline(run),
-        f"median step time {s.median_step_time_s:.3f} s; placement {s.placement.solver}"
+        f"median step time {s.median_step_time_s:.3f} s"
+        + (f" (first step {startup:.1f} s after the start)" if isinstance(startup, float) else "")
+        + f"; placement {s.placement.solver}"
         + (f": {expected}" if expected else ""),
         "expert traffic by link tier: " + ", ".join(
             f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()),

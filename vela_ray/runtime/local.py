@@ -45,6 +45,9 @@ class InProcessPool:
         self.table: np.ndarray | None = None
         self.lock = threading.Lock()  # the masters' threads take turns on the workers
 
+    def launch(self, table: np.ndarray) -> None:
+        pass  # the workers are built by `start`, in this process
+
     def start(self, table: np.ndarray) -> HostedExperts:
         self.managers = [ExpertManager(spec) for spec in manager_specs(self.config, table, self.device)]
         self.table = np.array(table)

@@ -45,6 +45,11 @@ class HostedExperts:
 class WorkerPool(Protocol):
     master_node: str
 
+    def launch(self, table: np.ndarray) -> None:
+        """Begin starting the workers for `table` without waiting, so they load their experts while the
+        master loads its backbone; `start(table)` finishes. A pool in one process has nothing to begin."""
+        ...
+
     def start(self, table: np.ndarray) -> HostedExperts:
         """(Re)start the workers so that worker n hosts the experts `table` gives n."""
         ...

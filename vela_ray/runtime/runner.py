@@ -2,8 +2,10 @@
 
 Stages of `JobRunner.run()`:
   1. resume point verified; nothing is written before (a refused resume leaves no trace);
-  2. tokenizer, data split and backbone loaded (`Backbone`); `config.json` written;
-  3. `pool.start(table)`: workers host the resumed placement, or the sequential one;
+  2. `pool.launch(table)`: the workers start loading the resumed placement's experts, or the
+     sequential one's, while this process loads tokenizer, data split and backbone (`Backbone`);
+     `config.json` written;
+  3. `pool.start(table)`: waits until the workers are up;
   4. settle the placement: the profile (measured through the brokers, the checkpoint's own on
      an elastic resume, read from a file, or uniform), links, compute and capacities from the
      pool, `placement_problem` (pure), solve; move the experts that changed worker between the
@@ -46,7 +48,7 @@ from vela_ray.data.datasets import TokenizedDataset, batch_rows, micro_batches, 
 from vela_ray.data.locality import DriftTracker, RoutingRecorder, profile_model, total_variation
 from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.model.condensation import Condenser
-from vela_ray.model.loading import load_backbone
+from vela_ray.model.loading import load_backbone, moe_layout
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
@@ -211,16 +213,18 @@ class JobRunner:
     # --- the run ---------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
+        started = time.perf_counter()
         resume = self._resume_point()
-        backbone = self.backbone = Backbone.load(self.config)
-        if resume:
-            checkpoint.check_compatible(resume["manifest"], self._checkpoint_meta(), resume["path"])
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.json").write_text(self.config.model_dump_json(indent=1))
         table = self.state.tables = self._initial_table(resume)
-        hosted = self.pool.start(table)
-        hosted.workers.copies = copies_of(table)
+        self.pool.launch(table)  # the workers load their experts while this process loads the backbone
         try:
+            backbone = self.backbone = Backbone.load(self.config)
+            if resume:
+                checkpoint.check_compatible(resume["manifest"], self._checkpoint_meta(), resume["path"])
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(self.config.model_dump_json(indent=1))
+            hosted = self.pool.start(table)
+            hosted.workers.copies = copies_of(table)
             master = build_master(backbone.model, master_table(table), hosted.transport, self.config.lora_spec,
                                   self.config.training.optimizer, num_masters=self.config.cluster.num_masters,
                                   row_format=self.config.cluster.row_format)
@@ -232,6 +236,7 @@ class JobRunner:
             self._fit_popularity_predictor(backbone, master, hosted)
             self._publish_placement(backbone)
             self.state.start_step = self._load_start_state(master, hosted, resume)
+            self.state.timings_s["startup_s"] = time.perf_counter() - started  # until the first step
             hosted = self._train(backbone, master, hosted)
             export(master, hosted.workers, self.out_dir / "adapter")
             summary = self._summary(master, hosted)
@@ -279,7 +284,7 @@ class JobRunner:
         saved = self._saved_placement(resume)
         if saved:
             return saved.tables()
-        return sequential_table(*self.backbone.shape, self.config.cluster.num_workers)
+        return sequential_table(*moe_layout(self.config.model.path), self.config.cluster.num_workers)
 
     def _load_start_state(self, master: MasterModel, hosted: HostedExperts, resume: dict | None) -> int:
         """Adapters and optimizer state to start from; returns the first step to run."""

@@ -245,6 +245,8 @@ class RunSummary(_Record):
     every master's, each binned by its own link tier to the worker."""
     placement: PlacementRecord
     links: list[LinkRecord] = Field(default_factory=list)
+    # startup_s (from the run's start to its first step), placement_s, train_s, checkpoint_stall_s (per
+    # checkpoint), worker_compute_s (per worker)
     timings_s: dict[str, float | list[float]] = Field(default_factory=dict)
     adapter_dir: str | None = None
     report: str | None = None
