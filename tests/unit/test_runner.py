@@ -6,6 +6,7 @@ transformers + peft on the same batches; and a run in which a worker holds no ex
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +137,40 @@ def test_a_stop_request_checkpoints_the_step_it_stopped_after_and_resume_finishe
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[3:]), rtol=1e-5, atol=0)
     _assert_same_adapter(load_file(tmp_path / "stopped" / "adapter" / "adapter_model.safetensors"),
                          load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))
+
+
+class _RecordingPool(InProcessPool):
+    """InProcessPool that notes when the runner launches, starts and closes it."""
+
+    def __init__(self, config: JobConfig, events: list[str]):
+        super().__init__(config)
+        self.events = events
+
+    def launch(self, table) -> None:
+        self.events.append("launch")
+        super().launch(table)
+
+    def start(self, table):
+        self.events.append("start")
+        return super().start(table)
+
+    def close(self) -> None:
+        self.events.append("close")
+        super().close()
+
+
+def test_the_workers_are_launched_before_the_backbone_loads_and_closed_when_it_fails(model_dir, tmp_path):
+    broken = tmp_path / "model"
+    shutil.copytree(model_dir, broken)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the weights are fine, the backbone's load is not
+        (broken / name).unlink()
+    events: list[str] = []
+    config = JobConfig.from_dict(job_dict(broken, tmp_path / "out", steps=1))
+    with pytest.raises(ValueError, match="tokenizer"):
+        JobRunner(config, _RecordingPool(config, events)).run()
+    assert events == ["launch", "close"]  # launched from the checkpoint's skeleton alone, never started
+
+    events.clear()
+    config = JobConfig.from_dict(job_dict(model_dir, tmp_path / "ok", steps=1))
+    JobRunner(config, _RecordingPool(config, events)).run()
+    assert events == ["launch", "start", "close"]
