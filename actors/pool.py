@@ -58,7 +58,7 @@ class RayWorkerPool:
         self.num_actors = cluster.num_worker_actors
         self.local_device = "cuda" if cluster.master_gpus else "cpu"
         self.local: list[ExpertManager] = []  # workers num_actors.. in this process (`cluster.workers_on_master`)
-        self.placement_service: Any = None  # spawned by `start`, ended by `measure_links` or `close`
+        self.placement_service: Any = None  # spawned by `launch`, ended by `measure_links` or `close`
 
     def launch(self, table: np.ndarray) -> None:
         """Start the actors for `table`, and the PlacementService beside them, without waiting."""
@@ -69,7 +69,8 @@ class RayWorkerPool:
 
     def start(self, table: np.ndarray) -> HostedExperts:
         """Wait for the actors `launch` started for `table` (launching them now if it did not)."""
-        if self.cluster is None or self.cluster.node_ids or not np.array_equal(self.table, table):
+        waiting = self.cluster is not None and not self.cluster.node_ids  # launched, not yet waited for
+        if not (waiting and np.array_equal(self.table, table)):
             self.launch(table)
         self.cluster.wait_ready(self.spawn_config.ready_timeout_s)
         self.local = [ExpertManager(spec) for spec in manager_specs(self.config, self.table, self.local_device)
@@ -140,7 +141,7 @@ class RayWorkerPool:
         self.transport = None
 
     def measure_links(self, shared: bool = False) -> tuple[list[LinkRecord], list[SharedLink]]:
-        """Probed by the PlacementService `start` spawned beside the workers (its process starts while
+        """Probed by the PlacementService `launch` spawned beside the workers (its process starts while
         they load), which ends here. Shared links: the NICs master traffic crosses
         (`placement.node_shared_links`), each probed through its workers."""
         service, self.placement_service = self.placement_service, None
