@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
 
 import numpy as np
 import ray
@@ -28,9 +27,10 @@ from vela_ray.model.collective import make_group, make_store
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.traffic import TrafficSnapshot, link_tiers
 from vela_ray.quiet import silence_known_warnings
-from vela_ray.runtime.masters import Wait, master_share, peer_step
+from vela_ray.runtime.masters import Wait, master_loss, peer_nodes, peer_step, sequence_migration
 from vela_ray.runtime.migration import master_table
 from vela_ray.training.replicas import ProcessGroupReplicas
+from vela_ray.training.sequence_migration import NodeMap
 from vela_ray.training.step import STEPPED_ELSEWHERE, build_master, load_master_state, train_step
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,8 @@ class MasterReplica:
     def pid(self) -> int:
         return os.getpid()
 
-    def join(self, host: str, port: int, handles: list, worker_nodes: list[str], table: list) -> None:
+    def join(self, host: str, port: int, handles: list, worker_nodes: list[str], master_nodes: list[str],
+             table: list) -> None:
         """Join the masters' group, load the backbone and build brokers over `table` to `handles`."""
         address = ray.util.get_node_ip_address()
         store = make_store(host, port, self.num_masters, is_master=False, timeout_s=GROUP_TIMEOUT_S)
@@ -69,7 +70,8 @@ class MasterReplica:
                                    num_masters=self.num_masters, row_format=cfg.cluster.row_format)
         self.master.peft_model.to(self.device)
         self.routing = RoutingRecorder.for_model(self.master.peft_model, record_confidence=False).attach()
-        self.share = master_share(self.rank, self.num_masters, self.master.peft_model, self.device)
+        self.migration = sequence_migration(cfg, self.rank, self.master, NodeMap.of(master_nodes, worker_nodes))
+        self.loss_fn = master_loss(cfg, self.rank, self.master, self.migration, self.replicas, self.device)
 
     def _transport(self, handles: list, worker_nodes: list[str]) -> RayObjectRefTransport:
         return RayObjectRefTransport(handles, link_tiers(self.node_id(), worker_nodes),
@@ -78,9 +80,9 @@ class MasterReplica:
     def train_step(self, micro_batches: list[dict], lr: float, max_grad_norm: float | None) -> dict:
         """This master's share of one step (see `vela_ray.runtime.masters`); its `peer_step` record."""
         before = self.master.dispatcher.counter.snapshot()
-        train_step(self.master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm, loss_fn=self.share.loss,
+        train_step(self.master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm, loss_fn=self.loss_fn,
                    replicas=self.replicas)
-        return peer_step(self.master.dispatcher.counter.snapshot() - before, self.routing.take_counts())
+        return peer_step(self.master.dispatcher.counter.snapshot() - before, self.routing.take_counts(), self.migration)
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_master_state(self.master, tensors)
@@ -108,14 +110,6 @@ def _raise_if_failed(refs: list, timeout_s: float = 0.0) -> None:
         raise errors[0]
 
 
-def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
-    """Nodes of masters 1..M-1: the workers' nodes other than master 0's, in order; round robin over
-    all of them (master 0's last) when there are more masters than nodes."""
-    others = [n for n in dict.fromkeys(worker_nodes) if n != master_node]
-    cycle = others + [master_node]
-    return [cycle[i % len(cycle)] for i in range(num_peers)]
-
-
 class RayPeers:
     """`vela_ray.runtime.masters.PeerMasters` over MasterReplica actors; master 0 is this process."""
 
@@ -138,7 +132,7 @@ class RayPeers:
     def _form_group(self, handles: list, worker_nodes: list[str], table: np.ndarray) -> ProcessGroupReplicas:
         address = ray.util.get_node_ip_address()
         store = make_store(address, 0, self.num_masters, is_master=True, timeout_s=GROUP_TIMEOUT_S)
-        joins = [a.join.remote(store.host, store.port, handles, worker_nodes, np.asarray(table).tolist())
+        joins = [a.join.remote(store.host, store.port, handles, worker_nodes, self.nodes, np.asarray(table).tolist())
                  for a in self.actors]
         self._store = store  # the rendezvous must outlive the joins
         group = make_group(store, 0, self.num_masters, GROUP_TIMEOUT_S, address)

@@ -80,7 +80,7 @@ def migrate_sequences(
     current_S: Sequence[int] | None = None,
     residual_rows_per_token: float = 1.0,
     hidden_size: int = 4096,
-    capacity_tokens: int | None = None,
+    capacity_tokens: int | Sequence[int] | None = None,
 ) -> np.ndarray:
     """[S] the master of each sequence for the next layer (LUFFY's Algorithm 1; module docstring).
 
@@ -88,17 +88,15 @@ def migrate_sequences(
     on node n in this layer. master_node_M: [M] node (column of served_SN) of each master.
     current_S: [S] master each sequence is on now; a move to another node costs
     `residual_rows_per_token` rows per token (None: moves are free). hidden_size: d of eq. 1.
-    capacity_tokens: the most tokens a master takes (None: `default_capacity`).
+    capacity_tokens: the most tokens a master takes (None: `default_capacity`), or [M] one per master (a
+    runtime whose masters keep their batch sizes gives each exactly its share: `SequenceMigration`).
     """
     tokens_S = np.asarray(tokens_S, dtype=np.int64)
     served_SN = np.asarray(served_SN, dtype=np.float64)
     master_node_M = np.asarray(master_node_M, dtype=np.int64)
     num_sequences, num_masters = len(tokens_S), len(master_node_M)
     _check_inputs(tokens_S, served_SN, master_node_M, q, current_S)
-    capacity = default_capacity(tokens_S, num_masters) if capacity_tokens is None else int(capacity_tokens)
-    if num_sequences and capacity < tokens_S.max():
-        raise ValueError(f"capacity_tokens={capacity} is below the longest sequence ({tokens_S.max()} tokens): "
-                         f"raise it, or leave it None for {default_capacity(tokens_S, num_masters)}")
+    capacity_M = _capacities(tokens_S, num_masters, capacity_tokens)
     # 1. traffic of continuing on each master: rows served off its node, plus the residual move
     traffic_SM = served_SN.sum(axis=1, keepdims=True) - served_SN[:, master_node_M]
     stay_SM = np.zeros((num_sequences, num_masters), dtype=bool)
@@ -111,18 +109,30 @@ def migrate_sequences(
     index_SM = np.broadcast_to(np.arange(num_masters), (num_sequences, num_masters))
     order_SM = np.lexsort((index_SM, ~stay_SM, traffic_SM), axis=-1)
     # 3. place sequences longest first where the attention time grows least, within capacity
-    return _assign(tokens_S, order_SM, q, hidden_size, capacity)
+    return _assign(tokens_S, order_SM, q, hidden_size, capacity_M)
 
 
-def _assign(tokens_S: np.ndarray, order_SM: np.ndarray, q: int, hidden_size: int, capacity: int) -> np.ndarray:
+def _capacities(tokens_S: np.ndarray, num_masters: int, capacity_tokens: int | Sequence[int] | None) -> list[int]:
+    """[M] the most tokens each master takes."""
+    if capacity_tokens is None:
+        return [default_capacity(tokens_S, num_masters)] * num_masters
+    capacity_M = [int(c) for c in np.broadcast_to(np.asarray(capacity_tokens, dtype=np.int64), (num_masters,))]
+    if len(tokens_S) and max(capacity_M) < tokens_S.max():
+        raise ValueError(f"capacity_tokens={capacity_tokens} is below the longest sequence ({tokens_S.max()} "
+                         f"tokens): raise it, or leave it None for {default_capacity(tokens_S, num_masters)}")
+    return capacity_M
+
+
+def _assign(tokens_S: np.ndarray, order_SM: np.ndarray, q: int, hidden_size: int, capacity_M: list[int]) -> np.ndarray:
     """Algorithm 1, lines 3-7: [S] masters, given each sequence's masters in order of traffic."""
     num_sequences, num_masters = order_SM.shape
     count_M, longest_M, load_M = [0] * num_masters, [0] * num_masters, [0] * num_masters
     master_S = np.empty(num_sequences, dtype=np.int64)
     for s in np.argsort(-tokens_S, kind="stable"):
         length = int(tokens_S[s])
-        room = [int(m) for m in order_SM[s] if load_M[m] + length <= capacity]
+        room = [int(m) for m in order_SM[s] if load_M[m] + length <= capacity_M[m]]
         if not room:
+            capacity = capacity_M[0] if len(set(capacity_M)) == 1 else capacity_M
             raise ValueError(f"sequence {s} ({length} tokens) fits no master under capacity_tokens={capacity} "
                              f"(loads {load_M}): raise it, or leave it None for "
                              f"{default_capacity(tokens_S, num_masters)}")

@@ -88,6 +88,14 @@ class ClusterSection(_Section):
                              "backbone gradients are summed among them, so the losses equal one master's. Each "
                              "sends its rows to every worker, so without replicated experts (M-1)/M of the rows "
                              "cross nodes; it spreads the backbone's compute, not the traffic")
+    sequence_migration: bool = Field(
+        False, description="with several masters: after every MoE decoder layer each sequence continues on the "
+                           "master whose node served most of its rows (LUFFY's sequence migration; exact: only "
+                           "hidden states and their gradients move). Micro-batches with padding or packed rows "
+                           "stay where they are")
+    sequence_migration_candidates: int = Field(
+        1, ge=1, description="LUFFY's q: a sequence may continue on any of the q masters that would draw the "
+                             "least traffic, the one whose attention load grows least")
 
     workers_on_master: int = Field(
         0, ge=0, description="the last K of the num_workers ExpertManagers live in the master's own process, on its "
@@ -128,6 +136,9 @@ class ClusterSection(_Section):
 
     @model_validator(mode="after")
     def _masters_over_object_refs(self) -> "ClusterSection":
+        if self.sequence_migration and self.num_masters == 1:
+            raise ValueError("cluster.sequence_migration moves sequences between masters: set cluster.num_masters "
+                             "above 1, or turn it off")
         if self.num_masters > 1 and self.transport != "object_ref":
             raise ValueError(f"cluster.num_masters is {self.num_masters} but cluster.transport is "
                              f"{self.transport!r}, whose group has one master: use transport: object_ref")

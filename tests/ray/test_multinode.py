@@ -1,6 +1,7 @@
 """Several Ray nodes on one machine: a master per node (`cluster.num_masters`), each with copies of some
-experts beside it (replicas), trains like peft; workers on other nodes count as cross-node, bytes match both
-ends, every node's NIC is in the placement problem."""
+experts beside it (replicas), its sequences migrating among the masters (`cluster.sequence_migration`),
+trains like peft; workers on other nodes count as cross-node, bytes match both ends, every node's NIC is in
+the placement problem."""
 
 from __future__ import annotations
 
@@ -48,10 +49,12 @@ def test_a_master_per_node_with_replicas_trains_like_peft_and_both_ends_count_th
         routes[master][table == 0] = master
     Placement(expert_to_worker=table.tolist(), num_workers=3, capacities=[8] * 3, solver="file",
               expected_step_time=0.0, routes=routes.tolist()).to_json(tmp_path / "placement.json")
-    job = job_dict(model_dir, tmp_path / "out", steps=2, cluster={"workers_per_node": 1, "num_masters": 3},
+    job = job_dict(model_dir, tmp_path / "out", steps=2,
+                   cluster={"workers_per_node": 1, "num_masters": 3, "sequence_migration": True,
+                            "sequence_migration_candidates": 2},
                    placement={"solver": "file", "file": str(tmp_path / "placement.json")},
                    lora={"r": 4, "alpha": 8, "init_adapter": str(adapter)},
-                   training={"batch_size": 6, "micro_batch_size": 3, "optimizer": {"lr": 5e-3, "warmup_steps": 1}})
+                   training={"batch_size": 6, "micro_batch_size": 6, "optimizer": {"lr": 5e-3, "warmup_steps": 1}})
     result = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(job)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -63,9 +66,12 @@ def test_a_master_per_node_with_replicas_trains_like_peft_and_both_ends_count_th
     assert len(set(nodes)) == 3 and len(summary["nodes"]) == 3
     assert summary["master_nodes"] == nodes and nodes[0] == summary["master_node"]
     assert summary["worker_tiers"] == ["same_node", "cross_node", "cross_node"]  # as master 0 sees them
-    # the masters split every micro-batch, copies sum their gradients: the losses are plain peft's
+    # the masters split every micro-batch, sequences move among them and back, copies sum their gradients:
+    # the losses are plain peft's
     ref_losses, _ = reference_losses(JobConfig.from_dict(job))
     assert summary["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    moves = summary["sequence_moves"]  # over the masters' gloo group, forward and backward
+    assert moves["micro_batches"] == 2 * 3 and moves["moves"] > 0 and moves["cross_node_bytes"] > 0
     assert summary["placement"]["routes"] == routes.tolist()
     # what the masters' brokers say they sent to each worker == what each worker says it received
     assert summary["sent_bytes_by_worker"] == summary["worker_received_bytes"]

@@ -265,3 +265,9 @@ def test_bad_simulator_inputs_name_the_value(change, message):
     counts = change.get("counts", np.full((1, 2, 4), 1.5))
     with pytest.raises(ValueError, match=message):
         simulate_sequences(problem, counts, [3], np.zeros((2, 4), dtype=int))
+
+
+def test_a_capacity_per_master_bounds_each_master_on_its_own():
+    # every sequence would rather continue on master 1, which has room for one: the others stay on master 0
+    master = migrate_sequences([5, 5, 5], [[0, 9]] * 3, [0, 1], q=1, capacity_tokens=[10, 5])
+    assert master.tolist() == [1, 0, 0]

@@ -75,6 +75,9 @@ class ExpertDispatcher:
         self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
         self.latency = None  # optional: anything with .observe(layer, seconds, phase), e.g. metrics.MetricsSink.latency
         self.condenser = None  # optional, LOSSY: a condensation.Condenser (token condensation in training forwards)
+        # optional: called with (plan, token_T) for every plan a broker makes (sequence migration reads where
+        # each token's rows go); token_T as in `ExpertBroker._routed`
+        self.plan_observer = None
         # Seconds the master spent waiting on the transport, per phase: communication plus the
         # workers' expert compute, i.e. the part of a step that the placement can change.
         self.round_trip_s = {"forward": 0.0, "backward": 0.0}
@@ -205,6 +208,8 @@ class ExpertBroker(nn.Module):
                 token_T: torch.Tensor | None = None):
         """`token_T`: the model's token of each row of hidden_TD when they differ (grouped calls)."""
         plan = self.dispatcher.plan(self.layer, top_k_index_TK)
+        if self.dispatcher.plan_observer is not None:
+            self.dispatcher.plan_observer(plan, token_T)
         track_grad = torch.is_grad_enabled()
         key = self.dispatcher.new_key(self.layer) if track_grad else None
         # The anchor makes the Function's output require grad even when no input does

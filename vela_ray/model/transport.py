@@ -69,12 +69,16 @@ class InProcessTransport:
     (an ExpertShard, or an ExpertManager, which also counts what it receives).
     """
 
-    def __init__(self, shards: list[ExpertShard], lock: threading.Lock | None = None):
+    def __init__(self, shards: list[ExpertShard], lock: threading.Lock | None = None,
+                 tiers: list[LinkTier] | None = None):
         """`lock`: shared by the transports of masters in several threads of this process (data-parallel
-        masters, `vela_ray.runtime.masters`): a shard's saved forwards and gradients are not thread-safe."""
+        masters, `vela_ray.runtime.masters`): a shard's saved forwards and gradients are not thread-safe.
+        `tiers`: the link tier each worker's traffic is counted under (an emulated cluster's; default: all
+        same_process)."""
         self.shards = shards
         self.num_workers = len(shards)
         self.lock = lock or contextlib.nullcontext()
+        self.tiers: list[LinkTier] = list(tiers) if tiers is not None else ["same_process"] * self.num_workers
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         with self.lock:
@@ -88,7 +92,7 @@ class InProcessTransport:
             return {worker: self.shards[worker].backward_rows(key, grad) for worker, grad in grads.items()}
 
     def worker_tiers(self) -> list[LinkTier]:
-        return ["same_process"] * self.num_workers
+        return self.tiers
 
 
 class SplitTransport:

@@ -17,7 +17,7 @@ import numpy as np
 from placement import SharedLink
 
 from vela_ray.config import JobConfig
-from vela_ray.model.traffic import LOCAL_NODE
+from vela_ray.model.traffic import LOCAL_NODE, link_tiers
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.runtime.masters import PeerMasters, SoloMaster, ThreadPeers
 from vela_ray.runtime.migration import MigrationPlan
@@ -33,14 +33,18 @@ class InProcessPool:
     """`WorkerPool` whose workers are plain ExpertManager objects in this process."""
 
     def __init__(self, config: JobConfig, links: list[LinkRecord] | None = None, device: str = "cpu",
-                 master_node: str = LOCAL_NODE):
+                 master_node: str = LOCAL_NODE, worker_nodes: list[str] | None = None):
         """`links`: report these instead of function calls' (an emulated cluster's, for placement tests);
         `device`: where the ExpertManagers keep their experts (the master's, `cluster.workers_on_master`);
-        `master_node`: the Ray node the master runs on, for the summary (the workers share it)."""
+        `master_node`: the Ray node the master runs on, for the summary (the workers share it);
+        `worker_nodes`: emulated nodes of the workers (tests, benchmarks: `master_node` must be one of them).
+        Traffic is then counted by the tiers a cluster of those nodes would have, and data-parallel masters
+        sit one per node as on Ray; the workers are still plain objects of this process."""
         self.config = config
         self.links = links
         self.device = device
         self.master_node = master_node
+        self.worker_nodes = worker_nodes
         self.managers: list[ExpertManager] = []
         self.table: np.ndarray | None = None
         self.lock = threading.Lock()  # the masters' threads take turns on the workers
@@ -54,13 +58,14 @@ class InProcessPool:
         return self._hosted()
 
     def _hosted(self) -> HostedExperts:
-        return HostedExperts(ExpertWorkers.in_process(self.managers), InProcessTransport(self.managers, self.lock),
-                             [LOCAL_NODE] * len(self.managers))
+        nodes = self.worker_nodes or [LOCAL_NODE] * len(self.managers)
+        transport = InProcessTransport(self.managers, self.lock, link_tiers(self.master_node, nodes))
+        return HostedExperts(ExpertWorkers.in_process(self.managers), transport, nodes)
 
     def start_peers(self, table: np.ndarray) -> PeerMasters:
         if self.config.cluster.num_masters == 1:
             return SoloMaster(self.master_node)
-        return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock)
+        return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock, self.worker_nodes)
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         plan = MigrationPlan.between(self.table, table)

@@ -16,9 +16,12 @@ Master 0 keeps the run's state (checkpoints, evaluation, profile, placement); th
 it with `load_state` whenever master 0's changes other than by a step (start, resume,
 recovery), and a new table with `rebind` after every migration.
 
+With `cluster.sequence_migration` every master's loss function moves its sequences among the
+masters during the forward (`master_loss`, `vela_ray.training.sequence_migration`).
+
 Two kinds of peers, one protocol: `ThreadPeers` (threads of this process, over the
 in-process ExpertManagers) and `actors.masters.RayPeers` (MasterReplica actors, one per
-node). `SOLO` is the single master.
+node). `SoloMaster` is the single master.
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ from vela_ray.config import JobConfig
 from vela_ray.data.locality import RoutingRecorder
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.traffic import TrafficSnapshot
+from vela_ray.model.traffic import link_tiers
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.runtime.migration import master_table
 from vela_ray.training.expert_manager import ExpertManager
-from vela_ray.training.replicas import SINGLE, Replicas, ReplicaShare, ThreadGroup
+from vela_ray.training.replicas import SINGLE, Exchanger, Replicas, ReplicaShare, ThreadGroup
+from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
 from vela_ray.training.step import (
-    STEPPED_ELSEWHERE, Batch, MasterModel, build_master, load_master_state, train_step,
+    STEPPED_ELSEWHERE, Batch, LossFn, MasterModel, build_master, load_master_state, train_step,
 )
 
 Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; returns their `peer_step` records
@@ -112,31 +117,46 @@ class SoloMaster:
         pass
 
 
+def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
+    """Nodes of masters 1..M-1: the workers' nodes other than master 0's, in order; round robin over
+    all of them (master 0's last) when there are more masters than nodes."""
+    others = [n for n in dict.fromkeys(worker_nodes) if n != master_node]
+    cycle = others + [master_node]
+    return [cycle[i % len(cycle)] for i in range(num_peers)]
+
+
 class ThreadPeers:
     """Peers as threads of this process over the in-process ExpertManagers (`InProcessPool`).
 
     Master 0's own transport must be an `InProcessTransport` on the same lock (`InProcessPool` makes it).
+    `worker_nodes`: the workers' nodes; the peers take nodes as Ray's would (`peer_nodes`), and each
+    counts its traffic by its own link tiers (all same_process when every worker is on `node`).
     """
 
     def __init__(self, config: JobConfig, managers: list[ExpertManager], table: np.ndarray, node: str,
-                 lock: threading.Lock):
+                 lock: threading.Lock, worker_nodes: list[str] | None = None):
         self.config = config
         self.num_masters = config.cluster.num_masters
-        self.nodes = [node] * self.num_masters
+        worker_nodes = worker_nodes or [node] * len(managers)
+        self.nodes = [node, *peer_nodes(worker_nodes, node, self.num_masters - 1)]
         self.lock = lock
         self.group = ThreadGroup(self.num_masters)
         self.replicas = self.group.member(0)
-        self.masters = [self._build(rank, managers, table) for rank in range(1, self.num_masters)]
+        self.masters = [self._build(rank, managers, table, worker_nodes) for rank in range(1, self.num_masters)]
         self.routing = [RoutingRecorder.for_model(m.peft_model, record_confidence=False).attach()
                         for m in self.masters]
+        self.migrations = [sequence_migration(config, rank, m, NodeMap.of(self.nodes, worker_nodes))
+                           for rank, m in enumerate(self.masters, start=1)]
         self._errors: list[BaseException] = []
         self._threads: list[threading.Thread] = []
 
-    def _build(self, rank: int, managers: list[ExpertManager], table: np.ndarray) -> MasterModel:
+    def _build(self, rank: int, managers: list[ExpertManager], table: np.ndarray,
+               worker_nodes: list[str]) -> MasterModel:
         cfg = self.config
         torch.manual_seed(cfg.training.seed)  # as master 0's Backbone.load; load_state makes them equal anyway
         model = load_backbone(cfg.model.path, cfg.torch_dtype)
-        return build_master(model, master_table(table, rank), InProcessTransport(managers, self.lock), cfg.lora_spec,
+        transport = InProcessTransport(managers, self.lock, link_tiers(self.nodes[rank], worker_nodes))
+        return build_master(model, master_table(table, rank), transport, cfg.lora_spec,
                             cfg.training.optimizer, master=rank, num_masters=self.num_masters,
                             row_format=cfg.cluster.row_format)
 
@@ -153,8 +173,8 @@ class ThreadPeers:
             self._join()
             if self._errors:
                 raise self._errors[0]
-            return [peer_step(m.dispatcher.counter.snapshot() - before, routing.take_counts())
-                    for m, before, routing in zip(self.masters, befores, self.routing)]
+            return [peer_step(m.dispatcher.counter.snapshot() - before, routing.take_counts(), migration)
+                    for m, before, routing, migration in zip(self.masters, befores, self.routing, self.migrations)]
         return wait
 
     def _join(self) -> None:
@@ -174,9 +194,9 @@ class ThreadPeers:
 
     def _step(self, rank: int, master: MasterModel, micro_batches, lr: float, max_grad_norm) -> None:
         try:
-            train_step(master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm,
-                       loss_fn=master_share(rank, self.num_masters, master.peft_model).loss,
-                       replicas=self.group.member(rank))
+            replicas = self.group.member(rank)
+            loss_fn = master_loss(self.config, rank, master, self.migrations[rank - 1], replicas)
+            train_step(master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm, loss_fn=loss_fn, replicas=replicas)
         except BaseException as exc:  # noqa: BLE001 - handed to master 0's thread by wait()
             self._errors.append(exc)
             self.group.abort()
@@ -198,7 +218,26 @@ class ThreadPeers:
     def close(self) -> None:
         for routing in self.routing:
             routing.detach()
-        self.masters, self.routing = [], []
+        for migration in self.migrations:
+            if migration is not None:
+                migration.detach()
+        self.masters, self.routing, self.migrations = [], [], []
+
+
+def sequence_migration(config: JobConfig, rank: int, master: MasterModel, nodes: NodeMap) -> SequenceMigration | None:
+    """Master `rank`'s `SequenceMigration` (hooks on its model) with `cluster.sequence_migration`, else None."""
+    if not config.cluster.sequence_migration:
+        return None
+    return SequenceMigration(master.peft_model, master.dispatcher, rank, config.cluster.num_masters, nodes,
+                             config.cluster.sequence_migration_candidates)
+
+
+def master_loss(config: JobConfig, rank: int, master: MasterModel, migration: SequenceMigration | None,
+                exchanger: Exchanger, device: torch.device | str = "cpu") -> LossFn:
+    """Master `rank`'s loss function of a step: its share of each micro-batch, its sequences moving among
+    the masters (over `exchanger`, its member of the masters' group) when it has a `migration`."""
+    share = master_share(rank, config.cluster.num_masters, master.peft_model, device)
+    return share.loss if migration is None else migration.loss_fn(share, exchanger)
 
 
 def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: torch.device | str = "cpu"
@@ -209,7 +248,9 @@ def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: to
     return ReplicaShare(rank, num_masters, coef, device)
 
 
-def peer_step(traffic: TrafficSnapshot, routed_LE: torch.Tensor) -> dict:
+def peer_step(traffic: TrafficSnapshot, routed_LE: torch.Tensor, migration: SequenceMigration | None = None) -> dict:
     """What master 0's step record takes from a peer's step: its traffic, its bytes by its own link tiers,
-    and the tokens it routed to each expert [L][E]."""
-    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "routed_LE": routed_LE.tolist()}
+    the tokens it routed to each expert [L][E], and what its sequence migration moved."""
+    moves = (migration.take_stats() if migration is not None else SequenceMoveStats()).as_dict()
+    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "routed_LE": routed_LE.tolist(),
+            "sequence_moves": moves}

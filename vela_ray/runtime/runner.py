@@ -58,11 +58,12 @@ from vela_ray.runtime.migration import (
     MigrationPlan, copies_of, estimated_seconds_per_expert, master_table, migration_record, replan,
     seconds_per_moved_expert,
 )
-from vela_ray.runtime.masters import PeerMasters, SoloMaster, master_share
+from vela_ray.runtime.masters import PeerMasters, SoloMaster, master_loss, sequence_migration
 from vela_ray.runtime.pool import HostedExperts, WorkerPool
 from vela_ray.training import checkpoint
 from vela_ray.training.optim import lr_at
 from vela_ray.training.popularity import PopularityPredictor, routing_pairs
+from vela_ray.training.sequence_migration import NodeMap, SequenceMigration
 from vela_ray.training.step import (
     LossFn, MasterModel, build_master, eval_loss, export, import_adapter, load_master_state, master_state,
     model_loss, train_step,
@@ -206,6 +207,7 @@ class JobRunner:
         self.state = RunState()
         self.checkpoints = CheckpointWriter(config, self.state, pool)  # writes and publishes what the runner saves
         self.peers: PeerMasters = SoloMaster(pool.master_node)
+        self.migration: SequenceMigration | None = None  # master 0's, with cluster.sequence_migration
         training = config.training  # `training.method: zo`: ZO-SGD steps instead of `train_step`
         self.zo = ZoTrainer(training.zo.eps, training.seed) if training.method == "zo" else None
         self.metrics.set_method(training.method)
@@ -231,7 +233,7 @@ class JobRunner:
             master.peft_model.to(self.device)  # after the brokers replaced the (unallocated) experts
             master.dispatcher.latency = self.metrics.latency
             master.dispatcher.condenser = self._condenser()
-            self.peers = self.pool.start_peers(table)
+            self._start_peers(table, master, hosted)
             self._settle_placement(backbone, master, hosted, table, resume)
             self._fit_popularity_predictor(backbone, master, hosted)
             self._publish_placement(backbone)
@@ -561,7 +563,7 @@ class JobRunner:
             hosted.workers.set_predictor(*self.state.predictor)
         master.dispatcher.rebind(master.dispatcher.expert_to_worker, hosted.transport)
         self.peers.close()  # they may be stuck in the failed step's gradient sum: start them afresh
-        self.peers = self.pool.start_peers(self.state.tables)
+        self._start_peers(self.state.tables, master, hosted)
         self._write_workers(hosted)
         master.optimizer.zero_grad(set_to_none=False)  # the failed step's partial gradients
         hosted.workers.zero_grad()  # ... and the survivors' (their saved graphs go with them)
@@ -626,7 +628,8 @@ class JobRunner:
                             expert_round_trip_s=sum(master.dispatcher.round_trip_s.values()) - waited_before,
                             bytes_by_tier=_added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_traffic]]),
                             bytes_by_worker=delta.bytes_by_worker(),
-                            allreduce_bytes=getattr(self.peers.replicas, "grad_bytes", 0) - reduced_before)
+                            allreduce_bytes=getattr(self.peers.replicas, "grad_bytes", 0) - reduced_before,
+                            sequence_moves=self._sequence_moves(peer_traffic))
         self.metrics.record_step(step + 1, loss, step_time, tokens=tokens,
                                  traffic_delta=traffic, expert_counts_LE=counts_LE,
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
@@ -657,11 +660,29 @@ class JobRunner:
         cfg = self.config.training.condensation
         return Condenser(cfg) if cfg.enabled else None
 
+    def _start_peers(self, table: np.ndarray, master: MasterModel, hosted: HostedExperts) -> None:
+        """Masters 1..M-1 (none for one master), and master 0's sequence migration among them all."""
+        self.peers = self.pool.start_peers(table)
+        if self.migration is not None:
+            self.migration.detach()
+        self.migration = None if self.peers.num_masters == 1 else sequence_migration(
+            self.config, 0, master, NodeMap.of(self.peers.nodes, hosted.node_ids))
+
     def _loss_fn(self, master: MasterModel) -> LossFn:
         """Master 0's loss of a micro-batch: all of it, or its share among data-parallel masters."""
         if self.peers.num_masters == 1:
             return model_loss
-        return master_share(0, self.peers.num_masters, master.peft_model, self.device).loss
+        return master_loss(self.config, 0, master, self.migration, self.peers.replicas, self.device)
+
+    def _sequence_moves(self, peer_steps: list[dict]) -> dict[str, int] | None:
+        """This step's sequence migration, summed over the masters; None when it is off."""
+        if self.migration is None:
+            return None
+        total = self.migration.take_stats().as_dict()
+        for peer in peer_steps:
+            for key, value in peer["sequence_moves"].items():
+                total[key] += value
+        return total
 
     def _stop_if_asked(self, master: MasterModel, hosted: HostedExperts, done: int) -> None:
         """Between steps: stop cleanly when asked (Ctrl-C, SIGTERM, the driver gone), with a checkpoint."""
@@ -725,6 +746,7 @@ class JobRunner:
             worker_tiers=list(traffics[0].worker_tiers), worker_nodes=hosted.node_ids, master_node=self.pool.master_node,
             master_nodes=self.peers.nodes,
             allreduce_bytes_per_step=history[-1].allreduce_bytes if self.peers.num_masters > 1 and history else None,
+            sequence_moves=None if self.migration is None else _added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, self.config.placement.cost_model),
             links=state.links, timings_s=state.timings_s,
             adapter_dir=str((self.out_dir / "adapter").resolve()),

@@ -15,10 +15,18 @@ is exactly those two:
 A lone master is `SINGLE` (identity), the default of `train_step`; `ProcessGroupReplicas`
 all-reduces over a torch.distributed group (gloo on CPU, NCCL on GPU); `ThreadGroup` lets
 replicas in one process's threads do the same (the in-process form of several masters).
+
+Sequence migration among masters (`vela_ray.training.sequence_migration`) needs two more
+collective calls, which both `ProcessGroupReplicas` and `ThreadReplicas` have (`Exchanger`):
+
+    sum_tensor(tensor)            the element-wise sum over replicas (every replica gets it);
+    exchange(outgoing, incoming)  point-to-point: send outgoing[r] to replica r, receive a tensor of
+                                  incoming[r] = (shape, dtype) from replica r (every replica calls it).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +49,17 @@ class Replicas(Protocol):
     def sync_grads(self, params: Sequence[nn.Parameter]) -> None: ...
 
     def sum(self, value: float) -> float: ...
+
+
+Incoming = dict[int, tuple[tuple[int, ...], torch.dtype]]  # {source replica: (shape, dtype)}
+
+
+class Exchanger(Protocol):
+    """Replicas that can also move tensors among themselves (sequence migration)."""
+
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: Incoming) -> dict[int, torch.Tensor]: ...
 
 
 class SingleReplica:
@@ -88,6 +107,29 @@ class ProcessGroupReplicas:
         """The float64 sum over ranks."""
         return float(self._all_sum(torch.tensor([value], dtype=torch.float64)).item())
 
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum over ranks (a new tensor; `tensor` is left as it is)."""
+        return self._all_sum(tensor.clone())
+
+    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: Incoming) -> dict[int, torch.Tensor]:
+        """Send `outgoing[rank]` to each rank and receive `incoming`'s tensors: one all-to-all with uneven
+        splits (through host memory on a gloo group of its own), so it is watched like a sum (a p2p
+        operation never reports itself completed before its wait). Every tensor must have one dtype;
+        returns the received tensors on the sent ones' device."""
+        if self.group is None:
+            raise ValueError("exchange needs a process group of its own (the data-parallel masters' group)")
+        size = self.group.size()
+        dtypes = [t.dtype for t in outgoing.values()] + [dtype for _, dtype in incoming.values()]
+        dtype = dtypes[0] if dtypes else torch.float32
+        device = next((t.device for t in outgoing.values()), torch.device("cpu"))
+        sent = [outgoing[r].detach().reshape(-1).cpu() if r in outgoing else torch.empty(0, dtype=dtype)
+                for r in range(size)]
+        recv_sizes = [math.prod(incoming[r][0]) if r in incoming else 0 for r in range(size)]
+        received = torch.empty(sum(recv_sizes), dtype=dtype)
+        self._wait(self.group.alltoall_base(received, torch.cat(sent), recv_sizes, [t.numel() for t in sent]))
+        parts = dict(zip(range(size), received.split(recv_sizes)))
+        return {r: parts[r].view(shape).to(device) for r, (shape, _) in incoming.items()}
+
     def _all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group is None:  # torch's default group; NCCL reduces only device tensors
             if dist.get_backend() == "nccl" and not tensor.is_cuda:
@@ -95,7 +137,11 @@ class ProcessGroupReplicas:
             dist.all_reduce(tensor)
             return tensor
         host = tensor.cpu()  # a gloo group of its own reduces host tensors
-        work = self.group.allreduce([host])
+        self._wait(self.group.allreduce([host]))
+        return host.to(tensor.device)
+
+    def _wait(self, work) -> None:
+        """Wait for one operation on the group of its own, watching the other ranks meanwhile."""
         try:
             while self.watch is not None and not work.is_completed():
                 self.watch(False)
@@ -105,7 +151,6 @@ class ProcessGroupReplicas:
             if self.watch is not None:
                 self.watch(True)
             raise
-        return host.to(tensor.device)
 
 
 class ThreadGroup:
@@ -114,7 +159,7 @@ class ThreadGroup:
 
     def __init__(self, size: int):
         self.size = size
-        self._slots: list[torch.Tensor | None] = [None] * size
+        self._slots: list = [None] * size
         self._barrier = threading.Barrier(size)
 
     def member(self, rank: int) -> "ThreadReplicas":
@@ -132,6 +177,14 @@ class ThreadGroup:
             total += other
         self._barrier.wait()  # nobody overwrites a slot before every thread has read them all
         return total
+
+    def exchange(self, rank: int, outgoing: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """What every other thread sent to `rank` (copies), keyed by sender."""
+        self._slots[rank] = outgoing
+        self._barrier.wait()
+        received = {src: sent[rank].detach().clone() for src, sent in enumerate(self._slots) if rank in sent}
+        self._barrier.wait()
+        return received
 
 
 @dataclass
@@ -153,6 +206,17 @@ class ThreadReplicas:
 
     def sum(self, value: float) -> float:
         return float(self.group.all_sum(self.rank, torch.tensor([value], dtype=torch.float64)).item())
+
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.group.all_sum(self.rank, tensor)
+
+    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: Incoming) -> dict[int, torch.Tensor]:
+        received = self.group.exchange(self.rank, outgoing)
+        if {r: (tuple(t.shape), t.dtype) for r, t in received.items()} != {r: (tuple(s), d) for r, (s, d) in
+                                                                           incoming.items()}:
+            raise RuntimeError(f"master {self.rank} expected {incoming} in the exchange, got "
+                               f"{ {r: tuple(t.shape) for r, t in received.items()} }")
+        return received
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ class StepRecord(_Record):
     allreduce_bytes: int = 0
     """Backbone LoRA gradient all-reduce bytes of this step, as one rank sent them to the group (the
     expert-parallel ranks', or data-parallel masters' over the network; 0 for one master)."""
+    sequence_moves: dict[str, int] | None = None
+    """`cluster.sequence_migration`: what the masters' migrations moved in this step, summed over masters
+    (`vela_ray.training.sequence_migration.SequenceMoveStats`); None when it is off."""
 
 
 class StepBreakdown(_Record):
@@ -254,6 +257,8 @@ class RunSummary(_Record):
     """The last checkpoint written (None: checkpoints off or none written)."""
     allreduce_bytes_per_step: int | None = None
     """Expert-parallel ranks, or data-parallel masters (`cluster.num_masters` > 1); None otherwise."""
+    sequence_moves: dict[str, int] | None = None
+    """`cluster.sequence_migration`: the steps' `StepRecord.sequence_moves` summed; None when it is off."""
     control_bytes: int | None = None
     """Expert-parallel baseline only: the [N, E] count exchanges before each all-to-all."""
     data: DataRecord | None = None

@@ -1,0 +1,96 @@
+"""Sequence migration (LUFFY Sec. IV) among data-parallel masters in one process: sequences move to where
+their rows were served and back, and training is plain peft's on the whole batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from vela_ray.config import JobConfig
+from vela_ray.runtime.local import InProcessPool
+from vela_ray.runtime.runner import JobRunner
+from vela_ray.training.replicas import ThreadGroup
+from vela_ray.training.sequence_migration import NodeMap, one_mask, reslot
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NODES = ["node-a", "node-b", "node-c"]  # worker n on node n; master m on node m (as Ray places them)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    model = make_checkpoint(tmp_path_factory.mktemp("model") / "mixtral")
+    init_adapter(model, model.parent / "adapter")
+    return model
+
+
+def _run(model_dir: Path, out: Path, migration: bool):
+    training = {"optimizer": {"lr": 5e-3, "warmup_steps": 1}, "batch_size": 6, "micro_batch_size": 6}
+    config = JobConfig.from_dict(job_dict(
+        model_dir, out, steps=3, training=training,
+        lora={"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")},
+        cluster={"num_masters": 3, "sequence_migration": migration}))
+    return config, JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run()
+
+
+def _adapter(summary) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
+
+
+def test_migrating_sequences_trains_exactly_like_peft_and_moves_hidden_states_across_nodes(model_dir, tmp_path):
+    config, moved = _run(model_dir, tmp_path / "moved", True)
+    _, stayed = _run(model_dir, tmp_path / "stayed", False)
+
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(stayed.losses), rtol=1e-5, atol=0)
+    for name, value in _adapter(stayed).items():
+        torch.testing.assert_close(_adapter(moved)[name], value, rtol=1e-3, atol=5e-5)
+    # sequences did move between the masters' nodes: each move sends a sequence's hidden states [T, D] in
+    # fp32 forward and its gradient backward (the way home included); the routing is the same either way
+    assert moved.master_nodes == NODES and stayed.sequence_moves is None
+    moves = moved.sequence_moves
+    assert moves["micro_batches"] == 3 * 3 and moves["skipped"] == 0 and moves["moves"] > 0
+    sequence_bytes = config.data.seq_len * reference_hidden(model_dir) * 4
+    assert moves["sent_bytes"] == moves["cross_node_bytes"] == 2 * moves["moves"] * sequence_bytes
+    assert moved.history[-1].sequence_moves["moves"] > 0
+    assert moved.tokens_routed == stayed.tokens_routed
+    # the emulated nodes bin each master's rows by its own tier: a third of them stay on the node
+    tiers = stayed.traffic_bytes_by_tier
+    assert tiers["same_process"] == 0 and 0 < tiers["same_node"] < tiers["cross_node"]
+
+
+def reference_hidden(model_dir: Path) -> int:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())["hidden_size"]
+
+
+def test_reslot_keeps_staying_sequences_in_place_and_fills_freed_slots_in_order():
+    slots = [[0, 1], [2, 3], [4, 5]]
+    # 1 -> master 2, 4 -> master 0, 5 -> master 1, 3 -> master 2
+    assert reslot(slots, np.array([0, 2, 1, 2, 0, 1])) == [[0, 4], [2, 5], [1, 3]]
+    assert reslot(slots, np.array([0, 0, 1, 1, 2, 2])) == slots
+
+
+def test_only_micro_batches_whose_sequences_share_one_mask_move():
+    ids = torch.ones(2, 4, dtype=torch.long)
+    assert one_mask({"input_ids": ids}) and one_mask({"input_ids": ids, "attention_mask": torch.ones(2, 4)})
+    assert not one_mask({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
+    assert not one_mask({"input_ids": ids, "position_ids": torch.arange(4).repeat(2, 1)})
+
+
+def test_node_map_indexes_masters_and_workers_by_their_nodes():
+    nodes = NodeMap.of(["b", "a"], ["a", "a", "c", "b"])
+    assert nodes.master_node_M == [0, 1] and nodes.worker_node_W == [1, 1, 2, 0] and nodes.num_nodes == 3
+
+
+def test_sequence_migration_needs_several_masters(tmp_path):
+    with pytest.raises(ValueError, match="cluster.sequence_migration moves sequences between masters"):
+        JobConfig.from_dict(job_dict(tmp_path, tmp_path, cluster={"sequence_migration": True}))
