@@ -11,6 +11,7 @@ import torch
 
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.config import JobConfig
+from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.replicas import ThreadGroup
@@ -60,6 +61,8 @@ def test_migrating_sequences_trains_exactly_like_peft_and_moves_hidden_states_ac
     sequence_bytes = config.data.seq_len * reference_hidden(model_dir) * 4
     assert moves["sent_bytes"] == moves["cross_node_bytes"] == 2 * moves["moves"] * sequence_bytes
     assert moved.history[-1].sequence_moves["moves"] > 0
+    assert f"sequence migration moved {moves['moves']} sequences" in summary_text(moved)
+    assert "sequence migration off" in summary_text(stayed)
     assert moved.tokens_routed == stayed.tokens_routed
     # the emulated nodes bin each master's rows by its own tier: a third of them stay on the node
     tiers = stayed.traffic_bytes_by_tier

@@ -251,8 +251,14 @@ def masters_text(s: RunSummary) -> str:
     if s.placement.routes is not None:
         copies = int(experts_per_worker(len(s.worker_nodes), np.asarray(s.placement.routes)).sum()
                      - np.asarray(s.placement.routes[0]).size)
+    moves = s.sequence_moves
+    migration = ("; sequence migration off" if moves is None else
+                 f"; sequence migration moved {moves['moves']} sequences ({moves['cross_node_bytes'] / 1e6:.2f} MB of "
+                 f"hidden states across nodes, forward and backward; {moves['skipped']} of {moves['micro_batches']} "
+                 "masters' micro-batches stayed: padded or packed rows)")
     return (f"{len(s.master_nodes)} data-parallel masters on {nodes} node(s); "
-            + (f"{copies} expert copies (replicas), each master using its nearest" if copies else "no expert copies"))
+            + (f"{copies} expert copies (replicas), each master using its nearest" if copies else "no expert copies")
+            + migration)
 
 
 def condensation_text(s: RunSummary) -> str:
