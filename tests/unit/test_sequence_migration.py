@@ -97,3 +97,19 @@ def test_node_map_indexes_masters_and_workers_by_their_nodes():
 def test_sequence_migration_needs_several_masters(tmp_path):
     with pytest.raises(ValueError, match="cluster.sequence_migration moves sequences between masters"):
         JobConfig.from_dict(job_dict(tmp_path, tmp_path, cluster={"sequence_migration": True}))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "jamba"])
+def test_other_families_decoder_layers_migrate_exactly(family, tmp_path):
+    """A dense first layer and shared experts (DeepSeek-V3), sliding-window layers with sinks (gpt-oss),
+    Mamba layers between the MoE ones (Jamba): sequences still move and the losses do not change."""
+    model = make_checkpoint(tmp_path / family, family=family)
+    summaries = []
+    for migration in (False, True):
+        config = JobConfig.from_dict(job_dict(
+            model, tmp_path / f"out-{migration}", steps=2, training={"batch_size": 6, "micro_batch_size": 6},
+            cluster={"num_masters": 3, "sequence_migration": migration, "sequence_migration_candidates": 2}))
+        summaries.append(JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run())
+    stayed, moved = summaries
+    assert moved.sequence_moves["moves"] > 0
+    torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(stayed.losses), rtol=1e-6, atol=0)
