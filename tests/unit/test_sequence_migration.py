@@ -113,3 +113,20 @@ def test_other_families_decoder_layers_migrate_exactly(family, tmp_path):
     stayed, moved = summaries
     assert moved.sequence_moves["moves"] > 0
     torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(stayed.losses), rtol=1e-6, atol=0)
+
+
+def test_micro_batches_with_padding_stay_where_they_are(tmp_path):
+    """Instruction examples padded to the longest in the micro-batch: their masks differ, so no sequence moves
+    (the model built its attention mask before the layers), and the summary says how many stayed."""
+    import json
+
+    records = [{"instruction": "Say it" + " again" * n, "input": "", "output": "so" + " it is" * n} for n in range(12)]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    data = {"kind": "instruct", "path": str(tmp_path / "data.json"), "seq_len": 192}
+    model_dir = make_checkpoint(tmp_path / "model", vocab=1024, max_position_embeddings=256)
+    config = JobConfig.from_dict(job_dict(model_dir, tmp_path, steps=2, data=data,
+                                          training={"batch_size": 6, "micro_batch_size": 6},
+                                          cluster={"num_masters": 3, "sequence_migration": True,
+                                                   "sequence_migration_candidates": 2}))
+    moves = JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run().sequence_moves
+    assert moves == {"micro_batches": 6, "skipped": 6, "moves": 0, "sent_bytes": 0, "cross_node_bytes": 0}
