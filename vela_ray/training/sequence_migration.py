@@ -66,7 +66,7 @@ class SequenceMoveStats:
 
     micro_batches: int = 0
     skipped: int = 0  # micro-batches that could not move (their sequences' masks differ)
-    moves: int = 0  # (sequence, layer) pairs after which this master gave a sequence away
+    moves: int = 0  # sequences this master gave to another master (on the way home too)
     sent_bytes: int = 0  # hidden states and their gradients this master sent to other masters
     cross_node_bytes: int = 0  # the part of sent_bytes that went to a master on another node
 
@@ -240,10 +240,9 @@ class _Move(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_BTD: torch.Tensor, exchange: _Exchange):
         ctx.exchange = exchange
-        moved = exchange.run(hidden_BTD.detach(), exchange.before, exchange.after)
-        exchange.migration.stats.moves += sum(
-            1 for s in exchange.before[exchange.migration.rank] if s not in exchange.after[exchange.migration.rank])
-        return moved
+        rank = exchange.migration.rank
+        exchange.migration.stats.moves += len(set(exchange.before[rank]) - set(exchange.after[rank]))
+        return exchange.run(hidden_BTD.detach(), exchange.before, exchange.after)
 
     @staticmethod
     def backward(ctx, grad_BTD: torch.Tensor):
