@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from placement.sequences import migrate_sequences
+from placement.sequences import contiguous_masters, migrate_sequences
 from vela_ray.model.broker import DispatchPlan, ExpertBroker, ExpertDispatcher
 from vela_ray.training.replicas import Batch, Exchanger, ReplicaShare
 
@@ -106,7 +106,7 @@ class SequenceMigration:
     def loss_fn(self, share: ReplicaShare, exchanger: Exchanger):
         """`share.loss` with this master's sequences migrating during the forward (the backward follows)."""
         def loss(model: nn.Module, full: Batch) -> torch.Tensor:
-            self._begin(full, exchanger, share)
+            self._begin(full, exchanger)
             try:
                 return share.loss(model, full)
             finally:
@@ -124,14 +124,15 @@ class SequenceMigration:
 
     # -- one micro-batch -----------------------------------------------------------------------
 
-    def _begin(self, full: Batch, exchanger: Exchanger, share: ReplicaShare) -> None:
+    def _begin(self, full: Batch, exchanger: Exchanger) -> None:
+        if not torch.is_grad_enabled():
+            return  # a forward without a backward (evaluation): every master must take part, so none moves
         self.stats.micro_batches += 1
-        if not torch.is_grad_enabled() or not one_mask(full):
-            self.stats.skipped += int(torch.is_grad_enabled())
+        if not one_mask(full):
+            self.stats.skipped += 1
             return
-        rows = full["input_ids"].shape[0]
-        bounds = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(rows), self.num_masters)])
-        home = [list(range(bounds[m], bounds[m + 1])) for m in range(self.num_masters)]
+        master_S = contiguous_masters(full["input_ids"].shape[0], self.num_masters)  # as `shard_rows` splits
+        home = [np.flatnonzero(master_S == m).tolist() for m in range(self.num_masters)]
         self._batch = _MicroBatch(exchanger, [list(s) for s in home], home)
 
     def _observe(self, plan: DispatchPlan, token_T: torch.Tensor | None) -> None:
