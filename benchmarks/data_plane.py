@@ -23,6 +23,10 @@ T tokens, top-2: ~R/N rows of D floats per worker), through:
     collective_fp8    and gradients in bf16, or float8 with a scale per row (`vela_ray.model.wire`)
     raw_p2p           the floor: the same experts in plain processes, the same rows over
                       gloo point-to-point with no headers, no Ray, shapes known in advance
+    raw_p2p_header    the floor plus one small header before each payload, which the worker
+                      reads before it posts the payload's receive (as the collective plane must:
+                      shapes vary per layer). gloo sends a message only once its receive is
+                      posted, so this costs each payload a round trip
 
 The compiled-graph transport was measured here too (78 ms against the collective plane's
 45 ms, results/data_plane.json of commit 4d4c48f) and removed for it.
@@ -61,7 +65,7 @@ sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_plane.json"
 SETTINGS = ("ray_default", "inline", "inline_zero_copy", "rdt_gloo", "collective", "collective_bf16",
-            "collective_fp8", "raw_p2p")
+            "collective_fp8", "raw_p2p", "raw_p2p_header")
 ROW_FORMATS = {"collective_bf16": "bfloat16", "collective_fp8": "float8"}  # the rest: exact
 
 
@@ -125,8 +129,8 @@ def child(args) -> dict:
     g = torch.Generator().manual_seed(1)
     hidden_TD = torch.randn(args.tokens, args.hidden, generator=g)
     top_k = torch.randint(0, args.experts, (args.tokens, 2), generator=g)
-    if args.child == "raw_p2p":
-        return raw_p2p(args, table, worker_specs, hidden_TD, top_k)
+    if args.child.startswith("raw_p2p"):
+        return raw_p2p(args, table, worker_specs, hidden_TD, top_k, header=args.child == "raw_p2p_header")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     if args.child == "rdt_gloo":
         return rdt_gloo(args, table, worker_specs, hidden_TD, top_k)
@@ -255,8 +259,9 @@ class RdtMaster:
         return dict(zip(results, self.inbox.pop(slot)))
 
 
-def raw_p2p(args, table, worker_specs, hidden_TD, top_k) -> dict:
-    """The floor: ExpertManagers in plain processes, rows and results over gloo send/recv, nothing else."""
+def raw_p2p(args, table, worker_specs, hidden_TD, top_k, header: bool = False) -> dict:
+    """The floor: ExpertManagers in plain processes, rows and results over gloo send/recv, nothing else
+    (`header`: a 6-int64 header before each payload, read by the worker before it posts the payload's receive)."""
     import torch
     import torch.multiprocessing as mp
 
@@ -269,33 +274,34 @@ def raw_p2p(args, table, worker_specs, hidden_TD, top_k) -> dict:
     store = make_store("127.0.0.1", 0, args.workers + 1, is_master=True, timeout_s=120)
     requests = {w: (plan.expert_ids_R[s:e], rows_RD[s:e]) for w, s, e in plan.worker_rows}
     procs = [mp.get_context("spawn").Process(target=_raw_worker, args=(
-        store.port, args.workers + 1, spec, requests.get(spec.worker), args.iters + 3)) for spec in worker_specs]
+        store.port, args.workers + 1, spec, requests.get(spec.worker), args.iters + 3, header)) for spec in worker_specs]
     for proc in procs:
         proc.start()
     group = make_group(store, 0, args.workers + 1, 120)
     seconds = []
     for _ in range(args.iters + 3):
         start = time.perf_counter()
-        outs = _raw_round(group, {w: rows for w, (_, rows) in requests.items()})
-        _raw_round(group, {w: torch.ones_like(out) for w, out in outs.items()})
+        outs = _raw_round(group, {w: rows for w, (_, rows) in requests.items()}, header)
+        _raw_round(group, {w: torch.ones_like(out) for w, out in outs.items()}, header)
         seconds.append(time.perf_counter() - start)
     for proc in procs:
         proc.join(30)
     return {"seconds": seconds[3:], "rows_per_worker": [e - s for _, s, e in plan.worker_rows]}
 
 
-def _raw_round(group, tensors: dict) -> dict:
+def _raw_round(group, tensors: dict, header: bool = False) -> dict:
     import torch
 
     outs = {w: torch.empty_like(t) for w, t in tensors.items()}
-    works = [group.send([t.contiguous()], w + 1, 0) for w, t in tensors.items()]
+    works = [group.send([torch.tensor([*t.shape, 0, 0, 0, 0])], w + 1, 2) for w, t in tensors.items()] if header else []
+    works += [group.send([t.contiguous()], w + 1, 0) for w, t in tensors.items()]
     works += [group.recv([outs[w]], w + 1, 1) for w in tensors]
     for work in works:
         work.wait()
     return outs
 
 
-def _raw_worker(port: int, world_size: int, spec, request, iterations: int) -> None:
+def _raw_worker(port: int, world_size: int, spec, request, iterations: int, header: bool = False) -> None:
     import torch
 
     from vela_ray.model.collective import make_group, make_store
@@ -307,13 +313,18 @@ def _raw_worker(port: int, world_size: int, spec, request, iterations: int) -> N
     if request is None:
         return
     ids, like = request
+
+    def receive() -> torch.Tensor:
+        if header:  # the payload's receive is posted only once the header says its shape
+            shape = torch.empty(6, dtype=torch.int64)
+            group.recv([shape], 0, 2).wait()
+        payload = torch.empty_like(like)
+        group.recv([payload], 0, 0).wait()
+        return payload
+
     for i in range(iterations):
-        rows = torch.empty_like(like)
-        group.recv([rows], 0, 0).wait()
-        group.send([manager.forward_rows(0, ids, rows, key=i).contiguous()], 0, 1).wait()
-        grad = torch.empty_like(like)
-        group.recv([grad], 0, 0).wait()
-        group.send([manager.backward_rows(i, grad).contiguous()], 0, 1).wait()
+        group.send([manager.forward_rows(0, ids, receive(), key=i).contiguous()], 0, 1).wait()
+        group.send([manager.backward_rows(i, receive()).contiguous()], 0, 1).wait()
 
 
 def main() -> None:
