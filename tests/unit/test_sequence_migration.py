@@ -11,6 +11,7 @@ import torch
 
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.config import JobConfig
+from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.runner import JobRunner
@@ -29,13 +30,14 @@ def model_dir(tmp_path_factory) -> Path:
     return model
 
 
-def _run(model_dir: Path, out: Path, migration: bool):
+def _run(model_dir: Path, out: Path, migration: bool, backend: MemoryMetricsBackend | None = None):
     training = {"optimizer": {"lr": 5e-3, "warmup_steps": 1}, "batch_size": 6, "micro_batch_size": 6}
     config = JobConfig.from_dict(job_dict(
         model_dir, out, steps=3, training=training,
         lora={"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")},
         cluster={"num_masters": 3, "sequence_migration": migration}))
-    return config, JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run()
+    pool = InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)
+    return config, JobRunner(config, pool, MetricsSink(backend or MemoryMetricsBackend())).run()
 
 
 def _adapter(summary) -> dict[str, torch.Tensor]:
@@ -45,7 +47,8 @@ def _adapter(summary) -> dict[str, torch.Tensor]:
 
 
 def test_migrating_sequences_trains_exactly_like_peft_and_moves_hidden_states_across_nodes(model_dir, tmp_path):
-    config, moved = _run(model_dir, tmp_path / "moved", True)
+    metrics = MemoryMetricsBackend()
+    config, moved = _run(model_dir, tmp_path / "moved", True, metrics)
     _, stayed = _run(model_dir, tmp_path / "stayed", False)
 
     ref_losses, _ = reference_losses(config)
@@ -63,6 +66,7 @@ def test_migrating_sequences_trains_exactly_like_peft_and_moves_hidden_states_ac
     assert moved.history[-1].sequence_moves["moves"] > 0
     assert f"sequence migration moved {moves['moves']} sequences" in summary_text(moved)
     assert "sequence migration off" in summary_text(stayed)
+    assert metrics.value("vela_sequence_migration_bytes_total", link_tier="cross_node") == moves["cross_node_bytes"]
     assert moved.tokens_routed == stayed.tokens_routed
     # the emulated nodes bin each master's rows by its own tier: a third of them stay on the node
     tiers = stayed.traffic_bytes_by_tier

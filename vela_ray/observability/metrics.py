@@ -12,6 +12,7 @@ The master feeds a `MetricsSink` plain data it already has, once per step:
     latency = sink.latency                             # the broker: latency.observe(layer, seconds)
     sink.set_method("zo")                              # `training.method`, once
     sink.record_tiers(workers.tier_stats())            # `cluster.expert_tiers`: [N] TierCounters (None: untiered)
+    sink.record_sequence_moves(record.sequence_moves)  # `cluster.sequence_migration`: the step's, all masters
 
 Every metric is declared once in `METRICS` (name, kind, unit in the name, tags);
 the Grafana dashboard and its test read the names from there. Ray exports
@@ -115,6 +116,9 @@ METRICS: dict[str, MetricSpec] = _specs(
     MetricSpec("vela_tier_predictor_overlap_ratio", "gauge",
                "Accuracy of a tiered worker's next-layer popularity predictor so far: mean demand overlap "
                "(1: the predicted expert shares were exact).", ("worker",)),
+    MetricSpec("vela_sequence_migration_bytes_total", "counter",
+               "Bytes of hidden states and their gradients the data-parallel masters sent each other when "
+               "sequences migrated (cluster.sequence_migration), by the link they crossed.", ("link_tier",)),
 )
 
 
@@ -271,6 +275,13 @@ class MetricsSink:
         if drift_L is not None:
             for layer, tv in enumerate(np.asarray(drift_L, dtype=np.float64)):
                 self.backend.set("vela_locality_drift", float(tv), {"layer": str(layer)})
+
+    def record_sequence_moves(self, moves: dict[str, int]) -> None:
+        """One step's `SequenceMoveStats` summed over the masters: bytes that crossed nodes and the rest."""
+        by_tier = {"cross_node": moves["cross_node_bytes"], "same_node": moves["sent_bytes"] - moves["cross_node_bytes"]}
+        for tier, size in by_tier.items():
+            if size > 0:
+                self.backend.inc("vela_sequence_migration_bytes_total", float(size), {"link_tier": tier})
 
     def _record_traffic(self, delta: TrafficSnapshot) -> None:
         bytes_LND, rows_LND = np.asarray(delta.bytes), np.asarray(delta.rows)

@@ -635,6 +635,8 @@ class JobRunner:
                                  drift_L=self.drift.record_step(counts_LE) if self.drift else None)
         if self.config.cluster.expert_tiers.enabled:
             self.metrics.record_tiers(hosted.workers.tier_stats())
+        if record.sequence_moves is not None:
+            self.metrics.record_sequence_moves(record.sequence_moves)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             self._settle_zo(master, hosted)
             record.eval_loss = self._eval(backbone, master)
