@@ -134,3 +134,52 @@ def test_micro_batches_with_padding_stay_where_they_are(tmp_path):
                                                    "sequence_migration_candidates": 2}))
     moves = JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run().sequence_moves
     assert moves == {"micro_batches": 6, "skipped": 6, "moves": 0, "sent_bytes": 0, "cross_node_bytes": 0}
+
+
+def test_a_watched_gloo_group_exchanges_uneven_tensors_among_masters():
+    """A real gloo group of three ranks (threads), rank 0 watched as master 0 is: rank 0 sends to 1, rank 1 to
+    0 and 2, rank 2 to nobody, in bf16; each gets exactly what was sent to it, and the watched wait ends."""
+    import threading
+    import time
+
+    from vela_ray.model.collective import make_group, make_store
+    from vela_ray.training.replicas import ProcessGroupReplicas
+
+    store = make_store("127.0.0.1", 0, 3, is_master=True, timeout_s=60)
+    groups = {}
+
+    def join(rank: int) -> None:
+        own = store if rank == 0 else make_store("127.0.0.1", store.port, 3, is_master=False, timeout_s=60)
+        groups[rank] = make_group(own, rank, 3, timeout_s=60)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    start = time.monotonic()
+
+    def watch(group_failed: bool) -> None:
+        if time.monotonic() - start > 20:  # an exchange the watch cannot see completed would spin here
+            raise RuntimeError("the watched exchange never completed")
+
+    def rows(value: float, n: int) -> torch.Tensor:
+        return torch.full((n, 4, 2), value, dtype=torch.bfloat16)
+
+    plan = {0: ({1: rows(1.0, 1)}, {1: ((2, 4, 2), torch.bfloat16)}),
+            1: ({0: rows(10.0, 2), 2: rows(12.0, 3)}, {0: ((1, 4, 2), torch.bfloat16)}),
+            2: ({}, {1: ((3, 4, 2), torch.bfloat16)})}
+    got = {}
+
+    def exchange(rank: int) -> None:
+        replicas = ProcessGroupReplicas(groups[rank], watch=watch if rank == 0 else None)
+        got[rank] = replicas.exchange(*plan[rank])
+
+    threads = [threading.Thread(target=exchange, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert got[0].keys() == {1} and torch.equal(got[0][1], rows(10.0, 2))
+    assert got[1].keys() == {0} and torch.equal(got[1][0], rows(1.0, 1))
+    assert got[2].keys() == {1} and torch.equal(got[2][1], rows(12.0, 3))
