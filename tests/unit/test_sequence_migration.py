@@ -15,7 +15,6 @@ from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.runner import JobRunner
-from vela_ray.training.replicas import ThreadGroup
 from vela_ray.training.sequence_migration import NodeMap, one_mask, reslot
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

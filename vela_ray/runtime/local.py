@@ -57,15 +57,18 @@ class InProcessPool:
         self.table = np.array(table)
         return self._hosted()
 
+    def _nodes(self) -> list[str]:
+        """Each worker's node: the emulated ones, or `LOCAL_NODE` (in this process, same_process links)."""
+        return self.worker_nodes or [LOCAL_NODE] * len(self.managers)
+
     def _hosted(self) -> HostedExperts:
-        nodes = self.worker_nodes or [LOCAL_NODE] * len(self.managers)
-        transport = InProcessTransport(self.managers, self.lock, link_tiers(self.master_node, nodes))
-        return HostedExperts(ExpertWorkers.in_process(self.managers), transport, nodes)
+        transport = InProcessTransport(self.managers, self.lock, link_tiers(self.master_node, self._nodes()))
+        return HostedExperts(ExpertWorkers.in_process(self.managers), transport, self._nodes())
 
     def start_peers(self, table: np.ndarray) -> PeerMasters:
         if self.config.cluster.num_masters == 1:
             return SoloMaster(self.master_node)
-        return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock, self.worker_nodes)
+        return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock, self._nodes())
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         plan = MigrationPlan.between(self.table, table)

@@ -36,8 +36,7 @@ import torch
 from vela_ray.config import JobConfig
 from vela_ray.data.locality import RoutingRecorder
 from vela_ray.model.loading import load_backbone
-from vela_ray.model.traffic import TrafficSnapshot
-from vela_ray.model.traffic import link_tiers
+from vela_ray.model.traffic import TrafficSnapshot, link_tiers
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.runtime.migration import master_table
 from vela_ray.training.expert_manager import ExpertManager
@@ -130,14 +129,13 @@ class ThreadPeers:
 
     Master 0's own transport must be an `InProcessTransport` on the same lock (`InProcessPool` makes it).
     `worker_nodes`: the workers' nodes; the peers take nodes as Ray's would (`peer_nodes`), and each
-    counts its traffic by its own link tiers (all same_process when every worker is on `node`).
+    counts its traffic by its own link tiers (all same_process on `LOCAL_NODE`, the plain in-process case).
     """
 
     def __init__(self, config: JobConfig, managers: list[ExpertManager], table: np.ndarray, node: str,
-                 lock: threading.Lock, worker_nodes: list[str] | None = None):
+                 lock: threading.Lock, worker_nodes: list[str]):
         self.config = config
         self.num_masters = config.cluster.num_masters
-        worker_nodes = worker_nodes or [node] * len(managers)
         self.nodes = [node, *peer_nodes(worker_nodes, node, self.num_masters - 1)]
         self.lock = lock
         self.group = ThreadGroup(self.num_masters)

@@ -680,11 +680,7 @@ class JobRunner:
         """This step's sequence migration, summed over the masters; None when it is off."""
         if self.migration is None:
             return None
-        total = self.migration.take_stats().as_dict()
-        for peer in peer_steps:
-            for key, value in peer["sequence_moves"].items():
-                total[key] += value
-        return total
+        return _added([self.migration.take_stats().as_dict(), *(p["sequence_moves"] for p in peer_steps)])
 
     def _stop_if_asked(self, master: MasterModel, hosted: HostedExperts, done: int) -> None:
         """Between steps: stop cleanly when asked (Ctrl-C, SIGTERM, the driver gone), with a checkpoint."""

@@ -32,7 +32,7 @@ masters), so all of them compute the same moves without a coordinator.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ class SequenceMoveStats:
     cross_node_bytes: int = 0  # the part of sent_bytes that went to a master on another node
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        return asdict(self)
 
 
 @dataclass
