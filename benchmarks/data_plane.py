@@ -32,7 +32,7 @@ The compiled-graph transport was measured here too (78 ms against the collective
 45 ms, results/data_plane.json of commit 4d4c48f) and removed for it.
 Ray Direct Transport costs per tensor a task that makes it, a send task and a receive task
 (one `_ray_system` thread per actor runs them in turn), and the master a task to collect the
-results: 186 ms against the collective plane's 44 ms on 2 shared cores (load ~6).
+results: 157 ms against the collective plane's 30 ms on 2 shared cores (load ~5).
 
 Each setting runs in its own subprocess with its own local Ray (the Ray variables are
 read when a Ray process starts); settings alternate over `--rounds` so that a burst
@@ -125,6 +125,11 @@ def child(args) -> dict:
 
     from vela_ray.model.broker import ExpertDispatcher
 
+    # The master as vela-ray runs it: a MasterActor asks Ray for no CPU, so Ray starts it with
+    # OMP_NUM_THREADS=1. A driver left at torch's default keeps an OpenMP worker spinning
+    # (gomp_barrier_wait_end) between the broker's ops, and on 2 cores that spin takes the CPU the
+    # six workers need: it cost the collective plane 37 ms against 29 ms a trip (commit 043e8e5's JSON).
+    torch.set_num_threads(1)
     table, worker_specs = specs(args)
     g = torch.Generator().manual_seed(1)
     hidden_TD = torch.randn(args.tokens, args.hidden, generator=g)

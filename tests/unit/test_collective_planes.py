@@ -131,6 +131,33 @@ def test_rows_travel_on_their_own_plane_and_come_back_in_the_requests_shape_and_
         planes.close()
 
 
+def test_expert_ids_ride_in_the_header_as_runs_and_follow_on_their_own_past_max_runs():
+    """A broker's request (rows grouped by expert) costs one control message; ids with more runs than the
+    header holds follow on TAG_IDS. Either way the worker sees the exact ids, and the streams stay in step."""
+    grouped = torch.tensor([0, 0, 0, 3, 3, 5, 7, 7])
+    widest = torch.arange(collective.MAX_RUNS).repeat_interleave(2)  # exactly MAX_RUNS runs
+    too_many = torch.arange(collective.MAX_RUNS + 1) % 2  # alternating: MAX_RUNS + 1 runs
+    for ids in (grouped, widest):
+        header = collective._header(collective.OP_FORWARD, 0, 0, len(ids), 4, 0, ids)
+        assert torch.equal(collective._expert_ids(header), ids)
+    assert collective._expert_ids(collective._header(collective.OP_FORWARD, 0, 0, 65, 4, 0, too_many)) is None
+
+    planes = form([FakeServer(0), FakeServer(1)])
+    try:
+        def request(ids: torch.Tensor) -> ForwardRequest:
+            return ForwardRequest(0, ids, torch.randn(len(ids), 4))
+
+        assert len(planes.transport._forward_message(0, request(grouped)).control) == 1
+        assert len(planes.transport._forward_message(0, request(too_many)).control) == 2
+        for first, second in ((grouped, too_many), (too_many, widest), (widest, grouped)):
+            requests = {0: request(first), 1: request(second)}
+            outputs = planes.transport.forward(requests)
+            for worker, req in requests.items():
+                torch.testing.assert_close(outputs[worker], req.rows * (worker + 1) + req.expert_ids[:, None].float())
+    finally:
+        planes.close()
+
+
 def test_an_error_still_sends_its_zeros_so_the_data_plane_stays_in_step():
     """Worker 1 fails while worker 0 succeeds; had worker 1 sent no result, its next (good) result would
     land in the receive posted for the failed one and the answers would be off by one."""

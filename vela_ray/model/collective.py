@@ -16,14 +16,20 @@ whatever the outcome (a failed request still sends its zeros). The CPU tests, on
 plane, run the very protocol NCCL runs.
 
     control plane (gloo, CPU tensors, tags)
-    master -> worker   header int64 [op, layer, key id, rows R, width D, dtype]   TAG_HEADER
-                       forward: expert ids int64 [R] (on the master's CPU already)  TAG_IDS
+    master -> worker   header int64 [op, layer, key id, rows R, width D, dtype,     TAG_HEADER
+                                     runs n, (expert, count) x MAX_RUNS]
+                       forward with n = -1: expert ids int64 [R]                   TAG_IDS
                        OP_DATA_PLANE: JSON text uint8 [R]                          TAG_TEXT
     worker -> master   reply int64 [status, text length]                          TAG_REPLY
                        status ERROR: the error; setup: the answer; uint8 [length]  TAG_TEXT
     data plane (nccl or gloo, tensors on the rank's device, TAG_DATA, posting order)
     master -> worker   forward: rows [R, D]; backward: d(outputs) [R, D]
     worker -> master   result [R, D] in the request's dtype (zeros on error)
+
+A forward's expert ids ride in its header as (expert, count) runs: the broker groups a worker's
+rows by expert, so a layer's request has one run per expert it reaches, and the ids cost no message
+of their own (a message whose receive the worker can only post after the header, as for the rows).
+Past MAX_RUNS runs they follow on TAG_IDS.
 
 The result has the request's shape and dtype, so the master posts every receive of a layer at
 once, before any worker has answered. It waits for a worker's reply on the control plane before
@@ -67,6 +73,10 @@ logger = logging.getLogger(__name__)
 OP_STOP, OP_FORWARD, OP_BACKWARD, OP_DESCRIBE, OP_DATA_PLANE = range(5)
 STATUS_OK, STATUS_ERROR = 0, 1
 TAG_HEADER, TAG_IDS, TAG_REPLY, TAG_TEXT = range(4)  # control plane
+HEADER_FIELDS = 7  # op, layer, key id, rows, width, dtype, runs (-1: the ids follow on TAG_IDS)
+MAX_RUNS = 64  # (expert, count) runs a header holds: a worker's experts in one layer, usually far fewer
+HEADER_LEN = HEADER_FIELDS + 2 * MAX_RUNS
+IDS_FOLLOW = -1
 TAG_DATA = 0  # data plane: the only tag (NCCL ignores tags; messages match in posting order)
 NO_KEY = -1
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8]  # uint8: float8 rows (model.wire)
@@ -205,8 +215,30 @@ class DataPlane:
 
 # -- control-plane messages -------------------------------------------------------------------
 
-def _header(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+def _header(op: int, layer: int = 0, key_id: int = 0, rows: int = 0, width: int = 0, dtype: int = 0,
+            expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A request's header [HEADER_LEN]; a forward's `expert_ids` [R] go in as runs when they fit
+    (`IDS_FOLLOW` when they do not: the caller sends them on TAG_IDS)."""
+    runs: list[int] = []
+    if expert_ids is not None:
+        experts, counts = torch.unique_consecutive(expert_ids, return_counts=True)
+        pairs = torch.stack([experts, counts], 1).view(-1).tolist()
+        runs = [IDS_FOLLOW] if len(experts) > MAX_RUNS else [len(experts), *pairs]
+    fields = [op, layer, key_id, rows, width, dtype] + (runs or [0])
+    return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
+
+
+def _expert_ids(header: torch.Tensor) -> torch.Tensor | None:
+    """The expert ids [R] a forward's header carries as runs; None when they follow on TAG_IDS."""
+    num_runs = int(header[HEADER_FIELDS - 1])
+    if num_runs == IDS_FOLLOW:
+        return None
+    runs = header[HEADER_FIELDS:HEADER_FIELDS + 2 * num_runs].view(-1, 2)
+    return torch.repeat_interleave(runs[:, 0], runs[:, 1])
+
+
+def _reply(status: int, text_length: int) -> torch.Tensor:
+    return torch.tensor([status, text_length], dtype=torch.int64)
 
 
 def _text(text: str) -> torch.Tensor:
@@ -251,12 +283,18 @@ class _ServingLoop:
         self.group, self.server = group, server
         self.data: DataPlane | None = None
         self.timeout = datetime.timedelta(seconds=SERVE_TIMEOUT_S)
+        self._next_header: tuple[torch.Tensor, object] | None = None  # posted before the last reply went out
+
+    def _post_header_recv(self) -> tuple[torch.Tensor, object]:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        return header, self.group.recv([header], 0, TAG_HEADER)
 
     def serve_one(self) -> bool:
         """Receive one request and answer it; False on the master's stop."""
-        header = torch.empty(6, dtype=torch.int64)
-        self.group.recv([header], 0, TAG_HEADER).wait(self.timeout)
-        op, layer, key_id, num_rows, width, dtype = header.tolist()
+        header, work = self._next_header or self._post_header_recv()
+        self._next_header = None
+        work.wait(self.timeout)
+        op, layer, key_id, num_rows, width, dtype = header[:HEADER_FIELDS - 1].tolist()
         if op == OP_STOP:
             return False
         if op == OP_DESCRIBE:
@@ -264,16 +302,20 @@ class _ServingLoop:
         elif op == OP_DATA_PLANE:
             self._join_data_plane(self._recv_text(num_rows))
         elif op == OP_FORWARD:
-            self._forward(layer, key_id, (num_rows, width), DTYPES[dtype])
+            self._forward(layer, key_id, (num_rows, width), DTYPES[dtype], _expert_ids(header))
         else:
             self._backward(key_id, (num_rows, width), DTYPES[dtype])
         return True
 
-    def _forward(self, layer: int, key_id: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
-        ids = torch.empty(shape[0], dtype=torch.int64)
-        ids_work = self.group.recv([ids], 0, TAG_IDS)
+    def _forward(self, layer: int, key_id: int, shape: tuple[int, int], dtype: torch.dtype,
+                 ids: torch.Tensor | None) -> None:
+        ids_work = None
+        if ids is None:  # too many runs for the header: the ids follow
+            ids = torch.empty(shape[0], dtype=torch.int64)
+            ids_work = self.group.recv([ids], 0, TAG_IDS)
         rows = self._recv_rows(shape, dtype)
-        ids_work.wait(self.timeout)
+        if ids_work is not None:
+            ids_work.wait(self.timeout)
         key = None if key_id == NO_KEY else key_id
         self._reply(lambda: self.server._forward(ForwardRequest(layer, ids, rows, key)), rows)
 
@@ -299,7 +341,10 @@ class _ServingLoop:
         except Exception as exc:  # sent to the master, raised there as ExpertWorkerError, traceback included
             result, status, text = torch.zeros_like(like), STATUS_ERROR, _error_text(exc)
         message = _text(text)
-        reply = self.group.send([_header(status, len(message))], 0, TAG_REPLY)
+        # the next header's receive goes up before the answer: gloo sends a message only once its receive
+        # is posted, so the master's next header need not wait for this loop to come round
+        self._next_header = self._post_header_recv()
+        reply = self.group.send([_reply(status, len(message))], 0, TAG_REPLY)
         self.data.wait(self.data.send(result, 0))  # posted with the reply in flight: they overlap
         reply.wait()
         if len(message):
@@ -307,7 +352,7 @@ class _ServingLoop:
 
     def _answer(self, status: int, text: str) -> None:
         message = _text(text)
-        self.group.send([_header(status, len(message))], 0, TAG_REPLY).wait()
+        self.group.send([_reply(status, len(message))], 0, TAG_REPLY).wait()
         if len(message):
             self.group.send([message], 0, TAG_TEXT).wait()
 
@@ -392,7 +437,7 @@ def _stop_all(group: dist.ProcessGroup, workers: list[int], timeout: datetime.ti
     posted, unreached = [], []
     for worker in workers:
         try:
-            posted.append((worker, group.send([_header(OP_STOP, 0, 0, 0, 0, 0)], worker + 1, TAG_HEADER)))
+            posted.append((worker, group.send([_header(OP_STOP)], worker + 1, TAG_HEADER)))
         except RuntimeError:
             unreached.append(worker)
     for worker, work in posted:
@@ -420,7 +465,7 @@ def form_data_plane(group: dist.ProcessGroup, store: dist.TCPStore, num_workers:
 
 def _form_data_plane(group: dist.ProcessGroup, store: dist.TCPStore, num_workers: int, device: torch.device,
                      backend: Backend | None, timeout_s: float, join: datetime.timedelta, address: str) -> DataPlane:
-    _tell_all(group, num_workers, _header(OP_DESCRIBE, 0, 0, 0, 0, 0), "", join)
+    _tell_all(group, num_workers, _header(OP_DESCRIBE), "", join)
     devices = [device_descriptor(device)] + _raise_first_error(_answers(group, num_workers, join))
     chosen = data_backend(devices)
     if backend == "nccl" and chosen != "nccl":
@@ -429,7 +474,7 @@ def _form_data_plane(group: dist.ProcessGroup, store: dist.TCPStore, num_workers
     backend = backend or chosen
     setup = json.dumps({"backend": backend, "host": store.host, "port": store.port, "world_size": num_workers + 1,
                         "timeout_s": timeout_s, "join_timeout_s": join.total_seconds()})
-    _tell_all(group, num_workers, _header(OP_DATA_PLANE, 0, 0, len(setup.encode()), 0, 0), setup, join)
+    _tell_all(group, num_workers, _header(OP_DATA_PLANE, rows=len(setup.encode())), setup, join)
     data = DataPlane.form(store, 0, num_workers + 1, backend, device, timeout_s, address)
     try:
         answers = _answers(group, num_workers, join)
@@ -551,9 +596,10 @@ class CollectiveTransport:
     def _forward_message(self, worker: int, req: ForwardRequest) -> _Outgoing:
         key_id = NO_KEY if req.key is None else self._key_id(req.key)
         rows = req.rows.to(self.data.device).contiguous()
-        header = _header(OP_FORWARD, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype))
         ids = req.expert_ids.to("cpu", torch.int64).contiguous()  # the broker's ids are on the CPU already
-        return _Outgoing(worker, [(header, TAG_HEADER), (ids, TAG_IDS)], rows)
+        header = _header(OP_FORWARD, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype), ids)
+        control = [(header, TAG_HEADER)] + ([(ids, TAG_IDS)] if header[HEADER_FIELDS - 1] == IDS_FOLLOW else [])
+        return _Outgoing(worker, control, rows)
 
     def _send(self, tensor: torch.Tensor, worker: int, tag: int):
         return self._link(worker, lambda: self.group.send([tensor], worker + 1, tag))
