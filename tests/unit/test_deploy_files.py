@@ -14,11 +14,11 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.fixtures import pretrained_tiny_model
 from vela_ray.cli import build_parser
 from vela_ray.config import JobConfig
 from vela_ray.observability.metrics import METRICS, PROMETHEUS_PREFIX
 from vela_ray.preflight import check_cluster_resources, master_gpus
-from vela_ray.training.tiny_model import tiny_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -56,15 +56,12 @@ def _stand_in_missing_paths(raw: dict, tmp_path: Path) -> dict:
 
 
 def _local_model(path: Path) -> Path | None:
-    """The job's model on this machine: its own path, or for `.cache/tiny-mixtral` the built tiny
-    model that the demo job's comment links there; None when neither exists."""
+    """The job's model on this machine: its own path, or for `.cache/tiny-mixtral` the tiny model
+    that the demo job's comment links there (built if missing); None for a path that is not here."""
     if path.exists():
         return path
     if path == Path(".cache/tiny-mixtral"):
-        try:
-            return tiny_model_path(build=False)
-        except ValueError:
-            return None
+        return pretrained_tiny_model()
     return None
 
 

@@ -14,9 +14,10 @@ import random
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, pretrained_tiny_model, reference_losses
 from vela_ray.config import ClusterSection, JobConfig
 from vela_ray.data.datasets import pack_text, sequential_batches
 from vela_ray.paths import data_dir
@@ -34,7 +35,6 @@ from vela_ray.training.tiers import (
     ExpertTiersConfig, TierSpeeds, affinity_split, critical_path_s, historical_order, request_seconds_per_row,
     upload_order,
 )
-from vela_ray.training.tiny_model import tiny_model_path
 
 # load of one expert: 1e6 B / 1e10 B/s = 1e-4 s; CPU: 1e-5 s per row
 SPEEDS = TierSpeeds(cpu_s_per_row=1e-5, device_s_per_row=1e-7, upload_bytes_per_s=1e10, bytes_per_expert=10**6)
@@ -162,10 +162,7 @@ def test_expert_tiers_are_a_cluster_setting_off_by_default():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir():
-    try:
-        return tiny_model_path(build=False)
-    except ValueError:
-        pytest.skip("the tiny pre-trained model is not built (`vela build-tiny-model`)")
+    return pretrained_tiny_model()
 
 
 KEYS = [(layer, e) for layer in (0, 1) for e in range(8)]
@@ -321,6 +318,30 @@ def test_a_tiered_manager_scores_its_forecast_of_the_next_layer(routing, tiny_mo
     stats = manager.tier_stats()
     assert stats.predictions == 1 and 0.0 <= stats.predicted_overlap <= 1.0
     assert stats.speeds == SPEEDS
+
+
+def test_a_layer_the_fit_would_predict_worse_keeps_the_router_copy_it_started_from():
+    """Layer 1 starts as the very router behind its targets (overlap 1.0); one Adam step of lr 100 wrecks
+    it, so it keeps its start, bit for bit. Layer 2 starts at zero and keeps what it learns."""
+    generator = torch.Generator().manual_seed(0)
+    true_router = nn.Linear(8, 6, bias=False)
+    with torch.no_grad():
+        true_router.weight.copy_(torch.randn(6, 8, generator=generator))
+    rows = torch.randn(256, 8, generator=generator)
+    top_k = true_router(rows).topk(2, dim=-1).indices
+    pairs = {1: (rows, top_k), 2: (rows, top_k)}
+    start = nn.Linear(8, 6, bias=False)
+    with torch.no_grad():
+        start.weight.copy_(true_router.weight)
+    blank = nn.Linear(8, 6, bias=False)
+    with torch.no_grad():
+        blank.weight.zero_()
+    predictor = PopularityPredictor({1: start, 2: blank}, top_k=2)
+    assert predictor.top_k_overlap(pairs)[1] == 1.0
+    predictor.fit(pairs, steps=1, lr=100.0)
+    assert torch.equal(predictor.routers["1"].weight, true_router.weight)
+    assert not torch.equal(predictor.routers["2"].weight, torch.zeros(6, 8))  # fitted, kept
+    assert predictor.top_k_overlap(pairs)[1] == 1.0
 
 
 def test_top_k_overlap_counts_shared_choices_per_token():

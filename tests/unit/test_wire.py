@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures import job_dict, make_checkpoint
+from tests.fixtures import job_dict, make_checkpoint, pretrained_tiny_model
 from vela_ray.config import JobConfig
 from vela_ray.model import wire
 from vela_ray.observability.report import summary_text
@@ -124,11 +124,8 @@ def test_low_bit_rows_move_the_predicted_bytes_and_train_close_to_the_exact_run(
 @pytest.mark.parametrize("upload_format", ["bfloat16", "float8"])
 def test_low_bit_uploads_move_fewer_bytes_and_compute_close_to_the_exact_weights(upload_format):
     from tests.unit.test_tiers import ALL_TO_DEVICE, make_manager, run_both_layers
-    from vela_ray.training.tiny_model import tiny_model_path
-    try:
-        model = tiny_model_path(build=False)
-    except ValueError:
-        pytest.skip("the tiny pre-trained model is not built (`vela build-tiny-model`)")
+
+    model = pretrained_tiny_model()
     runs = {}
     for fmt in ("exact", upload_format):
         manager = make_manager(model, ExpertTiersConfig(enabled=True, cache_experts=16, upload_format=fmt))

@@ -20,6 +20,8 @@ Legend: T = tokens, D = hidden size, E = experts per layer, K = top-k, R = rows.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Iterable
 
 import torch
@@ -95,10 +97,16 @@ class PopularityPredictor(nn.Module):
     def fit(self, pairs: RoutingPairs, steps: int = 50, lr: float = 1e-2) -> list[float]:
         """Fit each router copy to the real routing: `steps` full-batch Adam steps on the cross-entropy of
         its softmax against the real top-k (each chosen expert a target of weight 1/K). Returns the
-        mean loss per step."""
+        mean loss per step.
+
+        A layer whose fitted copy predicts the fit pairs' top-k worse than the router copy it started
+        from keeps the start: cross-entropy is not the overlap the tiers use, and a next layer's own
+        router can already score 0.96 there (the tiny model's last layer), which the fit then lowers."""
         layers = [layer for layer in pairs if str(layer) in self.routers]
         if not layers:
             return []
+        start = {layer: copy.deepcopy(self.routers[str(layer)].state_dict()) for layer in layers}
+        start_overlap = self.top_k_overlap(pairs)
         optimizer = torch.optim.Adam([p for layer in layers for p in self.routers[str(layer)].parameters()], lr=lr)
         losses = []
         with torch.enable_grad():
@@ -108,6 +116,10 @@ class PopularityPredictor(nn.Module):
                 loss.backward()
                 optimizer.step()
                 losses.append(float(loss.detach()))
+        fitted_overlap = self.top_k_overlap(pairs)
+        for layer in layers:
+            if fitted_overlap[layer] < start_overlap[layer]:
+                self.routers[str(layer)].load_state_dict(start[layer])
         return losses
 
     def _loss(self, next_layer: int, rows_TD: torch.Tensor, top_k_TK: torch.Tensor) -> torch.Tensor:
