@@ -21,7 +21,6 @@ Legend: T = tokens, D = hidden size, E = experts per layer, K = top-k, R = rows.
 from __future__ import annotations
 
 import copy
-
 from typing import Iterable
 
 import torch
