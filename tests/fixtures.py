@@ -17,16 +17,9 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.training.optim import lr_at
 from vela_ray.paths import data_dir
-from vela_ray.training.tiny_model import tiny_model_path, train_tokenizer
+from vela_ray.training.tiny_model import train_tokenizer
 
 VOCAB = 256
-
-
-def pretrained_tiny_model() -> Path:
-    """The tiny pre-trained Mixtral (`vela build-tiny-model`): built on first use, about 2.5 min on 2
-    cores, then cached. Its router has real preferences, which some tests need; building it here rather
-    than skipping without it means those tests run on every machine, CI's clean one included."""
-    return tiny_model_path()
 
 
 def make_checkpoint(out_dir: Path, family: str = "mixtral", seed: int = 0, vocab: int = VOCAB,

@@ -14,11 +14,11 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.fixtures import pretrained_tiny_model
 from vela_ray.cli import build_parser
 from vela_ray.config import JobConfig
 from vela_ray.observability.metrics import METRICS, PROMETHEUS_PREFIX
 from vela_ray.preflight import check_cluster_resources, master_gpus
+from vela_ray.training.tiny_model import tiny_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -61,7 +61,7 @@ def _local_model(path: Path) -> Path | None:
     if path.exists():
         return path
     if path == Path(".cache/tiny-mixtral"):
-        return pretrained_tiny_model()
+        return tiny_model_path()
     return None
 
 

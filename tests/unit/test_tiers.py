@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, pretrained_tiny_model, reference_losses
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.config import ClusterSection, JobConfig
 from vela_ray.data.datasets import pack_text, sequential_batches
 from vela_ray.paths import data_dir
@@ -31,6 +31,7 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
 from vela_ray.training.popularity import PopularityPredictor, demand_overlap, routing_pairs, top_k_overlap
+from vela_ray.training.tiny_model import tiny_model_path
 from vela_ray.training.tiers import (
     ExpertTiersConfig, TierSpeeds, affinity_split, critical_path_s, historical_order, request_seconds_per_row,
     upload_order,
@@ -162,7 +163,9 @@ def test_expert_tiers_are_a_cluster_setting_off_by_default():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir():
-    return pretrained_tiny_model()
+    """The tiny pre-trained Mixtral (its router has real preferences), built on first use (~2.5 min on
+    2 cores) and cached, so these tests run on CI's clean machine too."""
+    return tiny_model_path()
 
 
 KEYS = [(layer, e) for layer in (0, 1) for e in range(8)]

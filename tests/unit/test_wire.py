@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures import job_dict, make_checkpoint, pretrained_tiny_model
+from tests.fixtures import job_dict, make_checkpoint
 from vela_ray.config import JobConfig
 from vela_ray.model import wire
 from vela_ray.observability.report import summary_text
@@ -124,8 +124,9 @@ def test_low_bit_rows_move_the_predicted_bytes_and_train_close_to_the_exact_run(
 @pytest.mark.parametrize("upload_format", ["bfloat16", "float8"])
 def test_low_bit_uploads_move_fewer_bytes_and_compute_close_to_the_exact_weights(upload_format):
     from tests.unit.test_tiers import ALL_TO_DEVICE, make_manager, run_both_layers
+    from vela_ray.training.tiny_model import tiny_model_path
 
-    model = pretrained_tiny_model()
+    model = tiny_model_path()  # built on first use, as test_tiers' fixture
     runs = {}
     for fmt in ("exact", upload_format):
         manager = make_manager(model, ExpertTiersConfig(enabled=True, cache_experts=16, upload_format=fmt))
