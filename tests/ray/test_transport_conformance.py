@@ -22,13 +22,13 @@ from actors.transports import RayObjectRefTransport, collective_transport
 from actors.workers import actor_workers
 from tests.equivalence import LORA, OPTIM, build_pair, reference_adapter_state, run_both
 from tests.ray.helpers import (
-    HIDDEN, NUM_WORKERS, TIMEOUT_S, random_lora_state, specs_from_shards, split_weights,
+    HIDDEN, NUM_WORKERS, TIMEOUT_S, random_lora_state, specs_for, specs_from_shards, split_weights,
     synthetic_placement, synthetic_prototypes, synthetic_weights,
 )
 from vela_ray.model import wire
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_config
-from vela_ray.training.optim import ShardTrainer
+from vela_ray.training.expert_manager import ExpertManager
 from vela_ray.training.step import ExpertWorkers, export
 from vela_ray.model.transport import ForwardRequest, InProcessTransport
 
@@ -46,14 +46,15 @@ class Backend:
 
 
 def _in_process_backend() -> Backend:
-    shards = [ExpertShard.from_weights(part, LORA, synthetic_prototypes())
-              for part in split_weights(synthetic_weights(), synthetic_placement(), NUM_WORKERS)]
+    """ExpertManagers in this process, as `cluster.workers_on_master` runs them, behind a direct call."""
+    managers = [ExpertManager(spec) for spec in
+                specs_for(split_weights(synthetic_weights(), synthetic_placement(), NUM_WORKERS))]
 
     def grads():
-        return {k: {n: p.grad.clone() for n, p in s.expert(*k).named_parameters()} for s in shards for k in s.keys}
+        return {key: by_name for m in managers for key, by_name in m.lora_grads().items()}
 
-    return Backend("in_process", InProcessTransport(shards),
-                   ExpertWorkers.in_process([ShardTrainer(s, OPTIM) for s in shards]), grads, close=lambda: None)
+    return Backend("in_process", InProcessTransport(managers), ExpertWorkers.in_process(managers), grads,
+                   close=lambda: None)
 
 
 def _ray_backend(name: str, cluster) -> Backend:
@@ -156,18 +157,15 @@ def test_unknown_expert_error_names_the_expert_and_the_transport_survives(backen
     hosted_by_0 = [e for e in range(6) if int(synthetic_placement()[0][e]) == 0]
     foreign = next(e for e in range(6) if e not in hosted_by_0)
     bad = ForwardRequest(0, torch.tensor([foreign]), torch.randn(1, HIDDEN), ("bad", 0))
-    with pytest.raises((KeyError, ExpertWorkerError), match=rf"l0_e{foreign}|\(0, {foreign}\)") as caught:
+    with pytest.raises(ExpertWorkerError, match=rf"l0_e{foreign}|\(0, {foreign}\)") as caught:
         backend.transport.forward({0: bad})
-    if backend.name != "in_process":
-        assert caught.value.worker == 0 and "expert worker 0" in str(caught.value)
+    assert caught.value.worker == 0 and "expert worker 0" in str(caught.value)
     outputs = backend.transport.forward(_requests(0, rows_per_expert=1, key=None))
     assert len(outputs) == NUM_WORKERS
 
 
 @pytest.mark.parametrize("row_format", ["float8", "bfloat16"])
 def test_low_bit_rows_come_back_in_their_wire_form_close_to_the_exact_result(backend, reference, row_format):
-    if backend.name == "in_process":
-        pytest.skip("the in-process backend here serves bare ExpertShards; ExpertManagers decode wire forms")
     requests = _requests(1, rows_per_expert=4, key=("wire", 1))
     sent = {w: ForwardRequest(r.layer, r.expert_ids, wire.encode(r.rows, row_format), r.key)
             for w, r in requests.items()}
