@@ -35,7 +35,7 @@ from actors.expert_parallel import run_expert_parallel
 from actors.master import MasterActor
 from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
-from vela_ray.errors import RunInterrupted, VelaActorError
+from vela_ray.errors import RunInterrupted, VelaActorError, first_line
 from vela_ray.preflight import Preflight, check_cluster_resources, master_gpus
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
@@ -105,8 +105,7 @@ class VelaJob:
         last = checkpoint.latest(self.config.checkpoint_root)
         resume = (f"resume from checkpoint {last} with `vela train --config ... --resume {last}`" if last
                   else "no checkpoint was written; set checkpoint.every to keep progress")
-        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return VelaActorError(f"the MasterActor died ({cause}); {resume}")
+        return VelaActorError(f"the MasterActor died ({first_line(err)}); {resume}")
 
     def _connect(self) -> bool:
         """Connect to Ray; returns True when this call started a local instance to shut down later."""

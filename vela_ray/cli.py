@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from vela_ray.errors import first_line
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -45,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fail(args: argparse.Namespace, err: BaseException, code: int, hint: str = "") -> int:
     kind = "" if isinstance(err, ValueError) or type(err).__module__.startswith("vela_ray") else f"{type(err).__name__}: "
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    print(f"vela {args.command}: error: {kind}{first}{hint}", file=sys.stderr)
+    print(f"vela {args.command}: error: {kind}{first_line(err)}{hint}", file=sys.stderr)
     return code
 
 

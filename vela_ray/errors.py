@@ -10,6 +10,16 @@ can `pytest.raises(ExpertWorkerError, match="worker 2")` on the driver.
 from __future__ import annotations
 
 
+def first_line(err: BaseException, innermost: bool = False) -> str:
+    """The first line of an error's message, or its type's name when it has none: what reaches the user
+    stays one line. `innermost`: of its deepest `__cause__`, for libraries that wrap the real error in a
+    generic one (datasets' 'An error occurred while generating the dataset')."""
+    while innermost and err.__cause__ is not None:
+        err = err.__cause__
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
 class VelaActorError(RuntimeError):
     """Base of all errors raised by vela-ray actors."""
 

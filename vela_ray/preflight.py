@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vela_ray.errors import first_line
+
 if TYPE_CHECKING:
     from vela_ray.config import JobConfig
 
@@ -85,7 +87,7 @@ def check_model(config: JobConfig) -> ModelFacts:
         num_layers, num_experts = moe_layout(model_dir)
         text_config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
     except (ValueError, OSError, KeyError) as err:
-        raise ValueError(f"model.path {model_dir}: {_first_line(err)}") from None
+        raise ValueError(f"model.path {model_dir}: {first_line(err)}") from None
     return ModelFacts(model_type=text_config.model_type, num_layers=num_layers, num_experts=num_experts,
                       max_positions=getattr(text_config, "max_position_embeddings", None))
 
@@ -106,7 +108,7 @@ def check_weights(model_dir: Path) -> None:
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"model.path: {index} is not a safetensors index ({_first_line(err)}); download "
+            raise ValueError(f"model.path: {index} is not a safetensors index ({first_line(err)}); download "
                              "the checkpoint again") from None
         missing = sorted(shards - {f.name for f in files})
         if missing:
@@ -117,7 +119,7 @@ def check_weights(model_dir: Path) -> None:
             with safe_open(str(file), "numpy") as f:
                 f.keys()
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"model.path: {file} is not a readable safetensors file ({_first_line(err)}); "
+            raise ValueError(f"model.path: {file} is not a readable safetensors file ({first_line(err)}); "
                              "download or save it again") from None
 
 
@@ -149,7 +151,7 @@ def check_placement_file(config: JobConfig, model: ModelFacts) -> None:
     try:
         plan = Placement.from_json(file)
     except (ValueError, OSError, KeyError) as err:
-        raise ValueError(f"placement.file {file} is not a placement JSON ({_first_line(err)}); "
+        raise ValueError(f"placement.file {file} is not a placement JSON ({first_line(err)}); "
                          "write one with `vela place --out`") from None
     layers, experts, workers = plan.shape
     wanted = (model.num_layers, model.num_experts, config.cluster.num_workers)
@@ -170,7 +172,7 @@ def check_profile_file(config: JobConfig, model: ModelFacts) -> None:
     try:
         probs, _ = load_profile(path)
     except ValueError as err:
-        raise ValueError(f"placement.profile: {_first_line(err)}; write one with `vela profile`") from None
+        raise ValueError(f"placement.profile: {first_line(err)}; write one with `vela profile`") from None
     wanted = (model.num_layers, model.num_experts)
     if probs.shape != wanted:
         raise ValueError(
@@ -192,7 +194,7 @@ def check_init_adapter(config: JobConfig) -> None:
         lora_config, _, _ = read_adapter(adapter, model_config)
         check_adapter_matches(lora_config, config.lora.r, config.lora.alpha, adapter)
     except (ValueError, OSError, KeyError) as err:
-        raise ValueError(f"lora.init_adapter: {_first_line(err)}") from None
+        raise ValueError(f"lora.init_adapter: {first_line(err)}") from None
 
 
 # --- data -------------------------------------------------------------------------------
@@ -218,7 +220,7 @@ def check_data(config: JobConfig) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
     except (ValueError, OSError) as err:
-        raise ValueError(f"model.path {config.model.path}: no usable tokenizer ({_first_line(err)}); save it "
+        raise ValueError(f"model.path {config.model.path}: no usable tokenizer ({first_line(err)}); save it "
                          "next to the model with tokenizer.save_pretrained") from None
     training = config.training
     try:
@@ -227,7 +229,7 @@ def check_data(config: JobConfig) -> int:
         raise ValueError(f"data.path {config.data.path}: not UTF-8 text ({err.reason} at byte {err.start})") \
             from None
     except ValueError as err:
-        raise ValueError(f"data: {_first_line(err)}") from None
+        raise ValueError(f"data: {first_line(err)}") from None
     if len(train) < training.batch_size:
         raise ValueError(
             f"training.batch_size {training.batch_size} exceeds the {len(train)} training rows of data.path "
@@ -327,9 +329,3 @@ def master_gpus(config: JobConfig, available: dict[str, float]) -> int:
                          f"{cluster.num_worker_actors * cluster.num_gpus_per_worker}, but the Ray cluster has "
                          f"{float(available.get('GPU', 0.0)):g}; set cluster.master_gpus: 0 or free a GPU")
     return cluster.master_gpus
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of an exception's message: the errors shown here must stay one line."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
+from vela_ray.errors import first_line
+
 if TYPE_CHECKING:  # datasets loads inside the functions: `vela_ray.config` imports this package and must
     from datasets import Dataset  # stay cheap to import (datasets itself takes ~1 s)
 
@@ -109,16 +111,7 @@ def _build(builder: str, path: Path, cache_dir: Path | None, options: BuildOptio
         return datasets.load_dataset(builder, data_files=str(path), split="train",
                                      cache_dir=None if cache_dir is None else str(cache_dir), **options)
     except Exception as err:  # noqa: BLE001 - datasets, pyarrow and pandas raise many types; all mean the same
-        raise ValueError(f"{path}: cannot read as {builder} ({_first_line(err)})") from None
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of the innermost cause: datasets wraps the real error in 'An error occurred while
-    generating the dataset'."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
+        raise ValueError(f"{path}: cannot read as {builder} ({first_line(err, innermost=True)})") from None
 
 
 def _raise_empty(path: Path) -> NoReturn:
@@ -191,7 +184,7 @@ def _check_parquet(path: Path) -> BuildOptions | None:
     try:
         num_rows = pq.read_metadata(path).num_rows
     except Exception as err:  # noqa: BLE001 - pyarrow's errors for a file that is not Parquet
-        raise ValueError(f"{path}: cannot read as parquet ({_first_line(err)})") from None
+        raise ValueError(f"{path}: cannot read as parquet ({first_line(err, innermost=True)})") from None
     return {} if num_rows else None
 
 
@@ -247,7 +240,7 @@ def _load_saved(path: Path) -> Dataset:
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as err:  # noqa: BLE001 - a damaged directory: missing or corrupt Arrow files
-        raise ValueError(f"{path}: cannot read as a save_to_disk directory ({_first_line(err)})") from None
+        raise ValueError(f"{path}: cannot read as a save_to_disk directory ({first_line(err, innermost=True)})") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise ValueError(f"{path}: the saved DatasetDict has no 'train' split (its splits are "

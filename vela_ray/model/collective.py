@@ -65,7 +65,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vela_ray.errors import ExpertWorkerError
+from vela_ray.errors import ExpertWorkerError, first_line
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import ForwardRequest
 
@@ -276,7 +276,7 @@ def serve(group: dist.ProcessGroup, server: RowServer) -> None:
         while loop.serve_one():
             pass
     except RuntimeError as err:  # the link to the master closed: it is gone or dropped the groups
-        logger.warning("expert worker %d: data plane closed (%s)", server.worker, str(err).splitlines()[0])
+        logger.warning("expert worker %d: data plane closed (%s)", server.worker, first_line(err))
     finally:
         if loop.data is not None:
             loop.data.release()
@@ -396,7 +396,7 @@ def _checked(worker: int, operation: Callable):
     except PeerLostError:
         raise
     except RuntimeError as err:
-        raise PeerLostError(worker, str(err).splitlines()[0]) from None
+        raise PeerLostError(worker, first_line(err)) from None
 
 
 def _recv_answer(group: dist.ProcessGroup, worker: int, timeout: datetime.timedelta) -> tuple[int, str]:

@@ -38,6 +38,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from vela_ray.errors import first_line
+
 log = logging.getLogger(__name__)
 
 _COMMON = dict(
@@ -537,7 +539,7 @@ def family_support() -> dict[str, str | None]:
             find_moe_blocks(build_model(debug_config(family), meta=True))
             support[family] = None
         except ValueError as err:
-            support[family] = str(err).splitlines()[0]
+            support[family] = first_line(err)
     return support
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vela_ray.config import JobConfig
-from vela_ray.errors import CheckpointWriteError, ExpertWorkerError
+from vela_ray.errors import CheckpointWriteError, ExpertWorkerError, first_line
 from vela_ray.runtime.pool import WorkerPool
 from vela_ray.training import checkpoint
 from vela_ray.training.step import ExpertWorkers
@@ -133,5 +133,4 @@ def _one_line(err: BaseException) -> str:
     """An error as one line: a worker's own message (not Ray's traceback around it), else the first line."""
     if isinstance(err, ExpertWorkerError):
         return f"expert worker {err.worker}: {err.message}"
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+    return f"{type(err).__name__}: {first_line(err)}" if str(err).strip() else type(err).__name__
