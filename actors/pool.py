@@ -26,7 +26,7 @@ from actors.transports import RayObjectRefTransport, collective_transport, data_
 from actors.workers import actor_workers
 from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
-from vela_ray.model.transport import InProcessTransport, SplitTransport
+from vela_ray.model.transport import InProcessTransport, SplitTransport, Transport
 from vela_ray.config import JobConfig
 from vela_ray.runtime.masters import PeerMasters, SoloMaster
 from vela_ray.runtime.migration import MigrationPlan
@@ -84,16 +84,21 @@ class RayWorkerPool:
 
     def _connect(self) -> HostedExperts:
         """The control plane and a fresh data plane over the current actors."""
-        tiers = self.cluster.worker_tiers(self.master_node)
-        if self.config.cluster.transport == "collective":  # rows over NCCL where master and workers have GPUs
-            self.transport = collective_transport(self.cluster.handles, tiers, device=self.local_device)
-        else:
-            self.transport = RayObjectRefTransport(self.cluster.handles, tiers,
-                                                   zero_copy=self.config.cluster.zero_copy_tensors)
+        self.transport = self._remote_transport()
         if self.local:
-            self.transport = SplitTransport(self.transport, InProcessTransport(self.local))
+            local = InProcessTransport(self.local)
+            self.transport = local if self.transport is None else SplitTransport(self.transport, local)
         return HostedExperts(actor_workers(self.cluster.handles, local=self.local), self.transport,
                              [*self.cluster.node_ids, *[self.master_node] * len(self.local)])
+
+    def _remote_transport(self) -> Transport | None:
+        """The actors' data plane; None without actors (every worker in this process: nothing to form)."""
+        if not self.cluster.handles:
+            return None
+        tiers = self.cluster.worker_tiers(self.master_node)
+        if self.config.cluster.transport == "collective":  # rows over NCCL where master and workers have GPUs
+            return collective_transport(self.cluster.handles, tiers, device=self.local_device)
+        return RayObjectRefTransport(self.cluster.handles, tiers, zero_copy=self.config.cluster.zero_copy_tensors)
 
     def start_peers(self, table: np.ndarray) -> PeerMasters:
         if self.config.cluster.num_masters == 1:

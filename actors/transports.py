@@ -3,12 +3,14 @@
 All backends implement `vela_ray.model.transport.Transport` and pass the same
 conformance suite (tests/ray/test_transport_conformance.py):
 
+- `collective_transport(...)` (the default, `cluster.transport: collective`): forms
+  torch.distributed groups with the ExpertManagers through Ray once, then rows travel
+  point-to-point with no Ray task per layer (`vela_ray.model.collective.CollectiveTransport`):
+  headers over gloo, the rows themselves over NCCL when the master and every worker have
+  a GPU of their own. Its ranks need TCP to each other, beyond Ray's ports.
 - `RayObjectRefTransport`: one `.remote` call per worker with rows, then one
-  `ray.get` for all. Always works; tensors travel as Ray objects.
-- `collective_transport(...)`: forms torch.distributed groups with the ExpertManagers
-  through Ray once, then rows travel point-to-point with no Ray task per layer
-  (`vela_ray.model.collective.CollectiveTransport`): headers over gloo, the rows
-  themselves over NCCL when the master and every worker have a GPU of their own.
+  `ray.get` for all; tensors travel as Ray objects, so it works wherever Ray does, and
+  with several masters.
 
 A Ray compiled-graph transport lived here until the collective plane beat it on the
 same fan-out (0.58x its round trip, `benchmarks/data_plane.py`, results of commit
@@ -26,6 +28,7 @@ from typing import Hashable, Sequence
 import ray
 import torch
 
+from vela_ray.errors import ClusterError, first_line
 from vela_ray.model.collective import Backend, CollectiveTransport, form_data_plane, make_group, make_store
 from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import ForwardRequest
@@ -39,8 +42,8 @@ def data_plane_env(inline_bytes: int, zero_copy_tensors: bool) -> dict[str, str]
     Both are read when a Ray worker process starts, so they go into the actors' runtime_env:
     `inline_bytes` > 0 lets results and arguments up to that size ride inside the task RPC
     (no object store create/seal/fetch); zero-copy tensors skip torch's pickling copy.
-    On 2 cores, a fan-out of 6 calls with 180-360 KB each drops from ~30 ms to ~11 ms
-    (`python benchmarks/data_plane.py`).
+    On 2 cores, a forward+backward fan-out to 6 workers with 118-270 KiB each drops from 64 ms to
+    36 ms (`python benchmarks/data_plane.py`, benchmarks/results/data_plane.json).
     """
     env = {}
     if inline_bytes:
@@ -120,8 +123,14 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
     address = ray.util.get_node_ip_address()
     store = make_store(address, 0, world_size, is_master=True, timeout_s=join_timeout_s)
     joins = [h.join_collective.remote(store.host, store.port, world_size, join_timeout_s) for h in handles]
-    group = make_group(store, 0, world_size, join_timeout_s, address)
-    ray.get(joins, timeout=join_timeout_s)
+    try:
+        group = make_group(store, 0, world_size, join_timeout_s, address)
+        ray.get(joins, timeout=join_timeout_s)
+    except Exception as err:  # the store's or gloo's timeout, or a worker's own failure to connect
+        raise ClusterError(
+            f"the collective data plane did not form within {join_timeout_s:g} s ({first_line(err)}): the "
+            f"ExpertManagers join it at {address}:{store.port}, then every rank connects to every other over TCP. "
+            "Open TCP between the nodes, or set cluster.transport: object_ref to send rows through Ray") from None
     # the workers' devices travel over the control plane; on failure it tells their loops to stop first
     data = form_data_plane(group, store, len(handles), device, data_backend, timeout_s, join_timeout_s, address)
     logger.info("collective data plane over %d expert workers: control over gloo, rows over %s",

@@ -32,7 +32,7 @@ The compiled-graph transport was measured here too (78 ms against the collective
 45 ms, results/data_plane.json of commit 4d4c48f) and removed for it.
 Ray Direct Transport costs per tensor a task that makes it, a send task and a receive task
 (one `_ray_system` thread per actor runs them in turn), and the master a task to collect the
-results: 157 ms against the collective plane's 30 ms on 2 shared cores (load ~5).
+results: 125-157 ms against the collective plane's 28-30 ms on 2 shared cores (load ~5).
 
 Each setting runs in its own subprocess with its own local Ray (the Ray variables are
 read when a Ray process starts); settings alternate over `--rounds` so that a burst

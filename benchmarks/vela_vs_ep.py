@@ -79,8 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers-per-node", type=int, default=2, help="ExpertManagers (EP ranks) per node")
     p.add_argument("--capacity", type=int, default=8,
                    help="experts per worker (32 experts / 6 workers = 5.3; 8 is 1.5x, as the simulation)")
-    p.add_argument("--transport", default="object_ref", choices=["object_ref", "collective"],
-                   help="vela-ray's master-worker transport")
+    p.add_argument("--transport", default="collective", choices=["object_ref", "collective"],
+                   help="vela-ray's master-worker transport with one master (a master per node: object_ref)")
     p.add_argument("--calibrate", default="ray", choices=["ray", "loopback"],
                    help="intra-node rate divided by --ratio to set the cross-node rate: what Ray moves "
                         "between two processes of a node (what vela-ray sees), or raw TCP loopback")

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vela_ray.data.datasets import DataConfig
+from vela_ray.errors import first_line
 from vela_ray.model.traffic import RowFormat
 from vela_ray.training.optim import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
@@ -61,8 +62,13 @@ class ClusterSection(_Section):
         None, description="GPUs of the master, which holds the backbone, its LoRA and optimizer state; None: 1 "
                           "when the Ray cluster has a GPU beyond the workers', else 0")
     workers_per_node: int | None = Field(None, ge=1, description="workers per node, filled from the master's node")
-    transport: TransportName = Field("object_ref", description="how rows travel: Ray object refs, or collective "
-                                     "(torch.distributed point-to-point, no Ray task per layer)")
+    transport: TransportName = Field(
+        "collective", description="how rows travel. collective: torch.distributed point-to-point to each "
+                                  "ExpertManager's serving loop, NCCL between GPUs and gloo through host memory "
+                                  "otherwise, no Ray task per layer (the faster: benchmarks/data_plane.py). "
+                                  "object_ref: Ray tasks and objects, for several masters and for clusters whose "
+                                  "nodes reach each other only on Ray's ports. Default: collective with one "
+                                  "master, object_ref with several")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
@@ -112,6 +118,14 @@ class ClusterSection(_Section):
         if isinstance(data, dict) and "experts_on_master" in data:
             raise ValueError("cluster.experts_on_master is now cluster.workers_on_master: the number of "
                              "ExpertManagers in the master's process (num_workers for all of them)")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_transport(cls, data):
+        """The collective plane has one master in its group: several masters default to object refs."""
+        if isinstance(data, dict) and "transport" not in data and str(data.get("num_masters", 1)) != "1":
+            return {**data, "transport": "object_ref"}
         return data
 
     @model_validator(mode="after")
@@ -423,7 +437,7 @@ def _read_yaml(path: Path) -> object:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1} column {mark.column + 1}: " if mark else ""
-        what = getattr(err, "problem", None) or str(err).splitlines()[0]
+        what = getattr(err, "problem", None) or first_line(err)
         raise ValueError(f"{path}: {where}YAML syntax error ({what}); fix the YAML there") from None
 
 

@@ -1,5 +1,6 @@
 """The collective transport's split planes between real ExpertManager actors: which backend carries the
-rows, and a SIGKILLed worker ending in the named `PeerLostError` within 30 s, never a hang.
+rows, a SIGKILLed worker ending in the named `PeerLostError` within 30 s, never a hang, and a plane that
+cannot form named with its fix.
 
 (The protocol itself, in one process with no Ray: tests/unit/test_collective_planes.py.)
 """
@@ -18,6 +19,7 @@ from actors.transports import collective_transport
 from tests.ray.helpers import (
     HIDDEN, NUM_WORKERS, TIMEOUT_S, specs_for, split_weights, synthetic_placement, synthetic_weights,
 )
+from vela_ray.errors import ClusterError
 from vela_ray.model.collective import PeerLostError
 from vela_ray.model.transport import ForwardRequest
 
@@ -57,3 +59,28 @@ def test_a_sigkilled_worker_ends_in_peer_lost_naming_it_within_30s(ray_pool):
     assert time.monotonic() - killed < 30  # noticed through the closed connection, not a timeout (60 s)
     with pytest.raises(RuntimeError, match="lost a worker"):
         transport.forward(_requests())
+
+
+@ray.remote(num_cpus=0)
+class _UnreachableWorker:
+    """An actor asked to join the data plane whose connection never arrives, as from a node whose TCP to the
+    master is firewalled (only Ray's own ports open)."""
+
+    def join_collective(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        time.sleep(timeout_s + 30)
+
+
+@pytest.mark.timeout(120)
+def test_a_plane_that_cannot_form_says_so_in_one_line_with_the_fix(ray_session):
+    unreachable = [_UnreachableWorker.remote() for _ in range(2)]
+    try:
+        start = time.monotonic()
+        with pytest.raises(ClusterError) as caught:
+            collective_transport(unreachable, ["cross_node"] * 2, join_timeout_s=3)
+        assert time.monotonic() - start < 30
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith("the collective data plane did not form within 3 s (")
+        assert "set cluster.transport: object_ref" in message
+    finally:
+        for actor in unreachable:
+            ray.kill(actor)

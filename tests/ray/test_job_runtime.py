@@ -17,11 +17,12 @@ STEPS = 4
 
 
 # Qwen3-MoE's step over both Ray data planes is tests/ray/test_transport_conformance.py's; a whole job
-# more would add half a minute of CI for no path that Mixtral's does not take. The collective plane's
-# whole job is `one_on_master`'s: its two actors serve over it, beside a worker in the master's process.
-CLUSTERS = {"object_ref": {},
+# more would add half a minute of CI for no path that Mixtral's does not take. The collective plane (the
+# default) carries `one_on_master`'s whole job: its two actors serve over it, beside a worker in the
+# master's process.
+CLUSTERS = {"object_ref": {"transport": "object_ref"},
             "all_on_master": {"workers_on_master": 3},  # the one-GPU configuration: no worker actors
-            "one_on_master": {"workers_on_master": 1, "transport": "collective"}}  # 2 actors + 1 in-process
+            "one_on_master": {"workers_on_master": 1}}  # 2 actors + 1 in-process
 
 
 @pytest.mark.parametrize("family,transport", [("mixtral", "object_ref"), ("gpt_oss", "object_ref"),

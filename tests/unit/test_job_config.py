@@ -201,3 +201,16 @@ def test_the_master_gets_a_gpu_the_workers_leave_free(tmp_path):
     with pytest.raises(ValueError, match=r"cluster\.master_gpus 1 needs a GPU beyond the workers' 2, but the Ray "
                                          r"cluster has 2; set cluster\.master_gpus: 0"):
         master_gpus(job(num_gpus_per_worker=1, master_gpus=1), {"CPU": 8, "GPU": 2})
+
+
+def test_rows_travel_the_collective_plane_by_default_and_over_object_refs_with_several_masters(tmp_path):
+    def transport(**cluster) -> str:
+        return JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster=cluster)).cluster.transport
+
+    assert JobConfig.from_dict({k: v for k, v in job_dict(tmp_path, tmp_path / "out").items()
+                                if k != "cluster"}).cluster.transport == "collective"
+    assert transport() == "collective"
+    assert transport(num_masters=2) == "object_ref"  # the collective group has one master
+    assert transport(transport="object_ref") == "object_ref"
+    with pytest.raises(ValueError, match=r"cluster.num_masters is 2 but cluster.transport is 'collective'"):
+        transport(num_masters=2, transport="collective")

@@ -94,6 +94,9 @@ class InProcessTransport:
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers
 
+    def close(self) -> None:
+        """Nothing to release: the experts are this process's."""
+
 
 class SplitTransport:
     """Workers 0..A-1 over `remote` (Ray actors), A..N-1 over `local` (ExpertManagers in this process,
@@ -119,8 +122,7 @@ class SplitTransport:
 
     def close(self) -> None:
         self._remote_thread.shutdown(wait=True)
-        if hasattr(self.remote, "close"):
-            self.remote.close()
+        self.remote.close()
 
     def _both(self, remote_call, local_call, parts: dict) -> dict[int, torch.Tensor]:
         remote = {w: p for w, p in parts.items() if w < self.split}
