@@ -109,7 +109,8 @@ class RankActor:
                 if eval_batches else None)  # every rank filters the same batches: the collectives still pair
         return {"history": history, "eval_loss": loss,
                 "traffic": replica.master.dispatcher.counter.snapshot().model_dump(),
-                "control_bytes": replica.transport.control_bytes, "received_bytes": replica.experts.received()}
+                "control_bytes": replica.transport.control_bytes, "received_bytes": replica.experts.received(),
+                "data_plane": replica.transport.describe()}
 
     def _step(self, step: int) -> dict:
         cfg, replica = self.config.training, self.replica
@@ -213,6 +214,7 @@ def _summarize(results: list[dict], rank_nodes: list[str], master_node: str,
     by_tier = {t: sum(s.bytes_by_tier()[t] for s in traffic) for t in traffic[0].bytes_by_tier()}
     return RunSummary(
         mode="expert_parallel",
+        data_plane=results[0]["data_plane"],
         steps=len(history),
         losses=[h.loss for h in history],
         eval_loss=results[0]["eval_loss"],

@@ -101,6 +101,9 @@ class RayObjectRefTransport:
     def close(self) -> None:
         """Nothing to release; here so all Ray transports close the same way."""
 
+    def describe(self) -> str:
+        return "object_ref"
+
     def _get(self, refs: dict[int, ray.ObjectRef]) -> dict[int, torch.Tensor]:
         values = ray.get(list(refs.values()), timeout=self.timeout_s)
         return dict(zip(refs, values))

@@ -62,6 +62,7 @@ def test_expert_parallel_losses_match_single_process_training(ep_run):
     assert summary.allreduce_bytes_per_step > 0 and summary.control_bytes > 0
     assert summary.placement.expert_to_worker[0] == [0, 1, 2, 0, 1, 2]
     assert summary.worker_tiers == ["same_node"] * 3 and summary.history[-1].eval_loss == summary.eval_loss
+    assert summary.data_plane == "all-to-all (gloo)"
 
 
 def test_the_run_writes_a_loadable_adapter_equal_to_peft_training_with_its_summary_and_report(ep_run):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.api import VelaJob
 from vela_ray.config import JobConfig
+from vela_ray.observability.report import summary_text
 
 STEPS = 4
 
@@ -48,6 +49,10 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     assert written["losses"] == summary.losses
     assert sum(written["traffic_bytes_by_tier"].values()) > 0
     used_tiers = {tier for tier, n in written["traffic_bytes_by_tier"].items() if n}
+    assert written["data_plane"] == {"object_ref": "object_ref", "all_on_master": "in-process",
+                                     "one_on_master": "collective (gloo) + in-process"}[transport]
+    assert f"over {written['data_plane']}" in summary_text(tmp_path / "out")  # what the user reads at the end
+    assert written["data_plane"] in (tmp_path / "out" / "report.html").read_text()
     if transport == "all_on_master":  # no worker actors: every row went by direct call
         assert used_tiers == {"same_process"}
         assert written["master_node"] not in ("", "local")

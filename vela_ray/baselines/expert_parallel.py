@@ -103,6 +103,9 @@ class AllToAllTransport:
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers
 
+    def describe(self) -> str:
+        return f"all-to-all ({dist.get_backend(self.group)})"
+
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         """Send each rank its rows, run the rows that arrived through the local experts, return the outputs."""
         if not requests:

@@ -569,6 +569,9 @@ class CollectiveTransport:
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers
 
+    def describe(self) -> str:
+        return f"collective ({self.data.backend})"
+
     def close(self) -> None:
         """Tell every worker's loop to stop and wait for them; idempotent. After a lost peer the others
         are told to stop too (briefly, best effort) and both groups are dropped: a loop still blocked

@@ -61,6 +61,10 @@ class Transport(Protocol):
         """Link tier of each worker as seen from the master."""
         ...
 
+    def describe(self) -> str:
+        """How rows travel, for the run's summary: e.g. "collective (nccl)"."""
+        ...
+
 
 class InProcessTransport:
     """Experts in the master's process: a direct call, no copies.
@@ -97,6 +101,9 @@ class InProcessTransport:
     def close(self) -> None:
         """Nothing to release: the experts are this process's."""
 
+    def describe(self) -> str:
+        return "in-process"
+
 
 class SplitTransport:
     """Workers 0..A-1 over `remote` (Ray actors), A..N-1 over `local` (ExpertManagers in this process,
@@ -119,6 +126,9 @@ class SplitTransport:
 
     def worker_tiers(self) -> list[LinkTier]:
         return [*self.remote.worker_tiers(), *self.local.worker_tiers()]
+
+    def describe(self) -> str:
+        return f"{self.remote.describe()} + {self.local.describe()}"
 
     def close(self) -> None:
         self._remote_thread.shutdown(wait=True)

@@ -224,7 +224,8 @@ def summary_text(source: RunSummary | str | Path) -> str:
         + f"; placement {s.placement.solver}"
         + (f": {expected}" if expected else ""),
         "expert traffic by link tier: " + ", ".join(
-            f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()),
+            f"{tier} {nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items())
+        + (f", over {s.data_plane}" if s.data_plane else ""),
         condensation_text(s),
         *([row_format_text(s)] if s.row_format != "exact" else []),
         *([tiers_text(s)] if s.expert_tiers else []),
@@ -460,6 +461,7 @@ def overview(run: Run) -> str:
         "placement": html.escape(f"{s.placement.solver} (cost model: {s.placement.cost_model})"),
         **{label: html.escape(text) for label, text in _expected_texts(s.placement).items()},
         "workers": f"{run.num_workers} on {len(set(s.worker_nodes)) or '?'} node(s)",
+        **({"data plane": html.escape(s.data_plane)} if s.data_plane else {}),
     }
     facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'

@@ -227,6 +227,9 @@ class RunSummary(_Record):
     """`training.method`: backward + AdamW, or zeroth-order ZO-SGD (two no-grad forwards per step)."""
     row_format: RowFormat = "exact"
     """`cluster.row_format`: how rows travelled; LOSSY unless exact (`vela_ray.model.wire`)."""
+    data_plane: str = ""
+    """What carried the rows between master and workers (`Transport.describe`): "collective (gloo)",
+    "collective (nccl)", "object_ref", "in-process", or a split such as "collective (nccl) + in-process"."""
     steps: int
     losses: list[float]
     eval_loss: float | None
