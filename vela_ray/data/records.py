@@ -240,7 +240,8 @@ def _load_saved(path: Path) -> Dataset:
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as err:  # noqa: BLE001 - a damaged directory: missing or corrupt Arrow files
-        raise ValueError(f"{path}: cannot read as a save_to_disk directory ({first_line(err, innermost=True)})") from None
+        raise ValueError(f"{path}: cannot read as a save_to_disk directory "
+                         f"({first_line(err, innermost=True)})") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise ValueError(f"{path}: the saved DatasetDict has no 'train' split (its splits are "
