@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup system-deps demo test test-fast test-gpu bench-placement clean
+.PHONY: setup system-deps demo test test-fast test-gpu test-latest lock bench-placement clean
 
 setup:
 	@VELA_VENV=$(VENV) bash scripts/setup.sh
@@ -24,8 +24,21 @@ test-fast: setup
 test-gpu: setup
 	$(BIN)/python -m pytest tests -m gpu
 
+# The newest releases of every dependency (torch kept), in .venv-latest, against the tests an upstream
+# change breaks first: the family discovery, checkpoint loading and peft-equivalence tests.
+LATEST_TESTS := tests/unit/test_families.py tests/unit/test_loading.py tests/unit/test_every_family.py \
+	tests/unit/test_broker_equivalence.py tests/unit/test_bf16_expert_adapters.py tests/unit/test_family_checks.py
+test-latest:
+	@VELA_VENV=.venv-latest VELA_LATEST=1 bash scripts/setup.sh
+	@.venv-latest/bin/python scripts/versions.py
+	.venv-latest/bin/python -m pytest $(LATEST_TESTS)
+
+# Re-resolve every dependency to its newest release and rewrite constraints.txt (then run `make test`).
+lock:
+	@bash scripts/lock.sh
+
 bench-placement: setup
 	$(BIN)/python benchmarks/placement_suite.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-latest .pytest_cache build *.egg-info

@@ -172,6 +172,7 @@ def run_expert_parallel(config: JobConfig) -> RunSummary:
         remove_placement_group(pg)
     summary = _summarize(results, rank_nodes, master_node, _table(config, len(rank_nodes)))
     summary.timings_s["train_s"] = train_s
+    summary.family_check = config.family_check
     summary.adapter_dir = str(adapter_dir.resolve())
     return _write(summary, out_dir)
 

@@ -227,12 +227,23 @@ def _add_families(sub: argparse._SubParsersAction) -> None:
 
 def _run_families(args: argparse.Namespace) -> int:
     from vela_ray.model.families import family_support
+    from vela_ray.training.family_check import suite_verified, verified_families
 
     support = family_support()
+    tested = verified_families()
     width = max(map(len, support))
+    by_suite = {family for family, reason in support.items() if reason is None and suite_verified(family)}
     for family, reason in support.items():
-        print(f"{family:<{width}}  {'trained (equal to peft)' if reason is None else 'refused: ' + reason}")
-    print(f"{sum(r is None for r in support.values())} of {len(support)} families trained")
+        if reason is not None:
+            status = "refused: " + reason
+        elif family in by_suite:
+            status = f"trained (equal to peft), verified by the test suite on transformers {tested.transformers}"
+        else:
+            status = "trained if preflight shows a debug-size copy equal to peft (not verified by the test suite here)"
+        print(f"{family:<{width}}  {status}")
+    trained = sum(r is None for r in support.values())
+    print(f"{trained} of {len(support)} families trained: {len(by_suite)} verified by the test suite, "
+          f"{trained - len(by_suite)} checked at preflight")
     return 0
 
 

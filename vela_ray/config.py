@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from vela_ray.data.datasets import DataConfig
 from vela_ray.errors import first_line
@@ -316,6 +316,7 @@ class JobConfig(_Section):
     training: TrainingSection
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    _family_check: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _zo_where_it_runs(self) -> "JobConfig":
@@ -397,6 +398,17 @@ class JobConfig(_Section):
         if spec is None:
             return self
         return self.model_copy(update={"checkpoint": self.checkpoint.model_copy(update={"resume": spec})})
+
+    @property
+    def family_check(self) -> str | None:
+        """How preflight verified the model's family equal to peft (None before preflight): the run summary
+        records it. Not a field: only preflight sets it, a YAML file cannot."""
+        return self._family_check
+
+    def with_family_check(self, text: str) -> "JobConfig":
+        checked = self.model_copy()
+        checked._family_check = text
+        return checked
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "JobConfig":

@@ -50,6 +50,7 @@ class Preflight:
     config: JobConfig
     model: ModelFacts
     train_rows: int
+    family: str = ""  # how the model's family was verified equal to peft (`FamilyCheck.describe`)
     resume: Path | None = None
     resume_step: int = 0
 
@@ -65,9 +66,11 @@ def preflight(config: JobConfig) -> Preflight:
     check_packing(config)
     train_rows = check_data(config)
     resume, resume_step = check_resume(config, model)
+    family = check_family(config)  # seconds, and only for a family the test suite did not verify
     check_output_dirs(config)
-    pinned = config.with_resume(str(resume)) if resume else config
-    return Preflight(config=pinned, model=model, train_rows=train_rows, resume=resume, resume_step=resume_step)
+    pinned = (config.with_resume(str(resume)) if resume else config).with_family_check(family)
+    return Preflight(config=pinned, model=model, train_rows=train_rows, family=family, resume=resume,
+                     resume_step=resume_step)
 
 
 # --- model ------------------------------------------------------------------------------
@@ -90,6 +93,19 @@ def check_model(config: JobConfig) -> ModelFacts:
         raise ValueError(f"model.path {model_dir}: {first_line(err)}") from None
     return ModelFacts(model_type=text_config.model_type, num_layers=num_layers, num_experts=num_experts,
                       max_positions=getattr(text_config, "max_position_embeddings", None))
+
+
+def check_family(config: JobConfig) -> str:
+    """The model's family verified equal to peft: by the test suite, or now on a debug-size copy of its
+    architecture (`vela_ray.training.family_check`); refused in one line where vela-ray's numbers differ."""
+    from transformers import AutoConfig
+
+    from vela_ray.training.family_check import check_family as verify
+
+    try:
+        return verify(AutoConfig.from_pretrained(str(config.model.path))).describe()
+    except ValueError as err:
+        raise ValueError(f"model.path {config.model.path}: {first_line(err)}") from None
 
 
 def check_weights(model_dir: Path) -> None:

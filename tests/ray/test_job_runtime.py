@@ -68,3 +68,26 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     assert 0 < placed["expected_comm_time_s"] < placed["expected_step_time_s"]
     split = written["step_breakdown_s"]
     assert 0 < split["expert_round_trip"] < split["step"] and split["worker_compute_sum"] > 0
+
+
+def test_a_family_outside_the_tested_set_is_verified_at_preflight_and_trains(ray_session, tmp_path, monkeypatch):
+    """As after a transformers upgrade: Mixtral is not in the tested set, so preflight checks a debug-size copy
+    against peft before Ray starts; the job then trains equal to peft and its summary says how it was verified."""
+    from vela_ray.training import family_check
+
+    record = family_check.verified_families().model_dump()
+    record["trained"] = [f for f in record["trained"] if f != "mixtral"]
+    monkeypatch.setattr(family_check, "VERIFIED_FILE", tmp_path / "verified.json")
+    family_check.VERIFIED_FILE.write_text(json.dumps(record))
+
+    model_dir = make_checkpoint(tmp_path / "model", "mixtral")
+    job = job_dict(model_dir, tmp_path / "out", steps=2,
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
+                   cluster=CLUSTERS["all_on_master"])
+    config = JobConfig.from_dict(job)
+    summary = VelaJob(config).run()
+    assert summary.family_check.startswith("mixtral: verified by the preflight (not in the tested set")
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(reference_losses(config)[0]),
+                               rtol=1e-5, atol=0)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["family_check"] == summary.family_check
+    assert f"family {summary.family_check}" in summary_text(tmp_path / "out")

@@ -230,6 +230,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         *([row_format_text(s)] if s.row_format != "exact" else []),
         *([tiers_text(s)] if s.expert_tiers else []),
         *([masters_text(s)] if len(s.master_nodes) > 1 else []),
+        *([f"family {s.family_check}"] if s.family_check else []),
     ]
     for c in compare_comm(run):
         predicted = "n/a" if c.predicted_bytes is None else f"{c.predicted_bytes / MiB:.2f}"
@@ -462,6 +463,7 @@ def overview(run: Run) -> str:
         **{label: html.escape(text) for label, text in _expected_texts(s.placement).items()},
         "workers": f"{run.num_workers} on {len(set(s.worker_nodes)) or '?'} node(s)",
         **({"data plane": html.escape(s.data_plane)} if s.data_plane else {}),
+        **({"family": html.escape(s.family_check)} if s.family_check else {}),
     }
     facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'

@@ -732,7 +732,8 @@ class JobRunner:
         routed = state.tokens_routed_LE
         return RunSummary(
             mode="vela", method=self.config.training.method, row_format=self.config.cluster.row_format,
-            data_plane=hosted.transport.describe(), steps=len(history), losses=[h.loss for h in history],
+            data_plane=hosted.transport.describe(), family_check=self.config.family_check,
+            steps=len(history), losses=[h.loss for h in history],
             eval_loss=history[-1].eval_loss if history else None,
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
             history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),

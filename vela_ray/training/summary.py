@@ -230,6 +230,9 @@ class RunSummary(_Record):
     data_plane: str = ""
     """What carried the rows between master and workers (`Transport.describe`): "collective (gloo)",
     "collective (nccl)", "object_ref", "in-process", or a split such as "collective (nccl) + in-process"."""
+    family_check: str | None = None
+    """How the model's family was verified equal to peft before the run (`vela_ray.training.family_check`):
+    by the test suite at the installed versions, or by preflight on a debug-size copy."""
     steps: int
     losses: list[float]
     eval_loss: float | None

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make lock`: re-resolve every dependency to its newest release and rewrite constraints.txt.
+#
+# The newest releases are installed into a separate venv (.venv-latest, the one `make test-latest`
+# tests), then frozen. torch stays the CPU build scripts/setup.sh installs (a GPU node keeps its own
+# torch: setup.sh drops the torch pin there). Run `make test` afterwards: the pins are what the suite
+# passed with, so commit constraints.txt only with a green suite on it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VELA_LATEST_VENV:-.venv-latest}
+VELA_VENV=$VENV VELA_LATEST=1 bash scripts/setup.sh
+{
+  echo "# Exact versions the test suite passed with; scripts/setup.sh installs with -c constraints.txt."
+  echo "# Rewritten by \`make lock\` ($($VENV/bin/python -c 'import platform; print("Python", platform.python_version())'))."
+  echo "# A GPU node keeps its own torch (setup.sh leaves the torch and CUDA lines out there)."
+  "$VENV/bin/python" -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]+)\+.*/\1/' | LC_ALL=C sort -f
+} > constraints.txt.tmp
+mv constraints.txt.tmp constraints.txt
+echo "[lock] constraints.txt: $(grep -c '==' constraints.txt) pins; now run: make test"

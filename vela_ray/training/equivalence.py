@@ -1,0 +1,136 @@
+"""vela-ray against plain transformers + peft on one model, in one process: the equivalence harness.
+
+Both sides start from the same random model and the same adapter (peft's, with a random B so
+every LoRA factor gets gradients from step 0), see the same micro-batches and learning rates,
+and clip the global grad norm. vela-ray's side splits the experts over `num_workers` shards
+under a scattered placement and moves rows through whichever transport
+`make_transport(shards)` returns (in-process calls by default).
+
+The test suite runs it on every family of the pinned transformers (tests/unit/test_every_family.py);
+preflight runs it on a debug-size copy of a family outside that set (`family_check`), so a
+family is trained only where vela-ray's numbers are shown equal to peft's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from torch import nn
+
+from vela_ray.model.adapters import full_lora_config
+from vela_ray.model.experts import ExpertShard, LoraSpec
+from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
+from vela_ray.model.transport import InProcessTransport
+from vela_ray.training.optim import OptimizerConfig, ShardTrainer, lr_at, make_adamw
+from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, export, import_adapter, train_step
+
+LORA = LoraSpec(r=4, alpha=8)
+OPTIM = OptimizerConfig(lr=1e-2, max_grad_norm=0.5, warmup_steps=1)
+LOSS_RTOL = 1e-5  # fp32: what reordered sums over the shards' rows leave of equal math
+
+
+def scattered_placement(num_layers: int, num_experts: int, num_workers: int = 3) -> torch.Tensor:
+    """A placement that is neither sequential nor blocked: [L, E] -> worker."""
+    return torch.tensor([[(l + 2 * e + e // 3) % num_workers for e in range(num_experts)] for l in range(num_layers)])
+
+
+def micro_batches(step: int, vocab: int = 128, count: int = 2, batch: int = 2, seq: int = 12):
+    """The step's micro-batches: random token ids in [3, vocab), labels = inputs."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(3, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+@dataclass
+class Pair:
+    reference: nn.Module  # the peft model
+    ref_optimizer: torch.optim.Optimizer
+    master: MasterModel
+    workers: ExpertWorkers
+    adapter_dir: str
+    optim: OptimizerConfig
+
+
+def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | None = None,
+               dtype: torch.dtype = torch.float32, num_workers: int = 3,
+               optim: OptimizerConfig = OPTIM) -> Pair:
+    """The peft reference and vela-ray's master + shards, both from `make_model()` (called twice: it
+    must return the same weights each time), with one shared random-B adapter."""
+    reference = make_model().to(dtype)
+    cfg = full_lora_config(reference, LORA)
+    cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
+    torch.manual_seed(1)
+    reference = get_peft_model(reference, cfg)
+    adapter_dir = tempfile.mkdtemp(prefix="vela-eq-")
+    reference.save_pretrained(adapter_dir)
+
+    model = make_model().to(dtype)
+    blocks = find_moe_blocks(model)
+    table = scattered_placement(len(blocks), blocks[0].layout.num_experts, num_workers)
+    weights = expert_weights(blocks)
+    shards = [
+        ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, LORA,
+                                 experts_prototypes(model.config))
+        for n in range(num_workers)
+    ]
+    transport = (make_transport or InProcessTransport)(shards)
+    master = build_master(model, table, transport, LORA, optim)
+    workers = ExpertWorkers.in_process([ShardTrainer(s, optim) for s in shards])
+    import_adapter(master, workers, adapter_dir)
+    ref_optimizer = make_adamw([p for p in reference.parameters() if p.requires_grad], optim)
+    return Pair(reference, ref_optimizer, master, workers, adapter_dir, optim)
+
+
+def reference_step(pair: Pair, batches, lr: float) -> float:
+    """One optimizer step of plain peft: the loss summed over micro-batches, global-norm clip, AdamW."""
+    model = pair.reference
+    model.train()
+    total = 0.0
+    for batch in batches:
+        loss = model(**batch).loss / len(batches)
+        loss.backward()
+        total += float(loss.detach())
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, pair.optim.max_grad_norm)
+    for group in pair.ref_optimizer.param_groups:
+        group["lr"] = lr
+    pair.ref_optimizer.step()
+    pair.ref_optimizer.zero_grad()
+    return total
+
+
+def run_both(pair: Pair, steps: int = 5, vocab: int = 128) -> tuple[list[float], list[float]]:
+    """`steps` steps on both sides; (peft's losses, vela-ray's losses)."""
+    ref_losses, vela_losses = [], []
+    for step in range(steps):
+        batches = micro_batches(step, vocab)
+        lr = lr_at(pair.optim, step, steps)
+        torch.manual_seed(step)  # both sides draw the same numbers (PhiMoE's router samples in training)
+        ref_losses.append(reference_step(pair, batches, lr))
+        torch.manual_seed(step)
+        vela_losses.append(train_step(pair.master, pair.workers, batches, lr, pair.optim.max_grad_norm))
+    return ref_losses, vela_losses
+
+
+def reference_adapter_state(pair: Pair) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(pair.reference).items()}
+
+
+def reloaded_export(pair: Pair, make_model: Callable[[], nn.Module], out_dir) -> PeftModel:
+    """vela-ray's adapter exported to `out_dir` and loaded by plain peft into `make_model()`."""
+    export(pair.master, pair.workers, out_dir)
+    return PeftModel.from_pretrained(make_model(), out_dir)
+
+
+def held_out_loss(model: nn.Module, vocab: int = 128) -> torch.Tensor:
+    """The eval-mode loss of `model` on a batch no training step saw."""
+    batch = micro_batches(99, vocab)[0]
+    with torch.no_grad():
+        return model.eval()(**batch).loss
