@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,9 @@ def test_a_good_config_passes_preflight_and_counts_the_rows_the_master_trains_on
         config.training.eval_fraction, config.training.seed)
     assert checked.train_rows == len(train) == 190
     assert (checked.model.num_layers, checked.model.num_experts, checked.model.max_positions) == (2, 6, 128)
-    assert checked.config == config and checked.resume is None
+    assert checked.config.model_dump() == config.model_dump() and checked.resume is None
+    assert checked.config.family_check == checked.family == "mixtral: verified by the test suite (transformers " \
+        f"{version('transformers')}, peft {version('peft')})"
     assert list((tmp_path / "out").iterdir()) == []  # the write probe is gone
 
 
