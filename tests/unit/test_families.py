@@ -69,6 +69,9 @@ def test_debug_model_is_small_and_trains(family):
     config = debug_config(family)
     text = config.get_text_config()
     assert text.vocab_size == 128
+    # other vocabulary sizes too: inkling2's unpadded_vocab_size (200058 by default) sizes its lm_head, which a
+    # checkpoint stores padded to vocab_size (saving pads by vocab_size - unpadded_vocab_size rows)
+    assert all(v == 128 for k, v in text.to_dict().items() if k.endswith("vocab_size") and isinstance(v, int))
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ids = getattr(text, name, None)
         assert all(i < 128 for i in ([] if ids is None else ids if isinstance(ids, list) else [ids])), name

@@ -42,7 +42,7 @@ def _loadable_families() -> list:
 def test_backbone_plus_expert_reads_reproduce_the_saved_model(family, tmp_path):
     """The runtime's path: save_pretrained, then the master's backbone and the workers' expert reads,
     through transformers' own key conversion for the family (renamed routers, hub per-expert layouts,
-    Granite's fused input_linear, inkling2's interleaved w13)."""
+    Granite's fused input_linear, inkling2's interleaved w13 and padded lm_head, lara_mini's fused in_proj)."""
     torch.set_num_threads(1)
     model = debug_model(family, seed=3)
     model.save_pretrained(tmp_path)
@@ -85,6 +85,74 @@ def test_read_experts_slices_fused_expert_tensors(tmp_path):
     assert got[(1, 3)].keys() == want[(1, 3)].keys()
     for name in want[(1, 3)]:
         torch.testing.assert_close(got[(1, 3)][name], want[(1, 3)][name], rtol=0, atol=0)
+
+
+def _convert_checkpoints_of(monkeypatch, model, conversions: list) -> None:
+    """transformers converts checkpoints of `model`'s class with `conversions` (for this test only), as it
+    does a family's hub layout: vela-ray reads them through transformers' conversion mapping."""
+    from transformers import conversion_mapping
+
+    conversion_mapping.get_checkpoint_conversion_mapping("mixtral")  # builds the cache
+    monkeypatch.setitem(conversion_mapping._checkpoint_conversion_mapping_cache, type(model).__name__, conversions)
+
+
+def _save_with_tensors(model, path, state: dict[str, torch.Tensor]) -> None:
+    """`model`'s config and `state` (in place of its weights) as a checkpoint."""
+    model.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_a_fused_backbone_projection_is_split_by_transformers_own_conversion(tmp_path, monkeypatch):
+    """One checkpoint tensor, several model tensors (lara_mini's in_proj): transformers files it under the first
+    target only; the backbone gets all three, sized by the model (k and v are narrower than q)."""
+    from transformers.core_model_loading import Split, WeightConverter
+
+    model = debug_model("mixtral", seed=4)
+    state = dict(model.state_dict())
+    for layer in range(model.config.num_hidden_layers):
+        attn = f"model.layers.{layer}.self_attn"
+        qkv = [state.pop(f"{attn}.{proj}.weight") for proj in ("q_proj", "k_proj", "v_proj")]
+        state[f"{attn}.qkv_proj.weight"] = torch.cat(qkv)
+    _save_with_tensors(model, tmp_path, state)
+    _convert_checkpoints_of(monkeypatch, model, [WeightConverter(
+        "self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [Split(dim=0)])])
+    split = _split_model_from_checkpoint(tmp_path)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _olmoe_storing_gate_up_transposed(tmp_path, monkeypatch, dims: tuple[int, int]):
+    """An olmoe model and its checkpoint, whose experts' gate_up_proj [E, 2I, D] is stored transposed at `dims`
+    (as gate_up_t) and converted back by transformers' Transpose(*dims)."""
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    model = debug_model("olmoe", seed=5)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            name, tensor = name.replace("gate_up_proj", "gate_up_t"), tensor.transpose(*dims)
+        state[name] = tensor
+    _save_with_tensors(model, tmp_path, state)
+    _convert_checkpoints_of(monkeypatch, model, [
+        WeightConverter("mlp.experts.gate_up_t", "mlp.experts.gate_up_proj", [Transpose(*dims)])])
+    return model
+
+
+def test_a_conversion_within_each_expert_is_applied_one_expert_at_a_time(tmp_path, monkeypatch):
+    model = _olmoe_storing_gate_up_transposed(tmp_path, monkeypatch, (1, 2))  # stored [E, D, 2I]
+    got = read_experts(tmp_path, [(1, 3), (0, 5)])
+    want = expert_weights(find_moe_blocks(model), [(1, 3), (0, 5)])
+    for key in want:
+        torch.testing.assert_close(got[key]["gate_up_proj"], want[key]["gate_up_proj"], rtol=0, atol=0)
+
+
+def test_a_conversion_across_experts_is_refused_by_name(tmp_path, monkeypatch):
+    """Stored [2I, E, D]: transformers transposes the whole tensor; one expert's rows cannot be read alone."""
+    _olmoe_storing_gate_up_transposed(tmp_path, monkeypatch, (0, 1))
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.gate_up_proj is stored as .*gate_up_t.* "
+                                         r"\['Transpose'\], which vela-ray does not apply one expert at a time"):
+        read_experts(tmp_path, [(0, 1)])
 
 
 def test_out_of_range_layer_is_refused(tmp_path):

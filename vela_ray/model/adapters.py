@@ -46,10 +46,11 @@ def linear_targets(model: nn.Module) -> str:
 
     Exact paths (layer numbers as \\d+), and without the leaf names that peft's
     transformers-v4 compatibility layer rewrites into *expert* targets for some
-    families (`gate_proj`/`up_proj`/`down_proj` in Qwen2-MoE and DeepSeek, whose
+    families (`gate_proj`/`up_proj`/`down_proj` in DeepSeek, Qwen3-Next and others, whose
     shared experts and dense MLPs use those names): with them, peft would adapt the
     experts' gate_up_proj with a doubled rank and drop the shared experts, and an
-    exported adapter would not load. Those layers stay frozen (logged), as do
+    exported adapter would not load; or that it refuses to rewrite alone (Beam's
+    attention `gate_proj` when no `up_proj` exists). Those layers stay frozen (logged), as do
     layers whose saved keys peft renames on load, `nn.Linear` subclasses, and
     modules peft refuses for the architecture (Mamba mixers).
     """
@@ -61,8 +62,8 @@ def linear_targets(model: nn.Module) -> str:
     ]
     rewritten = _leaf_names_peft_rewrites(model, {p.rsplit(".", 1)[-1] for p in paths})
     if rewritten:
-        logger.warning("%s: not adapting %s layers (peft maps these names onto experts for this family)",
-                       type(model).__name__, sorted(rewritten))
+        logger.warning("%s: not adapting %s layers (peft maps these names onto experts for this family, or refuses "
+                       "them as half of a fused expert matrix)", type(model).__name__, sorted(rewritten))
     paths = [p for p in paths if p.rsplit(".", 1)[-1] not in rewritten]
     renamed = _paths_peft_renames_on_load(model, paths)
     if renamed:
@@ -101,14 +102,24 @@ def _peft_accepts(model: nn.Module, leaf_name: str) -> bool:
 
 
 def _leaf_names_peft_rewrites(model: nn.Module, leaf_names: set[str]) -> set[str]:
-    """Which of `leaf_names` peft's v4->v5 conversion would turn into expert targets for `model`."""
+    """Which of `leaf_names` peft's v4->v5 conversion would turn into expert targets for `model`, asked one name
+    at a time: a name it rewrites, or one it refuses because, alone, it is half of a fused expert matrix (Beam's
+    attention `gate_proj` when every layer is MoE, so that no `up_proj` exists: "Cannot convert PEFT target(s)
+    gate_proj without also targeting up_proj"). Either way the name cannot be an ordinary linear target."""
     try:
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # older peft: no conversion layer
         return set()
-    probe = LoraConfig(r=1, target_modules=sorted(leaf_names))
-    convert_peft_config_for_transformers(probe, model=model, conversions=None)
-    return leaf_names - set(probe.target_modules or ())
+
+    def rewrites(leaf_name: str) -> bool:
+        probe = LoraConfig(r=1, target_modules=[leaf_name])
+        try:
+            convert_peft_config_for_transformers(probe, model=model, conversions=None)
+        except ValueError:
+            return True
+        return leaf_name not in (probe.target_modules or ())
+
+    return {name for name in leaf_names if rewrites(name)}
 
 
 def full_lora_config(model: nn.Module, lora: LoraSpec) -> LoraConfig:

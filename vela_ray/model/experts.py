@@ -25,6 +25,16 @@ A_e [r, in] and B_e [out, r] map one to one onto peft's fused factors (see
 `vela_ray.model.adapters`). Per-expert factors live in an `ExpertAdapter`, so the
 optimizer state and checkpoints stay keyed by logical expert.
 
+Dtypes, as peft's (`get_peft_model(..., autocast_adapter_dtype=True)`, its default): the factors,
+their gradients and AdamW moments are fp32 on a bf16/fp16 base (`adapter_dtype`), or an AdamW step
+of ~1e-3 relative (lr 3e-5) would fall below bf16's rounding step and vanish. Each use casts them to
+the frozen weights' dtype and computes there, as peft's `ParamWrapper` does for a single adapter
+(`get_delta_factors` casts lhs and rhs, `_LoraFactorsProxy` folds with one `baddbmm` in W's dtype):
+the fold exactly so, the low-rank path with the same casts (so its grouped multiplies keep one dtype
+and bf16's kernel, and save no fp32 copy of the rows). Gradients reach the fp32 factors through the
+casts. In bf16 the fold's updates equal peft's to 2e-6; the low-rank path's differ from peft's by less
+than peft's own differ from exact arithmetic (tests/unit/test_bf16_expert_adapters.py).
+
 The routing weights are applied by the broker on the master, not here: the
 family's forward is called with weight 1 per row, so the shard returns unweighted
 expert outputs and gradients flow to the router there.
@@ -97,12 +107,21 @@ def lora_in_out(experts: nn.Module, stack: str) -> tuple[int, int]:
     return (a, b) if getattr(experts, "is_transposed", False) else (b, a)
 
 
+def adapter_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype LoRA factors of frozen `weight_dtype` weights train in: fp32 for floats narrower than 32
+    bits (bf16, fp16, fp8), else the weights' own. peft's rule (`tuners_utils.cast_adapter_dtype`): the
+    backbone's adapters on the master follow it too, so every adapter of a model steps alike."""
+    narrow = weight_dtype.is_floating_point and torch.finfo(weight_dtype).bits < 32
+    return torch.float32 if narrow else weight_dtype
+
+
 class ExpertAdapter(nn.Module):
     """One expert's LoRA factors: `lora_A_<slot>` [r, in] and `lora_B_<slot>` [out, r] per weight stack."""
 
     def __init__(self, in_out: dict[str, tuple[int, int]], lora: LoraSpec, dtype: torch.dtype,
                  generator: torch.Generator | None = None):
-        """`generator` draws the A inits; None draws from torch's global RNG, as nn.Linear does."""
+        """`dtype`: the factors' own (`adapter_dtype` of the frozen weights'). `generator` draws the A inits;
+        None draws from torch's global RNG, as nn.Linear does."""
         super().__init__()
         for slot, (fan_in, fan_out) in in_out.items():
             setattr(self, f"lora_A_{slot}", nn.Parameter(torch.empty(lora.r, fan_in, dtype=dtype)))
@@ -237,7 +256,8 @@ class LayerExperts(nn.Module):
         first = next(iter(weights.values()))[self.stacks[0]] if weights else torch.empty(0)
         self.adapters = nn.ModuleDict({
             str(e): adapters[e] if adapters is not None
-            else ExpertAdapter(in_out, lora, first.dtype, None if seed is None else expert_generator(seed, layer, e))
+            else ExpertAdapter(in_out, lora, adapter_dtype(first.dtype),
+                               None if seed is None else expert_generator(seed, layer, e))
             for e in self.expert_ids
         })
         local_of = torch.full((_num_experts(prototype),), -1, dtype=torch.long, device=first.device)
@@ -277,23 +297,24 @@ class LayerExperts(nn.Module):
     def _grouped_linear(self, stack: str, x_RI: torch.Tensor, local_R: torch.Tensor,
                         offs: torch.Tensor) -> torch.Tensor:
         """Each row's projection by its expert's `stack`, with bias and LoRA: peft's W + s B A, applied
-        low-rank. Rows are sorted by local expert (`local_R`); `offs` ends each expert's rows."""
+        low-rank in the weights' dtype (see the module docstring). Rows are sorted by local expert
+        (`local_R`); `offs` ends each expert's rows."""
         weight = getattr(self.module, stack)
         y_RO = grouped_mm(x_RI, weight if self.transposed else weight.transpose(-2, -1), offs)
         if getattr(self.module, "has_bias", False):
             y_RO = y_RO + getattr(self.module, f"{stack}_bias")[local_R]
-        A_nrI, B_nOr = self._factors(slot_name(stack))
+        A_nrI, B_nOr = self._factors(slot_name(stack), weight.dtype)
         low_RO = grouped_mm(grouped_mm(x_RI, A_nrI.transpose(-2, -1), offs), B_nOr.transpose(-2, -1), offs)
         return y_RO + self.scaling * low_RO
 
-    def _factors(self, slot: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The local experts' LoRA factors of `slot`, stacked: A [n, r, in], B [n, out, r]. Stacked anew
-        each call, so gradients reach each expert's own parameters (optimizer state and checkpoints
-        are keyed by logical expert)."""
+    def _factors(self, slot: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local experts' LoRA factors of `slot`, stacked and cast to `dtype` (the frozen weights', as
+        peft casts them): A [n, r, in], B [n, out, r]. Stacked anew each call, so gradients reach each
+        expert's own parameters (optimizer state and checkpoints are keyed by logical expert)."""
         adapters = [self.adapters[str(e)] for e in self.expert_ids]
         device = self.local_of.device  # the frozen weights': shared adapters may live elsewhere (no-op if not)
-        return (torch.stack([getattr(a, f"lora_A_{slot}") for a in adapters]).to(device),
-                torch.stack([getattr(a, f"lora_B_{slot}") for a in adapters]).to(device))
+        return (torch.stack([getattr(a, f"lora_A_{slot}") for a in adapters]).to(device, dtype),
+                torch.stack([getattr(a, f"lora_B_{slot}") for a in adapters]).to(device, dtype))
 
     def _grouped(self, adapted: dict, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
         """A "grouped" call: every local expert gets the same number of rows, zero-padded. A zero row gives
@@ -309,11 +330,11 @@ class LayerExperts(nn.Module):
         return functional_call(self.module, adapted, (packed,)).index_select(0, flat_R)
 
     def _adapted(self, stack: str) -> torch.Tensor:
-        """peft's fold of the LoRA update into the stack (see the module docstring)."""
-        A_ErI, B_EOr = self._factors(slot_name(stack))
-        lhs, rhs = (A_ErI.transpose(-2, -1), B_EOr.transpose(-2, -1)) if self.transposed else (B_EOr, A_ErI)
+        """peft's fold of the LoRA update into the stack, in the stack's dtype (see the module docstring)."""
         weight = getattr(self.module, stack)
-        return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=self.scaling)
+        A_ErI, B_EOr = self._factors(slot_name(stack), weight.dtype)
+        lhs, rhs = (A_ErI.transpose(-2, -1), B_EOr.transpose(-2, -1)) if self.transposed else (B_EOr, A_ErI)
+        return torch.baddbmm(weight, lhs, rhs, alpha=self.scaling)
 
 
 class ExpertShard(nn.Module):

@@ -237,6 +237,10 @@ def _shrink_kwargs(config: PretrainedConfig, *, top_level: bool, parent_hidden: 
             kwargs[name] = _FIXED_INT[name]
         elif name in _SHARED_COUNTS and (value is None or isinstance(value, int)):
             kwargs[name] = 1 if value is None else min(value, 1)
+        elif name.endswith("vocab_size") and isinstance(value, int):
+            # variants of the vocabulary size (inkling2's unpadded_vocab_size sizes its lm_head and must not
+            # exceed vocab_size, which the checkpoint pads the lm_head to)
+            kwargs[name] = VOCAB
         elif name in ("depth",) and isinstance(value, int):
             kwargs[name] = _SUB_CONFIG_LAYERS
 
@@ -590,7 +594,12 @@ def _init_expert_params(model: torch.nn.Module) -> None:
 
 def debug_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A seeded random fp32 causal-LM of `family` at debug size."""
-    config = debug_config(family, **overrides)
+    return seeded_model(debug_config(family, **overrides), seed)
+
+
+def seeded_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    """A seeded random fp32 causal-LM of `config` (a debug-size one: `debug_config`, `debug_config_like`),
+    its experts at real scale; the same weights for the same (config, seed)."""
     torch.manual_seed(seed)
     model = build_model(config)
     with torch.no_grad():

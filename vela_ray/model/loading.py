@@ -11,14 +11,19 @@ mapping for the family (`transformers.conversion_mapping`: the renames and merge
 `from_pretrained` applies), so the hub layouts load as transformers loads them:
 per-expert `experts.{e}.w1/w3/w2` or `gate_proj/up_proj/down_proj` tensors are
 assembled into one expert's `gate_up_proj` / `down_proj` rows, fused tensors under
-other names (Granite's `input_linear`) are sliced, and renamed routers load. A
-conversion vela-ray cannot apply one expert at a time is refused by name. Layer
-indices here are MoE layer indices (see `vela_ray.model.modeling`).
+other names (Granite's `input_linear`) are sliced, and renamed routers load. Every
+other conversion runs transformers' own `WeightConverter` on the gathered tensors:
+the whole tensors for the backbone (lara_mini's fused `in_proj` split into four,
+inkling2's padded `lm_head`), one expert's rows of each fused source for experts
+(inkling2's interleaved `w13`). A conversion that does not act within each expert
+is refused by name. Layer indices here are MoE layer indices (see
+`vela_ray.model.modeling`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.core_model_loading import WeightConverter
 
 from vela_ray.model.experts import ExpertParams, ExpertWeights
 from vela_ray.model.modeling import find_moe_blocks
@@ -52,13 +58,20 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
 
 @dataclass(frozen=True)
 class _Source:
-    """Where a model tensor comes from: checkpoint tensors (in order) and how they combine."""
+    """Where a model tensor comes from: checkpoint tensors (in order) and the converter that combines them."""
 
     names: tuple[str, ...]
     files: tuple[Path, ...]
-    ops: tuple[str, ...]  # transformers' conversion operations, e.g. ("MergeModulelist", "Concatenate")
-    concat_dim: int | None  # the Concatenate's dim in the merged tensor
-    interleave: object | None = None  # an Interleave op over the fused tensor (dim >= 1), applied per expert
+    patterns: tuple[str | None, ...]  # the converter's source pattern each name matched (None: no converter)
+    converter: WeightConverter | None  # transformers' conversion for the family; None: stored whole, maybe renamed
+    # the model tensor transformers gathers the names under: a one-to-many converter's (Split) first target,
+    # whose conversion also yields the others
+    first_target: str
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The converter's operations by name, e.g. ("MergeModulelist", "Concatenate")."""
+        return tuple(type(op).__name__ for op in self.converter.operations) if self.converter else ()
 
 
 @dataclass(frozen=True)
@@ -66,14 +79,16 @@ class _Checkpoint:
     decoder_layers: tuple[int, ...]  # decoder layer of each MoE layer
     prototypes: dict  # {MoE layer: experts module on meta}
     experts_paths: tuple[str, ...]  # model path of each MoE layer's experts
-    sources: dict  # {model tensor name: _Source}
+    sources: dict  # {model tensor name: _Source}; every target of a one-to-many converter shares its _Source
+    skeleton: torch.nn.Module  # the model on the meta device: what conversions read shapes and dtypes from
+    shapes: dict  # {model tensor name: torch.Size}
 
 
 @lru_cache(maxsize=8)
 def _checkpoint(model_dir: str) -> _Checkpoint:
     """The model's MoE structure (a meta-device skeleton) and where each of its tensors is in the checkpoint."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import WeightRenaming, dot_natural_key, rename_source_key
 
     index = checkpoint_index(model_dir)  # no weights: say so before anything else
     config = AutoConfig.from_pretrained(model_dir)
@@ -99,13 +114,21 @@ def _checkpoint(model_dir: str) -> _Checkpoint:
     for target, parts in grouped.items():
         parts.sort(key=lambda p: (p[1], p[0]))  # by expert, then the converter's source order
         converter = converters[parts[0][4]] if parts[0][4] else None
-        ops = tuple(type(op).__name__ for op in converter.operations) if converter else ()
-        concat = next((op.dim for op in converter.operations if type(op).__name__ == "Concatenate"), None) \
-            if converter else None
-        interleave = converter.operations[0] if ops == ("Interleave",) else None
-        sources[target] = _Source(tuple(p[2] for p in parts), tuple(p[3] for p in parts), ops, concat, interleave)
+        source = _Source(tuple(p[2] for p in parts), tuple(p[3] for p in parts), tuple(p[4] for p in parts),
+                         converter, target)
+        for name in _targets_of(target, converter):
+            sources[name] = source
     return _Checkpoint(tuple(b.decoder_layer for b in blocks), {b.index: b.block.experts for b in blocks},
-                       tuple(b.experts_path for b in blocks), sources)
+                       tuple(b.experts_path for b in blocks), sources, skeleton,
+                       {name: t.shape for name, t in meta_state.items()})
+
+
+def _targets_of(first_target: str, converter: WeightConverter | None) -> list[str]:
+    """Every model tensor a conversion gathered under `first_target` yields. transformers renames a source key
+    to a one-to-many converter's first target only (e.g. lara_mini's in_proj -> in_proj_qkv) and names the others
+    by swapping in their target patterns, as here."""
+    patterns = converter.target_patterns if converter else []
+    return [first_target] + [first_target.replace(patterns[0], other) for other in patterns[1:]]
 
 
 def _expert_of(name: str) -> int:
@@ -161,13 +184,34 @@ def _read_expert_tensor(files, ckpt: _Checkpoint, target: str, expert: int, mode
         if not mine:
             raise ValueError(f"{model_dir}: no checkpoint tensors for expert {expert} of {target}")
         parts = [files.get(f).get_tensor(n) for n, f in mine]
-        return torch.cat(parts, dim=(source.concat_dim or 1) - 1) if len(parts) > 1 else parts[0]
-    if source.interleave is not None and source.interleave.dim >= 1:  # reorders rows within each expert
-        per_expert = type(source.interleave)(source.interleave.dim - 1, inverse=source.interleave.inverse)
-        rows = files.get(source.files[0]).get_slice(source.names[0])[expert]
-        return per_expert.convert({"x": rows}, ["x"], ["y"])["y"]
-    raise ValueError(f"{model_dir}: {target} is stored as {list(source.names[:2])} and transformers converts it with "
-                     f"{list(source.ops)}, which vela-ray does not apply one expert at a time")
+        concat_dim = next((op.dim for op in source.converter.operations if type(op).__name__ == "Concatenate"), 1)
+        return torch.cat(parts, dim=concat_dim - 1) if len(parts) > 1 else parts[0]
+    return _convert_one_expert(files, ckpt, source, target, expert, model_dir)
+
+
+def _convert_one_expert(files, ckpt: _Checkpoint, source: _Source, target: str, expert: int,
+                        model_dir) -> torch.Tensor:
+    """One expert's rows of `target`, by transformers' own converter run on that expert's part of each source
+    (rows `expert:expert+1` of a fused [E, ...] tensor, or the expert's own tensor), so only its rows are read.
+
+    This is what transformers computes wherever the operations act within each expert (Interleave, Concatenate,
+    Split or Transpose past dim 0, dequantizing); one that mixes experts (along dim 0) fails on a single
+    expert or changes its shape, and is refused by name."""
+    converter = copy.deepcopy(source.converter)  # it collects tensors: never fill the cached one
+    for name, path, pattern in zip(source.names, source.files, source.patterns):
+        if _expert_of(name) < 0:
+            converter.add_tensor(source.first_target, name, pattern, files.get(path).get_slice(name)[expert:expert + 1])
+        elif _expert_of(name) == expert:
+            converter.add_tensor(source.first_target, name, pattern, files.get(path).get_tensor(name))
+    refusal = (f"{model_dir}: {target} is stored as {list(source.names[:2])} and transformers converts it with "
+               f"{list(source.ops)}, which vela-ray does not apply one expert at a time")
+    try:
+        rows = converter.convert(source.first_target, model=ckpt.skeleton, config=ckpt.skeleton.config).get(target)
+    except Exception as err:  # noqa: BLE001 - any op that cannot run on one expert's rows
+        raise ValueError(f"{refusal} ({type(err).__name__}: {err})") from err
+    if rows is None or rows.shape != (1, *ckpt.shapes[target][1:]):
+        raise ValueError(f"{refusal} (one expert came out {None if rows is None else list(rows.shape)})")
+    return rows[0]
 
 
 class _OpenFiles(contextlib.ExitStack):
@@ -217,7 +261,7 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None) -> to
         dtype = getattr(torch, dtype)
     with _experts_on_meta(config):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = _read_backbone_tensors(model_dir, dtype)
+    state = _read_backbone_tensors(model_dir, model, dtype)
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"{model_dir}: checkpoint tensors unknown to {type(model).__name__}: "
@@ -231,24 +275,31 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None) -> to
     return model.eval()
 
 
-def _read_backbone_tensors(model_dir, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every model tensor outside the experts, under the model's names (see the module docstring)."""
+def _read_backbone_tensors(model_dir, model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every model tensor outside the experts of `model` (the backbone being loaded), under the model's names
+    (see the module docstring)."""
     ckpt = _checkpoint(str(model_dir))
     experts = tuple(f"{path}." for path in ckpt.experts_paths)
     state = {}
     with _OpenFiles() as files:
         for target, source in ckpt.sources.items():
-            if target.startswith(experts):
+            if target.startswith(experts) or target != source.first_target:  # a Split's others come with the first
                 continue
-            parts = [files.get(f).get_tensor(n) for n, f in zip(source.names, source.files)]
-            if not source.ops:
-                state[target] = parts[0].to(dtype)
-            elif source.ops == ("Concatenate",):
-                state[target] = torch.cat(parts, dim=source.concat_dim).to(dtype)
+            if source.converter is None:
+                state[target] = files.get(source.files[0]).get_tensor(source.names[0]).to(dtype)
             else:
-                raise ValueError(f"{model_dir}: {target} is stored as {list(source.names[:2])} and transformers "
-                                 f"converts it with {list(source.ops)}, which vela-ray does not apply")
+                state.update({name: t.to(dtype) for name, t in _convert_whole(files, source, model).items()})
     return state
+
+
+def _convert_whole(files, source: _Source, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{model tensor name: tensor} that transformers' converter makes of `source`'s checkpoint tensors, run as
+    `convert_and_load_state_dict_in_model` runs it: the tensors gathered under their source patterns in key
+    order, then every operation with the model and its config at hand (Split reads its targets' sizes there)."""
+    converter = copy.deepcopy(source.converter)  # it collects tensors: never fill the cached one
+    for name, path, pattern in zip(source.names, source.files, source.patterns):
+        converter.add_tensor(source.first_target, name, pattern, files.get(path).get_tensor(name))
+    return converter.convert(source.first_target, model=model, config=model.config)
 
 
 def _tied(model, key: str) -> bool:

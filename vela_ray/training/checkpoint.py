@@ -8,6 +8,7 @@ Layout of one checkpoint (`<root>/step-000120/`):
                                ".exp_avg_sq", ".step") and the torch RNG state ("rng.torch")
     experts/part-<n>.safetensors   written by ExpertManager n, tensors named by *logical* expert:
                                "l{layer}.e{expert}.{lora_A_gate_up|...}" and ".exp_avg"/".exp_avg_sq"
+                               (fp32 in a bf16 model, as they train; older bf16 parts load upcast)
 
 Atomicity: everything goes into `<root>/.step-000120.tmp-<uuid>/`, files are
 fsynced, the manifest (with checksums) is written and fsynced last, then the

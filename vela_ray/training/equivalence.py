@@ -14,14 +14,15 @@ family is trained only where vela-ray's numbers are shown equal to peft's.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import load_file
 from torch import nn
 
-from vela_ray.model.adapters import full_lora_config
+from vela_ray.model.adapters import ADAPTER_FILE, full_lora_config
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.model.transport import InProcessTransport
@@ -52,10 +53,11 @@ def micro_batches(step: int, vocab: int = 128, count: int = 2, batch: int = 2, s
 class Pair:
     reference: nn.Module  # the peft model
     ref_optimizer: torch.optim.Optimizer
-    master: MasterModel
-    workers: ExpertWorkers
-    adapter_dir: str
-    optim: OptimizerConfig
+    master: MasterModel | None  # None: a peft-only pair (a reference run in another precision)
+    workers: ExpertWorkers | None
+    adapter_dir: str  # the adapter both sides start from (peft's save_pretrained before any step)
+    optim: OptimizerConfig = OPTIM  # both sides' AdamW, schedule and clipping
+    trainers: list[ShardTrainer] = field(default_factory=list)  # the in-process workers build_pair made
 
 
 def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | None = None,
@@ -82,10 +84,11 @@ def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | N
     ]
     transport = (make_transport or InProcessTransport)(shards)
     master = build_master(model, table, transport, LORA, optim)
-    workers = ExpertWorkers.in_process([ShardTrainer(s, optim) for s in shards])
+    trainers = [ShardTrainer(s, optim) for s in shards]
+    workers = ExpertWorkers.in_process(trainers)
     import_adapter(master, workers, adapter_dir)
     ref_optimizer = make_adamw([p for p in reference.parameters() if p.requires_grad], optim)
-    return Pair(reference, ref_optimizer, master, workers, adapter_dir, optim)
+    return Pair(reference, ref_optimizer, master, workers, adapter_dir, optim, trainers)
 
 
 def reference_step(pair: Pair, batches, lr: float) -> float:
@@ -98,7 +101,8 @@ def reference_step(pair: Pair, batches, lr: float) -> float:
         loss.backward()
         total += float(loss.detach())
     params = [p for p in model.parameters() if p.requires_grad]
-    torch.nn.utils.clip_grad_norm_(params, pair.optim.max_grad_norm)
+    if pair.optim.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, pair.optim.max_grad_norm)
     for group in pair.ref_optimizer.param_groups:
         group["lr"] = lr
     pair.ref_optimizer.step()
@@ -119,8 +123,29 @@ def run_both(pair: Pair, steps: int = 5, vocab: int = 128) -> tuple[list[float],
     return ref_losses, vela_losses
 
 
+def run_reference(pair: Pair, steps: int, vocab: int = 128) -> list[float]:
+    """The peft side of `run_both` alone: the same micro-batches, learning rates and seeds."""
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        losses.append(reference_step(pair, micro_batches(step, vocab), lr_at(pair.optim, step, steps)))
+    return losses
+
+
 def reference_adapter_state(pair: Pair) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(pair.reference).items()}
+
+
+def start_adapter(pair: Pair) -> dict[str, torch.Tensor]:
+    """The adapter both sides started from, by peft key."""
+    return load_file(f"{pair.adapter_dir}/{ADAPTER_FILE}")
+
+
+def exported_adapter(pair: Pair) -> dict[str, torch.Tensor]:
+    """vela-ray's adapter now, exported as peft's (`vela_ray.training.step.export`), by peft key."""
+    out = tempfile.mkdtemp(prefix="vela-eq-export-")
+    export(pair.master, pair.workers, out)
+    return load_file(f"{out}/{ADAPTER_FILE}")
 
 
 def reloaded_export(pair: Pair, make_model: Callable[[], nn.Module], out_dir) -> PeftModel:

@@ -92,7 +92,9 @@ class ExpertManagerSpec(BaseModel):
     lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA rank and alpha of the expert adapters")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW of the expert adapters")
     seed: int = Field(0, description="LoRA init seed, combined with each (layer, expert)")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="None keeps the stored dtype")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the frozen experts' dtype, None keeps the stored one; LoRA factors and their AdamW "
+                          "state are fp32 under bf16/fp16, as peft keeps them (`experts.adapter_dtype`)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the experts run")
     tiers: ExpertTiersConfig = Field(default_factory=ExpertTiersConfig, description="APTMoE's CPU/device tiers: "
                                      "experts in host memory, `device` only the tier of a bounded cache")

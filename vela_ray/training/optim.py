@@ -127,14 +127,18 @@ class ShardTrainer:
         return out
 
     def load_optimizer_state(self, state: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
-        """Inverse of `optimizer_state` for the experts this shard hosts (missing experts: fresh state)."""
+        """Inverse of `optimizer_state` for the experts this shard hosts (missing experts: fresh state).
+
+        The moments take the parameter's dtype: a checkpoint written while expert factors of a bf16
+        model were bf16 (before they became fp32, `experts.adapter_dtype`) resumes with fp32 moments."""
         for key in self.shard.keys:
             for name, param in self.shard.expert(*key).named_parameters():
                 slots = {n.split(".", 1)[1]: v for n, v in state.get(key, {}).items() if n.split(".", 1)[0] == name}
                 if slots:
                     # AdamW keeps `step` on the CPU unless capturable; the moments live with the parameter
-                    self.optimizer.state[param] = {k: v.clone() if k == "step" else v.to(param.device).clone()
-                                                   for k, v in slots.items()}
+                    self.optimizer.state[param] = {
+                        k: v.clone() if k == "step" else v.to(param.device, param.dtype, copy=True)
+                        for k, v in slots.items()}
 
 
 # --- zeroth-order (ZO-SGD): what every owner of LoRA tensors applies to its own -----------------------

@@ -23,9 +23,10 @@ Backward keeps the forward's tiers (the routing is known, §III-C 5): the plan u
 experts, then those of the layer whose backward comes next; autograd runs both tiers.
 
 LoRA factors, gradients and AdamW stay in host memory (the shard and its `ShardTrainer` are on the
-CPU): device experts read factors copied in each call, and gradients flow back through the copy, so
-one optimizer over host tensors steps every expert wherever it computed, and results equal an
-untiered worker's (a test checks forward, input and LoRA gradients to 1e-6 in fp32).
+CPU; fp32 in a bf16 model, `experts.adapter_dtype`): device experts read factors copied, and cast to
+the weights' dtype, in each call, and gradients flow back through the copy, so one optimizer over host
+tensors steps every expert wherever it computed, and results equal an untiered worker's (tests check
+forward, input and LoRA gradients to 1e-6 in fp32, bit for bit in bf16).
 
 Left out (see the task's report): the paper's pipeline-stage loading of attention and gate blocks (the
 master holds them here), re-ordering copies already queued on the GPU, and offloading activations.

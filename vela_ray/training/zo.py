@@ -11,7 +11,8 @@ z is never sent. Whoever owns a tensor draws its z from (step seed, the tensor's
 (`optim.zo_noise`): the master its backbone LoRA (peft parameter names, as in the full peft
 model), each ExpertManager its experts' LoRA (logical names "l{layer}.e{expert}.{factor}", as in
 checkpoints). So any placement, worker count or device adds the same numbers, and all that
-travels per pass is a few (step seed, coefficient) pairs (`ExpertWorkers.zo_apply`).
+travels per pass is a few (step seed, coefficient) pairs (`ExpertWorkers.zo_apply`). Both kinds of
+tensor are fp32 in a bf16 model (peft's rule, `experts.adapter_dtype`), so ±εz is not lost to rounding.
 
 Fused update (§5.3): after the minus pass the parameters are θ−εz. Restoring them (+εz) and
 stepping (−lr·g·z) would cost two more passes over every tensor; `ZoTrainer` keeps both pending
