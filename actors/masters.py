@@ -64,7 +64,7 @@ class MasterReplica:
         self.replicas = ProcessGroupReplicas(make_group(store, self.rank, self.num_masters, GROUP_TIMEOUT_S, address))
         cfg = self.config
         torch.manual_seed(cfg.training.seed)
-        model = load_backbone(cfg.model.path, cfg.torch_dtype)
+        model = load_backbone(cfg.model.path, cfg.torch_dtype, cfg.model.trust_remote_code)
         self.master = build_master(model, master_table(table, self.rank), self._transport(handles, worker_nodes),
                                    cfg.lora_spec, cfg.training.optimizer, master=self.rank,
                                    num_masters=self.num_masters, row_format=cfg.cluster.row_format)

@@ -38,6 +38,9 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     path: Path = Field(description="Hugging Face checkpoint directory (config.json + safetensors)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype of backbone and experts")
+    trust_remote_code: bool = Field(
+        False, description="run the model's own code (config.json's auto_map) in every process that reads it; "
+                           "preflight then checks its math against peft on a debug-size copy")
 
 
 class LoraSection(_Section):
@@ -361,6 +364,13 @@ class JobConfig(_Section):
             if value == "bfloat16" and self.model.dtype == "bfloat16":
                 raise ValueError(f"{field}: bfloat16 with model.dtype: bfloat16 saves nothing (the tensors are "
                                  "bf16 already): use exact, or float8 for fewer bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _remote_code_where_it_runs(self) -> "JobConfig":
+        if self.model.trust_remote_code and self.mode != "vela":
+            raise ValueError("model.trust_remote_code is for mode: vela; the expert-parallel baseline reads "
+                             "transformers' own families only: turn it off")
         return self
 
     @model_validator(mode="after")

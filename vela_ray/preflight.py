@@ -87,9 +87,13 @@ def check_model(config: JobConfig) -> ModelFacts:
         raise ValueError(f"model.path {model_dir}: no config.json; point it at a save_pretrained directory")
     check_weights(model_dir)
     try:
-        num_layers, num_experts = moe_layout(model_dir)
+        num_layers, num_experts = moe_layout(model_dir, config.model.trust_remote_code)
         text_config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
-    except (ValueError, OSError, KeyError) as err:
+    except (ValueError, OSError, KeyError, ImportError) as err:
+        if "trust_remote_code" in str(err) and not config.model.trust_remote_code:
+            raise ValueError(f"model.path {model_dir}: the model comes with its own code (config.json's auto_map); "
+                             "set model.trust_remote_code: true to run it (preflight then checks its math against "
+                             "peft)") from None
         raise ValueError(f"model.path {model_dir}: {first_line(err)}") from None
     return ModelFacts(model_type=text_config.model_type, num_layers=num_layers, num_experts=num_experts,
                       max_positions=getattr(text_config, "max_position_embeddings", None))

@@ -91,3 +91,23 @@ def test_a_family_outside_the_tested_set_is_verified_at_preflight_and_trains(ray
                                rtol=1e-5, atol=0)
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["family_check"] == summary.family_check
     assert f"family {summary.family_check}" in summary_text(tmp_path / "out")
+
+
+def test_a_model_with_its_own_code_trains_through_ray_equal_to_peft(ray_session, tmp_path):
+    """`model.trust_remote_code`: the master and each ExpertManager run the model's own code (registered in
+    every process that reads the checkpoint), after preflight checked a debug-size copy against peft."""
+    from tests.unit.test_family_checks import remote_code_checkpoint
+
+    from vela_ray.model.loading import register_model_code
+
+    model_dir = remote_code_checkpoint(tmp_path / "model")
+    register_model_code(str(model_dir.resolve()))  # this process builds the peft reference from it too
+    job = job_dict(model_dir, tmp_path / "out", steps=2, model={"trust_remote_code": True},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
+                   cluster={"transport": "object_ref"})
+    config = JobConfig.from_dict(job)
+    summary = VelaJob(config).run()
+    assert summary.family_check.startswith("mixtral_remote: verified by the preflight")
+    assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["pids"])) == 3  # real actors
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(reference_losses(config)[0]),
+                               rtol=1e-5, atol=0)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-import ray
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from tests.fixtures import KNOWN_FAILURES, REFUSED, job_dict
+from tests.fixtures import KNOWN_FAILURES, REFUSED, job_dict, write_job
 from vela_ray.api import VelaJob
 from vela_ray.config import JobConfig
 from vela_ray.model.families import mixtral_debug, seeded_model
@@ -146,11 +148,9 @@ def _user_checkpoint(model_class, config_class, out: Path) -> Path:
 def test_a_job_on_a_family_whose_math_differs_is_refused_before_ray_starts(tmp_path):
     model_dir = _user_checkpoint(RowCoupledMixtral, RowCoupledMixtralConfig, tmp_path / "model")
     config = JobConfig.from_dict(job_dict(model_dir, tmp_path / "out"))
-    assert not ray.is_initialized()
     with pytest.raises(ValueError, match=rf"^model.path {re.escape(str(model_dir))}: family mixtral_row_coupled: "
                                          r"vela-ray's math differs from peft's"):
-        VelaJob(config)
-    assert not ray.is_initialized()
+        VelaJob(config)  # preflight, in the constructor: Ray starts only in run()
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
@@ -171,3 +171,61 @@ def test_vela_families_says_how_each_family_is_verified(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     for family in verified_families().trained:
         assert any(line.split()[0] == family and "verified by the test suite" in line for line in lines), family
+
+
+# --- a model that comes with its own code (config.json's auto_map) -----------------------------------------
+
+REMOTE_CONFIG = '''from transformers import MixtralConfig
+
+
+class RemoteMixtralConfig(MixtralConfig):
+    model_type = "mixtral_remote"
+'''
+REMOTE_MODELING = '''from transformers import MixtralForCausalLM
+
+from .configuration_mixtral_remote import RemoteMixtralConfig
+
+
+class RemoteMixtralForCausalLM(MixtralForCausalLM):
+    config_class = RemoteMixtralConfig
+'''
+
+
+def remote_code_checkpoint(out: Path) -> Path:
+    """A debug Mixtral saved with its own configuration and modeling files, as hub models with custom code
+    are: config.json names them in auto_map, and only `trust_remote_code` runs them."""
+    from tests.fixtures import make_checkpoint
+
+    make_checkpoint(out, "mixtral")
+    # its own code has no transformers conversion mapping: its weights are stored under the model's own names
+    state = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "configuration_mixtral_remote.py").write_text(REMOTE_CONFIG)
+    (out / "modeling_mixtral_remote.py").write_text(REMOTE_MODELING)
+    config = json.loads((out / "config.json").read_text())
+    config.update(model_type="mixtral_remote", architectures=["RemoteMixtralForCausalLM"], auto_map={
+        "AutoConfig": "configuration_mixtral_remote.RemoteMixtralConfig",
+        "AutoModelForCausalLM": "modeling_mixtral_remote.RemoteMixtralForCausalLM"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_model_with_its_own_code_needs_trust_remote_code_said_in_one_line(tmp_path):
+    """`vela train` in a fresh process (this one may have registered the code already, as a trusting job
+    does): one line naming the field, before Ray starts."""
+    model_dir = remote_code_checkpoint(tmp_path / "model")
+    job = write_job(tmp_path / "job.yaml", job_dict(model_dir, tmp_path / "out"))
+    result = subprocess.run([sys.executable, "-m", "vela_ray.cli", "train", "--config", str(job)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert re.fullmatch(r"vela train: error: model.path .*: the model comes with its own code \(config.json's auto_map\); set "
+                        r"model.trust_remote_code: true to run it .*\n", result.stderr), result.stderr
+    assert "Started a local Ray instance" not in result.stderr + result.stdout
+
+
+def test_a_model_with_its_own_code_is_checked_at_preflight(tmp_path):
+    model_dir = remote_code_checkpoint(tmp_path / "model")
+    job = job_dict(model_dir, tmp_path / "out", model={"trust_remote_code": True})
+    checked = JobConfig.from_dict(job).preflight()
+    assert checked.family.startswith("mixtral_remote: verified by the preflight (not in the tested set")
+    assert checked.model.num_experts == 6

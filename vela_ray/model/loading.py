@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -84,6 +85,39 @@ class _Checkpoint:
     shapes: dict  # {model tensor name: torch.Size}
 
 
+@functools.cache
+def register_model_code(model_dir: str) -> str:
+    """Run the model's own code (config.json's `auto_map`: the user opted in with `model.trust_remote_code`)
+    and register its config and causal-LM classes with transformers' Auto classes in this process, so
+    every later AutoConfig / AutoModelForCausalLM call (here, in peft, in the meta skeletons) builds the
+    model as it builds a built-in family. Returns its model_type. Each process that reads the model calls
+    it (through `trust_remote_code=True` on this module's entry points); once per process and directory."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+    reference = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if reference is None:
+        raise ValueError(f"{model_dir}: model.trust_remote_code is set but config.json's auto_map names no "
+                         "AutoModelForCausalLM class; add it, or turn trust_remote_code off for a built-in family")
+    from transformers import CONFIG_MAPPING
+
+    if config.model_type in CONFIG_MAPPING and CONFIG_MAPPING[config.model_type] is not type(config):
+        raise ValueError(f"{model_dir}: its own code reuses transformers' model_type {config.model_type!r}; give "
+                         "its config class a model_type of its own")
+    model_class = get_class_from_dynamic_module(reference, model_dir)
+    AutoConfig.register(config.model_type, type(config), exist_ok=True)
+    AutoModelForCausalLM.register(type(config), model_class, exist_ok=True)
+    return config.model_type
+
+
+def _open(model_dir: str | Path, trust_remote_code: bool) -> str:
+    """`model_dir` as the key of the caches here, with its own code registered if the user trusts it."""
+    key = str(Path(model_dir).resolve()) if trust_remote_code else str(model_dir)
+    if trust_remote_code:
+        register_model_code(key)
+    return key
+
+
 @lru_cache(maxsize=8)
 def _checkpoint(model_dir: str) -> _Checkpoint:
     """The model's MoE structure (a meta-device skeleton) and where each of its tensors is in the checkpoint."""
@@ -136,28 +170,29 @@ def _expert_of(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def moe_layout(model_dir: str | Path) -> tuple[int, int]:
+def moe_layout(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[int, int]:
     """(MoE layers, experts per layer) of a checkpoint, without loading weights."""
-    ckpt = _checkpoint(str(model_dir))
+    ckpt = _checkpoint(_open(model_dir, trust_remote_code))
     return len(ckpt.decoder_layers), _leading_dim(ckpt.prototypes[0])
 
 
-def checkpoint_prototypes(model_dir: str | Path) -> dict:
+def checkpoint_prototypes(model_dir: str | Path, trust_remote_code: bool = False) -> dict:
     """{MoE layer: experts module on the meta device} of a checkpoint (see `modeling.experts_prototypes`)."""
-    return _checkpoint(str(model_dir)).prototypes
+    return _checkpoint(_open(model_dir, trust_remote_code)).prototypes
 
 
 def _leading_dim(experts) -> int:
     return next(p.shape[0] for p in experts.parameters(recurse=False) if p.dim() == 3)
 
 
-def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torch.dtype | None = None) -> ExpertWeights:
+def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torch.dtype | None = None,
+                 trust_remote_code: bool = False) -> ExpertWeights:
     """{(layer, expert): {parameter name: slice}} for exactly `keys`, memory-mapped reads.
 
     The names are the experts class's own parameters (and buffers), read as transformers
     would load them (see the module docstring), one expert's rows at a time.
     """
-    ckpt = _checkpoint(str(model_dir))
+    ckpt = _checkpoint(_open(model_dir, trust_remote_code))
     out: ExpertWeights = {}
     with _OpenFiles() as files:
         for layer, expert in keys:
@@ -250,11 +285,13 @@ def _experts_on_meta(config: PretrainedConfig):
             cls.__init__ = original
 
 
-def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None,
+                  trust_remote_code: bool = False) -> torch.nn.Module:
     """The model with all non-expert weights loaded and experts left unallocated (meta).
 
     Call `modeling.attach_brokers` on the result before running it.
     """
+    model_dir = _open(model_dir, trust_remote_code)
     config = AutoConfig.from_pretrained(str(model_dir))
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):

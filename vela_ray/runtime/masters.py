@@ -152,7 +152,7 @@ class ThreadPeers:
                worker_nodes: list[str]) -> MasterModel:
         cfg = self.config
         torch.manual_seed(cfg.training.seed)  # as master 0's Backbone.load; load_state makes them equal anyway
-        model = load_backbone(cfg.model.path, cfg.torch_dtype)
+        model = load_backbone(cfg.model.path, cfg.torch_dtype, cfg.model.trust_remote_code)
         transport = InProcessTransport(managers, self.lock, link_tiers(self.nodes[rank], worker_nodes))
         return build_master(model, master_table(table, rank), transport, cfg.lora_spec,
                             cfg.training.optimizer, master=rank, num_masters=self.num_masters,

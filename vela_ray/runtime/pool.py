@@ -107,7 +107,7 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
             worker=n, keys=[tuple(k) for k in np.argwhere(hosts[n]).tolist()],
             model_dir=str(config.model.path.resolve()), lora=config.lora_spec,
             optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
-            tiers=config.cluster.expert_tiers,
+            tiers=config.cluster.expert_tiers, trust_remote_code=config.model.trust_remote_code,
         )
         for n in range(config.cluster.num_workers)
     ]

@@ -94,7 +94,7 @@ class Backbone:
         torch.manual_seed(config.training.seed)  # the order of seeding and building matches peft's reference
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         train_set, eval_set = config.data.build(tokenizer).split(config.training.eval_fraction, config.training.seed)
-        model = load_backbone(config.model.path, config.torch_dtype)
+        model = load_backbone(config.model.path, config.torch_dtype, config.model.trust_remote_code)
         return cls(tokenizer, train_set, eval_set, model, find_moe_blocks(model))
 
     @property
@@ -286,7 +286,8 @@ class JobRunner:
         saved = self._saved_placement(resume)
         if saved:
             return saved.tables()
-        return sequential_table(*moe_layout(self.config.model.path), self.config.cluster.num_workers)
+        model = self.config.model
+        return sequential_table(*moe_layout(model.path, model.trust_remote_code), self.config.cluster.num_workers)
 
     def _load_start_state(self, master: MasterModel, hosted: HostedExperts, resume: dict | None) -> int:
         """Adapters and optimizer state to start from; returns the first step to run."""

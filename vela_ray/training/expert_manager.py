@@ -82,6 +82,7 @@ class ExpertManagerSpec(BaseModel):
     worker: int = Field(ge=0, description="index of this worker in the placement table")
     keys: list[tuple[int, int]] = Field(description="the (MoE layer, expert) pairs this worker hosts")
     model_dir: str | None = Field(None, description="checkpoint to read the experts from (safetensors)")
+    trust_remote_code: bool = Field(False, description="`model.trust_remote_code`: run the model's own code")
     weights: dict[tuple[int, int], dict[str, torch.Tensor]] | None = Field(
         None, description="in-memory {(layer, expert): {parameter: slice}} instead of model_dir (tests)"
     )
@@ -132,7 +133,9 @@ def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
     if spec.weights is not None:
         weights = {k: {n: t.to(dtype) if dtype else t for n, t in spec.weights[k].items()} for k in spec.keys}
         return weights, experts_prototypes(spec.hf_config)
-    return read_experts(spec.model_dir, list(spec.keys), dtype=dtype), checkpoint_prototypes(spec.model_dir)
+    trust = spec.trust_remote_code
+    return (read_experts(spec.model_dir, list(spec.keys), dtype=dtype, trust_remote_code=trust),
+            checkpoint_prototypes(spec.model_dir, trust))
 
 
 class ExpertManager:
