@@ -35,6 +35,9 @@ def main() -> int:
         print(f"{package:<13} pinned {pinned.get(package, '-'):<10} installed {installed}{mark}")
 
     sys.path.insert(0, str(ROOT))
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # debug-size configs: their shrunk RoPE ranges are not news
     from vela_ray.model.families import family_support
     from vela_ray.training.family_check import verified_families
 

@@ -183,7 +183,10 @@ def write_verified_families(path: Path = VERIFIED_FILE) -> VerifiedFamilies:
 
 
 if __name__ == "__main__":  # python -m vela_ray.training.family_check: rewrite verified_families.json
+    import transformers
+
     logging.basicConfig(level=logging.INFO)
+    transformers.logging.set_verbosity_error()  # debug-size configs: their shrunk RoPE ranges are not news
     written = write_verified_families()
     print(f"{VERIFIED_FILE}: {len(written.trained)} trained, {len(written.refused)} refused "
           f"(transformers {written.transformers}, peft {written.peft})")
