@@ -60,12 +60,14 @@ def make_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> to
 
 
 def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """Sum of squared gradient entries (fp64 accumulate), the piece each side reports."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(p.grad.detach().double().pow(2).sum())
-    return total
+    """Sum of squared gradient entries, the piece each side reports: per-tensor norms in fused kernels
+    grouped by device and dtype (`get_total_norm`, as `clip_grad_norm_` computes them), read back with one
+    host sync whatever the number of tensors. An expert host has one tensor per (expert, factor), thousands
+    for a real MoE, so one sync each would stall every step on a GPU."""
+    from torch.nn.utils import get_total_norm
+
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    return float(get_total_norm(grads, 2.0)) ** 2 if grads else 0.0
 
 
 def clip_coefficient(total_sq_norm: float, max_norm: float | None) -> float:
@@ -76,12 +78,14 @@ def clip_coefficient(total_sq_norm: float, max_norm: float | None) -> float:
 
 
 def apply_step(optimizer: torch.optim.Optimizer, lr: float, clip_coef: float) -> None:
+    """Clip by `clip_coef` (fused over all gradients, no host sync) and step at `lr`."""
+    import torch
+
     for group in optimizer.param_groups:
         group["lr"] = lr
-        if clip_coef != 1.0:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(clip_coef)
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        if clip_coef != 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coef)
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
 
