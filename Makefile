@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup system-deps demo test test-fast test-gpu test-latest lock bench-placement clean
+.PHONY: setup system-deps demo test test-fast test-gpu gpu-check test-latest lock bench-placement clean
 
 setup:
 	@VELA_VENV=$(VENV) bash scripts/setup.sh
@@ -20,9 +20,16 @@ test: setup system-deps
 test-fast: setup
 	$(BIN)/python -m pytest tests/unit
 
-# The GPU-marked tests (they skip on machines without CUDA).
+# The GPU-marked tests. They skip on machines without CUDA; here VELA_REQUIRE_GPU=1 makes such a skip a
+# failure (tests/conftest.py), so a machine with broken CUDA cannot pass having tested nothing.
 test-gpu: setup
-	$(BIN)/python -m pytest tests -m gpu
+	VELA_REQUIRE_GPU=1 $(BIN)/python -m pytest tests -m gpu
+
+# Everything a GPU machine should show, in one command and one JSON (benchmarks/results/gpu_check.json):
+# the environment, the gpu tests, gpu_step.py and big_on_one_gpu.py at 2 layers (scripts/gpu_check.py).
+# Fails, saying so, without CUDA.
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py
 
 # The newest releases of every dependency (torch kept), in .venv-latest, against the tests an upstream
 # change breaks first: the family discovery, checkpoint loading and peft-equivalence tests.

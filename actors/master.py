@@ -40,6 +40,10 @@ class MasterActor:
         self._stop_reason: str | None = None
         self._stop = threading.Event()
 
+    def ready(self) -> bool:
+        """Returns at once: the driver waits on it, with a deadline, to know the actor was scheduled."""
+        return True
+
     def run(self) -> RunSummary:
         """The whole job; returns the summary also written to `output.dir/summary.json`."""
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # INFO lines reach the driver's terminal

@@ -68,7 +68,9 @@ benchmarks/results/big_on_one_gpu.json.
     python benchmarks/big_on_one_gpu.py --setups vela_tiers vela_zo   # without the peft baseline
     python benchmarks/big_on_one_gpu.py --device cpu --tiny --out /tmp/smoke.json   # toy sizes, no GPU
 
-Results: a table, and benchmarks/results/big_on_one_gpu.json on a GPU (with the command).
+Results: a table, and benchmarks/results/big_on_one_gpu.json on a GPU (with the command), rewritten after
+every setup (a crash keeps what ran before it); a setup that fails is recorded with its error's first line
+and the others go on. Without CUDA and without `--device cpu` it exits 2 with one line saying so.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.gpu_step import LR, MAX_GRAD_NORM, Setup, expert_specs, random_model  # noqa: E402
+from benchmarks.gpu_step import (  # noqa: E402
+    LR, MAX_GRAD_NORM, Setup, error_line, expert_specs, no_cuda_message, random_model, write_json)
 
 RESULTS = ROOT / "benchmarks" / "results" / "big_on_one_gpu.json"
 SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
@@ -576,7 +579,7 @@ def run_setup(name: str, build: Callable[[], Run], args, device: torch.device, b
         except torch.OutOfMemoryError as exc:
             error = f"out of GPU memory: {str(exc).splitlines()[0]}"
         except Exception as exc:  # noqa: BLE001  a setup that breaks is reported, and the others go on
-            error = f"{type(exc).__name__}: {exc}"
+            error = error_line(exc)
             print(traceback.format_exc(), file=sys.stderr)
         peak_gpu = torch.cuda.max_memory_allocated() / GIB if cuda and error is None else None
         info = dict(run.info) if run is not None else {}
@@ -656,15 +659,27 @@ def print_table(results: dict, summary: dict) -> None:
         print(f"  {paper['paper']} ({paper['where']}): {paper['figure']} -- {paper['compares']}")
 
 
+def report(argv, args, device: torch.device, config, dtype: torch.dtype, results: dict) -> dict:
+    """The results JSON: the command, the machine, the model, each setup's results and the ratios so far."""
+    return {
+        "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/big_on_one_gpu.py", *argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "model": {"name": "Mixtral-8x7B dimensions, random weights" + (" (tiny)" if args.tiny else ""),
+                  "layers": config.num_hidden_layers, "experts": config.num_local_experts,
+                  "hidden": config.hidden_size, "intermediate": config.intermediate_size, "dtype": str(dtype)},
+        "results": results, "ratios": ratios(results, device.type == "cuda"), "papers": PAPERS}
+
+
 def main(argv=None) -> int:
     from vela_ray.quiet import silence_known_warnings
 
     args = parse_args(argv)
     silence_known_warnings()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("big_on_one_gpu: no CUDA device here; run it on a machine with one GPU, or "
-              "`python benchmarks/big_on_one_gpu.py --device cpu --tiny` for a smoke run at toy sizes")
-        return 0
+    if args.device == "cuda" and (problem := no_cuda_message("big_on_one_gpu")):
+        print(problem, file=sys.stderr)
+        return 2
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     config = mixtral_config(args)
     dtype = torch.bfloat16
@@ -683,6 +698,7 @@ def main(argv=None) -> int:
 
     builders = {"peft_offload": lambda: build_peft_offload(config, dtype, device, args),
                 "vela_tiers": vela("first_order"), "vela_zo": vela("zo")}
+    out = args.out or (RESULTS if device.type == "cuda" else None)
     results: dict[str, dict] = {}
     for name in [s for s in SETUPS if s in args.setups]:  # peft_offload first: it must release the host first
         print(f"{name} ...", flush=True)
@@ -691,22 +707,10 @@ def main(argv=None) -> int:
             if host is not None:
                 host.close()
             host = None
-    summary = ratios(results, device.type == "cuda")
-    print_table(results, summary)
-    out = args.out or (RESULTS if device.type == "cuda" else None)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/big_on_one_gpu.py", *argv]),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "model": {"name": "Mixtral-8x7B dimensions, random weights" + (" (tiny)" if args.tiny else ""),
-                      "layers": config.num_hidden_layers, "experts": config.num_local_experts,
-                      "hidden": config.hidden_size, "intermediate": config.intermediate_size, "dtype": str(dtype)},
-            "results": results, "ratios": summary, "papers": PAPERS}, indent=1) + "\n")
+        if out:  # after every setup: a later crash (or timeout) keeps what ran
+            write_json(out, report(argv, args, device, config, dtype, results))
+    print_table(results, ratios(results, device.type == "cuda"))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,8 @@ The same step for all three: one micro-batch of `--batch` x `--seq` tokens (8 x 
 LoRA r=8 alpha=16, forward, backward, global grad-norm clipping to 1.0, AdamW (vela-ray's
 `train_step`, and its clipping and AdamW code for peft). Reported: tokens/s (median step over
 `--steps` after `--warmup`) and peak GPU memory of the steps (allocated, after the build). A setup
-that runs out of GPU memory is reported as such and the others go on. Expert weights are drawn once
+that runs out of GPU memory, or fails in any other way, is reported as such (its error's first line) and
+the others go on; the results JSON is rewritten after every setup, so a crash keeps what ran before it. Expert weights are drawn once
 per layer and shared by its experts (the arithmetic does not depend on the values), so no copy of the
 experts sits on the master or in Ray's object store while the workers build theirs.
 
@@ -25,7 +26,8 @@ experts sits on the master or in Ray's object store while the workers build thei
     python benchmarks/gpu_step.py --models qwen3 --layers 16
     python benchmarks/gpu_step.py --device cpu --tiny --out /tmp/smoke.json   # toy sizes, no GPU
 
-Results: a table, and benchmarks/results/gpu_step.json on a GPU (with the command).
+Results: a table, and benchmarks/results/gpu_step.json on a GPU (with the command). Without CUDA and
+without `--device cpu` it exits 2 with one line saying so (a GPU check must not pass on a machine without one).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -76,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 32)
+    if not 1 <= args.layers <= 48:  # here, not in model_config: a typo fails the command, not each setup
+        p.error(f"--layers {args.layers}: Qwen3-30B-A3B has 48 layers; give 1 to 48")
     return args
 
 
@@ -98,8 +103,6 @@ def model_config(name: str, args: argparse.Namespace):
         return OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                            num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
                            max_position_embeddings=4096, rms_norm_eps=1e-5, norm_topk_prob=False, **common)
-    if not 1 <= args.layers <= 48:
-        raise ValueError(f"--layers {args.layers}: Qwen3-30B-A3B has 48 layers; give 1 to 48")
     return Qwen3MoeConfig(  # Qwen/Qwen3-30B-A3B's config.json, with --layers of its 48 layers
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -228,16 +231,22 @@ BUILDERS = {"peft": build_peft, "vela_gpu": lambda *a: build_vela(*a, cpu_worker
 
 # -- measuring -------------------------------------------------------------------------------------------
 
+def error_line(exc: BaseException) -> str:
+    """`Type: first line of the message`: what a results table and JSON can hold of any error."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def run_setup(name: str, model: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Build `name` for `model`, run its steps; tokens/s and GPU memory, or the error that stopped it."""
-    config = model_config(model, args)
     dtype = getattr(torch, args.dtype)
     cuda = device.type == "cuda"
-    generator = torch.Generator().manual_seed(args.seed)
-    input_ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
-    batch = {"input_ids": input_ids, "labels": input_ids}
     setup, seconds, losses = None, [], []
     try:
+        config = model_config(model, args)
+        generator = torch.Generator().manual_seed(args.seed)
+        input_ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+        batch = {"input_ids": input_ids, "labels": input_ids}
         build_start = time.perf_counter()
         setup = BUILDERS[name](config, dtype, device, args)
         build_s = time.perf_counter() - build_start
@@ -254,6 +263,9 @@ def run_setup(name: str, model: str, args: argparse.Namespace, device: torch.dev
                 seconds.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as exc:
         return {"error": f"out of GPU memory: {str(exc).splitlines()[0]}"}
+    except Exception as exc:  # noqa: BLE001  a setup that breaks is reported, and the others go on
+        print(traceback.format_exc(), file=sys.stderr)
+        return {"error": error_line(exc)}
     finally:
         if setup is not None:
             setup.close()
@@ -282,30 +294,46 @@ def print_table(results: dict) -> None:
             print(f"{model:<8}{name:<18}{r['tokens_per_s']:>10.0f}{r['median_step_s']:>9.2f}{peak:>14}{ratio:>14}")
 
 
+def write_json(out: Path, payload: dict) -> None:
+    """Write `payload` to `out` through a .tmp and a rename: a crash or kill mid-write leaves the previous
+    complete file, never half of one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    os.replace(tmp, out)
+
+
+def no_cuda_message(script: str) -> str | None:
+    """The one line a GPU benchmark exits with where CUDA is asked for and absent (None: CUDA is here)."""
+    if torch.cuda.is_available():
+        return None
+    return (f"{script}: no CUDA device (torch {torch.__version__} sees none); run it on a machine with a working "
+            f"CUDA GPU, or pass `--device cpu` (`python benchmarks/{script}.py --device cpu --tiny`: a smoke run)")
+
+
 def main(argv=None) -> int:
     from vela_ray.quiet import silence_known_warnings
 
     args = parse_args(argv)
     silence_known_warnings()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_step: no CUDA device here; run it on a machine with one GPU, or "
-              "`python benchmarks/gpu_step.py --device cpu --tiny` for a smoke run at toy sizes")
-        return 0
+    if args.device == "cuda" and (problem := no_cuda_message("gpu_step")):
+        print(problem, file=sys.stderr)
+        return 2
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    out = args.out or (RESULTS if device.type == "cuda" else None)
     results: dict[str, dict] = {}
     for model in args.models:
         for name in args.setups:
             print(f"{model} {name} ...", flush=True)
             results.setdefault(model, {})[name] = run_setup(name, model, args, device)
+            if out:  # after every setup: a later crash (or timeout) keeps what ran
+                write_json(out, {
+                    "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/gpu_step.py", *argv]),
+                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                               else platform.processor() or "cpu"),
+                    "torch": torch.__version__, "results": results})
     print_table(results)
-    out = args.out or (RESULTS if device.type == "cuda" else None)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/gpu_step.py", *argv]),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "results": results}, indent=1) + "\n")
     return 0
 
 

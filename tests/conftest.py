@@ -1,6 +1,7 @@
 """Test-wide settings: small thread pools (CI has 2 cores) and quiet libraries."""
 
 import os
+import re
 import tempfile
 
 import pytest
@@ -30,3 +31,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# A skip of a `gpu` test that VELA_REQUIRE_GPU=1 still allows: the machine has a GPU, only fewer than the test needs.
+TOO_FEW_GPUS = re.compile(r"needs \d+ GPUs")
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """The reason a skipped report gives (`longrepr` is (path, line, "Skipped: reason") for a skip)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """With VELA_REQUIRE_GPU=1 (`make test-gpu`), a skipped `gpu` test is a failure: on a machine where CUDA
+    is broken every GPU test would skip and the run would pass having tested nothing. Only a skip for too
+    few GPUs (a multi-GPU test on a one-GPU machine) stays a skip."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and os.environ.get("VELA_REQUIRE_GPU") == "1" and "gpu" in item.keywords):
+        return
+    reason = skip_reason(report)
+    if TOO_FEW_GPUS.search(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"VELA_REQUIRE_GPU=1: the gpu test {item.nodeid} was skipped: {reason} "
+                       f"(torch {torch.__version__}, CUDA available: {torch.cuda.is_available()})")

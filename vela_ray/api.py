@@ -35,8 +35,8 @@ from actors.expert_parallel import run_expert_parallel
 from actors.master import MasterActor
 from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
-from vela_ray.errors import RunInterrupted, VelaActorError, first_line
-from vela_ray.preflight import Preflight, check_cluster_resources, master_gpus
+from vela_ray.errors import ClusterError, RunInterrupted, VelaActorError, first_line
+from vela_ray.preflight import Preflight, check_cluster_resources, master_gpus, master_unschedulable
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
 from vela_ray.training.summary import RunSummary
@@ -44,6 +44,9 @@ from vela_ray.training.summary import RunSummary
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 600  # how long a stopping run may take to finish its step and checkpoint
+# How long the MasterActor may stay pending on the driver's node (its GPU busy, say) before the run gives up:
+# it is pinned there (soft=False), so Ray would otherwise wait forever. Module-level so tests can shorten it.
+MASTER_SCHEDULE_TIMEOUT_S = 120.0
 
 
 class VelaJob:
@@ -57,7 +60,8 @@ class VelaJob:
         started_ray = self._connect()
         try:
             check_cluster_resources(self.config, ray.cluster_resources())
-            gpus = master_gpus(self.config, ray.cluster_resources())
+            node_name, node = _driver_node()
+            gpus = master_gpus(self.config, ray.cluster_resources(), node, node_name)
             self.config = self.config.model_copy(update={"cluster": self.config.cluster.model_copy(
                 update={"master_gpus": gpus})})
             if self.config.mode == "expert_parallel":
@@ -75,12 +79,31 @@ class VelaJob:
             runtime_env={"env_vars": data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)},
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(self.config, os.getpid())
-        run = master.run.remote()
         try:
+            self._await_scheduled(master)
+            run = master.run.remote()
             with _stop_requests() as stop:
                 return self._wait(master, run, stop)
         finally:
             ray.kill(master)
+
+    def _await_scheduled(self, master: Any) -> None:
+        """Return once the master has started; ClusterError past `MASTER_SCHEDULE_TIMEOUT_S`.
+
+        The master is pinned to the driver's node, so if that node never has the GPU it asks for (busy
+        with another job, or gone since preflight) Ray leaves it pending with no error at all.
+        """
+        ready = master.ready.remote()
+        deadline = time.monotonic() + MASTER_SCHEDULE_TIMEOUT_S
+        while not ray.wait([ready], timeout=min(0.5, MASTER_SCHEDULE_TIMEOUT_S))[0]:  # short: Ctrl-C gets in
+            if time.monotonic() > deadline:
+                node_name, node = _driver_node()
+                raise ClusterError(f"the MasterActor was not scheduled within {MASTER_SCHEDULE_TIMEOUT_S:g} s: it "
+                                   + master_unschedulable(node_name, node, self.config.cluster.master_gpus or 0))
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayActorError as err:  # its process failed to start
+            raise self._master_lost(err) from None
 
     def _wait(self, master: Any, run: ray.ObjectRef, stop: _StopRequest) -> RunSummary:
         """Wait for the run; the first Ctrl-C/SIGTERM asks it to stop after its step, a second kills it."""
@@ -118,6 +141,14 @@ class VelaJob:
         else:  # this machine's cores, not more: the resource check must see what really is here
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=env, log_to_driver=True)
         return True
+
+
+def _driver_node() -> tuple[str, dict[str, float]]:
+    """The driver's node, where the master is pinned: its id and address for messages, and its total
+    resources (a GPU elsewhere in the cluster is no use to the master)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    info = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+    return f"{node_id[:12]} ({info.get('NodeManagerAddress', '?')})", dict(info.get("Resources", {}))
 
 
 def _unwrapped(call):

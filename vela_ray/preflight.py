@@ -337,15 +337,34 @@ def check_cluster_resources(config: JobConfig, available: dict[str, float]) -> N
             "cluster.num_workers, or add nodes")
 
 
-def master_gpus(config: JobConfig, available: dict[str, float]) -> int:
-    """The master's GPU count: `cluster.master_gpus`, or 1 when the cluster has a GPU the workers leave
-    free. Call after `check_cluster_resources`; ValueError if an explicit 1 does not fit. Pure: no Ray."""
+def master_gpus(config: JobConfig, available: dict[str, float], node: dict[str, float] | None = None,
+                node_name: str = "the driver's node") -> int:
+    """The master's GPU count: `cluster.master_gpus`, or 1 when a GPU the workers leave free is on `node`.
+
+    `node` is the resources of the driver's node, where the master is pinned: a GPU elsewhere in the
+    cluster is no use to it, and asking for one the node lacks leaves the actor pending forever. None
+    counts the cluster only. Call after `check_cluster_resources`; ValueError if an explicit 1 does not
+    fit. Pure: no Ray.
+    """
     cluster = config.cluster
-    spare = float(available.get("GPU", 0.0)) - cluster.num_worker_actors * cluster.num_gpus_per_worker
+    worker_gpus = cluster.num_worker_actors * cluster.num_gpus_per_worker
+    spare = float(available.get("GPU", 0.0)) - worker_gpus
+    node_gpus = float(node.get("GPU", 0.0)) if node is not None else spare
     if cluster.master_gpus is None:
-        return 1 if spare >= 1 else 0
+        return 1 if min(spare, node_gpus) >= 1 else 0
     if cluster.master_gpus > spare:
         raise ValueError(f"cluster.master_gpus {cluster.master_gpus} needs a GPU beyond the workers' "
-                         f"{cluster.num_worker_actors * cluster.num_gpus_per_worker}, but the Ray cluster has "
-                         f"{float(available.get('GPU', 0.0)):g}; set cluster.master_gpus: 0 or free a GPU")
+                         f"{worker_gpus}, but the Ray cluster has {float(available.get('GPU', 0.0)):g}; "
+                         "set cluster.master_gpus: 0 or free a GPU")
+    if cluster.master_gpus > node_gpus:
+        raise ValueError(f"cluster.master_gpus {cluster.master_gpus}: the MasterActor "
+                         + master_unschedulable(node_name, node or {}, cluster.master_gpus))
     return cluster.master_gpus
+
+
+def master_unschedulable(node_name: str, node: dict[str, float], gpus: int) -> str:
+    """The end of a one-line error for a master that cannot run on the driver's node (the caller names
+    the master first): what the node has, what the master asks for, the fix."""
+    return (f"is pinned to the driver's node {node_name}, which has {float(node.get('GPU', 0.0)):g} GPUs and "
+            f"{float(node.get('CPU', 0.0)):g} CPUs, and asks for {gpus} GPU and 0 CPUs; run the driver on a "
+            "node with a free GPU, or set cluster.master_gpus: 0")

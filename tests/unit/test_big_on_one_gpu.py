@@ -100,11 +100,39 @@ def test_the_sizes_in_the_docstring():
     assert bench.cache_experts_for(bench.parse_args(["--cache-experts", "7"]), config, torch.bfloat16)[0] == 7
 
 
-def test_without_cuda_it_says_so_in_one_line_and_exits_0(capsys, monkeypatch):
+def test_without_cuda_it_exits_2_with_one_line_naming_the_fix(capsys, monkeypatch):
+    """A GPU benchmark that passes on a machine without a GPU hides a broken CUDA: it must fail."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.main([]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "no CUDA device" in out and "--device cpu --tiny" in out
+    assert bench.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "no CUDA device" in captured.err and "--device cpu" in captured.err
+
+
+def test_a_failing_setup_is_recorded_and_the_next_ones_run_with_the_json_already_on_disk(tmp_path, monkeypatch):
+    out = tmp_path / "big.json"
+    on_disk_when_vela_ran = []
+
+    def broken(*args):
+        raise RuntimeError("cudaErrorLaunchFailure\nsecond line")
+
+    real_run = bench.VelaHost.run
+
+    def run_after_reading_the_json(self, method):
+        on_disk_when_vela_ran.append(json.loads(out.read_text())["results"])
+        return real_run(self, method)
+
+    monkeypatch.setattr(bench, "build_peft_offload", broken)
+    monkeypatch.setattr(bench.VelaHost, "run", run_after_reading_the_json)
+    argv = ["--device", "cpu", "--tiny", "--warmup", "0", "--steps", "1", "--offload-dir", str(tmp_path),
+            "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert [list(r) for r in on_disk_when_vela_ran] == [["peft_offload"], ["peft_offload", "vela_tiers"]]
+    assert on_disk_when_vela_ran[0]["peft_offload"]["error"] == "RuntimeError: cudaErrorLaunchFailure"
+    runs = json.loads(out.read_text())["results"]
+    assert runs["peft_offload"]["error"] == "RuntimeError: cudaErrorLaunchFailure"
+    assert runs["vela_tiers"]["tokens_per_s"] > 0 and runs["vela_zo"]["tokens_per_s"] > 0
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 @pytest.mark.gpu

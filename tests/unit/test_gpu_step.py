@@ -9,9 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +46,48 @@ def test_smoke_run_trains_both_models_with_peft_and_with_vela_experts_in_process
             assert all(abs(loss - math.log(512)) < 0.2 for loss in run["losses"])
 
 
-def test_without_cuda_it_says_so_in_one_line_and_exits_0(capsys, monkeypatch):
+def test_without_cuda_it_exits_2_with_one_line_naming_the_fix(capsys, monkeypatch):
+    """A GPU benchmark that passes on a machine without a GPU hides a broken CUDA: it must fail."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert load_gpu_step().main([]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "no CUDA device" in out and "--device cpu --tiny" in out
+    assert load_gpu_step().main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "no CUDA device" in captured.err and "--device cpu" in captured.err
+
+
+def test_the_command_without_cuda_exits_non_zero():
+    """The script as `make gpu-check` runs it, CUDA hidden (so the same on a GPU machine)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--setups", "peft"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "no CUDA device" in done.stderr and "--device cpu" in done.stderr
+
+
+def test_a_failing_setup_is_recorded_and_the_next_one_runs_with_the_json_already_on_disk(tmp_path, monkeypatch):
+    gpu_step = load_gpu_step()
+    out = tmp_path / "gpu_step.json"
+    on_disk_when_vela_built = {}
+
+    def broken(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+    def vela_after_reading_the_json(*args):
+        on_disk_when_vela_built.update(json.loads(out.read_text()))
+        return gpu_step.build_vela(*args, cpu_workers=False)
+
+    monkeypatch.setitem(gpu_step.BUILDERS, "peft", broken)
+    monkeypatch.setitem(gpu_step.BUILDERS, "vela_gpu", vela_after_reading_the_json)
+    argv = ["--device", "cpu", "--tiny", "--models", "olmoe", "--setups", "peft", "vela_gpu", "--warmup", "0",
+            "--steps", "1", "--out", str(out)]
+    assert gpu_step.main(argv) == 0
+    error = {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert on_disk_when_vela_built["results"] == {"olmoe": {"peft": error}}  # written before the next setup
+    runs = json.loads(out.read_text())["results"]["olmoe"]
+    assert runs["peft"] == error and runs["vela_gpu"]["tokens_per_s"] > 0
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic write's temporary file is renamed, not left
+
+
+def test_a_layer_count_qwen3_lacks_fails_the_command_not_each_setup():
+    with pytest.raises(SystemExit):
+        load_gpu_step().parse_args(["--layers", "49"])

@@ -186,3 +186,16 @@ def test_on_cuda_grouped_experts_equal_the_per_expert_computation(family, dtype,
     assert_equal(got, want, **tolerance)
     if torch.cuda.get_device_capability() >= (9, 0):
         assert calls() == 6
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rows_for_experts_not_hosted_raise_a_key_error_naming_them(device):
+    """Ids come from the host while the hosted-expert map lives on the weights' device: the error must
+    name the missing experts, not fail on indexing a CUDA tensor with a CPU mask (or the reverse)."""
+    shard, layer = build_layer("mixtral", HOSTED, device=device)
+    experts = shard.layers[str(layer)]
+    ids = torch.tensor([0, 4, 2, 1, 4])  # on the host, whatever the device: 1 and 4 are not hosted
+    rows = torch.randn(len(ids), experts.hidden_size, device=device)
+    with pytest.raises(KeyError, match=rf"experts \[\({layer}, 1\), \({layer}, 4\)\] are not hosted here "
+                                       rf"\(hosted of layer {layer}: \[0, 2, 3, 5\]\)"):
+        experts(ids, rows)

@@ -266,9 +266,10 @@ class LayerExperts(nn.Module):
 
     def forward(self, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs, row i through expert `expert_ids_R[i]` (global id in the layer)."""
-        local_R = self.local_of[expert_ids_R.to(self.local_of.device)]
+        ids_R = expert_ids_R.to(self.local_of.device)  # ids may come from the host, local_of is on the weights'
+        local_R = self.local_of[ids_R]
         if bool((local_R < 0).any()):
-            missing = [(self.layer, e) for e in sorted(set(expert_ids_R[local_R < 0].tolist()))]
+            missing = [(self.layer, e) for e in sorted(set(ids_R[local_R < 0].tolist()))]
             raise KeyError(f"experts {missing} are not hosted here (hosted of layer {self.layer}: {self.expert_ids})")
         if self.low_rank:
             return self._low_rank(local_R, rows_RD)

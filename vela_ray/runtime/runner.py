@@ -307,8 +307,7 @@ class JobRunner:
         if master.dispatcher.condenser is not None:
             trainer = json.loads((path / "trainer.json").read_text())
             master.dispatcher.condenser.load_state(trainer.get("condenser"))
-        if "rng.torch" in tensors:
-            torch.set_rng_state(tensors["rng.torch"])
+        checkpoint.restore_rng_state(tensors)
         return int(checkpoint.verify(path, checksums=False)["step"])
 
     # --- placement -------------------------------------------------------------------------
@@ -709,12 +708,12 @@ class JobRunner:
 
     def _checkpoint_contents(self, master: MasterModel, step: int,
                              copy: bool) -> tuple[dict[str, torch.Tensor], dict]:
-        """What the master writes into the checkpoint of `step`: its LoRA, AdamW state and the torch RNG
+        """What the master writes into the checkpoint of `step`: its LoRA, AdamW state and the torch RNGs
         (copied with `copy`: an asynchronous checkpoint writes them while training changes the originals),
         and `trainer.json` (where the run stands, its placement, config, profile and condenser)."""
         cfg = self.config
         tensors = master_state(master, copy=copy)
-        tensors["rng.torch"] = torch.get_rng_state()
+        tensors.update(checkpoint.rng_state())  # CPU, and CUDA's when this process used it
         trainer = {
             "step": step, "data_position": step, "total_steps": cfg.training.steps,
             "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),

@@ -5,7 +5,9 @@ Layout of one checkpoint (`<root>/step-000120/`):
     manifest.json              written last: step, files with sizes and sha256, expert index, meta
     trainer.json               step, data position, total steps, next lr, placement, config
     backbone.safetensors       backbone LoRA (peft parameter names), its AdamW state ("<name>.exp_avg",
-                               ".exp_avg_sq", ".step") and the torch RNG state ("rng.torch")
+                               ".exp_avg_sq", ".step") and the torch RNG state ("rng.torch"; and
+                               "rng.cuda.<i>" per CUDA device when the master used CUDA, absent
+                               otherwise and in older checkpoints)
     experts/part-<n>.safetensors   written by ExpertManager n, tensors named by *logical* expert:
                                "l{layer}.e{expert}.{lora_A_gate_up|...}" and ".exp_avg"/".exp_avg_sq"
                                (fp32 in a bf16 model, as they train; older bf16 parts load upcast)
@@ -69,6 +71,45 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     """safetensors file, fsynced."""
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
     _fsync(path)
+
+
+RNG_TORCH = "rng.torch"
+RNG_CUDA_PREFIX = "rng.cuda."
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """The process's torch RNG states as checkpoint tensors: the CPU's, and each CUDA device's.
+
+    CUDA states are saved only once this process has used CUDA: dropout on a GPU draws from them, so a
+    resumed run would otherwise draw other masks; a CPU-only process writes nothing new (and creates no
+    CUDA context just to ask).
+    """
+    tensors = {RNG_TORCH: torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"{RNG_CUDA_PREFIX}{index}"] = state
+    return tensors
+
+
+def restore_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of `rng_state`; each state it lacks (an older checkpoint, a CPU-only writer) stays as is.
+
+    CUDA states for devices this process does not see are skipped with a warning: a resume on fewer
+    GPUs still runs, only its random draws there differ from the original run's.
+    """
+    if RNG_TORCH in tensors:
+        torch.set_rng_state(tensors[RNG_TORCH])
+    cuda = {int(k[len(RNG_CUDA_PREFIX):]): v for k, v in tensors.items() if k.startswith(RNG_CUDA_PREFIX)}
+    if not cuda:
+        return
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skipped = sorted(i for i in cuda if i >= visible)
+    if skipped:
+        logger.warning("checkpoint has CUDA RNG states for devices %s this process does not see (%d visible); "
+                       "their random draws will differ from the original run's", skipped, visible)
+    for index, state in sorted(cuda.items()):
+        if index < visible:
+            torch.cuda.set_rng_state(state, index)
 
 
 def write_json(path: Path, value: object) -> None:

@@ -1,0 +1,107 @@
+"""The MasterActor is pinned to the driver's node: a GPU elsewhere in the cluster is no use to it, and a
+master Ray cannot place must fail in one line, not leave the run pending forever.
+
+Each scenario runs in its own process with a Ray of its own (fake GPUs declared as resources), not the
+session fixture's CPU-only one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures import job_dict, make_checkpoint
+from vela_ray.config import JobConfig
+from vela_ray.preflight import master_gpus
+
+_RUN = """
+import json, sys, time
+import ray
+from vela_ray import api
+from vela_ray.config import JobConfig
+
+job = JobConfig.from_dict(json.loads(sys.argv[1]))
+{setup}
+started = time.monotonic()
+try:
+    api.VelaJob(job).run()
+    print("NO ERROR")
+except Exception as err:
+    print("ERROR " + json.dumps({{"type": type(err).__name__, "message": str(err),
+                                  "seconds": time.monotonic() - started}}))
+finally:
+    ray.shutdown()
+    {teardown}
+"""
+
+# The driver's (head) node has no GPU; another node has one.
+_GPU_ON_ANOTHER_NODE = """
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+cluster.add_node(num_cpus=1, num_gpus=1)
+ray.init(address=cluster.address)
+"""
+
+# The driver's node has a GPU (declared: this machine may have none), held by another actor for the whole run.
+_GPU_BUSY = """
+ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)
+@ray.remote(num_gpus=1, num_cpus=0)
+class Holder:
+    def ready(self):
+        return True
+held = Holder.remote()
+ray.get(held.ready.remote())
+api.MASTER_SCHEDULE_TIMEOUT_S = 3.0
+"""
+
+
+def _run(job: dict, setup: str, teardown: str = "pass") -> dict:
+    """The error `VelaJob(job).run()` raises in a fresh process after `setup` started its Ray."""
+    script = _RUN.format(setup=setup, teardown=teardown)
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(job)], capture_output=True, text=True,
+                            timeout=240)
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("ERROR ", "NO ERROR"))]
+    assert lines and lines[0].startswith("ERROR "), result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(lines[0].removeprefix("ERROR "))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("model"))
+
+
+def test_a_gpu_on_another_node_is_not_counted_for_the_master(tmp_path):
+    config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_workers": 2}))
+    cluster = {"CPU": 3.0, "GPU": 1.0}
+    assert master_gpus(config, cluster) == 1  # the cluster alone would give it one
+    assert master_gpus(config, cluster, {"CPU": 2.0}, "head") == 0
+    assert master_gpus(config, cluster, {"CPU": 2.0, "GPU": 1.0}, "head") == 1
+    explicit = config.model_copy(update={"cluster": config.cluster.model_copy(update={"master_gpus": 1})})
+    with pytest.raises(ValueError, match=r"^cluster\.master_gpus 1: the MasterActor is pinned to the driver's "
+                                         r"node head, which has 0 GPUs and 2 CPUs, and asks for 1 GPU and 0 CPUs; "
+                                         r"run the driver on a node with a free GPU, or set cluster\.master_gpus: 0$"):
+        master_gpus(explicit, cluster, {"CPU": 2.0}, "head")
+
+
+def test_a_master_asking_for_a_gpu_its_node_lacks_is_refused_before_it_starts(model_dir, tmp_path):
+    job = job_dict(model_dir, tmp_path / "out", steps=1, cluster={"num_workers": 2, "master_gpus": 1})
+    error = _run(job, _GPU_ON_ANOTHER_NODE, teardown="cluster.shutdown()")
+    assert error["type"] == "ValueError"
+    assert "\n" not in error["message"]
+    assert "pinned to the driver's node" in error["message"] and "which has 0 GPUs and 2 CPUs" in error["message"]
+    assert "set cluster.master_gpus: 0" in error["message"]
+
+
+def test_a_master_never_scheduled_fails_at_the_deadline_in_one_line(model_dir, tmp_path):
+    job = job_dict(model_dir, tmp_path / "out", steps=1, cluster={"num_workers": 2, "master_gpus": 1})
+    error = _run(job, _GPU_BUSY)
+    assert error["type"] == "ClusterError"
+    assert "\n" not in error["message"]
+    assert error["message"].startswith("the MasterActor was not scheduled within 3 s: it is pinned to the "
+                                       "driver's node ")
+    assert "which has 1 GPUs and 2 CPUs, and asks for 1 GPU and 0 CPUs" in error["message"]
+    assert "run the driver on a node with a free GPU, or set cluster.master_gpus: 0" in error["message"]
+    assert 3.0 <= error["seconds"] < 30.0  # the deadline, not Ray's forever
