@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup system-deps demo test test-fast test-gpu gpu-check test-latest lock bench-placement clean
+.PHONY: setup system-deps demo test test-fast test-gpu gpu-check test-latest lock bench-placement wheelhouse clean
 
 setup:
 	@VELA_VENV=$(VENV) bash scripts/setup.sh
@@ -46,6 +46,14 @@ lock:
 
 bench-placement: setup
 	$(BIN)/python benchmarks/placement_suite.py
+
+# An offline install for GPU nodes without internet (deploy/README.md, "Install without internet"):
+# every pin of constraints.txt but torch/triton/nvidia-*, plus vela-ray's own wheel, for the node's
+# Python and platform, packed into OUT/parts (60 MiB parts + SHA256SUMS + offline_install.sh).
+# e.g. make wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64 OUT=wheelhouse (defaults: this python's)
+OUT ?= wheelhouse
+wheelhouse:
+	@PY=$(PY) PLATFORM=$(PLATFORM) bash scripts/wheelhouse.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) .venv-latest .pytest_cache build *.egg-info
