@@ -50,9 +50,13 @@ class Preflight:
     config: JobConfig
     model: ModelFacts
     train_rows: int
-    family: str = ""  # how the model's family was verified equal to peft (`FamilyCheck.describe`)
     resume: Path | None = None
     resume_step: int = 0
+
+    @property
+    def family(self) -> str | None:
+        """How the model's family was verified equal to peft (`FamilyCheck.describe`), pinned in `config`."""
+        return self.config.family_check
 
 
 def preflight(config: JobConfig) -> Preflight:
@@ -69,8 +73,7 @@ def preflight(config: JobConfig) -> Preflight:
     family = check_family(config)  # seconds, and only for a family the test suite did not verify
     check_output_dirs(config)
     pinned = (config.with_resume(str(resume)) if resume else config).with_family_check(family)
-    return Preflight(config=pinned, model=model, train_rows=train_rows, family=family, resume=resume,
-                     resume_step=resume_step)
+    return Preflight(config=pinned, model=model, train_rows=train_rows, resume=resume, resume_step=resume_step)
 
 
 # --- model ------------------------------------------------------------------------------

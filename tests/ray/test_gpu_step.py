@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from tests.unit.test_gpu_step import load_gpu_step
+from tests.scripts import load_script
 
 
 def test_smoke_run_with_the_experts_on_two_cpu_expert_managers(ray_session, tmp_path):
     out = tmp_path / "gpu_step.json"
     argv = ["--device", "cpu", "--tiny", "--models", "olmoe", "--setups", "vela_cpu_workers", "--worker-cpus", "1",
             "--warmup", "0", "--steps", "2", "--out", str(out)]
-    assert load_gpu_step().main(argv) == 0
+    assert load_script("benchmarks/gpu_step.py").main(argv) == 0
     run = json.loads(out.read_text())["results"]["olmoe"]["vela_cpu_workers"]
     assert run["tokens_per_s"] > 0 and len(run["step_s"]) == 2
     assert all(abs(loss - math.log(512)) < 0.2 for loss in run["losses"])
@@ -24,7 +24,7 @@ def test_smoke_run_with_the_experts_on_two_cpu_expert_managers(ray_session, tmp_
 @pytest.mark.gpu
 def test_every_setup_runs_on_the_gpu_and_reports_its_memory(ray_session, tmp_path):
     out = tmp_path / "gpu_step.json"
-    assert load_gpu_step().main(["--device", "cuda", "--tiny", "--worker-cpus", "1", "--out", str(out)]) == 0
+    assert load_script("benchmarks/gpu_step.py").main(["--device", "cuda", "--tiny", "--worker-cpus", "1", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     for model in ("olmoe", "qwen3"):
         for setup in ("peft", "vela_gpu", "vela_cpu_workers"):

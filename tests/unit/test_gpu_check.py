@@ -6,7 +6,6 @@ CPU: CUDA is hidden (CUDA_VISIBLE_DEVICES="") where a machine has it, so these s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import ROOT, load_script
+
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 FAKE_TESTS = '''
@@ -44,16 +44,6 @@ def test_other_skip():
 def test_plain():
     pass
 '''
-
-
-def load_gpu_check():
-    """scripts/gpu_check.py as a module (scripts/ is not a package)."""
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
 
 
 def run_fake_tests(tmp_path: Path, require_gpu: bool) -> subprocess.CompletedProcess:
@@ -116,7 +106,7 @@ def part(gpu_check, code: str, timeout_s: int = 60, results_json: Path | None = 
 
 
 def test_a_part_fails_on_a_timeout_an_exit_code_or_a_setup_error(tmp_path, capsys):
-    gpu_check = load_gpu_check()
+    gpu_check = load_script("scripts/gpu_check.py")
     slow = gpu_check.run_part(part(gpu_check, "import time; time.sleep(60)", timeout_s=1))
     assert slow["status"] == "failed" and slow["reason"] == "timed out after 1 s" and slow["seconds"] < 30
 
@@ -141,7 +131,7 @@ def test_a_part_fails_on_a_timeout_an_exit_code_or_a_setup_error(tmp_path, capsy
 
 
 def test_setup_errors_reads_both_benchmarks_shapes():
-    gpu_check = load_gpu_check()
+    gpu_check = load_script("scripts/gpu_check.py")
     assert gpu_check.setup_errors({"vela_tiers": {"tokens_per_s": 2.0, "info": {}},
                                    "vela_zo": {"error": "RuntimeError: x", "info": {}}}) == ["vela_zo: RuntimeError: x"]
     assert gpu_check.setup_errors({"qwen3": {"peft": {"tokens_per_s": 1.0}}}) == []

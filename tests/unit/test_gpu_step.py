@@ -6,35 +6,23 @@ CPU ExpertManager actors is tests/ray/test_gpu_step.py, the whole command on a G
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_gpu_step():
-    """The benchmark script as a module (benchmarks/ is not a package)."""
-    if "gpu_step" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_step", ROOT / "benchmarks" / "gpu_step.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_step"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_step"]
+from tests.scripts import ROOT, load_script
 
 
 def test_smoke_run_trains_both_models_with_peft_and_with_vela_experts_in_process(tmp_path):
     out = tmp_path / "gpu_step.json"
     argv = ["--device", "cpu", "--tiny", "--setups", "peft", "vela_gpu", "--warmup", "0", "--steps", "1",
             "--out", str(out)]
-    assert load_gpu_step().main(argv) == 0
+    assert load_script("benchmarks/gpu_step.py").main(argv) == 0
     result = json.loads(out.read_text())
     assert result["command"] == "python benchmarks/gpu_step.py " + " ".join(argv)
     for model in ("olmoe", "qwen3"):
@@ -49,7 +37,7 @@ def test_smoke_run_trains_both_models_with_peft_and_with_vela_experts_in_process
 def test_without_cuda_it_exits_2_with_one_line_naming_the_fix(capsys, monkeypatch):
     """A GPU benchmark that passes on a machine without a GPU hides a broken CUDA: it must fail."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert load_gpu_step().main([]) == 2
+    assert load_script("benchmarks/gpu_step.py").main([]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert "no CUDA device" in captured.err and "--device cpu" in captured.err
@@ -65,7 +53,7 @@ def test_the_command_without_cuda_exits_non_zero():
 
 
 def test_a_failing_setup_is_recorded_and_the_next_one_runs_with_the_json_already_on_disk(tmp_path, monkeypatch):
-    gpu_step = load_gpu_step()
+    gpu_step = load_script("benchmarks/gpu_step.py")
     out = tmp_path / "gpu_step.json"
     on_disk_when_vela_built = {}
 
@@ -90,4 +78,4 @@ def test_a_failing_setup_is_recorded_and_the_next_one_runs_with_the_json_already
 
 def test_a_layer_count_qwen3_lacks_fails_the_command_not_each_setup():
     with pytest.raises(SystemExit):
-        load_gpu_step().parse_args(["--layers", "49"])
+        load_script("benchmarks/gpu_step.py").parse_args(["--layers", "49"])
