@@ -165,14 +165,16 @@ def test_a_killed_expert_manager_is_replaced_in_place_and_the_run_finishes_as_if
     job["cluster"].update(transport=transport, on_worker_loss="recover", expert_tiers={"enabled": tiers})
     job["checkpoint"] = {"every": 2, "keep": 10}
     ckpt_root = tmp_path / "out" / "checkpoints"
-    # mid-step 3 or 4: the run must roll back and replay
-    killer, killed = _kill_worker_1(tmp_path / "out", (ckpt_root / "step-000002").is_dir, delay_s=0.2)
+    # killed once step 2 is checkpointed, some steps before the end: the run must roll back and replay
+    killer, killed = _kill_worker_1(tmp_path / "out", (ckpt_root / "step-000002").is_dir)
     summary = VelaJob(JobConfig.from_dict(job)).run()
     killer.join(timeout=10)
     assert killed, "the worker was never killed"
 
     [recovery] = summary.recoveries
-    assert recovery.workers == [1] and recovery.checkpoint_step in (2, 4) and recovery.step > recovery.checkpoint_step
+    # which checkpoint it rolls back to depends on how far the run got before the kill landed
+    assert recovery.workers == [1] and recovery.checkpoint_step % 2 == 0
+    assert 2 <= recovery.checkpoint_step < recovery.step <= STEPS
     new_pids = json.loads((tmp_path / "out" / "workers.json").read_text())["pids"]
     assert new_pids[1] != killed["pid"]
     assert [h.step for h in summary.history] == list(range(1, STEPS + 1))  # replayed steps are not doubled
