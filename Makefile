@@ -17,8 +17,9 @@ system-deps:
 test: setup system-deps
 	$(BIN)/python -m pytest tests
 
+# Leaves out `job` tests (all of tests/ray, JobRunner and `vela` CLI runs), `slow` and `gpu` ones: under 3 min.
 test-fast: setup
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest tests -m "not job and not slow and not gpu"
 
 # The GPU-marked tests. They skip on machines without CUDA; here VELA_REQUIRE_GPU=1 makes such a skip a
 # failure (tests/conftest.py), so a machine with broken CUDA cannot pass having tested nothing.

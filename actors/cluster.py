@@ -73,7 +73,8 @@ class ExpertCluster:
         """Wait until every actor is up (its experts loaded) and learn its node; shut down and raise
         ClusterError if they are not up within `timeout_s`."""
         try:
-            self.node_ids = ray.get([h.node_id.remote() for h in self.handles], timeout=timeout_s)
+            reports = ray.get([h.report.remote() for h in self.handles], timeout=timeout_s)
+            self.node_ids = [report.node_id for report in reports]
         except ray.exceptions.GetTimeoutError as exc:
             self.shutdown()
             raise ClusterError(f"ExpertManagers not up after {timeout_s} s; raise "
@@ -116,7 +117,8 @@ def respawn_expert_managers(cluster: ExpertCluster, specs: Sequence[ExpertManage
         ray.kill(cluster.handles[spec.worker], no_restart=True)  # dead already, or hung: make sure
         cluster.handles[spec.worker] = _start_actor(spec, cluster.placement_group, config)
     try:
-        nodes = ray.get([cluster.handles[s.worker].node_id.remote() for s in specs], timeout=config.ready_timeout_s)
+        nodes = [r.node_id for r in ray.get([cluster.handles[s.worker].report.remote() for s in specs],
+                                            timeout=config.ready_timeout_s)]
     except ray.exceptions.GetTimeoutError as exc:
         raise ClusterError(f"replacement ExpertManagers {[s.worker for s in specs]} not up after "
                            f"{config.ready_timeout_s} s") from exc

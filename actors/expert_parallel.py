@@ -47,7 +47,6 @@ from vela_ray.baselines.expert_parallel import ExpertParallelRank, build_rank
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import batch_rows, micro_batches, sequential_batches
 from vela_ray.model.adapters import backbone_state_of, export_adapter
-from vela_ray.model.experts import LoraSpec
 from vela_ray.model.loading import moe_layout
 from vela_ray.model.traffic import TrafficSnapshot, link_tiers
 from vela_ray.observability.report import write_report
@@ -95,7 +94,7 @@ class RankActor:
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.num_ranks,
                                 timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
         cfg = self.config
-        self.replica = build_rank(cfg.model.path, cfg.model.dtype, LoraSpec(cfg.lora.r, cfg.lora.alpha),
+        self.replica = build_rank(cfg.model.path, cfg.model.dtype, cfg.lora_spec,
                                   cfg.training.optimizer, cfg.training.seed, rank_nodes, device=self.device,
                                   init_adapter=cfg.lora.init_adapter)
 
@@ -109,7 +108,7 @@ class RankActor:
                 if eval_batches else None)  # every rank filters the same batches: the collectives still pair
         return {"history": history, "eval_loss": loss,
                 "traffic": replica.master.dispatcher.counter.snapshot().model_dump(),
-                "control_bytes": replica.transport.control_bytes, "received_bytes": replica.experts.received(),
+                "control_bytes": replica.transport.control_bytes, "received_bytes": replica.experts.received_bytes,
                 "data_plane": replica.transport.describe()}
 
     def _step(self, step: int) -> dict:

@@ -22,16 +22,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.transports import RayObjectRefTransport, data_plane_env
 from vela_ray.config import JobConfig
-from vela_ray.data.locality import RoutingRecorder
 from vela_ray.model.collective import make_group, make_store
-from vela_ray.model.loading import load_backbone
 from vela_ray.model.traffic import TrafficSnapshot, link_tiers
 from vela_ray.quiet import silence_known_warnings
-from vela_ray.runtime.masters import Wait, master_loss, peer_nodes, peer_step, sequence_migration
+from vela_ray.runtime.masters import master_loss, peer_nodes, peer_step, sequence_migration
 from vela_ray.runtime.migration import master_table
+from vela_ray.runtime.pool import Wait, master_spec
 from vela_ray.training.replicas import ProcessGroupReplicas
 from vela_ray.training.sequence_migration import NodeMap
-from vela_ray.training.step import STEPPED_ELSEWHERE, build_master, load_master_state, train_step
+from vela_ray.training.step import STEPPED_ELSEWHERE, build_master_replica, load_master_state, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +39,13 @@ GROUP_BREAK_GRACE_S = 20.0  # after the group broke, how long master 0 waits for
 
 
 class MasterReplica:
-    """Master `rank` of `config.cluster.num_masters`: a backbone replica with brokers to the shared workers."""
+    """Master `rank` of `config.masters.count`: a backbone replica with brokers to the shared workers."""
 
     def __init__(self, config: JobConfig, rank: int):
         silence_known_warnings()
         self.config, self.rank = config, rank
-        self.num_masters = config.cluster.num_masters
-        self.device = torch.device("cuda", torch.cuda.current_device()) if config.cluster.master_gpus \
-            else torch.device("cpu")
+        self.num_masters = config.masters.count
+        self.spec = master_spec(config)  # its device: the GPU Ray gave it with cluster.master_gpus: 1
         self.master = None
 
     def node_id(self) -> str:
@@ -63,26 +61,21 @@ class MasterReplica:
         store = make_store(host, port, self.num_masters, is_master=False, timeout_s=GROUP_TIMEOUT_S)
         self.replicas = ProcessGroupReplicas(make_group(store, self.rank, self.num_masters, GROUP_TIMEOUT_S, address))
         cfg = self.config
-        torch.manual_seed(cfg.training.seed)
-        model = load_backbone(cfg.model.path, cfg.torch_dtype, cfg.model.trust_remote_code)
-        self.master = build_master(model, master_table(table, self.rank), self._transport(handles, worker_nodes),
-                                   cfg.lora_spec, cfg.training.optimizer, master=self.rank,
-                                   num_masters=self.num_masters, row_format=cfg.cluster.row_format)
-        self.master.peft_model.to(self.device)
-        self.routing = RoutingRecorder.for_model(self.master.peft_model, record_confidence=False).attach()
+        self.master = build_master_replica(self.spec, master_table(table, self.rank),
+                                           self._transport(handles, worker_nodes), rank=self.rank)
         self.migration = sequence_migration(cfg, self.rank, self.master, NodeMap.of(master_nodes, worker_nodes))
-        self.loss_fn = master_loss(cfg, self.rank, self.master, self.migration, self.replicas, self.device)
+        self.loss_fn = master_loss(cfg, self.rank, self.master, self.migration, self.replicas, self.spec.device)
 
     def _transport(self, handles: list, worker_nodes: list[str]) -> RayObjectRefTransport:
         return RayObjectRefTransport(handles, link_tiers(self.node_id(), worker_nodes),
-                                     zero_copy=self.config.cluster.zero_copy_tensors)
+                                     zero_copy=self.config.data_plane.zero_copy_tensors)
 
     def train_step(self, micro_batches: list[dict], lr: float, max_grad_norm: float | None) -> dict:
         """This master's share of one step (see `vela_ray.runtime.masters`); its `peer_step` record."""
         before = self.master.dispatcher.counter.snapshot()
         train_step(self.master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm, loss_fn=self.loss_fn,
                    replicas=self.replicas)
-        return peer_step(self.master.dispatcher.counter.snapshot() - before, self.routing.take_counts(), self.migration)
+        return peer_step(self.master.dispatcher.counter.snapshot() - before, self.migration)
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_master_state(self.master, tensors)
@@ -115,9 +108,9 @@ class RayPeers:
 
     def __init__(self, config: JobConfig, handles: list, worker_nodes: list[str], master_node: str, table: np.ndarray):
         self.config = config
-        self.num_masters = config.cluster.num_masters
+        self.num_masters = config.masters.count
         self.nodes = [master_node, *peer_nodes(worker_nodes, master_node, self.num_masters - 1)]
-        env = data_plane_env(config.cluster.inline_bytes, config.cluster.zero_copy_tensors)
+        env = data_plane_env(config.data_plane.inline_bytes, config.data_plane.zero_copy_tensors)
         self.actors = [
             ray.remote(MasterReplica).options(
                 num_cpus=0, num_gpus=config.cluster.master_gpus or 0, max_restarts=0, max_task_retries=0,

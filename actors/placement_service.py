@@ -43,7 +43,7 @@ class PlacementService:
 
     def probe(self, handles: list[Any], sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3,
               enough_s: float = 0.1) -> list[LinkRecord]:
-        """Time `echo` calls of several sizes to each worker alone; fit each worker's link.
+        """Time `ping` calls with payloads of several sizes to each worker alone; fit each worker's link.
 
         One worker at a time: the cost model takes per-worker links, and what links share
         (a NIC) separately (`probe_shared`). (Probing all workers at once, as the broker sends,
@@ -71,7 +71,7 @@ class PlacementService:
 
     def _fit(self, handles: list[Any], sizes: Sequence[int], repeats: int, enough_s: float) -> LinkRecord:
         """seconds = latency + bytes / bandwidth over `handles` probed at once (bytes: all of them together)."""
-        ray.get([h.echo.remote(torch.zeros(1)) for h in handles])  # warm the paths
+        ray.get([h.ping.remote(torch.zeros(1)) for h in handles])  # warm the paths
         samples = []
         for size in sizes:
             payload = torch.zeros(size // 4, dtype=torch.float32)
@@ -84,7 +84,7 @@ class PlacementService:
     @staticmethod
     def _time_echo(handles: list[Any], payload: torch.Tensor) -> float:
         start = time.perf_counter()
-        ray.get([h.echo.remote(payload) for h in handles])
+        ray.get([h.ping.remote(payload) for h in handles])
         return time.perf_counter() - start
 
 

@@ -28,12 +28,14 @@ from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
 from vela_ray.model.transport import InProcessTransport, SplitTransport, Transport
 from vela_ray.config import JobConfig
-from vela_ray.runtime.masters import PeerMasters, SoloMaster
 from vela_ray.runtime.migration import MigrationPlan
-from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
+from vela_ray.runtime.pool import (
+    HostedExperts, PeerMasters, SoloMaster, capacity_from_memory, fill_unmeasured, manager_specs,
+)
 from vela_ray.runtime.local import IN_PROCESS_LINK
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec, MigrationStats
 from vela_ray.training.summary import LinkRecord
+from vela_ray.training.worker_report import hosted_bytes_per_expert
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class RayWorkerPool:
         self.config = config
         self.master_node = master_node
         cluster = config.cluster
-        self.env_vars = data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)
+        self.env_vars = data_plane_env(config.data_plane.inline_bytes, config.data_plane.zero_copy_tensors)
         self.spawn_config = SpawnConfig(
             num_cpus_per_worker=cluster.num_cpus_per_worker, num_gpus_per_worker=cluster.num_gpus_per_worker,
             workers_per_node=cluster.workers_per_node,
@@ -96,12 +98,12 @@ class RayWorkerPool:
         if not self.cluster.handles:
             return None
         tiers = self.cluster.worker_tiers(self.master_node)
-        if self.config.cluster.transport == "collective":  # rows over NCCL where master and workers have GPUs
+        if self.config.data_plane.transport == "collective":  # rows over NCCL where master and workers have GPUs
             return collective_transport(self.cluster.handles, tiers, device=self.local_device)
-        return RayObjectRefTransport(self.cluster.handles, tiers, zero_copy=self.config.cluster.zero_copy_tensors)
+        return RayObjectRefTransport(self.cluster.handles, tiers, zero_copy=self.config.data_plane.zero_copy_tensors)
 
     def start_peers(self, table: np.ndarray) -> PeerMasters:
-        if self.config.cluster.num_masters == 1:
+        if self.config.masters.count == 1:
             return SoloMaster(self.master_node)
         return RayPeers(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table)
 
@@ -164,18 +166,18 @@ class RayWorkerPool:
                                         {link.name.removeprefix("nic:"): measured[link.name] for link in nics})
 
     def measure_compute(self, num_rows: int) -> list[float]:
-        return fill_unmeasured(self._ask_all("seconds_per_row", num_rows))
+        return fill_unmeasured([report.seconds_per_row for report in self._ask_all("report", num_rows)])
 
     def bytes_per_expert(self) -> int:
-        hosting = next(n for n, count in enumerate(self._ask_all("num_experts")) if count)
-        return _value(self._call(hosting, "bytes_per_expert"))
+        return hosted_bytes_per_expert(self._ask_all("report"))
 
     def capacities(self) -> list[int]:
-        return capacity_from_memory(self._ask_all("free_bytes"), self.bytes_per_expert(),
-                                    self._ask_all("memory_pool"))
+        reports = self._ask_all("report")
+        return capacity_from_memory([r.free_bytes for r in reports], hosted_bytes_per_expert(reports),
+                                    [r.memory_pool for r in reports])
 
     def pids(self) -> list[int]:
-        return self._ask_all("pid")
+        return [report.pid for report in self._ask_all("report")]
 
     def _ask_all(self, method: str, *args: Any) -> list[Any]:
         """`method` on every worker: the actors in parallel, then those in this process."""

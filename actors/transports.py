@@ -3,7 +3,7 @@
 All backends implement `vela_ray.model.transport.Transport` and pass the same
 conformance suite (tests/ray/test_transport_conformance.py):
 
-- `collective_transport(...)` (the default, `cluster.transport: collective`): forms
+- `collective_transport(...)` (the default, `data_plane.transport: collective`): forms
   torch.distributed groups with the ExpertManagers through Ray once, then rows travel
   point-to-point with no Ray task per layer (`vela_ray.model.collective.CollectiveTransport`):
   headers over gloo, the rows themselves over NCCL when the master and every worker have
@@ -85,14 +85,14 @@ class RayObjectRefTransport:
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         refs = {
-            w: self.handles[w].forward.remote(
-                ForwardRequest(req.layer, self._compact(req.expert_ids), self._compact(req.rows), req.key))
+            w: self.handles[w].forward_rows.remote(
+                req.layer, self._compact(req.expert_ids), self._compact(req.rows), req.key)
             for w, req in requests.items()
         }
         return self._get(refs)
 
     def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        refs = {w: self.handles[w].backward.remote(key, self._compact(grad)) for w, grad in grads.items()}
+        refs = {w: self.handles[w].backward_rows.remote(key, self._compact(grad)) for w, grad in grads.items()}
         return self._get(refs)
 
     def worker_tiers(self) -> list[LinkTier]:
@@ -133,7 +133,7 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
         raise ClusterError(
             f"the collective data plane did not form within {join_timeout_s:g} s ({first_line(err)}): the "
             f"ExpertManagers join it at {address}:{store.port}, then every rank connects to every other over TCP. "
-            "Open TCP between the nodes, or set cluster.transport: object_ref to send rows through Ray") from None
+            "Open TCP between the nodes, or set data_plane.transport: object_ref to send rows through Ray") from None
     # the workers' devices travel over the control plane; on failure it tells their loops to stop first
     data = form_data_plane(group, store, len(handles), device, data_backend, timeout_s, join_timeout_s, address)
     logger.info("collective data plane over %d expert workers: control over gloo, rows over %s",

@@ -20,10 +20,8 @@ table and written to `--results`:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -33,46 +31,43 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vela_ray.config import JobConfig
-from vela_ray.paths import data_dir
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
-from vela_ray.training import checkpoint
-from vela_ray.training.summary import RunSummary
-from vela_ray.training.tiny_model import cpu_threads, tiny_model_path
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/async_checkpoint.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
-SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
+from benchmarks._harness import SHAKESPEARE, command, parser, run, tiny_job, write_results  # noqa: E402
+from vela_ray.config import JobConfig  # noqa: E402
+from vela_ray.runtime.local import InProcessPool  # noqa: E402
+from vela_ray.runtime.runner import JobRunner  # noqa: E402
+from vela_ray.training import checkpoint  # noqa: E402
+from vela_ray.training.summary import RunSummary  # noqa: E402
+from vela_ray.training.tiny_model import cpu_threads, tiny_model_path  # noqa: E402
+
 MODES = {"sync": False, "async": True}
 logger = logging.getLogger("async_checkpoint")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, Path("benchmarks/results/async_checkpoint.json"), flag="--results",
+               what="where to write the results JSON")
     p.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
     p.add_argument("--every", type=int, default=2, help="checkpoint every N steps (and at the end)")
     p.add_argument("--lora-r", type=int, default=128, help="LoRA rank: sets the checkpoint's size")
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved")
     p.add_argument("--batch-size", type=int, default=8, help="rows per step")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row")
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results/async_checkpoint.json"),
-                   help="where to write the results JSON")
     return p.parse_args(argv)
 
 
 def job(args, out: Path, asynchronous: bool) -> JobConfig:
-    return JobConfig.from_dict({
-        "model": {"path": str(tiny_model_path())},
-        "data": {"kind": "text", "path": str(SHAKESPEARE), "seq_len": args.seq_len, "limit": 1000},
-        "cluster": {"num_workers": 3},
-        "placement": {"solver": "sequential", "profile": "uniform"},  # both modes: the same work per step
-        "lora": {"r": args.lora_r, "alpha": 2 * args.lora_r},
-        "training": {"steps": args.steps, "batch_size": args.batch_size, "optimizer": {"lr": 3e-4}},
-        "checkpoint": {"every": args.every, "keep": args.steps, "asynchronous": asynchronous},
-        "output": {"dir": str(out)},
-    }, source=f"async_checkpoint {'async' if asynchronous else 'sync'}")
+    return JobConfig.from_dict(tiny_job(
+        out, data={"seq_len": args.seq_len, "limit": 1000}, lora={"r": args.lora_r, "alpha": 2 * args.lora_r},
+        training={"steps": args.steps, "batch_size": args.batch_size, "optimizer": {"lr": 3e-4}},
+        checkpoint={"every": args.every, "keep": args.steps, "asynchronous": asynchronous},
+    ), source=f"async_checkpoint {'async' if asynchronous else 'sync'}")
 
 
-def run(args, out: Path, asynchronous: bool) -> RunSummary:
+def run_mode(args, out: Path, asynchronous: bool) -> RunSummary:
     config = job(args, out, asynchronous)
     summary = JobRunner(config, InProcessPool(config)).run()
     stalls = summary.timings_s["checkpoint_stall_s"]
@@ -118,25 +113,22 @@ def table(rows: dict[str, dict], size_mb: float) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("vela_ray").setLevel(logging.WARNING)  # one line per run, not per step
     torch.set_num_threads(cpu_threads())
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/async_checkpoint.py", *(argv or sys.argv[1:])])
     root = Path(tempfile.mkdtemp(prefix="vela-async-checkpoint-"))
     start = time.perf_counter()
     summaries: dict[str, list[RunSummary]] = {mode: [] for mode in MODES}
     for repeat in range(args.repeats):
         order = list(MODES) if repeat % 2 == 0 else list(MODES)[::-1]
         for mode in order:
-            summaries[mode].append(run(args, root / f"{mode}-{repeat}", MODES[mode]))
+            summaries[mode].append(run_mode(args, root / f"{mode}-{repeat}", MODES[mode]))
     files = {mode: tensor_files(root / f"{mode}-0" / "checkpoints") for mode in MODES}
     last = checkpoint.step_dirs(root / "sync-0" / "checkpoints")[-1]
     size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
     rows = {mode: view(runs) for mode, runs in summaries.items()}
     shutil.rmtree(root)  # every checkpoint of every run: gigabytes at the default rank
     results = {
-        "command": command,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": command(__file__, argv),
+        "settings": vars(args),
         "model": str(tiny_model_path()), "data": str(SHAKESPEARE), "pool": "in-process (InProcessPool)",
         "cpus": os.cpu_count(), "load_average_1min_at_end": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
@@ -157,10 +149,9 @@ def main(argv=None) -> None:
             "load_average_1min_at_end": "1-minute load average when done (other work on the machine)",
         },
     }
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.results, results)
     print(table(rows, size / 1e6))
 
 
 if __name__ == "__main__":
-    main()
+    run(main, quiet=["vela_ray"])  # vela_ray: one line per run, not per step

@@ -6,7 +6,7 @@
                   what a user tries first
     vela_tiers    vela-ray, first order: the backbone (attention, norms, embeddings, its LoRA and AdamW) on
                   the GPU, one in-process ExpertManager on the master's process with APTMoE's tiers
-                  (`cluster.expert_tiers`): frozen expert weights in pinned host memory, a bounded device
+                  (`expert_tiers`): frozen expert weights in pinned host memory, a bounded device
                   cache of `--cache-experts` experts, each expert of a request computed on the CPU or the GPU
                   as Eq. 1 decides (`vela_ray.training.tiered`)
     vela_zo       the same placement, `training.method: zo` (MeZO's ZO-SGD, `vela_ray.training.zo`): two
@@ -93,15 +93,16 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the repository root first, as in every benchmark here (tests import this file)
+if str(ROOT) not in sys.path:  # run as `python benchmarks/big_on_one_gpu.py`: the root, for benchmarks._harness
     sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._harness import command, parser, run, write_results  # noqa: E402
 from benchmarks.gpu_step import (  # noqa: E402
-    LR, MAX_GRAD_NORM, Setup, error_line, expert_specs, no_cuda_message, random_model, write_json)
+    LR, MAX_GRAD_NORM, Setup, error_line, expert_specs, no_cuda_message, random_model)
 
 RESULTS = ROOT / "benchmarks" / "results" / "big_on_one_gpu.json"
 SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
@@ -128,7 +129,7 @@ PAPERS = [
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, what=f"results JSON (default on a GPU: {RESULTS.relative_to(ROOT)})")
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="setups to run")
     p.add_argument("--layers", type=int, default=32, help="Mixtral-8x7B layers of its 32 (fewer for quick tries)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
@@ -153,7 +154,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cpu only: peft_offload offloads its second half of layers to disk, the CPU executing "
                         "(accelerate's hooks and the peft fix-ups without a GPU)")
     p.add_argument("--seed", type=int, default=0, help="weights, LoRA init and tokens")
-    p.add_argument("--out", type=Path, help=f"results JSON (default on a GPU: {RESULTS.relative_to(ROOT)})")
     args = p.parse_args(argv)
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 32)
@@ -268,7 +268,7 @@ class Run(Setup):
     """`gpu_step.Setup` plus what the results report about it."""
 
     info: dict = field(default_factory=dict)  # how it was built (load path, offload, fix-ups, cache)
-    tiers: Callable[[], object] | None = None  # the ExpertManager's `tier_stats`, for the vela setups
+    tiers: Callable[[], object] | None = None  # the ExpertManager's tier counters, for the vela setups
     model: nn.Module | None = None  # the trained (peft) model, for tests
 
 
@@ -474,7 +474,7 @@ class VelaHost:
         # runs inside the broker's autograd Function, whose no-grad mode fails its backward (in-process only:
         # an actor's thread has grad on; `tiered.seconds_per_row` would need its own torch.enable_grad())
         with torch.enable_grad():
-            self.manager.tiered.measured_speeds()
+            self.manager.tiers.measured_speeds()
         model = random_model(config, dtype, device, with_experts=False, seed=args.seed)
         self.master = build_master(model, table, InProcessTransport([self.manager]),
                                    LoraSpec(r=args.rank, alpha=2.0 * args.rank), OptimizerConfig(lr=LR))
@@ -498,7 +498,7 @@ class VelaHost:
 
     def run(self, method: str) -> Run:
         step = self.first_order if method == "first_order" else self.zo
-        return Run(step, info={"method": method, **self.info}, tiers=self.manager.tier_stats)
+        return Run(step, info={"method": method, **self.info}, tiers=lambda: self.manager.report().tiers)
 
     def close(self) -> None:
         self.__dict__.clear()
@@ -662,8 +662,7 @@ def print_table(results: dict, summary: dict) -> None:
 def report(argv, args, device: torch.device, config, dtype: torch.dtype, results: dict) -> dict:
     """The results JSON: the command, the machine, the model, each setup's results and the ratios so far."""
     return {
-        "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/big_on_one_gpu.py", *argv]),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": command(__file__, argv), "args": vars(args),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "model": {"name": "Mixtral-8x7B dimensions, random weights" + (" (tiny)" if args.tiny else ""),
@@ -708,9 +707,9 @@ def main(argv=None) -> int:
                 host.close()
             host = None
         if out:  # after every setup: a later crash (or timeout) keeps what ran
-            write_json(out, report(argv, args, device, config, dtype, results))
+            write_results(out, report(argv, args, device, config, dtype, results))
     print_table(results, ratios(results, device.type == "cuda"))
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -4,7 +4,7 @@ One run on the demo job (tiny pre-trained Mixtral, Tiny Shakespeare, 3 ExpertMan
 a checkpoint every `--every` steps), all on one local Ray started as `VelaJob` starts it:
 
   * reference: the job uninterrupted; its losses are what the recovered runs must equal.
-  * in place (`cluster.on_worker_loss: recover`): SIGKILL ExpertManager 1 as soon as the
+  * in place (`fault_tolerance.on_worker_loss: recover`): SIGKILL ExpertManager 1 as soon as the
     checkpoint of step `--every` is published; the run replaces the worker, rolls back to
     that checkpoint, replays and finishes. Kill to next step = `recoveries[0].restored_at`
     minus the kill's `time.time()` (master and benchmark share this machine's clock).
@@ -26,13 +26,9 @@ under "what") to `--results`:
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 import re
-import shlex
-import signal
 import sys
 import tempfile
 import threading
@@ -44,35 +40,35 @@ import numpy as np
 import ray
 import torch
 
-from actors.pool import RayWorkerPool
-from placement import PlacementProblem, sequential_table, solve
-from vela_ray.api import VelaJob
-from vela_ray.config import JobConfig
-from vela_ray.demo import demo_config
-from vela_ray.errors import WorkerLostError
-from vela_ray.training import checkpoint
-from vela_ray.training.summary import RunSummary
-
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python benchmarks/checkpoint_recovery.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(REPO))
+
+from actors.pool import RayWorkerPool  # noqa: E402
+from benchmarks._harness import command, kill_when, parser, run, write_results  # noqa: E402
+from placement import PlacementProblem, sequential_table, solve  # noqa: E402
+from vela_ray.api import VelaJob  # noqa: E402
+from vela_ray.config import JobConfig  # noqa: E402
+from vela_ray.demo import demo_config  # noqa: E402
+from vela_ray.errors import WorkerLostError  # noqa: E402
+from vela_ray.training import checkpoint  # noqa: E402
+from vela_ray.training.summary import RunSummary  # noqa: E402
+
 PROFILE = REPO / "benchmarks" / "results" / "locality" / "P_shakespeare.npy"
-KILLED_WORKER = 1
-KILL_TIMEOUT_S = 900
+KILLED_WORKER = 1  # kill_when's victim
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps of the job")
-    parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps (the kill follows the first)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of each job-setup variant")
-    parser.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
-    parser.add_argument("--results", default="benchmarks/results/checkpoint_recovery.json",
-                        help="where to write the results JSON")
-    args = parser.parse_args()
+    p = parser(__doc__, "benchmarks/results/checkpoint_recovery.json", flag="--results",
+               what="where to write the results JSON")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of the job")
+    p.add_argument("--every", type=int, default=5, help="checkpoint every N steps (the kill follows the first)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of each job-setup variant")
+    p.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
+    args = p.parse_args()
     if args.every >= args.steps:
-        parser.error("--every must be below --steps: the kill follows the checkpoint of step --every")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        p.error("--every must be below --steps: the kill follows the checkpoint of step --every")
     out = Path(args.out or tempfile.mkdtemp(prefix="vela-recovery-"))
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
 
     ray_init_s = _connect()
     try:
@@ -90,7 +86,7 @@ def main() -> None:
 
     start_migration = next((m for m in reference.migrations if m.reason == "start"), None)
     result = {
-        "command": command,
+        "command": command(__file__),
         "steps": args.steps,
         "checkpoint_every": args.every,
         "killed_worker": KILLED_WORKER,
@@ -109,10 +105,7 @@ def main() -> None:
     result["what"] = {key: text for key, text in WHAT.items() if key in result}
     missing = [key for key in result if key not in WHAT and key != "what"]
     assert not missing, f"figures without a 'what': {missing}"
-    text = json.dumps(result, indent=1)
-    print(text)
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(text + "\n")
+    print(write_results(args.results, result))
 
 
 WHAT = {
@@ -190,37 +183,22 @@ def _connect() -> float:
     return time.perf_counter() - start
 
 
-def _job_config(out: Path, steps: int, every: int, **cluster) -> JobConfig:
+def _job_config(out: Path, steps: int, every: int, **fault_tolerance) -> JobConfig:
     base = demo_config(out, steps=steps)
     return base.model_copy(update={
         "checkpoint": base.checkpoint.model_copy(update={"every": every}),
-        "cluster": base.cluster.model_copy(update=cluster),
+        "fault_tolerance": base.fault_tolerance.model_copy(update=fault_tolerance),
     })
 
 
-def _kill_after_checkpoint(config: JobConfig, step: int, killed: dict) -> threading.Thread:
-    """A thread that SIGKILLs worker KILLED_WORKER once the checkpoint of `step` is published."""
-    workers = Path(config.output.dir) / "workers.json"
-    published = config.checkpoint_root / f"step-{step:06d}"  # renamed into place after its manifest
-
-    def kill() -> None:
-        deadline = time.monotonic() + KILL_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if workers.is_file() and published.is_dir():
-                pid = json.loads(workers.read_text())["pids"][KILLED_WORKER]
-                os.kill(pid, signal.SIGKILL)
-                killed["pid"], killed["at"] = pid, time.time()
-                return
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
+def _kill_after_checkpoint(config: JobConfig, step: int) -> tuple[threading.Thread, dict]:
+    """kill_when: SIGKILL worker KILLED_WORKER once the checkpoint of `step` is published (renamed into place
+    after its manifest)."""
+    return kill_when(config.output.dir, (config.checkpoint_root / f"step-{step:06d}").is_dir)
 
 
 def _in_place(config: JobConfig, every: int, reference: RunSummary) -> dict:
-    killed: dict = {}
-    killer = _kill_after_checkpoint(config, every, killed)
+    killer, killed = _kill_after_checkpoint(config, every)
     start = time.time()
     summary = VelaJob(config).run()
     run_s = time.time() - start
@@ -229,8 +207,8 @@ def _in_place(config: JobConfig, every: int, reference: RunSummary) -> dict:
         raise SystemExit("in place: the job finished before the worker was killed; use more --steps")
     recovery = summary.recoveries[0]
     return {
-        "in_place_kill_to_next_step_seconds": recovery.restored_at - killed["at"],
-        "in_place_detect_seconds": recovery.restored_at - recovery.seconds - killed["at"],
+        "in_place_kill_to_next_step_seconds": recovery.restored_at - killed["wall"],
+        "in_place_detect_seconds": recovery.restored_at - recovery.seconds - killed["wall"],
         "in_place_recovery_seconds": recovery.seconds,
         "in_place_failed_step": recovery.step,
         "in_place_checkpoint_step": recovery.checkpoint_step,
@@ -241,8 +219,7 @@ def _in_place(config: JobConfig, every: int, reference: RunSummary) -> dict:
 
 
 def _stop_and_resume(config: JobConfig, every: int, reference: RunSummary) -> dict:
-    killed: dict = {}
-    _kill_after_checkpoint(config, every, killed)
+    _, killed = _kill_after_checkpoint(config, every)
     try:
         VelaJob(config).run()
         raise SystemExit("stop-and-resume: the job finished before the worker was killed; use more --steps")
@@ -260,7 +237,7 @@ def _stop_and_resume(config: JobConfig, every: int, reference: RunSummary) -> di
     train_s = float(summary.timings_s["train_s"])
     final_manifest = config.checkpoint_root / f"step-{config.training.steps:06d}" / checkpoint.MANIFEST
     first_step_at = final_manifest.stat().st_mtime - train_s
-    detect_s, to_first_step = stopped - killed["at"], first_step_at - start
+    detect_s, to_first_step = stopped - killed["wall"], first_step_at - start
     failed_step = int(failed.group(1)) if failed else None
     return {
         "checkpoint_bytes": size,
@@ -324,7 +301,7 @@ def _setup_times(config: JobConfig, repeats: int) -> dict:
     def migrate() -> None:
         nonlocal checked
         pool.migrate(solved)
-        hosted = ray.get([h.num_experts.remote() for h in pool.cluster.handles])
+        hosted = [r.num_experts for r in ray.get([h.report.remote() for h in pool.cluster.handles])]
         checked &= hosted == np.bincount(solved.ravel(), minlength=workers).tolist()
 
     variants: dict[str, Callable[[], None]] = {"respawn": respawn, "migrate": migrate}
@@ -346,7 +323,7 @@ def _setup_times(config: JobConfig, repeats: int) -> dict:
     second_medians = {name: float(np.median(v)) for name, v in second.items()}
     return {
         "setup_pool": f"RayWorkerPool, {workers} ExpertManagers x {config.cluster.num_cpus_per_worker} CPU, "
-                      f"transport {config.cluster.transport}",
+                      f"transport {config.data_plane.transport}",
         "setup_table_source": source,
         "setup_moved_experts": int((sequential != solved).sum()),
         "setup_experts_per_worker_sequential": np.bincount(sequential.ravel(), minlength=workers).tolist(),
@@ -367,4 +344,4 @@ def _setup_times(config: JobConfig, repeats: int) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

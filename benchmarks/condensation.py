@@ -17,9 +17,7 @@ written to `--results`:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shlex
 import sys
 import tempfile
 import time
@@ -28,19 +26,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vela_ray.config import JobConfig
-from vela_ray.paths import data_dir
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
-from vela_ray.training.summary import RunSummary
-from vela_ray.training.tiny_model import cpu_threads, tiny_model_path
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/condensation.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
-WIKITEXT = data_dir() / "wikitext-2" / "valid.txt"
+from benchmarks._harness import WIKITEXT, command, parser, run, tiny_job, write_results  # noqa: E402
+from vela_ray.config import JobConfig  # noqa: E402
+from vela_ray.runtime.local import InProcessPool  # noqa: E402
+from vela_ray.runtime.runner import JobRunner  # noqa: E402
+from vela_ray.training.summary import RunSummary  # noqa: E402
+from vela_ray.training.tiny_model import cpu_threads, tiny_model_path  # noqa: E402
+
 logger = logging.getLogger("condensation")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, Path("benchmarks/results/condensation.json"), flag="--results",
+               what="where to write the results JSON")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--thresholds", default="adaptive,0.9,0.7",
                    help="comma-separated condensation settings to compare with the exact run")
@@ -49,8 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=1200, help="rows of WikiText-2 (5%% held out for eval loss)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (3 warmup steps, then constant)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches of the final eval loss")
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results/condensation.json"),
-                   help="where to write the results JSON")
     return p.parse_args(argv)
 
 
@@ -61,18 +61,12 @@ def job(args, out: Path, threshold: str | None) -> JobConfig:
     if threshold is not None:
         training["condensation"] = {"enabled": True,
                                     "threshold": threshold if threshold == "adaptive" else float(threshold)}
-    return JobConfig.from_dict({
-        "model": {"path": str(tiny_model_path())},
-        "data": {"kind": "text", "path": str(WIKITEXT), "seq_len": args.seq_len, "limit": args.limit},
-        "cluster": {"num_workers": 3},
-        # fixed placement: both runs move the same rows to the same workers, so bytes compare directly
-        "placement": {"solver": "sequential", "profile": "uniform"},
-        "training": training,
-        "output": {"dir": str(out)},
-    }, source=f"condensation {threshold or 'off'}")
+    # tiny_job's fixed placement: both runs move the same rows to the same workers, so bytes compare directly
+    return JobConfig.from_dict(tiny_job(out, data={"path": str(WIKITEXT), "seq_len": args.seq_len, "limit": args.limit},
+                                        training=training), source=f"condensation {threshold or 'off'}")
 
 
-def run(args, label: str, threshold: str | None, root: Path) -> dict:
+def run_setting(args, label: str, threshold: str | None, root: Path) -> dict:
     config = job(args, root / label, threshold)
     start = time.perf_counter()
     summary = JobRunner(config, InProcessPool(config)).run()
@@ -127,23 +121,19 @@ def table(rows: dict[str, dict]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("vela_ray").setLevel(logging.WARNING)  # one line per run, not per step
     torch.set_num_threads(cpu_threads())
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/condensation.py", *(argv or sys.argv[1:])])
     root = Path(tempfile.mkdtemp(prefix="vela-condensation-"))
     settings = {"exact": None, **{f"condensed {t}": t for t in args.thresholds.split(",")}}
     start = time.perf_counter()
-    runs = {label: run(args, label, threshold, root) for label, threshold in settings.items()}
+    runs = {label: run_setting(args, label, threshold, root) for label, threshold in settings.items()}
     exact = runs["exact"]["summary"]
     rows = {label: view(r["summary"], exact, r["wall_s"]) for label, r in runs.items()}
-    results = {"command": command, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    results = {"command": command(__file__, argv), "settings": vars(args),
                "model": str(tiny_model_path()), "data": str(WIKITEXT), "torch_threads": torch.get_num_threads(),
                "benchmark_wall_s": time.perf_counter() - start, "runs": rows}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.results, results)
     print(table(rows))
 
 
 if __name__ == "__main__":
-    main()
+    run(main, quiet=["vela_ray"])  # vela_ray: one line per run, not per step

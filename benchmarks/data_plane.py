@@ -6,7 +6,7 @@ T tokens, top-2: ~R/N rows of D floats per worker), through:
 
     ray_default       RayObjectRefTransport, Ray as shipped: tensors pickled by torch,
                       args/results over 100 KiB go through the object store
-    inline            + RAY_max_direct_call_object_size = cluster.inline_bytes: rows and
+    inline            + RAY_max_direct_call_object_size = data_plane.inline_bytes: rows and
                       results ride inside the task RPC
     inline_zero_copy  + RAY_ENABLE_ZERO_COPY_TORCH_TENSORS (the object-ref default,
                       `actors.transports.data_plane_env`)
@@ -19,7 +19,7 @@ T tokens, top-2: ~R/N rows of D floats per worker), through:
                       argument of a task on it, so the broker runs in a master actor that stages
                       each worker's rows in a task on itself and collects the results in
                       another (`RdtMaster`); the env is the object-ref default's
-    collective_bf16   the collective plane with `cluster.row_format: bfloat16` (LOSSY): rows, results
+    collective_bf16   the collective plane with `data_plane.row_format: bfloat16` (LOSSY): rows, results
     collective_fp8    and gradients in bf16, or float8 with a scale per row (`vela_ray.model.wire`)
     raw_p2p           the floor: the same experts in plain processes, the same rows over
                       gloo point-to-point with no headers, no Ray, shapes known in advance
@@ -61,7 +61,10 @@ from pathlib import Path
 import ray
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
+if str(ROOT) not in sys.path:  # run as `python benchmarks/data_plane.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import command, parser, run, write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_plane.json"
 SETTINGS = ("ray_default", "inline", "inline_zero_copy", "rdt_gloo", "collective", "collective_bf16",
@@ -70,7 +73,7 @@ ROW_FORMATS = {"collective_bf16": "bfloat16", "collective_fp8": "float8"}  # the
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, RESULTS)
     p.add_argument("--hidden", type=int, default=128, help="hidden size D (the tiny demo model's)")
     p.add_argument("--intermediate", type=int, default=256, help="expert intermediate size")
     p.add_argument("--experts", type=int, default=8, help="experts per layer")
@@ -79,16 +82,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=40, help="timed round trips per setting and round")
     p.add_argument("--rounds", type=int, default=2, help="times each setting runs, alternating")
     p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS), help="settings to run")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     p.add_argument("--child", choices=SETTINGS, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def setting_env(setting: str) -> dict[str, str]:
     from actors.transports import data_plane_env
-    from vela_ray.config import ClusterSection
+    from vela_ray.config import DataPlaneSection
 
-    inline = ClusterSection().inline_bytes
+    inline = DataPlaneSection().inline_bytes
     return {"ray_default": {}, "inline": data_plane_env(inline, False)}.get(setting, data_plane_env(inline, True))
 
 
@@ -180,13 +182,11 @@ class RdtExpertManager:
 
     @ray.method(tensor_transport="gloo")
     def forward(self, rows_RD, layer: int, expert_ids_R, key):
-        from vela_ray.model.transport import ForwardRequest
-
-        return self.manager.forward(ForwardRequest(layer, expert_ids_R, rows_RD, key))
+        return self.manager.forward_rows(layer, expert_ids_R, rows_RD, key)
 
     @ray.method(tensor_transport="gloo")
     def backward(self, grad_RD, key):
-        return self.manager.backward(key, grad_RD)
+        return self.manager.backward_rows(key, grad_RD)
 
 
 @ray.remote(max_concurrency=4)  # threads: `stage` and `collect` run while a round trip waits on them
@@ -365,12 +365,11 @@ def main() -> None:
         mib = f"{trip_bytes[s] / 2**20:.2f}" if s in trip_bytes else "-"
         print(f"{s:<18}{1e3 * medians[s]:>10.2f}{mib:>10}"
               + "".join(f"{medians[s] / medians[r]:>19.2f}" for r in references))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args) | {"out": str(args.out)},
-                                    "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
-                                    "median_s": medians, "bytes_per_trip": trip_bytes, "rows_per_worker": rows,
-                                    "seconds": times}, indent=1))
+    write_results(args.out, {"command": command(__file__), "args": vars(args),
+                             "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
+                             "median_s": medians, "bytes_per_trip": trip_bytes, "rows_per_worker": rows,
+                             "seconds": times})
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -25,7 +25,6 @@ rows (about 30 s on one core); OLMoE itself: --hidden 2048 --intermediate 1024 -
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -41,9 +40,14 @@ from torch import nn
 from transformers import OlmoeConfig
 from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
 
-from vela_ray.model import experts as experts_mod
-from vela_ray.model.adapters import fuse_expert_factors
-from vela_ray.model.experts import LayerExperts, LoraSpec, slot_name
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/expert_compute.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import command, parser, run, write_results  # noqa: E402
+from vela_ray.model import experts as experts_mod  # noqa: E402
+from vela_ray.model.adapters import fuse_expert_factors  # noqa: E402
+from vela_ray.model.experts import LayerExperts, LoraSpec, slot_name  # noqa: E402
 
 Step = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # rows -> (outputs, d rows)
 
@@ -180,19 +184,18 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=1024, help="D (OLMoE: 2048)")
-    parser.add_argument("--intermediate", type=int, default=512, help="expert intermediate size I (OLMoE: 1024)")
-    parser.add_argument("--experts", type=int, default=8, help="local experts of the layer")
-    parser.add_argument("--rows", type=int, default=2048, help="rows routed to the shard (OLMoE-scale: 4096)")
-    parser.add_argument("--rank", type=int, default=8, help="LoRA r (alpha = 2r)")
-    parser.add_argument("--skew", type=float, default=1.0, help="routing P(e) ~ (e+1)^-skew")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--repeats", type=int, default=9, help="timed repetitions of each way (after one warm-up)")
-    parser.add_argument("--transformers", nargs="*", default=["grouped_mm", "eager"],
-                        help="transformers experts implementations to run with peft")
-    parser.add_argument("--out", type=Path, help="results JSON")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--hidden", type=int, default=1024, help="D (OLMoE: 2048)")
+    p.add_argument("--intermediate", type=int, default=512, help="expert intermediate size I (OLMoE: 1024)")
+    p.add_argument("--experts", type=int, default=8, help="local experts of the layer")
+    p.add_argument("--rows", type=int, default=2048, help="rows routed to the shard (OLMoE-scale: 4096)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA r (alpha = 2r)")
+    p.add_argument("--skew", type=float, default=1.0, help="routing P(e) ~ (e+1)^-skew")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--repeats", type=int, default=9, help="timed repetitions of each way (after one warm-up)")
+    p.add_argument("--transformers", nargs="*", default=["grouped_mm", "eager"],
+                   help="transformers experts implementations to run with peft")
+    args = p.parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     layer = build_layer(args, generator)
@@ -216,7 +219,7 @@ def main() -> None:
 
     base_wall, base_cpu = (statistics.median(t["per-expert loop (before)"]) for t in (wall, cpu))
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": command(__file__),
         "setup": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": "float32", "device": "cpu",
                   "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
                   "rows_per_expert": torch.bincount(local_R, minlength=args.experts).tolist()},
@@ -230,11 +233,8 @@ def main() -> None:
                         "max_rel_error_d_rows_vs_baseline": errors[name][1]}
                  for name in steps},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print(write_results(args.out, result))
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -46,11 +45,13 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the repository root first, as in every benchmark here (tests import this file)
+if str(ROOT) not in sys.path:  # run as `python benchmarks/gpu_step.py`: the root, for benchmarks._harness
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from benchmarks._harness import command, parser, run, write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_step.json"
 MODELS = ("olmoe", "qwen3")
@@ -59,7 +60,7 @@ LR, MAX_GRAD_NORM = 1e-4, 1.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, what=f"results JSON (default on a GPU: {RESULTS.relative_to(ROOT)})")
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to run")
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="setups to run")
     p.add_argument("--layers", type=int, default=12,
@@ -75,7 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="toy dimensions (2 layers, hidden 64) and batch 2 x 32")
     p.add_argument("--seed", type=int, default=0, help="weights, LoRA init and tokens")
-    p.add_argument("--out", type=Path, help=f"results JSON (default on a GPU: {RESULTS.relative_to(ROOT)})")
     args = p.parse_args(argv)
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 32)
@@ -239,7 +239,9 @@ def error_line(exc: BaseException) -> str:
 
 def run_setup(name: str, model: str, args: argparse.Namespace, device: torch.device) -> dict:
     """Build `name` for `model`, run its steps; tokens/s and GPU memory, or the error that stopped it."""
-    dtype = getattr(torch, args.dtype)
+    from vela_ray.model.dtypes import torch_dtype
+
+    dtype = torch_dtype(args.dtype)
     cuda = device.type == "cuda"
     setup, seconds, losses = None, [], []
     try:
@@ -294,15 +296,6 @@ def print_table(results: dict) -> None:
             print(f"{model:<8}{name:<18}{r['tokens_per_s']:>10.0f}{r['median_step_s']:>9.2f}{peak:>14}{ratio:>14}")
 
 
-def write_json(out: Path, payload: dict) -> None:
-    """Write `payload` to `out` through a .tmp and a rename: a crash or kill mid-write leaves the previous
-    complete file, never half of one."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, out)
-
-
 def no_cuda_message(script: str) -> str | None:
     """The one line a GPU benchmark exits with where CUDA is asked for and absent (None: CUDA is here)."""
     if torch.cuda.is_available():
@@ -327,9 +320,8 @@ def main(argv=None) -> int:
             print(f"{model} {name} ...", flush=True)
             results.setdefault(model, {})[name] = run_setup(name, model, args, device)
             if out:  # after every setup: a later crash (or timeout) keeps what ran
-                write_json(out, {
-                    "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/gpu_step.py", *argv]),
-                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                write_results(out, {
+                    "command": command(__file__, argv), "args": vars(args),
                     "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
                                else platform.processor() or "cpu"),
                     "torch": torch.__version__, "results": results})
@@ -338,4 +330,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -30,9 +31,14 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vela_ray.observability import plots
-from vela_ray.data.datasets import DataConfig, TokenizedDataset, batch_at, iterate_batches, sequential_batches
-from vela_ray.data.locality import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/locality_study.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import SHAKESPEARE, WIKITEXT, parser, run, write_results  # noqa: E402
+from vela_ray.data.datasets import (  # noqa: E402
+    DataConfig, TokenizedDataset, batch_at, iterate_batches, sequential_batches)
+from vela_ray.data.locality import (  # noqa: E402
     AccessProfile,
     DriftTracker,
     RoutingRecorder,
@@ -40,15 +46,17 @@ from vela_ray.data.locality import (
     skew,
     total_variation,
 )
-from vela_ray.model.modeling import find_moe_blocks, top_k_of
-from vela_ray.paths import REPO_ROOT, data_dir
-from vela_ray.training.tiny_model import cpu_threads, tiny_model_path
+from vela_ray.model.modeling import find_moe_blocks, top_k_of  # noqa: E402
+from vela_ray.observability import plots  # noqa: E402
+from vela_ray.paths import data_dir  # noqa: E402
+from vela_ray.training.tiny_model import cpu_threads, tiny_model_path  # noqa: E402
 
 log = logging.getLogger("locality_study")
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, ROOT / "benchmarks" / "results" / "locality",
+               what="directory for PNGs, profiles and results.json")
     p.add_argument("--model", type=Path, help="model directory (default: the cached default tiny Mixtral)")
     p.add_argument("--steps", type=int, default=300, help="LoRA fine-tuning steps (paper: 300)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per fine-tuning step")
@@ -61,8 +69,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of Shakespeare held out")
     p.add_argument("--seed", type=int, default=0, help="data order and LoRA init seed")
     p.add_argument("--threads", type=int, help="torch threads (default: idle cores)")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "locality",
-                   help="directory for PNGs, profiles and results.json")
     return p.parse_args()
 
 
@@ -187,7 +193,6 @@ def markdown_tables(rows: list[dict], profiles: dict[str, AccessProfile], pairwi
 
 def main() -> None:
     args = parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
@@ -201,8 +206,7 @@ def main() -> None:
     study_started = time.perf_counter()
 
     # 2. Tiny Shakespeare before fine-tuning: all of it, as the paper does (Fig. 3a, 3b)
-    shakespeare = DataConfig(kind="text", path=data_dir() / "tinyshakespeare" / "input.txt",
-                             seq_len=args.seq_len).build(tokenizer)
+    shakespeare = DataConfig(kind="text", path=SHAKESPEARE, seq_len=args.seq_len).build(tokenizer)
     p0 = profile_dataset(model, blocks, "Tiny Shakespeare", shakespeare)
     train, held_out = shakespeare.split(args.eval_fraction, args.seed)
 
@@ -223,8 +227,7 @@ def main() -> None:
     with peft_model.disable_adapter():
         profiles = {"Tiny Shakespeare": p0}
         others = {
-            "WikiText-2 (pre-training)": DataConfig(kind="text", path=data_dir() / "wikitext-2" / "valid.txt",
-                                                    seq_len=args.seq_len),
+            "WikiText-2 (pre-training)": DataConfig(kind="text", path=WIKITEXT, seq_len=args.seq_len),
             "GSM8K": DataConfig(kind="instruct", path=data_dir() / "instruct" / "gsm8k_alpaca.json",
                                 seq_len=args.instruct_seq_len, limit=args.instruct_examples),
             "Alpaca seed tasks": DataConfig(kind="instruct", path=data_dir() / "instruct" / "alpaca_seed_tasks.jsonl",
@@ -271,11 +274,11 @@ def main() -> None:
         "table_markdown": table,
     }
     results["model_build_info"].pop("losses", None)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_results(args.out / "results.json", results)
     print(table)
     log.info("study took %.0f s (fine-tuning %.0f s); results in %s",
              results["seconds"]["study_excluding_build"], finetune_seconds, args.out)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

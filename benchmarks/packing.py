@@ -12,8 +12,6 @@ them), padded and packed, and reports non-padding tokens per second of step time
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import sys
 import tempfile
@@ -22,12 +20,17 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
-from vela_ray.config import JobConfig
-from vela_ray.data.datasets import DataConfig
-from vela_ray.paths import data_dir
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
-from vela_ray.training.tiny_model import TinyModelConfig, tiny_model_path
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/packing.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import command, parser, run, tiny_job, write_results  # noqa: E402
+from vela_ray.config import JobConfig  # noqa: E402
+from vela_ray.data.datasets import DataConfig  # noqa: E402
+from vela_ray.paths import data_dir  # noqa: E402
+from vela_ray.runtime.local import InProcessPool  # noqa: E402
+from vela_ray.runtime.runner import JobRunner  # noqa: E402
+from vela_ray.training.tiny_model import TinyModelConfig, tiny_model_path  # noqa: E402
 
 GSM8K = data_dir() / "instruct" / "gsm8k_alpaca.json"
 
@@ -58,16 +61,10 @@ def model_dir(tokenizer, seq_len: int, out: Path) -> Path:
 
 
 def train(model: Path, out: Path, seq_len: int, steps: int, batch_size: int, limit: int, packing: bool) -> dict:
-    job = {
-        "model": {"path": str(model)},
-        "data": {"kind": "instruct", "path": str(GSM8K), "seq_len": seq_len, "limit": limit, "packing": packing},
-        "cluster": {"num_workers": 2},
-        "placement": {"solver": "sequential", "profile": "uniform"},
-        "training": {"steps": steps, "batch_size": batch_size, "eval_every": 0, "log_every": steps},
-        "checkpoint": {"every": 0},
-        "output": {"dir": str(out)},
-    }
-    config = JobConfig.from_dict(job)
+    data = {"kind": "instruct", "path": str(GSM8K), "seq_len": seq_len, "limit": limit, "packing": packing}
+    training = {"steps": steps, "batch_size": batch_size, "eval_every": 0, "log_every": steps}
+    config = JobConfig.from_dict(tiny_job(out, model, data=data, cluster={"num_workers": 2}, training=training,
+                                          checkpoint={"every": 0}))
     config.preflight()
     summary = JobRunner(config, InProcessPool(config)).run()
     timed = summary.history[1:]  # the first step warms up allocators and caches
@@ -80,17 +77,15 @@ def train(model: Path, out: Path, seq_len: int, steps: int, batch_size: int, lim
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first is not timed)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--limit", type=int, default=2000, help="GSM8K examples the training runs use")
-    parser.add_argument("--out", type=Path, help="results JSON")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    p = parser(__doc__)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8, help="training steps per run (the first is not timed)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, default=2000, help="GSM8K examples the training runs use")
+    args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
-    result = {"command": "python " + " ".join(sys.argv), "data": str(GSM8K.name), "seq_len": args.seq_len,
+    result = {"command": command(__file__), "data": str(GSM8K.name), "seq_len": args.seq_len,
               "whole_file": padding_waste(tokenizer, args.seq_len)}
     with tempfile.TemporaryDirectory(prefix="vela-packing-") as tmp:
         model = model_dir(tokenizer, args.seq_len, Path(tmp) / "model")
@@ -98,11 +93,8 @@ def main() -> None:
                 for name, packing in (("padded", False), ("packed", True))}
     result["training"] = runs
     result["tokens_per_s_packed_over_padded"] = runs["packed"]["tokens_per_s"] / runs["padded"]["tokens_per_s"]
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print(write_results(args.out, result))
 
 
 if __name__ == "__main__":
-    main()
+    run(main, level=logging.WARNING)

@@ -54,7 +54,6 @@ Run: python benchmarks/paper_scale.py   (under a minute on 2 cores, mostly `repl
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -62,8 +61,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # not benchmarks/: its placement.py would shadow the package
+if str(ROOT) not in sys.path:  # run as `python benchmarks/paper_scale.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
+from benchmarks._harness import parser, run, write_results  # noqa: E402
 from placement import (  # noqa: E402
     PlacementProblem,
     cost_report,
@@ -98,9 +99,8 @@ LEGEND = ("ep: expert parallelism, 6 ranks. sequential to improved: one master o
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, RESULTS, what="where to save the numbers (JSON)")
     p.add_argument("--seed", type=int, default=0, help="seed of the expert-id permutations and the solvers")
-    p.add_argument("--out", type=Path, default=RESULTS, help="where to save the numbers (JSON)")
     return p.parse_args()
 
 
@@ -233,9 +233,12 @@ def markdown(results: dict) -> str:
     return "\n".join([*lines, "", LEGEND])
 
 
-if __name__ == "__main__":
+def main() -> None:
     args = parse_args()
     sim = simulate(args.seed)
     print(markdown(sim))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(sim, indent=1))
+    write_results(args.out, sim)
+
+
+if __name__ == "__main__":
+    run(main)

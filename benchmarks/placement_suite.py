@@ -60,7 +60,12 @@ from pathlib import Path
 
 import numpy as np
 
-from placement import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/placement_suite.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import parser, run, write_results  # noqa: E402
+from placement import (  # noqa: E402
     SOLVERS,
     PlacementProblem,
     cross_node_bytes,
@@ -72,7 +77,7 @@ from placement import (
     step_time,
     synthetic_probs,
 )
-from placement.cost import experts_per_worker
+from placement.cost import experts_per_worker  # noqa: E402
 
 SKEWS = {"flat": 8.0, "moderate": 2.0, "steep": 0.5}
 CAPACITY_FACTORS = {"tight": 1.0, "loose": 1.5}
@@ -81,7 +86,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "placement.json"
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, RESULTS, what="where to save the raw numbers (JSON)")
     p.add_argument("--seeds", type=int, default=3, help="profiles (seeds) per Mixtral-like case")
     p.add_argument("--time-budget", type=float, default=10.0, help="seconds the improved solver may use per case")
     p.add_argument("--skip-large", action="store_true", help="Mixtral-like cases only")
@@ -90,7 +95,6 @@ def parse_args() -> argparse.Namespace:
                    help="run one section only and merge it into the saved JSON (--out)")
     p.add_argument("--direct-at-scale", action="store_true",
                    help="also time the direct LP at DeepSeek-V3 scale (58 x 256 on 64 workers; minutes)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="where to save the raw numbers (JSON)")
     return p.parse_args()
 
 
@@ -341,11 +345,10 @@ def main() -> int:
         print(shared_nic_table(results["shared_nic_records"]))
         print()
         print(replicas_summary(results["shared_nic_records"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, results)
     print(f"raw numbers: {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

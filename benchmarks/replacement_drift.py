@@ -66,7 +66,6 @@ vela_vs_ep.py's and keep its defaults: see `python benchmarks/vela_vs_ep.py --he
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -78,7 +77,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # the repository root first, as in vela_vs_ep.py (Ray workers get the driver's path)
+if str(ROOT) not in sys.path:  # run as `python benchmarks/replacement_drift.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
 import matplotlib  # noqa: E402
 
@@ -87,21 +87,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks import vela_vs_ep  # noqa: E402
 from benchmarks import vela_vs_ep_report as ep_report  # noqa: E402
+from benchmarks._harness import SHAKESPEARE, command, parser, run, write_results  # noqa: E402
 from deploy.emulated_cluster import ClusterSpec, wire_bytes  # noqa: E402
 from vela_ray.model.traffic import LINK_TIERS  # noqa: E402
-from vela_ray.paths import data_dir  # noqa: E402
 
 logger = logging.getLogger("replacement_drift")
 RESULTS = ROOT / "benchmarks" / "results" / "replacement_drift"
 RUNS = ("off", "on")
-SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """This benchmark's options; everything else goes to vela_vs_ep's parser (the cluster options, one place)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog="Any other option is benchmarks/vela_vs_ep.py's (cluster, links, load "
-                                       "waiting, --no-emulate): see its --help.")
+    p = parser(__doc__, RESULTS, what="output directory",
+               epilog="Any other option is benchmarks/vela_vs_ep.py's (cluster, links, load waiting, --no-emulate): "
+                      "see its --help.")
     p.add_argument("--steps", type=int, default=300, help="fine-tuning steps per run (the locality study: 300)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (the locality study's)")
     p.add_argument("--lr-warmup", type=int, default=20, help="linear warmup steps before the cosine decay "
@@ -114,7 +113,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cost-model", choices=["communication", "communication+compute"], default=None,
                    help="placement.cost_model of both runs (default: vela_vs_ep's for `improved`, "
                         "communication+compute)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver inside node 0
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)
@@ -437,32 +435,24 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_all(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    (out / "results.md").write_text(markdown(results) + "\n")
-    plot_cross_node(results, out / "cross_node_bytes.png")
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.inner:
         vela_vs_ep.inner_main(args, run_both)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", "benchmarks/replacement_drift.py", *(argv if argv is not None else sys.argv[1:])])
     start = time.perf_counter()
     if args.no_emulate:
         raw, links = (vela_vs_ep.run_unshaped_cluster(args, run_both),
                       {"note": "unshaped ray.cluster_utils cluster, one loopback"})
     else:
         raw, links = vela_vs_ep.emulated(args, Path(__file__))
-    results = build_results(args, raw, links, command)
+    results = build_results(args, raw, links, command(__file__, argv))
     results["benchmark_wall_s"] = time.perf_counter() - start
-    write_all(results, args.out)
+    write_results(args.out / "results.json", results, markdown=markdown(results))
+    plot_cross_node(results, args.out / "cross_node_bytes.png")
     print(markdown(results))
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

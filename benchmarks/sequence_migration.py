@@ -34,7 +34,6 @@ Run: python benchmarks/sequence_migration.py   (under a minute on 2 cores: ~15 s
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -45,8 +44,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # not benchmarks/: its placement.py would shadow the package
+if str(ROOT) not in sys.path:  # run as `python benchmarks/sequence_migration.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
+from benchmarks._harness import parser, run, write_results  # noqa: E402
 from benchmarks.paper_scale import (  # noqa: E402
     CAPACITIES,
     DATASETS,
@@ -85,13 +86,12 @@ assert SEQ_LEN * SEQUENCES_PER_STEP == TOKENS, "paper_scale's step is 8 x 512 to
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, RESULTS, what="where to save the numbers (JSON)")
     p.add_argument("--sequences", type=int, default=64, help="512-token sequences per data set (whole steps of 8)")
     p.add_argument("--window", type=int, default=128, help="tokens per forward of text (the tiny model's rows)")
     p.add_argument("--example-tokens", type=int, default=256, help="instruction examples are cut at this length")
     p.add_argument("--seed", type=int, default=0, help="expert-id permutations, solver, replicas, step shuffle")
     p.add_argument("--time-budget", type=float, default=10.0, help="seconds for the solver and for replicate")
-    p.add_argument("--out", type=Path, default=RESULTS, help="where to save the numbers (JSON)")
     return p.parse_args()
 
 
@@ -261,12 +261,14 @@ def markdown(results: dict) -> str:
                       f"C={min(CAPACITIES.values())}; 1/3 = even):", "", *spread])
 
 
-if __name__ == "__main__":
+def main() -> None:
     args = parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     sim = simulate(args, traces(args))
     print(markdown(sim))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                    "seconds": time.perf_counter() - started, "results": sim}, indent=1))
+    write_results(args.out, {"args": {k: str(v) for k, v in vars(args).items()},
+                             "seconds": time.perf_counter() - started, "results": sim})
+
+
+if __name__ == "__main__":
+    run(main)

@@ -8,7 +8,7 @@ the job (`JobRunner`, three data-parallel masters) and counts what crossed nodes
     hidden states   what the masters' migrations sent to a master on another node, forward and
                     backward (`summary.sequence_moves["cross_node_bytes"]`)
 
-for `cluster.sequence_migration` off, and on with q = 1 and q = 2 candidates, on the same seed. The
+for `masters.sequence_migration` off, and on with q = 1 and q = 2 candidates, on the same seed. The
 cluster is emulated in one process (`InProcessPool(worker_nodes=...)`): 3 nodes with 2 workers each
 and a master on each node, the experts placed by the default solver (links all equal, so it balances
 the routing). The model is the briefly pre-trained tiny Mixtral (4 layers, 8 experts, top-2, hidden
@@ -23,53 +23,45 @@ Results: a table, and benchmarks/results/sequence_migration_job.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
+if str(ROOT) not in sys.path:  # run as `python benchmarks/sequence_migration_job.py`: the root, for the harness
+    sys.path.insert(0, str(ROOT))
 
+from benchmarks._harness import WIKITEXT, command, parser, run, tiny_job, write_results  # noqa: E402
 from vela_ray.config import JobConfig  # noqa: E402
-from vela_ray.paths import data_dir  # noqa: E402
 from vela_ray.quiet import silence_known_warnings  # noqa: E402
 from vela_ray.runtime.local import InProcessPool  # noqa: E402
 from vela_ray.runtime.runner import JobRunner  # noqa: E402
-from vela_ray.training.tiny_model import tiny_model_path  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "sequence_migration_job.json"
 NODES = ["node-0", "node-0", "node-1", "node-1", "node-2", "node-2"]  # worker n's node
 SETTINGS = {"off": {"sequence_migration": False}, "q=1": {"sequence_migration": True},
             "q=2": {"sequence_migration": True, "sequence_migration_candidates": 2}}
-logger = logging.getLogger("sequence_migration_job")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, RESULTS)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=12, help="sequences per step (one micro-batch, 4 per master)")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
 
-def job(args: argparse.Namespace, out: Path, cluster: dict) -> JobConfig:
-    return JobConfig.from_dict({
-        "model": {"path": str(tiny_model_path())},
-        "data": {"kind": "text", "path": str(data_dir() / "wikitext-2" / "valid.txt"), "seq_len": args.seq_len,
-                 "limit": args.steps * args.batch * 4},
-        "cluster": {"num_workers": len(NODES), "num_masters": 3, **cluster},
-        "training": {"steps": args.steps, "batch_size": args.batch, "micro_batch_size": args.batch,
-                     "eval_every": 0},
-        "output": {"dir": str(out)},
-    })
+def job(args: argparse.Namespace, out: Path, masters: dict) -> JobConfig:
+    return JobConfig.from_dict(tiny_job(
+        out, data={"path": str(WIKITEXT), "seq_len": args.seq_len, "limit": args.steps * args.batch * 4},
+        cluster={"num_workers": len(NODES)}, masters={"count": 3, **masters},
+        placement=None,  # vela-ray's default: solved on a measured profile
+        training={"steps": args.steps, "batch_size": args.batch, "micro_batch_size": args.batch, "eval_every": 0}))
 
 
-def run(args: argparse.Namespace, name: str, out: Path) -> dict:
+def run_setting(args: argparse.Namespace, name: str, out: Path) -> dict:
     config = job(args, out / name.replace("=", ""), SETTINGS[name])
     start = time.perf_counter()
     summary = JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run()
@@ -82,11 +74,9 @@ def run(args: argparse.Namespace, name: str, out: Path) -> dict:
 
 def main() -> None:
     args = parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logger.setLevel(logging.INFO)
     silence_known_warnings()
     with tempfile.TemporaryDirectory(prefix="vela-migration-") as tmp:
-        results = {name: run(args, name, Path(tmp)) for name in SETTINGS}
+        results = {name: run_setting(args, name, Path(tmp)) for name in SETTINGS}
     off = results["off"]
     for name, r in results.items():
         if max(abs(a - b) for a, b in zip(r["losses"], off["losses"])) > 1e-5 * max(map(abs, off["losses"])):
@@ -97,12 +87,10 @@ def main() -> None:
     for name, r in results.items():
         lines.append(f"| {name} | {r['expert_cross_node_bytes'] / 1e6:.2f} | {r['hidden_cross_node_bytes'] / 1e6:.2f}"
                      f" | {r['cross_node_bytes'] / 1e6:.2f} | {r['vs_off']:.3f} | {r['sequence_moves'].get('moves', 0)} |")
-    logger.info("\n".join(lines))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/sequence_migration_job.py " + " ".join(map(shlex.quote, sys.argv[1:]))
-    args.out.write_text(json.dumps({"command": command.strip(), "args": {k: str(v) for k, v in vars(args).items()},
-                                    "nodes": NODES, "results": results, "table": lines}, indent=1))
+    print("\n".join(lines))
+    write_results(args.out, {"command": command(__file__), "args": {k: str(v) for k, v in vars(args).items()},
+                             "nodes": NODES, "results": results, "table": lines})
 
 
 if __name__ == "__main__":
-    main()
+    run(main, level=logging.WARNING)

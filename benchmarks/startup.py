@@ -25,9 +25,7 @@ Results: a table, and benchmarks/results/startup.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shlex
 import shutil
 import statistics
 import sys
@@ -36,22 +34,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # the repository root first, as in every benchmark here
+if str(ROOT) not in sys.path:  # run as `python benchmarks/startup.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
 from actors.pool import RayWorkerPool  # noqa: E402
+from benchmarks._harness import SHAKESPEARE, command, parser, run, tiny_job, write_results  # noqa: E402
 from benchmarks.big_on_one_gpu import mixtral_config, model_bytes, write_random_checkpoint  # noqa: E402
 from vela_ray.config import JobConfig  # noqa: E402
-from vela_ray.paths import data_dir  # noqa: E402
 from vela_ray.quiet import silence_known_warnings  # noqa: E402
 from vela_ray.runtime.runner import JobRunner  # noqa: E402
 from vela_ray.training.tiny_model import train_tokenizer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "startup.json"
-SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 logger = logging.getLogger("startup")
 
 
@@ -70,11 +68,10 @@ ORDERS = {"overlapped": RayWorkerPool, "in order": InOrderPool}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, RESULTS)
     p.add_argument("--layers", type=int, default=2, help="of Mixtral-8x7B's 32 layers")
     p.add_argument("--workers", type=int, default=2, help="ExpertManagers (actors on this machine)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each order, alternating")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     args = p.parse_args(argv)
     args.tiny = False  # mixtral_config's full dimensions
     return args
@@ -92,18 +89,13 @@ def write_model(args, folder: Path) -> dict:
 
 
 def job(args, model: Path, out: Path) -> JobConfig:
-    return JobConfig.from_dict({
-        "model": {"path": str(model), "dtype": "bfloat16"},
-        "data": {"kind": "text", "path": str(SHAKESPEARE), "seq_len": 32, "limit": 64},
-        "cluster": {"num_workers": args.workers, "num_cpus_per_worker": 0.5},
-        "placement": {"solver": "sequential", "profile": "uniform"},  # both orders: the same work
-        "lora": {"r": 8, "alpha": 16},
-        "training": {"steps": 1, "batch_size": 1},
-        "output": {"dir": str(out)},
-    }, source="startup benchmark")
+    return JobConfig.from_dict(tiny_job(  # its fixed placement: both orders do the same work
+        out, model_dir=model, model={"dtype": "bfloat16"}, data={"seq_len": 32, "limit": 64},
+        cluster={"num_workers": args.workers, "num_cpus_per_worker": 0.5}, lora={"r": 8, "alpha": 16},
+        training={"steps": 1, "batch_size": 1}), source="startup benchmark")
 
 
-def run(args, model: Path, out: Path, order: str) -> dict:
+def run_order(args, model: Path, out: Path, order: str) -> dict:
     config = job(args, model, out)
     config.preflight()
     pool = ORDERS[order](config, ray.get_runtime_context().get_node_id())
@@ -118,10 +110,7 @@ def run(args, model: Path, out: Path, order: str) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("vela_ray").setLevel(logging.WARNING)
     silence_known_warnings()
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/startup.py", *(argv or sys.argv[1:])])
     root = Path(tempfile.mkdtemp(prefix="vela-startup-"))
     try:
         sizes = write_model(args, root / "model")
@@ -129,16 +118,15 @@ def main(argv=None) -> None:
         runs: dict[str, list[dict]] = {order: [] for order in ORDERS}
         for repeat in range(args.repeats):
             for order in (list(ORDERS) if repeat % 2 == 0 else list(ORDERS)[::-1]):
-                runs[order].append(run(args, root / "model", root / f"out-{len(runs[order])}-{order}", order))
+                runs[order].append(run_order(args, root / "model", root / f"out-{len(runs[order])}-{order}", order))
         ray.shutdown()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     medians = {order: statistics.median(r["startup_s"] for r in rs) for order, rs in runs.items()}
-    results = {"command": command, "settings": {k: str(v) for k, v in vars(args).items()}, "sizes": sizes,
-               "runs": runs, "median_startup_s": medians,
+    results = {"command": command(__file__, argv), "settings": {k: str(v) for k, v in vars(args).items()},
+               "sizes": sizes, "runs": runs, "median_startup_s": medians,
                "overlapped_over_in_order": medians["overlapped"] / medians["in order"]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    write_results(args.out, results)
     print(f"Mixtral-8x7B dimensions, {args.layers} layer(s), bf16: backbone {sizes['backbone_bytes'] / 2**30:.2f} "
           f"GiB, experts {sizes['expert_bytes'] / 2**30:.2f} GiB over {args.workers} workers")
     print("| order | first step after (median s) | runs |\n|---|---:|---|")
@@ -149,4 +137,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, quiet=["vela_ray"])

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,18 +38,23 @@ from torch import nn
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from actors.cluster import spawn_expert_managers
-from vela_ray.training.expert_manager import ExpertManagerSpec
-from actors.transports import RayObjectRefTransport, collective_transport
-from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
-from vela_ray.model.experts import ExpertShard, LoraSpec
-from vela_ray.model.transport import InProcessTransport
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/transport_overhead.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
+
+from actors.cluster import spawn_expert_managers  # noqa: E402
+from actors.transports import RayObjectRefTransport, collective_transport  # noqa: E402
+from benchmarks._harness import parser, run, write_results  # noqa: E402
+from vela_ray.model.broker import ExpertBroker, ExpertDispatcher  # noqa: E402
+from vela_ray.model.experts import ExpertShard, LoraSpec  # noqa: E402
+from vela_ray.model.transport import InProcessTransport  # noqa: E402
+from vela_ray.training.expert_manager import ExpertManagerSpec  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "transport_overhead.json"
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, RESULTS, what="where to write the JSON results")
     p.add_argument("--hidden", type=int, default=1024, help="hidden size D")
     p.add_argument("--intermediate", type=int, default=512,
                    help="expert intermediate size I (Mixtral's is 3.5*D; smaller keeps CPU compute from hiding "
@@ -67,7 +72,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per transport")
     p.add_argument("--iters", type=int, default=7, help="timed iterations per transport (median reported)")
     p.add_argument("--settle-s", type=float, default=5.0, help="idle seconds after spawning, before timing")
-    p.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
     return p.parse_args()
 
 
@@ -212,14 +216,12 @@ def main() -> None:
     print_table("Broker round trip per transport", transports, "in_process")
     print(f"MB moved per iteration (all workers, 4 directions): {transports['in_process']['mb_moved_per_iter']:.1f}")
     print_table("Broker vs the original experts module, one process", modules, "MixtralExperts + peft LoRA")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     machine = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                "ray": ray.__version__, "torch": torch.__version__}
-    args.out.write_text(json.dumps({"config": config, "machine": machine, "transports": transports,
-                                    "modules": modules}, indent=2))
+    write_results(args.out, {"config": vars(args), "machine": machine, "transports": transports,
+                             "modules": modules})
     print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -10,7 +10,7 @@ Reads top to bottom:
      expert parallelism (6 ranks, 2 per node, all-to-all over gloo) and with
      vela-ray (master on node 0, 6 ExpertManagers, 2 per node) under the
      sequential, random, `vela` (the paper's LP) and `improved` placements, and with a master on
-     every node (`per_node`: `cluster.num_masters` = nodes, improved placement with replicas);
+     every node (`per_node`: `masters.count` = nodes, improved placement with replicas);
   3. per method: cross-node bytes per node per step (the broker's counters, as
      the paper's Fig. 5; EP adds its backbone all-reduce, estimated as a ring),
      median step time and its ratio to EP (Fig. 6), the cost model's predicted
@@ -44,11 +44,11 @@ from typing import Callable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-# The repository root, not this directory, first: benchmarks/placement.py must not shadow the placement
-# package, and Ray adds the script directory to its workers' path only if the driver has it.
-sys.path[0] = str(ROOT)
+if str(ROOT) not in sys.path:  # run as `python benchmarks/vela_vs_ep.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
 from benchmarks import vela_vs_ep_report as report  # noqa: E402
+from benchmarks._harness import WIKITEXT, parser, run, tiny_job, write_results  # noqa: E402
 from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, set_cross_rate, wire_bytes  # noqa: E402
 from vela_ray.paths import data_dir  # noqa: E402
 
@@ -56,13 +56,13 @@ logger = logging.getLogger("vela_vs_ep")
 RESULTS = ROOT / "benchmarks" / "results" / "vela_vs_ep"
 METHODS = ("ep", "sequential", "random", "vela", "improved", "per_node")
 DATASETS = {
-    "wikitext": {"kind": "text", "path": data_dir() / "wikitext-2" / "valid.txt"},
+    "wikitext": {"kind": "text", "path": WIKITEXT},
     "gsm8k_alpaca": {"kind": "instruct", "path": data_dir() / "instruct" / "gsm8k_alpaca.json"},
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, RESULTS, what="output directory")
     p.add_argument("--steps", type=int, default=16, help="fine-tuning steps per method and data set")
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of step-time medians")
     p.add_argument("--unshaped-steps", type=int, default=8,
@@ -91,7 +91,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=3.0,
                    help="start each run once the 1-minute load average is below this (shared machine)")
     p.add_argument("--max-wait-s", type=float, default=20.0, help="longest wait for --max-load before a run")
-    p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
     p.add_argument("--render", action="store_true",
                    help="run nothing: rebuild --out's tables and plots from the raw runs in its results.json "
                         "(after a change to the report or the cost model)")
@@ -110,21 +109,19 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
     data = DATASETS[dataset]
     solver = {"ep": "sequential", "per_node": "improved"}.get(method, method)
     per_node = method == "per_node"  # issue 15: a data-parallel master on every node, hot experts copied
-    return {
-        "model": {"path": str(tiny_model_path(build=False))},
-        "data": {"kind": data["kind"], "path": str(data["path"]), "seq_len": args.seq_len, "limit": args.limit},
-        "cluster": {"num_workers": args.nodes * args.workers_per_node, "workers_per_node": args.workers_per_node,
-                    "num_cpus_per_worker": 1.0, "transport": "object_ref" if per_node else args.transport,
-                    "num_masters": args.nodes if per_node else 1},
+    return tiny_job(
+        out_dir, tiny_model_path(build=False),
+        data={"kind": data["kind"], "path": str(data["path"]), "seq_len": args.seq_len, "limit": args.limit},
+        cluster={"num_workers": args.nodes * args.workers_per_node, "workers_per_node": args.workers_per_node,
+                 "num_cpus_per_worker": 1.0},
+        data_plane={"transport": "object_ref" if per_node else args.transport},
+        masters={"count": args.nodes if per_node else 1},
         # The paper's LP minimises communication only; `improved` is vela-ray's best: it also weighs
         # each worker's measured expert compute (sequential and random ignore the cost model).
-        "placement": {"solver": solver, "profile": "measure", "profile_batches": 4, "capacity": args.capacity,
-                      "cost_model": "communication+compute" if solver == "improved" else "communication",
-                      "replicas": per_node},
-        "training": {"steps": steps, "batch_size": args.batch_size, "eval_batches": 1,
-                     "optimizer": {"lr": args.lr}},
-        "output": {"dir": str(out_dir)},
-    }
+        placement={"solver": solver, "profile": "measure", "profile_batches": 4, "capacity": args.capacity,
+                   "cost_model": "communication+compute" if solver == "improved" else "communication",
+                   "replicas": per_node},
+        training={"steps": steps, "batch_size": args.batch_size, "eval_batches": 1, "optimizer": {"lr": args.lr}})
 
 
 def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
@@ -233,7 +230,7 @@ def inner_main(args, work: Work) -> None:
         raw = work(args, spec, float(os.environ["VELA_CROSS_MBIT"]))
     finally:
         ray.shutdown()
-    args.raw.write_text(json.dumps(raw))
+    write_results(args.raw, raw)
 
 
 def run_unshaped_cluster(args, work: Work) -> dict:
@@ -278,7 +275,6 @@ def emulated(args, script: Path) -> tuple[dict, dict]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.inner:
         inner_main(args, run_grid)
@@ -308,4 +304,4 @@ def render(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

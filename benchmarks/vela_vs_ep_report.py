@@ -11,7 +11,6 @@ and step_time.png; `markdown` renders the tables.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 from benchmarks import paper_scale  # noqa: E402
+from benchmarks._harness import write_results  # noqa: E402
 from placement import cost  # noqa: E402
 from vela_ray.observability.report import expected_times  # noqa: E402
 from vela_ray.training.summary import RunSummary  # noqa: E402
@@ -286,8 +286,6 @@ def _save(fig, path: Path) -> None:
 
 
 def write_all(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    (out / "results.md").write_text(markdown(results) + "\n")
+    write_results(out / "results.json", results, markdown=markdown(results))
     plot_traffic(results, out / "traffic_over_steps.png")
     plot_step_time(results, out / "step_time.png")

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -39,32 +38,34 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from placement import sequential_table
-from vela_ray.data.datasets import DataConfig, batch_at
-from vela_ray.model.experts import LoraSpec
-from vela_ray.model.modeling import find_moe_blocks
-from vela_ray.model.traffic import DIRECTIONS
-from vela_ray.paths import data_dir
-from vela_ray.training.optim import OptimizerConfig
-from vela_ray.training.step import build_local, train_step
-from vela_ray.training.tiny_model import tiny_model_path
-from vela_ray.training.zo import ZoTrainer
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/zo_memory.py`: the root, for benchmarks._harness
+    sys.path.insert(0, str(ROOT))
 
-WIKITEXT = data_dir() / "wikitext-2" / "valid.txt"
+from benchmarks._harness import WIKITEXT, command, parser, run, write_results  # noqa: E402
+from placement import sequential_table  # noqa: E402
+from vela_ray.data.datasets import DataConfig, batch_at  # noqa: E402
+from vela_ray.model.experts import LoraSpec  # noqa: E402
+from vela_ray.model.modeling import find_moe_blocks  # noqa: E402
+from vela_ray.model.traffic import DIRECTIONS  # noqa: E402
+from vela_ray.training.optim import OptimizerConfig  # noqa: E402
+from vela_ray.training.step import build_local, train_step  # noqa: E402
+from vela_ray.training.tiny_model import tiny_model_path  # noqa: E402
+from vela_ray.training.zo import ZoTrainer  # noqa: E402
+
 METHODS = ("first_order", "zo")
 MiB = 2**20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, Path("benchmarks/results/zo_memory.json"), flag="--results",
+               what="where to write the results JSON")
     p.add_argument("--steps", type=int, default=3, help="steps per method (the same batch every step)")
     p.add_argument("--batch-size", type=int, default=8, help="rows of the batch")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     p.add_argument("--workers", type=int, default=3, help="in-process ExpertManagers")
     p.add_argument("--eps", type=float, default=1e-3, help="ZO perturbation scale (training.zo.eps)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of both methods")
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results/zo_memory.json"),
-                   help="where to write the results JSON")
     p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)  # internal: measure one method here
     return p.parse_args(argv)
 
@@ -193,15 +194,12 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     runs = {method: run_child(argv, method) for method in METHODS}
     rows = {method: view(run) for method, run in runs.items()}
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/zo_memory.py", *argv])
-    results = {"command": command, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                                                if k != "child"},
+    results = {"command": command(__file__, argv), "settings": {k: v for k, v in vars(args).items() if k != "child"},
                "model": str(tiny_model_path(build=False)), "data": str(WIKITEXT), "torch_threads": 1,
                "benchmark_wall_s": time.perf_counter() - start, "methods": rows, "raw": runs}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.results, results)
     print(table(rows))
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

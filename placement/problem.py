@@ -22,7 +22,7 @@ cost model adds one term per shared link and layer (see `placement.cost`).
 
 Without shared links (the default) the model is the paper's: independent links.
 
-Data-parallel masters (`master_nodes`, vela-ray's `cluster.num_masters`): M masters
+Data-parallel masters (`master_nodes`, vela-ray's `masters.count`): M masters
 split every step's tokens equally, each sends its rows to the same workers, so each
 master-worker link carries 1/M of a worker's rows, and a NIC carries the rows of the
 (master, worker) pairs it separates. `node_shared_links(worker_nodes, ["node0",

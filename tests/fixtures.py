@@ -8,15 +8,20 @@ import yaml
 
 import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import batch_at
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.experts import LoraSpec
-from vela_ray.model.families import debug_model
+from vela_ray.model.families import debug_config_like, debug_model, seeded_model
+from vela_ray.observability.metrics import MetricsSink
+from vela_ray.runtime.local import InProcessPool
+from vela_ray.runtime.pool import WorkerPool
+from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.optim import lr_at
 from vela_ray.paths import data_dir
+from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiny_model import train_tokenizer
 
 VOCAB = 256
@@ -26,11 +31,40 @@ def make_checkpoint(out_dir: Path, family: str = "mixtral", seed: int = 0, vocab
                     chat_template: str | None = None, **config_overrides) -> Path:
     """A random `family` model with a `vocab`-token BPE tokenizer trained on Tiny Shakespeare (and
     `chat_template`, if given)."""
-    out_dir = Path(out_dir)
+    tokenizer = shakespeare_tokenizer(vocab, chat_template)
+    model = debug_model(family, seed=seed, vocab_size=len(tokenizer), **config_overrides)
+    return _save(model, tokenizer, out_dir)
+
+
+# What a stand-in keeps of the real model's config: the numbers the preflight checks a job against
+# (MoE layers x experts vs expert slots, seq_len vs positions).
+STAND_IN_KEEPS = ("num_hidden_layers", "num_local_experts", "num_experts_per_tok", "max_position_embeddings")
+
+
+def make_stand_in(real: PretrainedConfig, out_dir: Path, vocab: int = VOCAB) -> Path:
+    """A random model of `real`'s architecture (a cluster model's config, e.g. `MixtralConfig()` for
+    Mixtral-8x7B) at debug width, with its layer and expert counts and position limit (`STAND_IN_KEEPS`): a job
+    written for the real model passes or fails the preflight on it as on the real one, on a CPU, in seconds."""
+    tokenizer = shakespeare_tokenizer(vocab)
+    config = debug_config_like(real)
+    for name in STAND_IN_KEEPS:
+        if hasattr(real, name):
+            setattr(config, name, getattr(real, name))
+    config.vocab_size = len(tokenizer)
+    return _save(seeded_model(config), tokenizer, out_dir)
+
+
+def shakespeare_tokenizer(vocab: int = VOCAB, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A `vocab`-token BPE tokenizer trained on the first 200 kB of Tiny Shakespeare."""
     text = (data_dir() / "tinyshakespeare" / "input.txt").read_text()[:200_000]
     tokenizer = train_tokenizer(text, vocab)
     tokenizer.chat_template = chat_template
-    model = debug_model(family, seed=seed, vocab_size=len(tokenizer), **config_overrides)
+    return tokenizer
+
+
+def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> Path:
+    """Model and tokenizer side by side in `out_dir`, as a Hugging Face checkpoint directory holds them."""
+    out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
@@ -55,6 +89,16 @@ def job_dict(model_dir: Path, out_dir: Path, steps: int = 3, **sections) -> dict
 def write_job(path: Path, job: dict) -> Path:
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+def run_in_process(config: JobConfig, *, pool: WorkerPool | None = None, metrics: MetricsSink | None = None,
+                   should_stop=lambda: None, **pool_kwargs) -> RunSummary:
+    """A whole job without Ray, the one way every runtime test runs one: its ExpertManagers are plain objects
+    in this process (`InProcessPool(config, **pool_kwargs)`, e.g. `links=`, `worker_nodes=`) unless a test
+    brings its own `pool`; `metrics` and `should_stop` as `JobRunner` takes them."""
+    if pool is None:
+        pool = InProcessPool(config, **pool_kwargs)
+    return JobRunner(config, pool, metrics, should_stop=should_stop).run()
 
 
 def init_adapter(model_dir: Path, out: Path) -> Path:

@@ -72,11 +72,11 @@ class VelaJob:
                 ray.shutdown()
 
     def _run_master(self) -> RunSummary:
-        cluster = self.config.cluster
+        cluster, data_plane = self.config.cluster, self.config.data_plane
         master = ray.remote(MasterActor).options(
             num_cpus=0, num_gpus=cluster.master_gpus or 0, max_restarts=0,
             max_concurrency=2,  # `stop` must get through while `run` works
-            runtime_env={"env_vars": data_plane_env(cluster.inline_bytes, cluster.zero_copy_tensors)},
+            runtime_env={"env_vars": data_plane_env(data_plane.inline_bytes, data_plane.zero_copy_tensors)},
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(self.config, os.getpid())
         try:

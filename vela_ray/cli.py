@@ -165,7 +165,8 @@ def _add_place(sub: argparse._SubParsersAction) -> None:
 
 def _run_place(args: argparse.Namespace) -> int:
     from placement import PlacementProblem, build_problem, solve, solve_lp
-    from placement.io import assumed_sizes_note, check_writable, fields_from_options
+    from placement.io import check_writable
+    from placement.options import assumed_sizes_note, fields_from_options
     from placement.report import format_summary
 
     if args.problem and args.profile:

@@ -4,6 +4,10 @@
     checked = job.preflight()                 # the files: weights, data, placement, resume, output dir
     checked.config                            # the job to run, its resume pinned to one checkpoint
 
+One section per concern: `cluster` (the resources), `data_plane`, `fault_tolerance`, `masters`,
+`expert_tiers`, `placement`, `training`, ... A key that moved between sections (`MOVED`) is read
+from its old place, with a one-line warning, until the next release.
+
 Importing this module loads neither torch, transformers nor ray, so a typo
 costs well under a second; `preflight` (`vela_ray.preflight`) runs in the
 driver in a second or two, so a bad file never costs a cluster start-up.
@@ -12,6 +16,7 @@ driver in a second or two, so a bad file never costs a cluster start-up.
 from __future__ import annotations
 
 import difflib
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -26,6 +31,8 @@ from vela_ray.training.tiers import ExpertTiersConfig
 
 if TYPE_CHECKING:
     from vela_ray.preflight import Preflight
+
+logger = logging.getLogger(__name__)
 
 Solver = Literal["improved", "vela", "sequential", "random", "file"]
 TransportName = Literal["object_ref", "collective"]
@@ -57,6 +64,8 @@ class LoraSection(_Section):
 
 
 class ClusterSection(_Section):
+    """The resources: where Ray runs, how many ExpertManagers, and what each process gets."""
+
     address: str | None = Field(None, description="Ray address; None: RAY_ADDRESS if set, else a fresh local Ray")
     num_workers: int = Field(3, ge=1, description="ExpertManager actors (one per GPU on GPU clusters)")
     num_gpus_per_worker: Literal[0, 1] = Field(0, description="1 pins each ExpertManager to a GPU")
@@ -65,13 +74,51 @@ class ClusterSection(_Section):
         None, description="GPUs of the master, which holds the backbone, its LoRA and optimizer state; None: 1 "
                           "when the Ray cluster has a GPU beyond the workers', else 0")
     workers_per_node: int | None = Field(None, ge=1, description="workers per node, filled from the master's node")
+    master_threads: int | None = Field(
+        None, ge=1, description="torch threads of the master's CPU work; None: Ray's default (1). More threads "
+                                "speed up the backbone but their idle spinning slows workers that share the cores")
+    workers_on_master: int = Field(
+        0, ge=0, description="the last K of the num_workers ExpertManagers live in the master's own process, on its "
+                             "device (its GPU with master_gpus: 1): rows to them move by direct call (the "
+                             "same_process link tier, the fastest the placement sees) while the other workers' "
+                             "rows travel. K = num_workers: the one-GPU configuration, no worker actors")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "experts_on_master" in data:
+            raise ValueError("cluster.experts_on_master is now cluster.workers_on_master: the number of "
+                             "ExpertManagers in the master's process (num_workers for all of them)")
+        return data
+
+    @model_validator(mode="after")
+    def _workers_on_master_fit(self) -> "ClusterSection":
+        k = self.workers_on_master
+        if k > self.num_workers:
+            raise ValueError(f"cluster.workers_on_master ({k}) cannot exceed cluster.num_workers "
+                             f"({self.num_workers})")
+        if k == self.num_workers and self.num_gpus_per_worker:
+            raise ValueError("cluster.workers_on_master = num_workers puts every ExpertManager on the master's "
+                             "device, so cluster.num_gpus_per_worker must be 0 (give the master its GPU with "
+                             "master_gpus: 1)")
+        return self
+
+    @property
+    def num_worker_actors(self) -> int:
+        """ExpertManagers that run as Ray actors (the rest live in the master's process)."""
+        return self.num_workers - self.workers_on_master
+
+
+class DataPlaneSection(_Section):
+    """How rows, expert results and their gradients travel between the masters and the ExpertManagers."""
+
     transport: TransportName = Field(
         "collective", description="how rows travel. collective: torch.distributed point-to-point to each "
                                   "ExpertManager's serving loop, NCCL between GPUs and gloo through host memory "
                                   "otherwise, no Ray task per layer (the faster: benchmarks/data_plane.py). "
                                   "object_ref: Ray tasks and objects, for several masters and for clusters whose "
                                   "nodes reach each other only on Ray's ports. Default: collective with one "
-                                  "master, object_ref with several")
+                                  "master, object_ref with several (masters.count)")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
@@ -83,15 +130,22 @@ class ClusterSection(_Section):
     zero_copy_tensors: bool = Field(
         True, description="Ray pickles tensors without copying them (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS in "
                           "vela's actors); the data plane only reads the tensors it receives")
-    master_threads: int | None = Field(
-        None, ge=1, description="torch threads of the master's CPU work; None: Ray's default (1). More threads "
-                                "speed up the backbone but their idle spinning slows workers that share the cores")
+
+
+class FaultToleranceSection(_Section):
+    """What the run does when an ExpertManager dies."""
+
     on_worker_loss: Literal["stop", "recover"] = Field(
         "stop", description="stop: end the run naming the checkpoint to resume from; recover: start a new "
                             "ExpertManager in its place, roll every worker and the master back to the last "
                             "checkpoint (one is written at the start), replay the steps since and go on")
     max_recoveries: int = Field(3, ge=1, description="in-place recoveries per run before stopping as with `stop`")
-    num_masters: int = Field(
+
+
+class MastersSection(_Section):
+    """Data-parallel masters: backbone replicas sharing the ExpertManagers."""
+
+    count: int = Field(
         1, ge=1, description="data-parallel masters: backbone replicas that split every micro-batch's rows and "
                              "share the ExpertManagers (one per node in node order, master 0 on the driver's); "
                              "backbone gradients are summed among them, so the losses equal one master's. Each "
@@ -106,59 +160,11 @@ class ClusterSection(_Section):
         1, ge=1, description="LUFFY's q: a sequence may continue on any of the q masters that would draw the "
                              "least traffic, the one whose attention load grows least")
 
-    workers_on_master: int = Field(
-        0, ge=0, description="the last K of the num_workers ExpertManagers live in the master's own process, on its "
-                             "device (its GPU with master_gpus: 1): rows to them move by direct call (the "
-                             "same_process link tier, the fastest the placement sees) while the other workers' "
-                             "rows travel. K = num_workers: the one-GPU configuration, no worker actors")
-    expert_tiers: ExpertTiersConfig = Field(
-        default_factory=ExpertTiersConfig, description="APTMoE's CPU/device expert tiers: workers keep experts in host "
-                                                       "memory and compute each on the CPU or their device (Eq. 1)")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data):
-        if isinstance(data, dict) and "experts_on_master" in data:
-            raise ValueError("cluster.experts_on_master is now cluster.workers_on_master: the number of "
-                             "ExpertManagers in the master's process (num_workers for all of them)")
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_transport(cls, data):
-        """The collective plane has one master in its group: several masters default to object refs."""
-        if isinstance(data, dict) and "transport" not in data and str(data.get("num_masters", 1)) != "1":
-            return {**data, "transport": "object_ref"}
-        return data
-
     @model_validator(mode="after")
-    def _workers_on_master_fit(self) -> "ClusterSection":
-        k = self.workers_on_master
-        if k > self.num_workers:
-            raise ValueError(f"cluster.workers_on_master ({k}) cannot exceed cluster.num_workers "
-                             f"({self.num_workers})")
-        if k and self.num_masters > 1:
-            raise ValueError(f"cluster.workers_on_master needs cluster.num_masters: 1 (it is {self.num_masters}): "
-                             "the other masters could not reach ExpertManagers in master 0's process")
-        if k == self.num_workers and self.num_gpus_per_worker:
-            raise ValueError("cluster.workers_on_master = num_workers puts every ExpertManager on the master's "
-                             "device, so cluster.num_gpus_per_worker must be 0 (give the master its GPU with "
-                             "master_gpus: 1)")
-        return self
-
-    @property
-    def num_worker_actors(self) -> int:
-        """ExpertManagers that run as Ray actors (the rest live in the master's process)."""
-        return self.num_workers - self.workers_on_master
-
-    @model_validator(mode="after")
-    def _masters_over_object_refs(self) -> "ClusterSection":
-        if self.sequence_migration and self.num_masters == 1:
-            raise ValueError("cluster.sequence_migration moves sequences between masters: set cluster.num_masters "
+    def _migration_needs_masters(self) -> "MastersSection":
+        if self.sequence_migration and self.count == 1:
+            raise ValueError("masters.sequence_migration moves sequences between masters: set masters.count "
                              "above 1, or turn it off")
-        if self.num_masters > 1 and self.transport != "object_ref":
-            raise ValueError(f"cluster.num_masters is {self.num_masters} but cluster.transport is "
-                             f"{self.transport!r}, whose group has one master: use transport: object_ref")
         return self
 
 
@@ -189,7 +195,7 @@ class PlacementSection(_Section):
         "measure", description="measure: probe the NICs master traffic crosses (the master node's, each worker "
         "node's) and place for them too; none: the paper's model of independent master-worker links")
     replicas: bool = Field(
-        False, description="with several masters (cluster.num_masters): copy experts into the workers' spare "
+        False, description="with several masters (masters.count): copy experts into the workers' spare "
                            "capacity where the cost model says it pays (placement.replicate); each master sends "
                            "its rows to its nearest copy, and the copies' gradients are summed before every "
                            "step, so they stay identical (exact)")
@@ -315,11 +321,37 @@ class JobConfig(_Section):
     data: DataConfig
     lora: LoraSection = Field(default_factory=LoraSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
+    data_plane: DataPlaneSection = Field(default_factory=DataPlaneSection)
+    fault_tolerance: FaultToleranceSection = Field(default_factory=FaultToleranceSection)
+    masters: MastersSection = Field(default_factory=MastersSection)
+    expert_tiers: ExpertTiersConfig = Field(
+        default_factory=ExpertTiersConfig, description="APTMoE's CPU/device expert tiers: workers keep experts in host "
+                                                       "memory and compute each on the CPU or their device (Eq. 1)")
     placement: PlacementSection = Field(default_factory=PlacementSection)
     training: TrainingSection
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
     _family_check: str | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys_then_defaults(cls, data: object) -> object:
+        """Old keys in their new places first (`MOVED`), so the defaults below see every key where it now is."""
+        if not isinstance(data, dict):
+            return data
+        return _transport_for_masters(_move_old_keys(data))
+
+    @model_validator(mode="after")
+    def _masters_share_the_data_plane(self) -> "JobConfig":
+        count = self.masters.count
+        if self.cluster.workers_on_master and count > 1:
+            raise ValueError(f"cluster.workers_on_master needs masters.count: 1 (it is {count}): the other "
+                             "masters could not reach ExpertManagers in master 0's process")
+        if count > 1 and self.data_plane.transport != "object_ref":
+            raise ValueError(f"masters.count is {count} but data_plane.transport is "
+                             f"{self.data_plane.transport!r}, whose group has one master: use "
+                             "data_plane.transport: object_ref")
+        return self
 
     @model_validator(mode="after")
     def _zo_where_it_runs(self) -> "JobConfig":
@@ -328,12 +360,12 @@ class JobConfig(_Section):
             return self
         refused = [
             (self.mode != "vela", f"mode: {self.mode} (the master's ZO step drives ExpertManagers): use mode: vela"),
-            (self.cluster.num_masters > 1, f"cluster.num_masters: {self.cluster.num_masters} (one master draws "
-                                           "the backbone's perturbation): use 1"),
+            (self.masters.count > 1, f"masters.count: {self.masters.count} (one master draws the backbone's "
+                                     "perturbation): use 1"),
             (self.training.condensation.enabled, "training.condensation.enabled (it condenses only forwards "
                                                  "that keep a graph, so it would do nothing): turn it off"),
-            (self.cluster.on_worker_loss == "recover", "cluster.on_worker_loss: recover: use stop and resume from "
-                                                       "the checkpoint it names"),
+            (self.fault_tolerance.on_worker_loss == "recover", "fault_tolerance.on_worker_loss: recover: use stop "
+                                                               "and resume from the checkpoint it names"),
         ]
         for unsupported, what in refused:
             if unsupported:
@@ -348,19 +380,19 @@ class JobConfig(_Section):
         if self.mode != "vela":
             raise ValueError("training.condensation.enabled is for mode: vela (the master's brokers condense); "
                              "the expert-parallel baseline trains exactly: turn it off")
-        if self.cluster.num_masters > 1:
-            raise ValueError(f"training.condensation.enabled needs cluster.num_masters: 1 (it is "
-                             f"{self.cluster.num_masters}): only master 0's brokers condense; turn one off")
+        if self.masters.count > 1:
+            raise ValueError(f"training.condensation.enabled needs masters.count: 1 (it is "
+                             f"{self.masters.count}): only master 0's brokers condense; turn one off")
         return self
 
     @model_validator(mode="after")
     def _row_format_that_changes_something(self) -> "JobConfig":
-        row_format = self.cluster.row_format
+        row_format = self.data_plane.row_format
         if row_format != "exact" and self.mode != "vela":
-            raise ValueError(f"cluster.row_format: {row_format} is for mode: vela (the master's brokers encode "
-                             "rows); the expert-parallel baseline moves rows exactly: use row_format: exact")
-        for field, value in (("cluster.row_format", row_format),
-                             ("cluster.expert_tiers.upload_format", self.cluster.expert_tiers.upload_format)):
+            raise ValueError(f"data_plane.row_format: {row_format} is for mode: vela (the master's brokers encode "
+                             "rows); the expert-parallel baseline moves rows exactly: use data_plane.row_format: exact")
+        for field, value in (("data_plane.row_format", row_format),
+                             ("expert_tiers.upload_format", self.expert_tiers.upload_format)):
             if value == "bfloat16" and self.model.dtype == "bfloat16":
                 raise ValueError(f"{field}: bfloat16 with model.dtype: bfloat16 saves nothing (the tensors are "
                                  "bf16 already): use exact, or float8 for fewer bytes")
@@ -376,9 +408,9 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _rows_for_every_master(self) -> "JobConfig":
         rows = self.training.micro_batch_size or self.training.batch_size
-        if self.mode == "vela" and rows < self.cluster.num_masters:
-            raise ValueError(f"a micro-batch of {rows} rows cannot feed cluster.num_masters = "
-                             f"{self.cluster.num_masters} masters: raise training.micro_batch_size (or "
+        if self.mode == "vela" and rows < self.masters.count:
+            raise ValueError(f"a micro-batch of {rows} rows cannot feed masters.count = "
+                             f"{self.masters.count} masters: raise training.micro_batch_size (or "
                              "batch_size) to at least the number of masters")
         return self
 
@@ -386,8 +418,8 @@ class JobConfig(_Section):
     def checkpoint_root(self) -> Path:
         return self.checkpoint.dir or self.output.dir / "checkpoints"
 
-    # The one place where config strings become runtime objects (imported here lazily: a
-    # config is read and validated without torch).
+    # Where config strings become runtime objects, each through the model side's one translation
+    # (imported here lazily: a config is read and validated without torch).
 
     @property
     def lora_spec(self):
@@ -398,10 +430,10 @@ class JobConfig(_Section):
 
     @property
     def torch_dtype(self):
-        """`model.dtype` as a torch dtype."""
-        import torch
+        """`model.dtype` as a torch dtype (`vela_ray.model.dtypes`, the one table of dtype names)."""
+        from vela_ray.model.dtypes import torch_dtype
 
-        return getattr(torch, self.model.dtype)
+        return torch_dtype(self.model.dtype)
 
     def with_resume(self, spec: str | None) -> "JobConfig":
         """This config resuming from `spec` (`latest` or a directory); None leaves it unchanged."""
@@ -453,6 +485,66 @@ class JobConfig(_Section):
         return preflight(self)
 
 
+# Keys that moved, old path -> new path: each old key is read into its new place, with a one-line
+# warning, until the next release (issue 32 split `cluster` into one section per concern).
+MOVED: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("cluster", "transport"): ("data_plane", "transport"),
+    ("cluster", "inline_bytes"): ("data_plane", "inline_bytes"),
+    ("cluster", "row_format"): ("data_plane", "row_format"),
+    ("cluster", "zero_copy_tensors"): ("data_plane", "zero_copy_tensors"),
+    ("cluster", "on_worker_loss"): ("fault_tolerance", "on_worker_loss"),
+    ("cluster", "max_recoveries"): ("fault_tolerance", "max_recoveries"),
+    ("cluster", "num_masters"): ("masters", "count"),
+    ("cluster", "sequence_migration"): ("masters", "sequence_migration"),
+    ("cluster", "sequence_migration_candidates"): ("masters", "sequence_migration_candidates"),
+    ("cluster", "expert_tiers"): ("expert_tiers",),
+}
+
+
+def _move_old_keys(raw: dict) -> dict:
+    """`raw` with every old key of `MOVED` at its new path; the caller's dicts are left as they were.
+
+    ValueError when a key is given under both its old and its new name: which one was meant is a guess.
+    """
+    data = dict(raw)
+    for old, new in MOVED.items():
+        old_parent = _section_copy(data, old[:-1])
+        if old_parent is None or old[-1] not in old_parent:
+            continue
+        new_parent = _section_copy(data, new[:-1], create=True)
+        if new_parent is None:
+            continue  # the new section is not a mapping: its own validation says so
+        old_name, new_name = ".".join(old), ".".join(new)
+        if new[-1] in new_parent:
+            raise ValueError(f"{old_name} and {new_name} are both set, but {old_name} is the old name of "
+                             f"{new_name}: keep only {new_name}")
+        new_parent[new[-1]] = old_parent.pop(old[-1])
+        logger.warning("%s is now %s; the old key is read until the next release", old_name, new_name)
+    return data
+
+
+def _section_copy(data: dict, path: tuple[str, ...], create: bool = False) -> dict | None:
+    """The mapping at `path` in `data`, copied into place so edits leave the caller's own dicts alone;
+    None where a step is missing (and not `create`d) or is not a mapping."""
+    node = data
+    for name in path:
+        child = node.get(name, {} if create else None)
+        if not isinstance(child, dict):
+            return None
+        node[name] = child = dict(child)
+        node = child
+    return node
+
+
+def _transport_for_masters(data: dict) -> dict:
+    """The collective plane has one master in its group: several masters default to object refs."""
+    masters, plane = data.get("masters"), data.get("data_plane", {})
+    count = masters.get("count", 1) if isinstance(masters, dict) else getattr(masters, "count", 1)
+    if str(count) == "1" or not isinstance(plane, dict) or "transport" in plane:
+        return data
+    return {**data, "data_plane": {**plane, "transport": "object_ref"}}
+
+
 def _read_yaml(path: Path) -> object:
     try:
         return yaml.safe_load(path.read_text())
@@ -473,11 +565,13 @@ def _readable(err: ValidationError) -> str:
 
 
 def _unknown_field(loc: tuple) -> str:
-    """A misspelt key: the closest field of its section, which is what the user meant to type."""
+    """A misspelt key: the closest field of its section, which is what the user meant to type; a misspelt
+    old key (`MOVED`) is pointed to its new place."""
     names = _section_fields(loc[:-1])
-    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    moved = {old[-1]: ".".join(new) for old, new in MOVED.items() if old[:-1] == tuple(map(str, loc[:-1]))}
+    close = difflib.get_close_matches(str(loc[-1]), [*names, *moved], n=1)
     if close:
-        return f"unknown field (did you mean {close[0]!r}?)"
+        return f"unknown field (did you mean {moved.get(close[0], close[0])!r}?)"
     return "unknown field" + (f"; the fields here are {', '.join(names)}" if names else "")
 
 

@@ -30,7 +30,7 @@ def silence_known_warnings() -> None:
         "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
         module=r"transformers\.modeling_utils",
     )
-    # cluster.zero_copy_tensors (default on) starts vela's actors with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS,
+    # data_plane.zero_copy_tensors (default on) starts vela's actors with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS,
     # and Ray then warns on the first tensor each process sends. Zero-copy is only unsafe for tensors
     # someone writes in place after receiving them, and vela-ray only reads what crosses Ray: workers
     # compute on received rows and gradients, the master concatenates outputs into new tensors, and

@@ -7,6 +7,7 @@ them down (transports first) when the test ends.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,6 +17,17 @@ from vela_ray.training.expert_manager import ExpertManagerSpec
 from tests.ray.helpers import (
     NUM_WORKERS, RAY_CPUS, spawn, specs_for, split_weights, synthetic_placement, synthetic_weights,
 )
+
+
+RAY_TESTS = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """The tests here run Ray or whole jobs: `job`-marked (before `-m` selects), so `make test-fast` skips them."""
+    for item in items:
+        if RAY_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.job)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from actors.cluster import ExpertCluster, spawn_expert_managers
 from vela_ray.training.expert_manager import ExpertManagerSpec
 from actors.transports import data_plane_env
 from tests.equivalence import LORA, OPTIM, scattered_placement
-from vela_ray.config import ClusterSection
+from vela_ray.config import DataPlaneSection
 from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
 from vela_ray.model.families import mixtral_debug
 from vela_ray.model.modeling import experts_prototypes
@@ -27,7 +27,7 @@ NUM_LAYERS, NUM_EXPERTS, HIDDEN, INTER, NUM_WORKERS = 2, 6, 16, 24, 3
 # the synthetic experts compute as Mixtral's (SwiGLU) do: its config is the experts' `hf_config`
 SYNTHETIC_CONFIG = mixtral_debug(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=NUM_EXPERTS,
                                  num_hidden_layers=NUM_LAYERS)
-DATA_PLANE_ENV = data_plane_env(ClusterSection().inline_bytes, ClusterSection().zero_copy_tensors)
+DATA_PLANE_ENV = data_plane_env(DataPlaneSection().inline_bytes, DataPlaneSection().zero_copy_tensors)
 
 
 def synthetic_weights(seed: int = 0) -> ExpertWeights:

@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, write_job
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process, write_job
 from vela_ray import cli
 from vela_ray.config import JobConfig
 from vela_ray.data.chat import alpaca_to_messages
 from vela_ray.data.datasets import load_instruct_examples
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.paths import data_dir
 from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiny_model import CHAT_TEMPLATE
@@ -77,7 +75,7 @@ def test_vela_train_on_chat_files_equals_peft(ray_session, model_dir, tmp_path, 
         summary = RunSummary.load(config.output.dir)
     else:
         config.preflight()
-        summary = JobRunner(config, InProcessPool(config)).run()
+        summary = run_in_process(config)
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert summary.data.kind == "chat" and summary.data.packing == (layout != "sharegpt_jsonl")

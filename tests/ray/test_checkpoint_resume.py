@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
+from benchmarks._harness import kill_when  # the kill benchmarks/checkpoint_recovery.py measures
 from vela_ray.errors import WorkerLostError
 from tests.fixtures import job_dict, make_checkpoint
 from vela_ray.training import checkpoint
@@ -43,30 +39,6 @@ def _assert_same_adapter(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7, msg=key)
-
-
-def _kill_worker_1(out: Path, ready: Callable[[], bool], delay_s: float = 0.0,
-                   victim: str = "pids") -> tuple[threading.Thread, dict]:
-    """A thread that SIGKILLs ExpertManager 1 (or with `victim="master_pids"` master 1; its pid from
-    `out/workers.json`) once `ready()`, after `delay_s`; the dict it returns gets the pid and the
-    monotonic time of the kill."""
-    killed: dict = {}
-
-    def kill() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            workers = out / "workers.json"
-            if workers.is_file() and ready():
-                time.sleep(delay_s)
-                pid = json.loads(workers.read_text())[victim][1]
-                os.kill(pid, signal.SIGKILL)
-                killed["pid"], killed["at"] = pid, time.monotonic()
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill, daemon=True)
-    killer.start()
-    return killer, killed
 
 
 def _resumed(uninterrupted, out: Path, resume: str, **cluster) -> dict:
@@ -102,7 +74,7 @@ def test_a_killed_expert_manager_stops_the_run_naming_it_and_the_checkpoint(unin
     job["output"]["dir"] = str(tmp_path / "out")
     job["checkpoint"] = {"every": 2, "keep": 10}
     ckpt_root = tmp_path / "out" / "checkpoints"
-    killer, killed = _kill_worker_1(tmp_path / "out", lambda: checkpoint.latest(ckpt_root) is not None)
+    killer, killed = kill_when(tmp_path / "out", lambda: checkpoint.latest(ckpt_root) is not None)
     with pytest.raises(WorkerLostError) as err:  # the actor's own error, not Ray's wrapper
         VelaJob(JobConfig.from_dict(job)).run()
     stopped = time.monotonic()
@@ -137,10 +109,10 @@ def test_with_two_masters_a_killed_master_is_restarted_and_the_run_equals_the_un
         uninterrupted, tmp_path):
     job = json.loads(json.dumps(uninterrupted["job"]))
     job["output"]["dir"] = str(tmp_path / "out")
-    job["cluster"].update(on_worker_loss="recover", num_masters=2)
+    job.update(fault_tolerance={"on_worker_loss": "recover"}, masters={"count": 2})
     job["checkpoint"] = {"every": 2, "keep": 10}
-    killer, killed = _kill_worker_1(tmp_path / "out", (tmp_path / "out" / "checkpoints" / "step-000002").is_dir,
-                                    delay_s=0.2, victim="master_pids")
+    killer, killed = kill_when(tmp_path / "out", (tmp_path / "out" / "checkpoints" / "step-000002").is_dir,
+                               delay_s=0.2, victim="master_pids")
     summary = VelaJob(JobConfig.from_dict(job)).run()
     killer.join(timeout=10)
     assert killed, "master 1 was never killed"
@@ -162,11 +134,12 @@ def test_a_killed_expert_manager_is_replaced_in_place_and_the_run_finishes_as_if
     job = json.loads(json.dumps(uninterrupted["job"]))
     job["output"]["dir"] = str(tmp_path / "out")
     # tiered workers (no device here: every expert on the CPU tier) compute as untiered ones do
-    job["cluster"].update(transport=transport, on_worker_loss="recover", expert_tiers={"enabled": tiers})
+    job.update(data_plane={"transport": transport}, fault_tolerance={"on_worker_loss": "recover"},
+               expert_tiers={"enabled": tiers})
     job["checkpoint"] = {"every": 2, "keep": 10}
     ckpt_root = tmp_path / "out" / "checkpoints"
     # killed once step 2 is checkpointed, some steps before the end: the run must roll back and replay
-    killer, killed = _kill_worker_1(tmp_path / "out", (ckpt_root / "step-000002").is_dir)
+    killer, killed = kill_when(tmp_path / "out", (ckpt_root / "step-000002").is_dir)
     summary = VelaJob(JobConfig.from_dict(job)).run()
     killer.join(timeout=10)
     assert killed, "the worker was never killed"

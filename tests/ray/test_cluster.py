@@ -15,7 +15,7 @@ from tests.ray.helpers import DATA_PLANE_ENV, specs_for, split_weights, syntheti
 
 def test_spawned_workers_start_with_the_data_plane_environment(synthetic_cluster):
     assert DATA_PLANE_ENV == {"RAY_max_direct_call_object_size": str(4 << 20), "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
-    for pid in ray.get([h.pid.remote() for h in synthetic_cluster.handles]):
+    for pid in [r.pid for r in ray.get([h.report.remote() for h in synthetic_cluster.handles])]:
         environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
         assert {k: environ.get(k) for k in DATA_PLANE_ENV} == DATA_PLANE_ENV
 

@@ -49,7 +49,7 @@ def test_a_sigkilled_worker_ends_in_peer_lost_naming_it_within_30s(ray_pool):
     cluster = ray_pool.spawn(specs_for(split_weights(synthetic_weights(), synthetic_placement(), NUM_WORKERS)))
     transport = ray_pool.track(collective_transport(cluster.handles, cluster.worker_tiers(), timeout_s=TIMEOUT_S))
     assert len(transport.forward(_requests())) == NUM_WORKERS  # both planes up and serving
-    os.kill(ray.get(cluster.handles[1].pid.remote(), timeout=TIMEOUT_S), signal.SIGKILL)
+    os.kill(ray.get(cluster.handles[1].report.remote(), timeout=TIMEOUT_S).pid, signal.SIGKILL)
     killed = time.monotonic()
     with pytest.raises(PeerLostError, match="expert worker 1") as caught:
         for _ in range(100):  # the kill lands within a call or two
@@ -80,7 +80,7 @@ def test_a_plane_that_cannot_form_says_so_in_one_line_with_the_fix(ray_session):
         assert time.monotonic() - start < 30
         message = str(caught.value)
         assert "\n" not in message and message.startswith("the collective data plane did not form within 3 s (")
-        assert "set cluster.transport: object_ref" in message
+        assert "set data_plane.transport: object_ref" in message
     finally:
         for actor in unreachable:
             ray.kill(actor)

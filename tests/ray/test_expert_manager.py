@@ -14,7 +14,6 @@ from tests.ray.helpers import HIDDEN, SYNTHETIC_CONFIG, synthetic_weights
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
-from vela_ray.model.transport import ForwardRequest
 
 LORA = LoraSpec(r=4, alpha=8)
 
@@ -44,28 +43,29 @@ def test_bytes_per_expert_counts_weights_and_lora_with_adam_state():
     manager = _manager([(0, 0), (1, 3)])
     # frozen: (2I*D + D*I) fp32 = (48*16 + 16*24) * 4 = 4608 bytes
     # LoRA r=4: (r*D + 2I*r + r*I + D*r) * 4 = (64 + 192 + 96 + 64) * 4 = 1664 bytes, x4 (value, grad, 2 moments)
-    assert manager.bytes_per_expert() == 4608 + 4 * 1664
-    assert capacity_from_memory([manager.free_bytes()], manager.bytes_per_expert())[0] > 1000  # > 11 MB free
+    report = manager.report()
+    assert report.bytes_per_expert == 4608 + 4 * 1664
+    assert capacity_from_memory([report.free_bytes], report.bytes_per_expert)[0] > 1000  # > 11 MB free
     with pytest.raises(ValueError, match="bytes_per_expert must be positive"):
-        capacity_from_memory([manager.free_bytes()], 0)
+        capacity_from_memory([report.free_bytes], 0)
 
 
 def test_seconds_per_row_times_an_expert_without_touching_training_state():
     manager = _manager([(0, 0), (1, 3)])
     before = manager.lora_state()
-    manager.forward(ForwardRequest(0, torch.zeros(32, dtype=torch.long), torch.randn(32, HIDDEN), "k"))
-    manager.backward("k", torch.ones(32, HIDDEN))  # some real gradient to keep
+    manager.forward_rows(0, torch.zeros(32, dtype=torch.long), torch.randn(32, HIDDEN), "k")
+    manager.backward_rows("k", torch.ones(32, HIDDEN))  # some real gradient to keep
     grads = manager.lora_grads()
-    seconds = manager.seconds_per_row(256)
-    assert 0 < seconds < 1e-2
-    assert manager.compute_seconds() > 0  # the forward/backward above were timed
+    report = manager.report(256)
+    assert 0 < report.seconds_per_row < 1e-2
+    assert report.compute_s > 0  # the forward/backward above were timed
     for key, params in manager.lora_grads().items():  # the probe accumulated no gradient ...
         for name, grad in params.items():
             torch.testing.assert_close(grad, grads[key][name], rtol=0, atol=0)
     for key, params in manager.lora_state().items():  # ... and changed no weight
         for name, value in params.items():
             torch.testing.assert_close(value, before[key][name], rtol=0, atol=0)
-    assert _manager([], worker=4).seconds_per_row(8) is None
+    assert _manager([], worker=4).report(8).seconds_per_row is None
 
 
 def test_worker_without_experts_still_steps_and_reports_zero_norm():
@@ -73,10 +73,8 @@ def test_worker_without_experts_still_steps_and_reports_zero_norm():
     assert manager.grad_sq_norm() == 0.0
     manager.step(1e-3, 1.0), manager.zero_grad()
     assert manager.lora_state() == {}
-    empty = ForwardRequest(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, HIDDEN), None)
-    assert manager.forward(empty).shape == (0, HIDDEN)
-    with pytest.raises(ExpertWorkerError, match="worker 5: hosts no experts"):
-        manager.bytes_per_expert()
+    assert manager.forward_rows(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, HIDDEN)).shape == (0, HIDDEN)
+    assert manager.report().bytes_per_expert is None  # nothing to size experts by
 
 
 def test_load_lora_state_takes_its_own_experts_and_names_missing_ones():
@@ -90,9 +88,9 @@ def test_load_lora_state_takes_its_own_experts_and_names_missing_ones():
 
 def test_topology_outside_ray():
     manager = _manager([(0, 0)], worker=3)
-    assert manager.ping() == 3 and manager.pid() > 0
+    assert manager.ping() == 3 and manager.report().pid > 0
     if not ray.is_initialized():
-        assert manager.node_id() == "local"
+        assert manager.report().node_id == "local"
     assert link_tiers("a", ["local", "a", "b"]) == ["same_process", "same_node", "cross_node"]
 
 

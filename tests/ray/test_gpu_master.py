@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 
 def test_master_on_gpu_with_cpu_workers_over_gloo_equals_peft(ray_session, tmp_path):
     model_dir = make_checkpoint(tmp_path / "model")
-    job = job_dict(model_dir, tmp_path / "out", steps=4, cluster={"num_workers": 2, "transport": "collective"},
+    job = job_dict(model_dir, tmp_path / "out", steps=4, cluster={"num_workers": 2},
+                   data_plane={"transport": "collective"},
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)

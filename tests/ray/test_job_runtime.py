@@ -21,9 +21,9 @@ STEPS = 4
 # more would add half a minute of CI for no path that Mixtral's does not take. The collective plane (the
 # default) carries `one_on_master`'s whole job: its two actors serve over it, beside a worker in the
 # master's process.
-CLUSTERS = {"object_ref": {"transport": "object_ref"},
-            "all_on_master": {"workers_on_master": 3},  # the one-GPU configuration: no worker actors
-            "one_on_master": {"workers_on_master": 1}}  # 2 actors + 1 in-process
+SECTIONS = {"object_ref": {"data_plane": {"transport": "object_ref"}},
+            "all_on_master": {"cluster": {"workers_on_master": 3}},  # the one-GPU configuration: no worker actors
+            "one_on_master": {"cluster": {"workers_on_master": 1}}}  # 2 actors + 1 in-process
 
 
 @pytest.mark.parametrize("family,transport", [("mixtral", "object_ref"), ("gpt_oss", "object_ref"),
@@ -32,7 +32,7 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     model_dir = make_checkpoint(tmp_path / "model", family)
     job = job_dict(model_dir, tmp_path / "out", steps=STEPS,
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
-                   cluster=CLUSTERS[transport],
+                   **SECTIONS[transport],
                    placement={"cost_model": "communication+compute"},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)
@@ -83,7 +83,7 @@ def test_a_family_outside_the_tested_set_is_verified_at_preflight_and_trains(ray
     model_dir = make_checkpoint(tmp_path / "model", "mixtral")
     job = job_dict(model_dir, tmp_path / "out", steps=2,
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
-                   cluster=CLUSTERS["all_on_master"])
+                   **SECTIONS["all_on_master"])
     config = JobConfig.from_dict(job)
     summary = VelaJob(config).run()
     assert summary.family_check.startswith("mixtral: verified by the preflight (not in the tested set")
@@ -104,7 +104,7 @@ def test_a_model_with_its_own_code_trains_through_ray_equal_to_peft(ray_session,
     register_model_code(str(model_dir.resolve()))  # this process builds the peft reference from it too
     job = job_dict(model_dir, tmp_path / "out", steps=2, model={"trust_remote_code": True},
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
-                   cluster={"transport": "object_ref"})
+                   data_plane={"transport": "object_ref"})
     config = JobConfig.from_dict(job)
     summary = VelaJob(config).run()
     assert summary.family_check.startswith("mixtral_remote: verified by the preflight")

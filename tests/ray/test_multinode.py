@@ -1,5 +1,5 @@
-"""Several Ray nodes on one machine: a master per node (`cluster.num_masters`), each with copies of some
-experts beside it (replicas), its sequences migrating among the masters (`cluster.sequence_migration`),
+"""Several Ray nodes on one machine: a master per node (`masters.count`), each with copies of some
+experts beside it (replicas), its sequences migrating among the masters (`masters.sequence_migration`),
 trains like peft; workers on other nodes count as cross-node, bytes match both ends, every node's NIC is in
 the placement problem."""
 
@@ -50,8 +50,8 @@ def test_a_master_per_node_with_replicas_trains_like_peft_and_both_ends_count_th
     Placement(expert_to_worker=table.tolist(), num_workers=3, capacities=[8] * 3, solver="file",
               expected_step_time=0.0, routes=routes.tolist()).to_json(tmp_path / "placement.json")
     job = job_dict(model_dir, tmp_path / "out", steps=2,
-                   cluster={"workers_per_node": 1, "num_masters": 3, "sequence_migration": True,
-                            "sequence_migration_candidates": 2},
+                   cluster={"workers_per_node": 1},
+                   masters={"count": 3, "sequence_migration": True, "sequence_migration_candidates": 2},
                    placement={"solver": "file", "file": str(tmp_path / "placement.json")},
                    lora={"r": 4, "alpha": 8, "init_adapter": str(adapter)},
                    training={"batch_size": 6, "micro_batch_size": 6, "optimizer": {"lr": 5e-3, "warmup_steps": 1}})

@@ -19,17 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.fixtures import job_dict, make_checkpoint
+from tests.fixtures import job_dict, make_checkpoint, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.errors import CheckpointWriteError
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training import checkpoint
 from vela_ray.training.optim import OptimizerConfig
 from vela_ray.training.step import build_local, master_state, train_step
-from vela_ray.training.summary import RunSummary
 
 STEPS = 4
 
@@ -47,11 +44,6 @@ def _job(model_dir: Path, out: Path, asynchronous: bool, steps: int = STEPS, **c
     return job_dict(model_dir, out, steps=steps, placement={"profile": "uniform"},
                     checkpoint={"every": 1, "keep": 10, "asynchronous": asynchronous, **checkpoint_section},
                     training={"optimizer": {"lr": 3e-3}})
-
-
-def _run(job: dict) -> RunSummary:
-    config = JobConfig.from_dict(job)
-    return JobRunner(config, InProcessPool(config)).run()
 
 
 def _flat(states: dict) -> dict[str, torch.Tensor]:
@@ -83,9 +75,10 @@ def test_a_snapshot_holds_its_step_while_the_next_step_trains(tmp_path):
     assert all(torch.equal(backbone[name], value) for name, value in backbone_then.items())
 
 
+@pytest.mark.job
 def test_asynchronous_checkpoints_hold_the_same_bytes_as_synchronous_ones_and_resume_exactly(model_dir, tmp_path):
-    sync = _run(_job(model_dir, tmp_path / "sync", asynchronous=False))
-    full = _run(_job(model_dir, tmp_path / "async", asynchronous=True))
+    sync = run_in_process(JobConfig.from_dict(_job(model_dir, tmp_path / "sync", asynchronous=False)))
+    full = run_in_process(JobConfig.from_dict(_job(model_dir, tmp_path / "async", asynchronous=True)))
     assert full.losses == sync.losses
     assert full.checkpoint == str(tmp_path / "async" / "checkpoints" / f"step-{STEPS:06d}")
     assert len(full.timings_s["checkpoint_stall_s"]) == STEPS
@@ -100,12 +93,13 @@ def test_asynchronous_checkpoints_hold_the_same_bytes_as_synchronous_ones_and_re
 
     job = _job(model_dir, tmp_path / "resumed", asynchronous=True)
     job["checkpoint"]["resume"] = str(tmp_path / "async" / "checkpoints" / "step-000002")
-    resumed = _run(job)
+    resumed = run_in_process(JobConfig.from_dict(job))
     assert resumed.losses == full.losses[2:]
     a, b = (load_file(Path(s.adapter_dir) / "adapter_model.safetensors") for s in (resumed, full))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.job
 def test_a_failed_background_write_fails_the_run_in_one_line_and_publishes_nothing(model_dir, tmp_path,
                                                                                     monkeypatch):
     write_tensors = checkpoint.write_tensors
@@ -117,7 +111,7 @@ def test_a_failed_background_write_fails_the_run_in_one_line_and_publishes_nothi
 
     monkeypatch.setattr(checkpoint, "write_tensors", disk_full_at_step_2)
     with pytest.raises(CheckpointWriteError) as failed:
-        _run(_job(model_dir, tmp_path / "out", asynchronous=True, steps=3))
+        run_in_process(JobConfig.from_dict(_job(model_dir, tmp_path / "out", asynchronous=True, steps=3)))
     root = tmp_path / "out" / "checkpoints"
     assert len(str(failed.value).splitlines()) == 1
     assert re.fullmatch(r"asynchronous checkpoint of step 2 failed: expert worker \d: writing its checkpoint part "
@@ -132,17 +126,15 @@ def test_a_failed_background_write_fails_the_run_in_one_line_and_publishes_nothi
 _JOBS = """
 import json, os, sys
 import torch
+from tests.fixtures import run_in_process
 from vela_ray.config import JobConfig
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 print("ready", flush=True)
 for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         torch.set_num_threads(1)
-        config = JobConfig.from_dict(json.loads(line))
         try:
-            JobRunner(config, InProcessPool(config)).run()
+            run_in_process(JobConfig.from_dict(json.loads(line)))
         finally:
             os._exit(0)
     print(pid, flush=True)
@@ -165,6 +157,7 @@ def _wait_for_staging(root: Path, step: int, pid: int, deadline_s: float = 120.0
     raise AssertionError(f"no checkpoint of step {step} began under {root} in {deadline_s} s")
 
 
+@pytest.mark.job
 def test_sigkill_while_an_asynchronous_checkpoint_is_written_leaves_the_previous_one_latest(model_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     server = subprocess.Popen([sys.executable, "-c", _JOBS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

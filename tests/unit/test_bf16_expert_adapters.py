@@ -28,7 +28,6 @@ from tests.equivalence import assert_updates_within_rounding, build_pair, expert
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
-from vela_ray.model.transport import ForwardRequest
 from vela_ray.training import checkpoint
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import OptimizerConfig
@@ -91,8 +90,8 @@ def _train_one_step(manager: ExpertManager) -> None:
     experts = torch.tensor([e for layer, e in manager.keys if layer == 0] * 3)
     rows = torch.randn(len(experts), MIXTRAL.config.hidden_size, generator=torch.Generator().manual_seed(0))
     rows = rows.bfloat16()
-    manager.forward(ForwardRequest(0, experts, rows, "k"))
-    manager.backward("k", torch.ones_like(rows))
+    manager.forward_rows(0, experts, rows, "k")
+    manager.backward_rows("k", torch.ones_like(rows))
     manager.step(3e-5, 1.0)
 
 
@@ -103,7 +102,8 @@ def test_a_bf16_expert_moves_and_checkpoints_with_its_fp32_state_bit_for_bit(tmp
     assert {t.dtype for t in sent[(0, 1)].values() if t.dim()} == {torch.float32}
     receiver.rehost([(0, 1), (0, 2)], sent)
     staging = checkpoint.begin(tmp_path, step=1)
-    receiver.save_checkpoint_part(str(staging))
+    receiver.snapshot_checkpoint_part(str(staging))
+    receiver.finish_checkpoint_part()
     resumed = _bf16_manager([(0, 1)], worker=2)
     resumed.load_checkpoint(str(checkpoint.finalize(staging, step=1, meta={})))
     for manager in (receiver, resumed):
@@ -141,11 +141,12 @@ def test_a_tiered_bf16_manager_equals_an_untiered_one_and_its_device_experts_tra
         manager = ExpertManager(ExpertManagerSpec(
             worker=0, keys=[(layer, e) for e in range(num_experts)], weights=expert_weights(blocks[:1]),
             hf_config=model.config, lora=LoraSpec(r=4, alpha=8), dtype="bfloat16", seed=3, tiers=tiers))
-        manager.set_tier_speeds(ALL_TO_DEVICE)
-        out = manager.forward(ForwardRequest(layer, ids, rows, "k"))
-        results.append((out, manager.backward("k", grad), manager.lora_grads()))
+        if manager.tiers:
+            manager.tiers.use_speeds(ALL_TO_DEVICE)
+        out = manager.forward_rows(layer, ids, rows, "k")
+        results.append((out, manager.backward_rows("k", grad), manager.lora_grads()))
     (out, grad_in, lora), (t_out, t_grad_in, t_lora) = results
-    assert manager.tier_stats().experts_device == 2
+    assert manager.report().tiers.experts_device == 2
     torch.testing.assert_close(t_out, out, rtol=0, atol=0)
     torch.testing.assert_close(t_grad_in, grad_in, rtol=0, atol=0)
     for key, named in lora.items():

@@ -20,6 +20,7 @@ SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.mark.job
 def test_smoke_run_trains_all_three_setups_and_reports_the_tiers(tmp_path):
     out = tmp_path / "big.json"
     argv = ["--device", "cpu", "--tiny", "--warmup", "1", "--steps", "2", "--offload-dir", str(tmp_path),

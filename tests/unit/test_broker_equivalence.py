@@ -19,6 +19,7 @@ from vela_ray.training.step import export
 FAMILY_NAMES = sorted(FAMILIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_losses_and_exported_adapter_match_peft_over_five_steps(family, tmp_path):
     pair = build_pair(family)

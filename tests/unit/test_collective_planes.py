@@ -34,16 +34,17 @@ class FakeServer:
     hang_s: float = 5.0
     saved: set = field(default_factory=set)
 
-    def _forward(self, request: ForwardRequest) -> torch.Tensor:
-        if request.layer == 7:
-            raise ExpertWorkerError(self.worker, f"forward of experts {request.expert_ids.tolist()} failed")
-        if request.layer == 9:
+    def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor,
+                     key: Hashable | None = None) -> torch.Tensor:
+        if layer == 7:
+            raise ExpertWorkerError(self.worker, f"forward of experts {expert_ids.tolist()} failed")
+        if layer == 9:
             time.sleep(self.hang_s)
-        if request.key is not None:
-            self.saved.add(request.key)
-        return request.rows * (self.worker + 1) + request.expert_ids[:, None].to(request.rows.dtype)
+        if key is not None:
+            self.saved.add(key)
+        return rows * (self.worker + 1) + expert_ids[:, None].to(rows.dtype)
 
-    def _backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+    def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         self.saved.remove(key)
         return 2 * grad
 
@@ -186,6 +187,7 @@ def test_a_request_that_cannot_be_sent_posts_nothing_and_the_transport_survives(
         planes.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_hung_worker_is_named_lost_after_the_timeout_never_a_hang():
     planes = form([FakeServer(0), FakeServer(1, hang_s=8.0)], timeout_s=2.0)

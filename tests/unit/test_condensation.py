@@ -11,15 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.fixtures import job_dict, make_checkpoint
+from tests.fixtures import job_dict, make_checkpoint, run_in_process
 from vela_ray.config import CondensationSection, JobConfig
 from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
 from vela_ray.model.condensation import Condenser, adaptive_threshold, select_representatives
 from vela_ray.model.traffic import DIRECTIONS
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.observability.report import summary_text
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.summary import RunSummary
 
 D = 4
@@ -256,8 +254,7 @@ def model_dir(tmp_path_factory) -> Path:
 def _run(model_dir: Path, out: Path, **training) -> RunSummary:
     job = job_dict(model_dir, out, steps=STEPS, placement={"solver": "sequential", "profile": "uniform"},
                    training={"eval_batches": 1, "optimizer": {"lr": 5e-3, "warmup_steps": 1}, **training})
-    config = JobConfig.from_dict(job)
-    return JobRunner(config, InProcessPool(config)).run()
+    return run_in_process(JobConfig.from_dict(job))
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +263,7 @@ def exact(model_dir, tmp_path_factory) -> RunSummary:
     return _run(model_dir, tmp_path_factory.mktemp("exact") / "out")
 
 
+@pytest.mark.job
 def test_condensation_off_changes_nothing_and_says_so(model_dir, exact, tmp_path):
     off = _run(model_dir, tmp_path / "out", condensation={"enabled": False, "threshold": 0.1})
     assert off.losses == exact.losses and off.eval_loss == exact.eval_loss
@@ -277,6 +275,7 @@ def test_condensation_off_changes_nothing_and_says_so(model_dir, exact, tmp_path
     assert "token condensation: off (exact)" in summary_text(legacy)
 
 
+@pytest.mark.job
 def test_condensation_on_moves_exactly_the_saved_bytes_less_and_is_lossy(model_dir, exact, tmp_path):
     on = _run(model_dir, tmp_path / "out", condensation={"enabled": True, "threshold": 0.6})
     record = on.condensation

@@ -13,10 +13,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from transformers import MixtralConfig
 
+from tests.fixtures import make_stand_in
 from vela_ray.cli import build_parser
 from vela_ray.config import JobConfig
 from vela_ray.observability.metrics import METRICS, PROMETHEUS_PREFIX
+from vela_ray.paths import data_dir
 from vela_ray.preflight import check_cluster_resources, master_gpus
 from vela_ray.training.tiny_model import tiny_model_path
 
@@ -24,6 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 JOBS = sorted((DEPLOY / "jobs").glob("*.yaml"))
 MIXTRAL_JOB = DEPLOY / "jobs" / "mixtral-8x7b-3x2.yaml"
+# The models the deploy jobs name on the cluster's volume, by architecture: each config class's defaults are
+# that model's (MixtralConfig() is Mixtral-8x7B's), which `make_stand_in` keeps the counts of.
+CLUSTER_MODELS = {Path("/mnt/vela/models/Mixtral-8x7B-v0.1"): MixtralConfig}
+STAND_IN_DATA = data_dir() / "instruct" / "gsm8k_alpaca.json"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 Node = dict[str, float]  # Ray resources of one node: {"CPU": 24, "GPU": 2}
 
@@ -47,22 +54,25 @@ def _job_path(config_arg: str) -> Path:
 
 
 def _stand_in_missing_paths(raw: dict, tmp_path: Path) -> dict:
-    """Cluster-only files (absolute paths that do not exist here) replaced by tmp files of the same kind."""
+    """Cluster-only data (an absolute path that does not exist here) replaced by a tmp file of the same kind:
+    the first Alpaca records of the bundled GSM8K set (the deploy jobs train on Alpaca-style records)."""
     data = dict(raw["data"])
     if Path(data["path"]).is_absolute() and not Path(data["path"]).exists():
         data["path"] = str(tmp_path / Path(data["path"]).name)
-        Path(data["path"]).write_text("[]")
+        Path(data["path"]).write_text(json.dumps(json.loads(STAND_IN_DATA.read_text())[:64]))
     return {**raw, "data": data}
 
 
-def _local_model(path: Path) -> Path | None:
-    """The job's model on this machine: its own path, or for `.cache/tiny-mixtral` the tiny model
-    that the demo job's comment links there (built if missing); None for a path that is not here."""
+def _local_model(path: Path, tmp_path: Path) -> Path:
+    """The job's model on this machine: its own path; for `.cache/tiny-mixtral` the tiny model that the
+    demo job's comment links there (built if missing); for a cluster's model, a stand-in of its architecture."""
     if path.exists():
         return path
     if path == Path(".cache/tiny-mixtral"):
         return tiny_model_path()
-    return None
+    if path not in CLUSTER_MODELS:
+        pytest.fail(f"{path} is not on this machine: add its transformers config class to CLUSTER_MODELS")
+    return make_stand_in(CLUSTER_MODELS[path](), tmp_path / path.name)
 
 
 # --- the jobs -------------------------------------------------------------------------------------------
@@ -75,13 +85,12 @@ def test_job_yamls_validate_as_job_configs(job, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.name)
-def test_job_passes_preflight_where_its_model_is_available(job, tmp_path, monkeypatch):
-    """The checks `vela train` runs before Ray: weights, seq_len vs positions, data fills a batch, capacity."""
+def test_job_passes_preflight(job, tmp_path, monkeypatch):
+    """The checks `vela train` runs before Ray: weights, seq_len vs positions, data fills a batch, capacity;
+    a cluster's model and data stand in at debug size (`_local_model`, `_stand_in_missing_paths`)."""
     monkeypatch.chdir(REPO)
-    raw = _load(job)
-    model_dir = _local_model(Path(raw["model"]["path"]))
-    if model_dir is None:
-        pytest.skip(f"{raw['model']['path']} is not on this machine")
+    raw = _stand_in_missing_paths(_load(job), tmp_path)
+    model_dir = _local_model(Path(raw["model"]["path"]), tmp_path)
     raw = {**raw, "model": {**raw["model"], "path": str(model_dir)},
            "output": {**raw.get("output", {}), "dir": str(tmp_path / "out")}}  # write nothing into the repo
     JobConfig.from_dict(raw, source=str(job)).preflight()

@@ -32,6 +32,7 @@ def _can_shape() -> bool:
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not _can_shape(), reason="needs root and netns + tbf")
 
 
+@pytest.mark.slow
 def test_cross_node_links_run_at_the_shaped_rate_and_loopback_stays_fast():
     spec = ClusterSpec(num_nodes=2, prefix=PREFIX, subnet="10.201.7", cross_mbit=400)
     cluster = EmulatedCluster(spec)

@@ -30,6 +30,7 @@ def _params() -> list:
                          if family in KNOWN_FAILURES else []) for family in moe_families()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", _params())
 def test_every_moe_family_trains_equal_to_peft_or_is_refused_with_the_reason(family, tmp_path):
     torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core machine
@@ -82,6 +83,7 @@ CLAMPED = ["deepseek_v4", "hy_v4", "minimax_m3_vl_text", "gpt_oss"]
 BINDING_LIMIT = 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", CLAMPED)
 def test_a_clamped_gate_that_binds_trains_equal_to_peft(family):
     torch.set_num_threads(1)

@@ -210,6 +210,7 @@ def remote_code_checkpoint(out: Path) -> Path:
     return out
 
 
+@pytest.mark.job
 def test_a_model_with_its_own_code_needs_trust_remote_code_said_in_one_line(tmp_path):
     """`vela train` in a fresh process (this one may have registered the code already, as a trusting job
     does): one line naming the field, before Ray starts."""

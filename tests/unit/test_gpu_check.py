@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.scripts import ROOT, load_script
@@ -56,12 +57,14 @@ def run_fake_tests(tmp_path: Path, require_gpu: bool) -> subprocess.CompletedPro
                            "test_fake.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_without_require_gpu_skipped_gpu_tests_pass(tmp_path):
     done = run_fake_tests(tmp_path, require_gpu=False)
     assert done.returncode == 0, done.stdout
     assert "1 passed, 4 skipped" in done.stdout
 
 
+@pytest.mark.slow
 def test_require_gpu_fails_each_skipped_gpu_test_naming_it_and_the_reason(tmp_path):
     done = run_fake_tests(tmp_path, require_gpu=True)
     assert done.returncode == 1, done.stdout
@@ -76,6 +79,7 @@ def test_require_gpu_fails_each_skipped_gpu_test_naming_it_and_the_reason(tmp_pa
     assert re.search(r"SKIPPED \[1\] test_fake.py:\d+: not a gpu test", out)
 
 
+@pytest.mark.slow
 def test_without_cuda_gpu_check_exits_2_with_one_line():
     done = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, env=NO_CUDA, capture_output=True,
                           text=True, timeout=300)
@@ -84,6 +88,7 @@ def test_without_cuda_gpu_check_exits_2_with_one_line():
     assert done.stderr.startswith("gpu_check: no CUDA (") and "machine with a working CUDA GPU" in done.stderr
 
 
+@pytest.mark.slow
 def test_env_part_alone_on_the_cpu_writes_the_json(tmp_path):
     out = tmp_path / "gpu_check.json"
     done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--only", "env", "--allow-cpu", "--out",

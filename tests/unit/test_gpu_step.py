@@ -18,6 +18,7 @@ import torch
 from tests.scripts import ROOT, load_script
 
 
+@pytest.mark.job
 def test_smoke_run_trains_both_models_with_peft_and_with_vela_experts_in_process(tmp_path):
     out = tmp_path / "gpu_step.json"
     argv = ["--device", "cpu", "--tiny", "--setups", "peft", "vela_gpu", "--warmup", "0", "--steps", "1",
@@ -43,6 +44,7 @@ def test_without_cuda_it_exits_2_with_one_line_naming_the_fix(capsys, monkeypatc
     assert "no CUDA device" in captured.err and "--device cpu" in captured.err
 
 
+@pytest.mark.slow
 def test_the_command_without_cuda_exits_non_zero():
     """The script as `make gpu-check` runs it, CUDA hidden (so the same on a GPU machine)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -178,6 +178,7 @@ print(json.dumps({"growth_mib": (psutil.Process().memory_info().rss - before) / 
 """
 
 
+@pytest.mark.slow
 def test_backbone_load_holds_less_memory_than_a_full_load_by_at_least_the_expert_bytes(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.replicas import ThreadGroup
 
 STEPS = 3
@@ -31,7 +30,7 @@ def _config(model_dir: Path, out: Path, masters: int, **sections) -> JobConfig:
     sections.setdefault("lora", {"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")})
     training = {"optimizer": {"lr": 5e-3, "warmup_steps": 1}, "batch_size": 6, "micro_batch_size": 3}
     return JobConfig.from_dict(job_dict(model_dir, out, steps=STEPS, training=training,
-                                        cluster={"num_masters": masters}, **sections))
+                                        masters={"count": masters}, **sections))
 
 
 def _adapter(summary) -> dict[str, torch.Tensor]:
@@ -40,10 +39,11 @@ def _adapter(summary) -> dict[str, torch.Tensor]:
     return load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
 
 
+@pytest.mark.job
 def test_masters_splitting_the_batch_train_exactly_like_one_master_and_peft(model_dir, tmp_path):
-    one = JobRunner(_config(model_dir, tmp_path / "one", 1), InProcessPool(_config(model_dir, tmp_path / "one", 1))).run()
+    one = run_in_process(_config(model_dir, tmp_path / "one", 1))
     config = _config(model_dir, tmp_path / "three", 3)
-    three = JobRunner(config, InProcessPool(config)).run()
+    three = run_in_process(config)
 
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(three.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -87,14 +87,14 @@ def test_thread_group_sums_agree_bitwise_on_every_thread():
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"cluster": {"num_masters": 2, "transport": "collective"}},
-     r"cluster.num_masters is 2 but cluster.transport is 'collective'.*use transport: object_ref"),
-    ({"cluster": {"num_masters": 3}, "training": {"steps": 1, "batch_size": 4, "micro_batch_size": 2}},
-     r"a micro-batch of 2 rows cannot feed cluster.num_masters = 3 masters"),
-    ({"cluster": {"num_masters": 2}, "training": {"steps": 1, "condensation": {"enabled": True}}},
-     r"training.condensation.enabled needs cluster.num_masters: 1 \(it is 2\)"),
-    ({"cluster": {"num_masters": 2, "workers_on_master": 1}},
-     r"cluster.workers_on_master needs cluster.num_masters: 1 \(it is 2\)"),
+    ({"masters": {"count": 2}, "data_plane": {"transport": "collective"}},
+     r"masters.count is 2 but data_plane.transport is 'collective'.*use data_plane.transport: object_ref"),
+    ({"masters": {"count": 3}, "training": {"steps": 1, "batch_size": 4, "micro_batch_size": 2}},
+     r"a micro-batch of 2 rows cannot feed masters.count = 3 masters"),
+    ({"masters": {"count": 2}, "training": {"steps": 1, "condensation": {"enabled": True}}},
+     r"training.condensation.enabled needs masters.count: 1 \(it is 2\)"),
+    ({"masters": {"count": 2}, "cluster": {"workers_on_master": 1}},
+     r"cluster.workers_on_master needs masters.count: 1 \(it is 2\)"),
     ({"cluster": {"num_gpus_per_worker": 1, "workers_on_master": 3}},
      r"cluster.num_gpus_per_worker must be 0"),
     ({"cluster": {"workers_on_master": 4}}, r"cluster.workers_on_master \(4\) cannot exceed cluster.num_workers \(3\)"),
@@ -105,6 +105,7 @@ def test_masters_the_job_cannot_feed_are_refused_in_one_line(tmp_path, sections,
         JobConfig.from_dict(job_dict(tmp_path / "model", tmp_path / "out", **sections))
 
 
+@pytest.mark.job
 def test_replicated_experts_train_like_peft_and_their_copies_stay_identical(model_dir, tmp_path):
     """Two masters, each using its own copy of half the experts: the copies' summed gradients keep their
     adapters and AdamW moments bitwise equal, and the run equals peft; a checkpoint holds each expert once."""
@@ -123,7 +124,7 @@ def test_replicated_experts_train_like_peft_and_their_copies_stay_identical(mode
                      placement={"solver": "file", "file": str(tmp_path / "placement.json"), "profile": "uniform"},
                      checkpoint={"every": STEPS})
     pool = _KeepingPool(config)
-    summary = JobRunner(config, pool).run()
+    summary = run_in_process(config, pool=pool)
 
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -150,6 +151,7 @@ class _KeepingPool(InProcessPool):
         super().close()
 
 
+@pytest.mark.slow  # waits out a watch timeout
 def test_a_master_waiting_in_the_gradient_sum_gives_up_as_soon_as_its_watch_sees_a_failed_master():
     """A real gloo group of two ranks (threads): with both in, the sum is right; with rank 1 gone, rank 0's
     watch ends its wait long before the group's timeout."""

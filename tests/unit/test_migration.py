@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from placement import sequential_table
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.observability.report import summary_text
 from vela_ray.data.datasets import batch_rows, micro_batches
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.migration import MigrationPlan
-from vela_ray.runtime.runner import Backbone, JobRunner
+from vela_ray.runtime.runner import Backbone
 from vela_ray.training.optim import lr_at
 from vela_ray.training.step import build_master, train_step
 from vela_ray.training.summary import LinkRecord, RunSummary
@@ -118,9 +118,10 @@ def test_a_migration_plan_moves_only_what_changed():
 
 def _run(config: JobConfig, links: list[LinkRecord] | None = None) -> RunSummary:
     config.preflight()
-    return JobRunner(config, InProcessPool(config, links=links)).run()
+    return run_in_process(config, links=links)
 
 
+@pytest.mark.job
 def test_the_job_start_moves_only_the_experts_the_solver_moved_and_equals_peft(model_dir, tmp_path):
     config = _config(model_dir, tmp_path / "out", placement={"solver": "improved"})
     summary = _run(config)
@@ -146,6 +147,7 @@ def _skewed_profile(path: Path, shape: tuple[int, int], top_k: int) -> Path:
     return path
 
 
+@pytest.mark.job
 def test_a_synthetic_drift_triggers_exactly_one_replacement_that_pays_for_itself(model_dir, tmp_path):
     backbone = Backbone.load(_config(model_dir, tmp_path / "probe"))
     profile = _skewed_profile(tmp_path / "skewed.npy", backbone.shape, top_k=2)
@@ -168,6 +170,7 @@ def test_a_synthetic_drift_triggers_exactly_one_replacement_that_pays_for_itself
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
 
 
+@pytest.mark.job
 def test_a_drift_too_small_to_pay_for_its_migration_moves_nothing(model_dir, tmp_path):
     config = _config(model_dir, tmp_path / "out", placement={
         "solver": "improved", "profile": "measure", "replan": {"every": 2, "drift_threshold": 0.0,
@@ -179,6 +182,7 @@ def test_a_drift_too_small_to_pay_for_its_migration_moves_nothing(model_dir, tmp
     assert [m.reason for m in summary.migrations] == ["start"]
 
 
+@pytest.mark.job
 def test_an_elastic_resume_places_by_the_checkpoints_profile(model_dir, tmp_path):
     first = _run(_config(model_dir, tmp_path / "a", placement={"solver": "improved"}, checkpoint={"every": 3}))
     job = job_dict(model_dir, tmp_path / "b", steps=STEPS, placement={"solver": "improved"},

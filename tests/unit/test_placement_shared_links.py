@@ -236,7 +236,7 @@ def test_empty_shared_links_give_the_same_results_as_a_problem_without_the_field
         ({"workers": [1, 3]}, r"shared_links\[0\] \('nic'\) lists worker 3 but there are only workers 0\.\.2: "
                               r"give indices into bandwidths"),
         ({"workers": [-1]}, r"shared_links\[0\] \('nic'\) lists worker -1 but there are only workers 0\.\.2"),
-        ({"bandwidth": 1e9}, r"shared_links\.0\.bandwidth: Extra inputs are not permitted"),
+        ({"bandwidth": 1e9}, r"shared_links\.0\.bandwidth: "),  # the misspelt field (not pydantic's wording)
     ],
 )
 def test_invalid_shared_links_are_one_line_naming_the_field_and_the_fix(link, message):

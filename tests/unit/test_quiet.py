@@ -14,6 +14,7 @@ import subprocess
 import sys
 import warnings
 
+import pytest
 import torch
 
 from vela_ray.model.experts import LoraSpec
@@ -69,6 +70,7 @@ def _zero_copy_warnings(mode: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_rays_zero_copy_warnings_are_silenced_and_still_occur_without_the_filters():
     unfiltered = _zero_copy_warnings("unfiltered")
     assert any(m.startswith("Zero-copy tensor serialization is enabled") for m in unfiltered), unfiltered

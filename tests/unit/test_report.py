@@ -275,7 +275,7 @@ def test_the_tier_note_names_the_cache_size_and_a_lossy_upload_format(tmp_path):
     summary = make_summary().model_copy(update={"expert_tiers": _tiers()[:1]})
     run_dir = make_run_dir(tmp_path / "run", summary)
     (run_dir / "config.json").write_text(json.dumps(
-        {"cluster": {"expert_tiers": {"enabled": True, "cache_experts": 6, "upload_format": "float8"}}}))
+        {"expert_tiers": {"enabled": True, "cache_experts": 6, "upload_format": "float8"}}))
     page = write_report(run_dir).read_text()
     assert "a device cache of at most 6 experts" in page and "float8 (LOSSY" in page
     assert "<td>all</td>" not in page  # one tiered worker: no total row

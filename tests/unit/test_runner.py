@@ -17,15 +17,17 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from placement import Placement
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.errors import RunInterrupted
 from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training import checkpoint
+from vela_ray.training.step import master_device
 from vela_ray.training.summary import RunSummary
+
+pytestmark = pytest.mark.job  # every test here runs whole jobs
 
 STEPS = 4
 
@@ -39,7 +41,7 @@ def _run(job: dict) -> tuple[RunSummary, MemoryMetricsBackend]:
     backend = MemoryMetricsBackend()
     config = JobConfig.from_dict(job)
     config.preflight()
-    return JobRunner(config, InProcessPool(config), MetricsSink(backend)).run(), backend
+    return run_in_process(config, metrics=MetricsSink(backend)), backend
 
 
 def _assert_same_adapter(a: dict, b: dict) -> None:
@@ -122,10 +124,9 @@ def test_a_stop_request_checkpoints_the_step_it_stopped_after_and_resume_finishe
     job["output"]["dir"] = str(tmp_path / "stopped")
     config = JobConfig.from_dict(job)
     steps_seen = MemoryMetricsBackend()
-    runner = JobRunner(config, InProcessPool(config), MetricsSink(steps_seen),
-                       should_stop=lambda: "interrupted (Ctrl-C)" if steps_seen.value("vela_train_step") == 3 else None)
     with pytest.raises(RunInterrupted) as stopped:
-        runner.run()
+        run_in_process(config, metrics=MetricsSink(steps_seen),
+                       should_stop=lambda: "interrupted (Ctrl-C)" if steps_seen.value("vela_train_step") == 3 else None)
     last = tmp_path / "stopped" / "checkpoints" / "step-000003"
     assert (stopped.value.step, stopped.value.checkpoint) == (3, str(last))
     assert str(stopped.value).startswith("interrupted (Ctrl-C): stopped after step 3;")
@@ -167,10 +168,17 @@ def test_the_workers_are_launched_before_the_backbone_loads_and_closed_when_it_f
     events: list[str] = []
     config = JobConfig.from_dict(job_dict(broken, tmp_path / "out", steps=1))
     with pytest.raises(ValueError, match="tokenizer"):
-        JobRunner(config, _RecordingPool(config, events)).run()
+        run_in_process(config, pool=_RecordingPool(config, events))
     assert events == ["launch", "close"]  # launched from the checkpoint's skeleton alone, never started
 
     events.clear()
     config = JobConfig.from_dict(job_dict(model_dir, tmp_path / "ok", steps=1))
-    JobRunner(config, _RecordingPool(config, events)).run()
+    run_in_process(config, pool=_RecordingPool(config, events))
     assert events == ["launch", "start", "close"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_master_gpu_without_cuda_is_refused_in_one_line_before_any_worker_starts():
+    with pytest.raises(ValueError, match=r"cluster.master_gpus is 1 but the master's process sees no CUDA"):
+        master_device(True)
+    assert master_device(False).type == "cpu"

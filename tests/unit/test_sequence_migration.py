@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.sequence_migration import NodeMap, one_mask, reslot
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,9 +32,9 @@ def _run(model_dir: Path, out: Path, migration: bool, backend: MemoryMetricsBack
     config = JobConfig.from_dict(job_dict(
         model_dir, out, steps=3, training=training,
         lora={"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")},
-        cluster={"num_masters": 3, "sequence_migration": migration}))
-    pool = InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)
-    return config, JobRunner(config, pool, MetricsSink(backend or MemoryMetricsBackend())).run()
+        masters={"count": 3, "sequence_migration": migration}))
+    return config, run_in_process(config, metrics=MetricsSink(backend or MemoryMetricsBackend()),
+                                  master_node=NODES[0], worker_nodes=NODES)
 
 
 def _adapter(summary) -> dict[str, torch.Tensor]:
@@ -45,6 +43,7 @@ def _adapter(summary) -> dict[str, torch.Tensor]:
     return load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
 
 
+@pytest.mark.job
 def test_migrating_sequences_trains_exactly_like_peft_and_moves_hidden_states_across_nodes(model_dir, tmp_path):
     metrics = MemoryMetricsBackend()
     config, moved = _run(model_dir, tmp_path / "moved", True, metrics)
@@ -98,10 +97,11 @@ def test_node_map_indexes_masters_and_workers_by_their_nodes():
 
 
 def test_sequence_migration_needs_several_masters(tmp_path):
-    with pytest.raises(ValueError, match="cluster.sequence_migration moves sequences between masters"):
-        JobConfig.from_dict(job_dict(tmp_path, tmp_path, cluster={"sequence_migration": True}))
+    with pytest.raises(ValueError, match="masters.sequence_migration moves sequences between masters"):
+        JobConfig.from_dict(job_dict(tmp_path, tmp_path, masters={"sequence_migration": True}))
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "jamba"])
 def test_other_families_decoder_layers_migrate_exactly(family, tmp_path):
     """A dense first layer and shared experts (DeepSeek-V3), sliding-window layers with sinks (gpt-oss),
@@ -111,13 +111,14 @@ def test_other_families_decoder_layers_migrate_exactly(family, tmp_path):
     for migration in (False, True):
         config = JobConfig.from_dict(job_dict(
             model, tmp_path / f"out-{migration}", steps=2, training={"batch_size": 6, "micro_batch_size": 6},
-            cluster={"num_masters": 3, "sequence_migration": migration, "sequence_migration_candidates": 2}))
-        summaries.append(JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run())
+            masters={"count": 3, "sequence_migration": migration, "sequence_migration_candidates": 2}))
+        summaries.append(run_in_process(config, master_node=NODES[0], worker_nodes=NODES))
     stayed, moved = summaries
     assert moved.sequence_moves["moves"] > 0
     torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(stayed.losses), rtol=1e-6, atol=0)
 
 
+@pytest.mark.job
 def test_micro_batches_with_padding_stay_where_they_are(tmp_path):
     """Instruction examples padded to the longest in the micro-batch: their masks differ, so no sequence moves
     (the model built its attention mask before the layers), and the summary says how many stayed."""
@@ -129,9 +130,9 @@ def test_micro_batches_with_padding_stay_where_they_are(tmp_path):
     model_dir = make_checkpoint(tmp_path / "model", vocab=1024, max_position_embeddings=256)
     config = JobConfig.from_dict(job_dict(model_dir, tmp_path, steps=2, data=data,
                                           training={"batch_size": 6, "micro_batch_size": 6},
-                                          cluster={"num_masters": 3, "sequence_migration": True,
+                                          masters={"count": 3, "sequence_migration": True,
                                                    "sequence_migration_candidates": 2}))
-    moves = JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run().sequence_moves
+    moves = run_in_process(config, master_node=NODES[0], worker_nodes=NODES).sequence_moves
     assert moves == {"micro_batches": 6, "skipped": 6, "moves": 0, "sent_bytes": 0, "cross_node_bytes": 0}
 
 

@@ -17,13 +17,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
-from vela_ray.config import ClusterSection, JobConfig
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
+from vela_ray.config import JobConfig
 from vela_ray.data.datasets import pack_text, sequential_batches
 from vela_ray.paths import data_dir
-from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.pool import capacity_from_memory
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training import tiered as tiered_module
 from vela_ray.training.expert_cache import DeviceExpertCache
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
@@ -152,10 +150,10 @@ def test_the_cache_evicts_the_least_recently_used_expert_outside_the_plan_and_ne
         DeviceExpertCache(_fake_host, capacity=0, device=torch.device("cpu"))
 
 
-def test_expert_tiers_are_a_cluster_setting_off_by_default():
-    assert not ClusterSection().expert_tiers.enabled
-    tiers = ClusterSection(expert_tiers={"enabled": True, "cache_experts": 4}).expert_tiers
-    assert tiers == ExpertTiersConfig(enabled=True, cache_experts=4)
+def test_expert_tiers_are_a_job_setting_off_by_default(tmp_path):
+    assert not JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out")).expert_tiers.enabled
+    job = job_dict(tmp_path, tmp_path / "out", expert_tiers={"enabled": True, "cache_experts": 4})
+    assert JobConfig.from_dict(job).expert_tiers == ExpertTiersConfig(enabled=True, cache_experts=4)
 
 
 # --- a tiered ExpertManager equals an untiered one ---------------------------------------------------------
@@ -210,14 +208,14 @@ def run_both_layers(manager: ExpertManager) -> tuple[list[torch.Tensor], list[to
 def test_a_tiered_manager_equals_an_untiered_one(tiny_model_dir, speeds, cache_experts, expect):
     reference = run_both_layers(make_manager(tiny_model_dir))
     tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=cache_experts))
-    tiered.set_tier_speeds(speeds)
+    tiered.tiers.use_speeds(speeds)
     outs, grads, lora = run_both_layers(tiered)
     for got, want in zip(outs + grads, reference[0] + reference[1]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     for key, named in reference[2].items():
         for name, want in named.items():
             torch.testing.assert_close(lora[key][name], want, rtol=0, atol=1e-6, msg=f"{key} {name}")
-    stats = tiered.tier_stats()
+    stats = tiered.report().tiers
     active = 2 * sum(1 for n in COUNTS if n)  # 7 experts with rows per layer, two layers
     assert stats.experts_cpu + stats.experts_device == active
     assert stats.rows_cpu + stats.rows_device == 2 * sum(COUNTS)
@@ -234,7 +232,7 @@ def test_a_tiered_manager_equals_an_untiered_one(tiny_model_dir, speeds, cache_e
 
 def test_a_tiered_manager_without_grad_keeps_no_graph_and_answers_an_empty_request(tiny_model_dir):
     tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=2))
-    tiered.set_tier_speeds(ALL_TO_DEVICE)
+    tiered.tiers.use_speeds(ALL_TO_DEVICE)
     ids, rows, _ = requests(0, 128, seed=0)
     reference = make_manager(tiny_model_dir).forward_rows(0, ids, rows)
     torch.testing.assert_close(tiered.forward_rows(0, ids, rows), reference, rtol=0, atol=1e-6)
@@ -265,7 +263,7 @@ def test_a_tiered_manager_equals_an_untiered_one_for_other_expert_layouts(family
                 if "lora_B" in name:
                     param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(6)) * 0.1)
         if speeds:
-            manager.set_tier_speeds(speeds)
+            manager.tiers.use_speeds(speeds)
         out = manager.forward_rows(layer, ids, rows, key="k")
         results.append((out, manager.backward_rows("k", grad), manager.lora_grads()))
     (out, grad_in, lora), (t_out, t_grad_in, t_lora) = results
@@ -274,7 +272,7 @@ def test_a_tiered_manager_equals_an_untiered_one_for_other_expert_layouts(family
     for key, named in lora.items():
         for name, want in named.items():
             torch.testing.assert_close(t_lora[key][name], want, rtol=0, atol=1e-6, msg=f"{key} {name}")
-    assert manager.tier_stats().experts_device == 2
+    assert manager.report().tiers.experts_device == 2
 
 
 # --- the popularity predictor ----------------------------------------------------------------------------------
@@ -311,14 +309,14 @@ def test_a_tiered_manager_scores_its_forecast_of_the_next_layer(routing, tiny_mo
     predictor = PopularityPredictor.from_model(model)
     predictor.fit(fit_pairs, steps=10)
     manager = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=4))
-    manager.set_tier_speeds(SPEEDS)
+    manager.tiers.use_speeds(SPEEDS)
     manager.set_predictor(predictor.state_dict(), predictor.top_k)
     rows0 = held_out[1][0][:64]  # layer 0's router input: what its experts receive
     ids0 = torch.arange(64) % 8  # any experts of layer 0
     manager.forward_rows(0, ids0, rows0)
     rows1, top1 = held_out[2][0][:64], held_out[1][1][:64]  # layer 1's real choices for the same tokens
     manager.forward_rows(1, top1.reshape(-1), rows1.repeat_interleave(2, dim=0))
-    stats = manager.tier_stats()
+    stats = manager.report().tiers
     assert stats.predictions == 1 and 0.0 <= stats.predicted_overlap <= 1.0
     assert stats.speeds == SPEEDS
 
@@ -358,6 +356,7 @@ def test_top_k_overlap_counts_shared_choices_per_token():
 # --- a whole job ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.job
 def test_a_tiered_job_equals_peft_and_reports_its_tiers(tmp_path, monkeypatch):
     # speeds as if a device were there: a load costs 1e4 B / 1e8 B/s = 1e-4 s, ten rows of CPU time, so
     # the busy experts go to the (CPU-backed) device tier and the quiet ones stay on the CPU
@@ -366,11 +365,11 @@ def test_a_tiered_job_equals_peft_and_reports_its_tiers(tmp_path, monkeypatch):
     model_dir = make_checkpoint(tmp_path / "model")
     job = job_dict(model_dir, tmp_path / "out", steps=2,
                    lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
-                   cluster={"num_workers": 2, "expert_tiers": {"enabled": True, "cache_experts": 3}},
+                   cluster={"num_workers": 2}, expert_tiers={"enabled": True, "cache_experts": 3},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)
     config.preflight()
-    summary = JobRunner(config, InProcessPool(config)).run()
+    summary = run_in_process(config)
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert [stats.worker for stats in summary.expert_tiers] == [0, 1]
@@ -386,11 +385,11 @@ def test_a_tiered_job_equals_peft_and_reports_its_tiers(tmp_path, monkeypatch):
 def test_on_cuda_host_weights_are_pinned_uploads_run_on_their_own_stream_and_results_match(tiny_model_dir):
     reference = run_both_layers(make_manager(tiny_model_dir))
     tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=3), device="cuda")
-    assert all(t.is_pinned() for t in tiered.tiered.host_params((0, 0)).values())
-    assert tiered.tiered.cache.stream is not None
-    speeds = tiered.tiered.measured_speeds()
+    assert all(t.is_pinned() for t in tiered.tiers.host_params((0, 0)).values())
+    assert tiered.tiers.cache.stream is not None
+    speeds = tiered.tiers.measured_speeds()
     assert speeds.has_device and speeds.upload_bytes_per_s > 0 and speeds.device_s_per_row > 0
-    tiered.set_tier_speeds(ALL_TO_DEVICE)
+    tiered.tiers.use_speeds(ALL_TO_DEVICE)
     data = {layer: requests(layer, 128, seed=layer) for layer in (0, 1)}
     before = torch.cuda.memory_allocated()
     outs = [tiered.forward_rows(layer, data[layer][0], data[layer][1], key=("mb", layer)) for layer in (0, 1)]
@@ -403,7 +402,7 @@ def test_on_cuda_host_weights_are_pinned_uploads_run_on_their_own_stream_and_res
     for key, named in reference[2].items():
         for name, want in named.items():
             torch.testing.assert_close(lora[key][name], want, rtol=1e-4, atol=1e-5)
-    stats = tiered.tier_stats()
+    stats = tiered.report().tiers
     assert stats.experts_device == 6 and stats.experts_cpu == 8 and stats.dropped_weights > 0
     assert stats.upload_bytes >= 6 * speeds.bytes_per_expert
 
@@ -428,10 +427,11 @@ def test_a_request_costs_the_cpu_speed_without_a_device_and_less_with_one_that_b
 
 def test_a_tiered_manager_reports_its_tiers_compute_and_its_host_memory(tiny_model_dir):
     manager = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=4))
-    manager.set_tier_speeds(SPEEDS)
+    manager.tiers.use_speeds(SPEEDS)
     experts_of_layer = 8  # KEYS: two layers of 8, a cache of 4: a quarter of each layer's experts cached
-    assert manager.seconds_per_row(256) == request_seconds_per_row(SPEEDS, 256, experts_of_layer, 2, 4)
-    assert manager.memory_pool() == f"{manager.node_id()}/host"  # not its device's: the cache is bounded
+    report = manager.report(256)
+    assert report.seconds_per_row == request_seconds_per_row(SPEEDS, 256, experts_of_layer, 2, 4)
+    assert report.memory_pool == f"{report.node_id}/host"  # not its device's: the cache is bounded
 
 
 def test_workers_sharing_one_memory_split_it():
@@ -448,4 +448,4 @@ def test_a_tiered_manager_first_asked_without_grad_measures_its_speeds_all_the_s
     with torch.no_grad():
         out = tiered.forward_rows(0, ids, rows)
     torch.testing.assert_close(out, make_manager(tiny_model_dir).forward_rows(0, ids, rows), rtol=0, atol=1e-6)
-    assert tiered.tier_stats().speeds.cpu_s_per_row > 0
+    assert tiered.report().tiers.speeds.cpu_s_per_row > 0

@@ -92,6 +92,7 @@ def test_tiny_model_config_checks_its_shapes():
         TinyModelConfig(hidden_size=30)
 
 
+@pytest.mark.job
 def test_vela_profile_writes_profile_npy_and_pngs(built, tmp_path):
     vela = Path(sys.executable).parent / "vela"
     out = tmp_path / "out"

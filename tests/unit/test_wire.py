@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures import job_dict, make_checkpoint
+from tests.fixtures import job_dict, make_checkpoint, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.model import wire
 from vela_ray.observability.report import summary_text
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiers import ExpertTiersConfig
 
@@ -62,16 +60,18 @@ def test_a_reply_travels_in_its_requests_format_and_any_leading_shape_works():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"mode": "expert_parallel", "cluster": {"row_format": "float8"}}, "cluster.row_format: float8 is for mode: vela"),
-    ({"model": {"dtype": "bfloat16"}, "cluster": {"row_format": "bfloat16"}}, "cluster.row_format: bfloat16 with"),
-    ({"model": {"dtype": "bfloat16"}, "cluster": {"expert_tiers": {"enabled": True, "upload_format": "bfloat16"}}},
-     "cluster.expert_tiers.upload_format: bfloat16 with"),
-    ({"cluster": {"row_format": "int4"}}, "row_format"),
+    ({"mode": "expert_parallel", "data_plane": {"row_format": "float8"}},
+     "data_plane.row_format: float8 is for mode: vela"),
+    ({"model": {"dtype": "bfloat16"}, "data_plane": {"row_format": "bfloat16"}},
+     "data_plane.row_format: bfloat16 with"),
+    ({"model": {"dtype": "bfloat16"}, "expert_tiers": {"enabled": True, "upload_format": "bfloat16"}},
+     "expert_tiers.upload_format: bfloat16 with"),
+    ({"data_plane": {"row_format": "int4"}}, "data_plane.row_format"),
 ])
 def test_a_low_bit_format_that_cannot_apply_is_refused_naming_the_field(tmp_path, fields, message):
     job = job_dict(tmp_path / "model", tmp_path / "out")
     for name, values in fields.items():
-        job[name] = {**job[name], **values} if isinstance(values, dict) else values
+        job[name] = {**job.get(name, {}), **values} if isinstance(values, dict) else values
     with pytest.raises(ValueError, match=message):
         JobConfig.from_dict(job)
 
@@ -86,12 +86,11 @@ def model_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("model") / "mixtral")
 
 
-def _run(model_dir: Path, out: Path, **cluster) -> RunSummary:
+def _run(model_dir: Path, out: Path, **data_plane) -> RunSummary:
     job = job_dict(model_dir, out, steps=3, placement={"solver": "sequential", "profile": "uniform"},
-                   cluster={"num_workers": 3, **cluster},
+                   cluster={"num_workers": 3}, data_plane=data_plane,
                    training={"eval_batches": 1, "optimizer": {"lr": 5e-3, "warmup_steps": 1}})
-    config = JobConfig.from_dict(job)
-    return JobRunner(config, InProcessPool(config)).run()
+    return run_in_process(JobConfig.from_dict(job))
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +98,12 @@ def exact(model_dir, tmp_path_factory) -> RunSummary:
     return _run(model_dir, tmp_path_factory.mktemp("exact") / "out")
 
 
+@pytest.mark.job
 def test_rows_are_exact_by_default(exact):
     assert exact.row_format == "exact" and "rows travelled in" not in summary_text(exact)
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("row_format, tolerance", [("bfloat16", 1e-2), ("float8", 5e-2)])
 def test_low_bit_rows_move_the_predicted_bytes_and_train_close_to_the_exact_run(
         model_dir, exact, tmp_path, row_format, tolerance):
@@ -114,7 +115,7 @@ def test_low_bit_rows_move_the_predicted_bytes_and_train_close_to_the_exact_run(
     assert lossy.losses != exact.losses  # lossy from the first forward ...
     torch.testing.assert_close(torch.tensor(lossy.losses), torch.tensor(exact.losses), rtol=tolerance, atol=0)
     assert math.isfinite(lossy.eval_loss)  # ... and close, and said so
-    line = f"rows travelled in {row_format} (LOSSY, cluster.row_format)"
+    line = f"rows travelled in {row_format} (LOSSY, data_plane.row_format)"
     assert line in summary_text(tmp_path / "out") and line in (tmp_path / "out" / "report.html").read_text()
 
 
@@ -130,8 +131,8 @@ def test_low_bit_uploads_move_fewer_bytes_and_compute_close_to_the_exact_weights
     runs = {}
     for fmt in ("exact", upload_format):
         manager = make_manager(model, ExpertTiersConfig(enabled=True, cache_experts=16, upload_format=fmt))
-        manager.set_tier_speeds(ALL_TO_DEVICE)  # every expert computes on the (CPU-backed) device tier
-        runs[fmt] = run_both_layers(manager), manager.tier_stats()
+        manager.tiers.use_speeds(ALL_TO_DEVICE)  # every expert computes on the (CPU-backed) device tier
+        runs[fmt] = run_both_layers(manager), manager.report().tiers
     (outs, grads, _), stats = runs[upload_format]
     (want_outs, want_grads, _), exact_stats = runs["exact"]
     assert stats.uploads == exact_stats.uploads > 0

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from placement import sequential_table
 from tests.equivalence import micro_batches, scattered_placement
-from tests.fixtures import job_dict, make_checkpoint
+from tests.fixtures import job_dict, make_checkpoint, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.model.adapters import full_lora_config, fuse_expert_factors
 from vela_ray.model.experts import LoraSpec, slot_name
@@ -29,8 +29,6 @@ from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import find_moe_blocks
 from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
-from vela_ray.runtime.local import InProcessPool
-from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.optim import OptimizerConfig, zo_noise
 from vela_ray.training.step import build_local, export, import_adapter
 from vela_ray.training.zo import ZoTrainer, step_seed
@@ -191,9 +189,10 @@ def model_dir(tmp_path_factory) -> Path:
 def _run(job: dict) -> tuple:
     backend = MemoryMetricsBackend()
     config = JobConfig.from_dict(job)
-    return JobRunner(config, InProcessPool(config), MetricsSink(backend)).run(), backend
+    return run_in_process(config, metrics=MetricsSink(backend)), backend
 
 
+@pytest.mark.job
 def test_a_zo_job_reports_zo_moves_no_gradients_and_checkpoints_unperturbed_adapters(model_dir, tmp_path):
     job = job_dict(model_dir, tmp_path / "full", steps=3, checkpoint={"every": 2, "keep": 5},
                    training={"method": "zo", "zo": {"eps": 1e-3}, "optimizer": {"lr": 1e-2}})
@@ -217,12 +216,13 @@ def test_a_zo_job_reports_zo_moves_no_gradients_and_checkpoints_unperturbed_adap
 
 
 @pytest.mark.parametrize("section, value, message", [
-    ("cluster", {"num_masters": 2}, r"training.method: zo does not support cluster.num_masters: 2 .* use 1"),
-    ("cluster", {"on_worker_loss": "recover"}, r"does not support cluster.on_worker_loss: recover: use stop"),
+    ("masters", {"count": 2}, r"training.method: zo does not support masters.count: 2 .* use 1"),
+    ("fault_tolerance", {"on_worker_loss": "recover"},
+     r"does not support fault_tolerance.on_worker_loss: recover: use stop"),
     ("training", {"condensation": {"enabled": True}}, r"does not support training.condensation.enabled .* off"),
 ])
 def test_zo_refuses_what_it_does_not_support(model_dir, tmp_path, section, value, message):
     job = job_dict(model_dir, tmp_path, training={"method": "zo"})
-    job[section] = {**job[section], **value}
+    job[section] = {**job.get(section, {}), **value}
     with pytest.raises(ValueError, match=message):
         JobConfig.from_dict(job)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -55,15 +56,17 @@ import torch
 import torch.distributed as dist
 
 from placement import sequential_table
+from vela_ray.model.dtypes import torch_dtype
 from vela_ray.model.experts import LoraSpec
-from vela_ray.model.loading import load_backbone
 from vela_ray.model.modeling import find_moe_blocks
 from vela_ray.model.traffic import LinkTier, link_tiers
 from vela_ray.model.transport import ForwardRequest
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import OptimizerConfig
 from vela_ray.training.replicas import ProcessGroupReplicas, ReplicaShare
-from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, import_adapter
+from vela_ray.training.step import (
+    ExpertWorkers, MasterModel, MasterSpec, build_master_replica, import_adapter, seeded_backbone,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +213,9 @@ def build_rank(model_dir, dtype: str, lora: LoraSpec, optim: OptimizerConfig, se
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     if len(rank_nodes) != num_ranks:
         raise ValueError(f"rank_nodes names {len(rank_nodes)} nodes for {num_ranks} ranks")
-    torch.manual_seed(seed)
-    model = load_backbone(model_dir, getattr(torch, dtype))
+    spec = MasterSpec(model_dir=Path(model_dir), dtype=torch_dtype(dtype), lora=lora, optim=optim, seed=seed,
+                      device=torch.device(device))
+    model = seeded_backbone(spec)
     blocks = find_moe_blocks(model)
     layout = blocks[0].layout
     table = sequential_table(len(blocks), layout.num_experts, num_ranks)
@@ -220,8 +224,7 @@ def build_rank(model_dir, dtype: str, lora: LoraSpec, optim: OptimizerConfig, se
         lora=lora, optim=optim, seed=seed, dtype=dtype, device=device))
     transport = AllToAllTransport(experts, layout.num_experts, layout.hidden_size,
                                   link_tiers(rank_nodes[rank], rank_nodes, origin_index=rank), group)
-    master = build_master(model, table, transport, lora, optim)
-    master.peft_model.to(device)  # after the brokers replaced the (unallocated, meta) experts
+    master = build_master_replica(spec, table, transport, model=model)
     ep_rank = ExpertParallelRank(rank, num_ranks, master, experts, transport, ProcessGroupReplicas(group),
                                  float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0), device)
     if init_adapter is not None:

@@ -27,12 +27,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vela_ray.data.examples import IGNORE_INDEX, Example
+from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from vela_ray.data.datasets import InstructExample
 
 log = logging.getLogger(__name__)
 

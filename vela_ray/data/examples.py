@@ -22,14 +22,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from vela_ray.data.datasets import TokenizedDataset
+from vela_ray.data.tokenized import TokenizedDataset
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class InstructExample:
+    """One instruction-following example (Alpaca fields)."""
+
+    instruction: str
+    input: str
+    output: str
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,10 @@ def _fit(examples: list[Example], seq_len: int, source: str) -> list[Example]:
     return kept
 
 
-def padded_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> "TokenizedDataset":
+def padded_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> TokenizedDataset:
     """One example per row, right-padded to `seq_len` (pad: label IGNORE_INDEX, attention 0)."""
     import torch
 
-    from vela_ray.data.datasets import TokenizedDataset
 
     kept = _fit(examples, seq_len, source)
     shape = (len(kept), seq_len)
@@ -83,11 +89,10 @@ def padded_rows(examples: list[Example], seq_len: int, pad_id: int, source: str)
     return TokenizedDataset(input_ids, labels, attention_mask, source=source)
 
 
-def packed_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> "TokenizedDataset":
+def packed_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> TokenizedDataset:
     """Several examples per row (first-fit in data order), position ids restarting per example."""
     import torch
 
-    from vela_ray.data.datasets import TokenizedDataset
 
     kept = _fit(examples, seq_len, source)
     rows: list[list[Example]] = []

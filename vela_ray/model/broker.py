@@ -56,10 +56,13 @@ class ExpertDispatcher:
     """Shared by all brokers of a model: the placement table, the transport and the counters."""
 
     def __init__(self, expert_to_worker: torch.Tensor, transport: Transport, counter: TrafficCounter | None = None,
-                 *, master: int = 0, num_masters: int = 1, row_format: wire.RowFormat = "exact"):
+                 *, master: int = 0, num_masters: int = 1, row_format: wire.RowFormat = "exact",
+                 latency=None, condenser=None):
         """`master` of `num_masters`: data-parallel masters share the workers, so each numbers the forwards
         it saves there (`new_key`) in its own residue class: master, master + M, ...
-        `row_format`: how rows travel (`vela_ray.model.wire`; LOSSY unless exact)."""
+        `row_format`: how rows travel (`vela_ray.model.wire`; LOSSY unless exact).
+        `latency`: anything with .observe(layer, seconds, phase), e.g. `metrics.MetricsSink.latency`.
+        `condenser`: LOSSY, a `condensation.Condenser` (token condensation in training forwards)."""
         table = torch.as_tensor(expert_to_worker, dtype=torch.long)
         if table.dim() != 2:
             raise ValueError(f"expert_to_worker must be [layers, experts], got shape {tuple(table.shape)}")
@@ -72,9 +75,10 @@ class ExpertDispatcher:
         self.transport = transport
         self.row_format = row_format
         num_layers = table.shape[0]
-        self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers())
-        self.latency = None  # optional: anything with .observe(layer, seconds, phase), e.g. metrics.MetricsSink.latency
-        self.condenser = None  # optional, LOSSY: a condensation.Condenser (token condensation in training forwards)
+        self.counter = counter or TrafficCounter(num_layers, transport.num_workers, transport.worker_tiers(),
+                                                 num_experts=table.shape[1])
+        self.latency = latency
+        self.condenser = condenser
         # optional: called with (plan, token_T) for every plan a broker makes (sequence migration reads where
         # each token's rows go); token_T as in `ExpertBroker._routed`
         self.plan_observer = None
@@ -92,7 +96,8 @@ class ExpertDispatcher:
             raise ValueError(f"new placement is {tuple(table.shape)}, expected {tuple(self.expert_to_worker.shape)}")
         transport = transport or self.transport
         if transport.num_workers != self.transport.num_workers:
-            self.counter = TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers())
+            self.counter = TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers(),
+                                          num_experts=table.shape[1])
         self.expert_to_worker, self.transport = table, transport
 
     @property
@@ -100,10 +105,13 @@ class ExpertDispatcher:
         return self.expert_to_worker.shape[1]
 
     def plan(self, layer: int, top_k_index_TK: torch.Tensor) -> DispatchPlan:
+        """Where one forward's (token, k) pairs at `layer` go, grouped by worker; the pairs are counted
+        in `counter.routed` (the one routing count: step records, drift and re-placement read it)."""
         top_k = top_k_index_TK.shape[1]
         expert_P = top_k_index_TK.reshape(-1).to(torch.long).cpu()
         pair_R = torch.nonzero(expert_P < self.num_experts).squeeze(1)  # ids >= E mark dropped slots
         expert_R = expert_P[pair_R]
+        self.counter.route(layer, expert_R.numpy())
         worker_R = self.expert_to_worker[layer][expert_R]
         order = torch.argsort(worker_R * self.num_experts + expert_R, stable=True)
         pair_R, expert_R, worker_R = pair_R[order], expert_R[order], worker_R[order]

@@ -257,14 +257,16 @@ def _error_text(exc: BaseException) -> str:
 
 
 class RowServer(Protocol):
-    """What a worker's serving loop calls: an ExpertManager's data plane."""
+    """What a worker's serving loop calls: an ExpertManager's data plane (ExpertShard's two calls).
+    Results may come back on any device: the loop sends them from its data plane's."""
 
     worker: int
     device: torch.device  # where it computes: its data plane's device when that is NCCL
 
-    def _forward(self, request: ForwardRequest) -> torch.Tensor: ...
+    def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor,
+                     key: Hashable | None = None) -> torch.Tensor: ...
 
-    def _backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor: ...
+    def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor: ...
 
 
 # -- the worker's side ------------------------------------------------------------------------
@@ -323,11 +325,11 @@ class _ServingLoop:
         if ids_work is not None:
             ids_work.wait(self.timeout)
         key = None if key_id == NO_KEY else key_id
-        self._reply(lambda: self.server._forward(ForwardRequest(layer, ids, rows, key)), rows)
+        self._reply(lambda: self.server.forward_rows(layer, ids, rows, key), rows)
 
     def _backward(self, key_id: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
         grad = self._recv_rows(shape, dtype)
-        self._reply(lambda: self.server._backward(key_id, grad), grad)
+        self._reply(lambda: self.server.backward_rows(key_id, grad), grad)
 
     def _recv_rows(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         if self.data is None:

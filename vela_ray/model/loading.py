@@ -36,6 +36,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.core_model_loading import WeightConverter
 
+from vela_ray.model.dtypes import torch_dtype
 from vela_ray.model.experts import ExpertParams, ExpertWeights
 from vela_ray.model.modeling import find_moe_blocks
 
@@ -293,9 +294,7 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None,
     """
     model_dir = _open(model_dir, trust_remote_code)
     config = AutoConfig.from_pretrained(str(model_dir))
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
     with _experts_on_meta(config):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = _read_backbone_tensors(model_dir, model, dtype)

@@ -10,6 +10,10 @@ so the counts are what was really moved:
 
 Each worker sits on a link tier seen from the master: `same_process`
 (in-process shards), `same_node` or `cross_node` (`link_tiers` decides which).
+
+The same counter holds the routing: the (token, k) pairs each expert of each layer was
+given (`routed`, counted from the broker's dispatch plan before condensation), which the
+step records, the drift tracker and the re-placement read.
 """
 
 from __future__ import annotations
@@ -27,13 +31,19 @@ RowFormat = Literal["exact", "bfloat16", "float8"]  # how tensors cross a link (
 
 
 class TrafficSnapshot(BaseModel):
-    """Counts at one moment: `rows`/`bytes` are [num_layers][num_workers][4 directions]."""
+    """Counts at one moment: `rows`/`bytes` are [num_layers][num_workers][4 directions], `routed`
+    [num_layers][num_experts] the (token, k) pairs routed to each expert."""
 
     model_config = ConfigDict(frozen=True)
 
     rows: list[list[list[int]]]
     bytes: list[list[list[int]]]
     worker_tiers: list[LinkTier]
+    routed: list[list[int]] = []
+
+    @property
+    def routed_LE(self) -> np.ndarray:
+        return np.asarray(self.routed, dtype=np.int64)
 
     def bytes_by_tier(self) -> dict[str, int]:
         per_worker = np.asarray(self.bytes, dtype=np.int64).sum(axis=(0, 2))
@@ -52,6 +62,7 @@ class TrafficSnapshot(BaseModel):
             rows=(np.asarray(self.rows) + np.asarray(other.rows)).tolist(),
             bytes=(np.asarray(self.bytes) + np.asarray(other.bytes)).tolist(),
             worker_tiers=self.worker_tiers,
+            routed=(self.routed_LE + other.routed_LE).tolist() if self.routed and other.routed else self.routed,
         )
 
     def __sub__(self, earlier: "TrafficSnapshot") -> "TrafficSnapshot":
@@ -59,15 +70,19 @@ class TrafficSnapshot(BaseModel):
             rows=(np.asarray(self.rows) - np.asarray(earlier.rows)).tolist(),
             bytes=(np.asarray(self.bytes) - np.asarray(earlier.bytes)).tolist(),
             worker_tiers=self.worker_tiers,
+            routed=(self.routed_LE - earlier.routed_LE).tolist() if self.routed and earlier.routed else self.routed,
         )
 
 
 class TrafficCounter:
-    """Accumulates rows and bytes per (layer, worker, direction); cheap enough for the hot path."""
+    """Accumulates rows and bytes per (layer, worker, direction), and the pairs routed per (layer, expert)
+    (with `num_experts`); cheap enough for the hot path."""
 
-    def __init__(self, num_layers: int, num_workers: int, worker_tiers: list[LinkTier] | None = None):
+    def __init__(self, num_layers: int, num_workers: int, worker_tiers: list[LinkTier] | None = None,
+                 num_experts: int = 0):
         self.rows = np.zeros((num_layers, num_workers, len(DIRECTIONS)), dtype=np.int64)
         self.bytes = np.zeros_like(self.rows)
+        self.routed = np.zeros((num_layers, num_experts), dtype=np.int64)
         self.worker_tiers: list[LinkTier] = list(worker_tiers or ["same_process"] * num_workers)
         if len(self.worker_tiers) != num_workers:
             raise ValueError(f"worker_tiers has {len(self.worker_tiers)} entries for {num_workers} workers")
@@ -77,16 +92,22 @@ class TrafficCounter:
         self.rows[layer, worker, d] += rows
         self.bytes[layer, worker, d] += nbytes
 
+    def route(self, layer: int, expert_R: np.ndarray) -> None:
+        """The experts of one forward's routed (token, k) pairs at `layer`."""
+        self.routed[layer] += np.bincount(expert_R, minlength=self.routed.shape[1])
+
     def snapshot(self) -> TrafficSnapshot:
-        return TrafficSnapshot(rows=self.rows.tolist(), bytes=self.bytes.tolist(), worker_tiers=self.worker_tiers)
+        return TrafficSnapshot(rows=self.rows.tolist(), bytes=self.bytes.tolist(), worker_tiers=self.worker_tiers,
+                               routed=self.routed.tolist())
 
     def reset(self) -> None:
         self.rows[:] = 0
         self.bytes[:] = 0
+        self.routed[:] = 0
 
 
 LOCAL_NODE = "local"
-"""The node id of a worker built in this process without Ray (`ExpertManager.node_id()` outside Ray)."""
+"""The node id of a worker built in this process without Ray (`ExpertManager.report().node_id` outside Ray)."""
 
 
 def link_tiers(origin_node: str, nodes: Sequence[str], origin_index: int | None = None) -> list[LinkTier]:

@@ -1,7 +1,7 @@
 """Low-bit wire formats: opt-in, LOSSY compression of what crosses a link (ZO-Offloading §5.4).
 
-Rows between the master and the ExpertManagers (`cluster.row_format`) and frozen expert weights
-uploaded into a tiered worker's device cache (`cluster.expert_tiers.upload_format`) may travel in
+Rows between the master and the ExpertManagers (`data_plane.row_format`) and frozen expert weights
+uploaded into a tiered worker's device cache (`expert_tiers.upload_format`) may travel in
 fewer bits; they are computed on in the receiver's own dtype after `decode`. Formats:
 
     exact     unchanged (the default: results equal transformers + peft)

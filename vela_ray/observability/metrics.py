@@ -11,8 +11,8 @@ The master feeds a `MetricsSink` plain data it already has, once per step:
                      drift_L=tv_L)                     # [L] TV distance to the initial profile
     latency = sink.latency                             # the broker: latency.observe(layer, seconds)
     sink.set_method("zo")                              # `training.method`, once
-    sink.record_tiers(workers.tier_stats())            # `cluster.expert_tiers`: [N] TierCounters (None: untiered)
-    sink.record_sequence_moves(record.sequence_moves)  # `cluster.sequence_migration`: the step's, all masters
+    sink.record_tiers(workers.tier_stats())            # `expert_tiers`: [N] TierCounters (None: untiered)
+    sink.record_sequence_moves(record.sequence_moves)  # `masters.sequence_migration`: the step's, all masters
 
 Every metric is declared once in `METRICS` (name, kind, unit in the name, tags);
 the Grafana dashboard and its test read the names from there. Ray exports
@@ -106,7 +106,7 @@ METRICS: dict[str, MetricSpec] = _specs(
                "1 for the training method in use (first_order: backward + AdamW; zo: ZO-SGD, two forwards per "
                "step, no backward traffic), 0 for the others.", ("method",)),
     MetricSpec("vela_tier_rows_total", "counter",
-               "Expert rows a tiered worker computed on its CPU or its device (cluster.expert_tiers, APTMoE).",
+               "Expert rows a tiered worker computed on its CPU or its device (expert_tiers, APTMoE).",
                ("worker", "tier")),
     MetricSpec("vela_tier_uploads_total", "counter",
                "Expert weight copies from a tiered worker's host memory into its device cache.", ("worker",)),
@@ -118,7 +118,7 @@ METRICS: dict[str, MetricSpec] = _specs(
                "(1: the predicted expert shares were exact).", ("worker",)),
     MetricSpec("vela_sequence_migration_bytes_total", "counter",
                "Bytes of hidden states and their gradients the data-parallel masters sent each other when "
-               "sequences migrated (cluster.sequence_migration), by the link they crossed.", ("link_tier",)),
+               "sequences migrated (masters.sequence_migration), by the link they crossed.", ("link_tier",)),
 )
 
 

@@ -17,7 +17,7 @@ Sections: the run at a glance (the training method, first-order or zeroth-order,
 token condensation made training lossy); the placement map (layers x workers: which experts each
 worker holds, shaded by the routing mass it serves); the access heatmap P [L, E] with each expert's
 worker; traffic by link tier per step; predicted vs measured communication per worker; APTMoE's
-expert tiers per worker (with `cluster.expert_tiers`: rows on CPU vs device, uploads, predictor
+expert tiers per worker (with `expert_tiers`: rows on CPU vs device, uploads, predictor
 accuracy, measured speeds); loss (+ eval loss); the config.
 
 Predicted bytes per worker and step are the cost model's (`PlacementRecord.predicted_bytes_per_worker`,
@@ -273,10 +273,10 @@ def condensation_text(s: RunSummary) -> str:
 
 
 def row_format_text(s: RunSummary) -> str:
-    """One line when rows travelled in a low-bit format (LOSSY, `cluster.row_format`); "" when exact."""
+    """One line when rows travelled in a low-bit format (LOSSY, `data_plane.row_format`); "" when exact."""
     if s.row_format == "exact":
         return ""
-    return (f"rows travelled in {s.row_format} (LOSSY, cluster.row_format): results differ from "
+    return (f"rows travelled in {s.row_format} (LOSSY, data_plane.row_format): results differ from "
             "transformers + peft by the rounding")
 
 
@@ -505,7 +505,8 @@ def _number(x: float | None, fmt: str, scale: float = 1.0) -> str:
 
 def _tiers_note(run: Run) -> str:
     """What the tier table counts; the cache size and upload format when the run's config.json is there."""
-    tiers_cfg = ((run.config or {}).get("cluster") or {}).get("expert_tiers") or {}
+    config = run.config or {}  # runs before issue 32 kept the tiers under `cluster`
+    tiers_cfg = config.get("expert_tiers") or (config.get("cluster") or {}).get("expert_tiers") or {}
     cache = tiers_cfg.get("cache_experts")
     upload_format = tiers_cfg.get("upload_format")
     lossy = (f" Uploads travelled as {upload_format} (LOSSY: device experts computed with rounded weights)."

@@ -1,11 +1,13 @@
-"""How a run's checkpoints are written, settled and published: `CheckpointWriter`.
+"""A run's checkpoints: when one is due, what goes in, how it is written, settled, published and
+restored (`CheckpointWriter`).
 
-The job runner (`vela_ray.runtime.runner`) decides when a checkpoint is due and gathers what the
-master writes into it (its state and `trainer.json`); the writer stages the checkpoint, has the
-workers write their experts' parts into it and publishes it through `vela_ray.training.checkpoint`
-(the file format, atomic publication and the keep-`checkpoint.keep` pruning live there), then
-records it in the run's `RunState`: `last_checkpoint`, `routed_at_checkpoint` and the
-`checkpoint_stall_s` timings.
+The writer decides its own cadence (`due`: every `checkpoint.every` steps and the last), gathers
+what master 0 writes (its LoRA, AdamW state, the RNGs and `trainer.json`), stages the checkpoint,
+has the workers write their experts' parts into it and publishes it through
+`vela_ray.training.checkpoint` (the file format, atomic publication and the keep-`checkpoint.keep`
+pruning live there), then records it in the run's `RunState`: `last_checkpoint`,
+`routed_at_checkpoint` and the `checkpoint_stall_s` timings. `restore` loads one back into the
+master, its peers and the workers.
 
 With `checkpoint.asynchronous` the master and the workers only copy their state at the checkpoint
 step; a background thread writes and publishes it while training goes on, and it becomes
@@ -14,11 +16,12 @@ step; a background thread writes and publishes it while training goes on, and it
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,11 +29,10 @@ import torch
 from vela_ray.config import JobConfig
 from vela_ray.errors import CheckpointWriteError, ExpertWorkerError, first_line
 from vela_ray.runtime.pool import WorkerPool
+from vela_ray.runtime.state import Live, ResumePoint, RunState
 from vela_ray.training import checkpoint
-from vela_ray.training.step import ExpertWorkers
-
-if TYPE_CHECKING:
-    from vela_ray.runtime.runner import RunState
+from vela_ray.training.optim import lr_at
+from vela_ray.training.step import ExpertWorkers, import_adapter, load_master_state, master_state
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,56 @@ class CheckpointWriter:
         self.state = state  # where a published checkpoint is recorded, and the routing it is saved with
         self.pool = pool  # says whether a failed write is a lost worker's (the runner recovers from those)
         self.writing: PendingCheckpoint | None = None  # an asynchronous checkpoint in flight: at most one
+
+    def due(self, step: int) -> bool:
+        """Whether the run checkpoints after `step`: every `checkpoint.every` steps, and at the end."""
+        every = self.config.checkpoint.every
+        return step == self.config.training.steps or bool(every and step % every == 0)
+
+    def save_run(self, live: Live, step: int) -> None:
+        """Checkpoint of `step` (`save`) of what `live` holds; the adapters must be settled (ZO). With
+        `checkpoint.asynchronous` it becomes `state.last_checkpoint` at the next `settle()`."""
+        self.settle()  # at most one in flight
+        self.save(step, live.workers, live.backbone.checkpoint_meta(self.config),
+                  lambda copy: self._contents(live, step, copy))
+
+    def _contents(self, live: Live, step: int, copy: bool) -> tuple[dict[str, torch.Tensor], dict]:
+        """What master 0 writes into the checkpoint of `step`: its LoRA, AdamW state and the torch RNGs
+        (copied with `copy`: an asynchronous checkpoint writes them while training changes the originals),
+        and `trainer.json` (where the run stands, its placement, config, profile and condenser)."""
+        cfg, state, condenser = self.config, self.state, live.master.dispatcher.condenser
+        tensors = master_state(live.master, copy=copy)
+        tensors.update(checkpoint.rng_state())  # CPU, and CUDA's when this process used it
+        trainer = {
+            "step": step, "data_position": step, "total_steps": cfg.training.steps,
+            "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),
+            "placement": state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
+            "profile": None if state.placed_probs is None else np.asarray(state.placed_probs).tolist(),
+            "condenser": condenser.state() if condenser is not None else None,
+        }
+        return tensors, trainer
+
+    def start_state(self, live: Live, resume: ResumePoint | None) -> int:
+        """Adapters and optimizer state to start from (the checkpoint's, `lora.init_adapter`'s or the
+        initial ones) in every master and worker; returns the first step to run."""
+        if resume:
+            return self.restore(live, resume.path)
+        if self.config.lora.init_adapter:
+            import_adapter(live.master, live.workers, self.config.lora.init_adapter)
+        live.peers.load_state(master_state(live.master))
+        return 0
+
+    def restore(self, live: Live, path: Path) -> int:
+        """Every adapter, AdamW state and the RNG as checkpoint `path` saved them; returns its step."""
+        live.workers.load_checkpoint(str(path))
+        tensors = checkpoint.read_tensors(path / "backbone.safetensors")
+        load_master_state(live.master, tensors)
+        live.peers.load_state(master_state(live.master))
+        condenser = live.master.dispatcher.condenser
+        if condenser is not None:
+            condenser.load_state(json.loads((path / "trainer.json").read_text()).get("condenser"))
+        checkpoint.restore_rng_state(tensors)
+        return int(checkpoint.verify(path, checksums=False)["step"])
 
     def save(self, step: int, workers: ExpertWorkers, meta: dict,
              contents: Callable[[bool], tuple[dict[str, torch.Tensor], dict]]) -> None:

@@ -19,12 +19,15 @@ from placement import SharedLink
 from vela_ray.config import JobConfig
 from vela_ray.model.traffic import LOCAL_NODE, link_tiers
 from vela_ray.model.transport import InProcessTransport
-from vela_ray.runtime.masters import PeerMasters, SoloMaster, ThreadPeers
+from vela_ray.runtime.masters import ThreadPeers
 from vela_ray.runtime.migration import MigrationPlan
-from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
+from vela_ray.runtime.pool import (
+    HostedExperts, PeerMasters, SoloMaster, capacity_from_memory, fill_unmeasured, manager_specs,
+)
 from vela_ray.training.expert_manager import ExpertManager, MigrationStats
 from vela_ray.training.step import ExpertWorkers
 from vela_ray.training.summary import LinkRecord
+from vela_ray.training.worker_report import hosted_bytes_per_expert
 
 IN_PROCESS_LINK = LinkRecord(latency_s=0.0, bandwidth_bytes_per_s=1e12)
 
@@ -66,7 +69,7 @@ class InProcessPool:
         return HostedExperts(ExpertWorkers.in_process(self.managers), transport, self._nodes())
 
     def start_peers(self, table: np.ndarray) -> PeerMasters:
-        if self.config.cluster.num_masters == 1:
+        if self.config.masters.count == 1:
             return SoloMaster(self.master_node)
         return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock, self._nodes())
 
@@ -89,14 +92,15 @@ class InProcessPool:
         return links, []  # one process: no NIC between the master and its workers
 
     def measure_compute(self, num_rows: int) -> list[float]:
-        return fill_unmeasured([m.seconds_per_row(num_rows) for m in self.managers])
+        return fill_unmeasured([m.report(num_rows).seconds_per_row for m in self.managers])
 
     def bytes_per_expert(self) -> int:
-        return next(m.bytes_per_expert() for m in self.managers if m.keys)
+        return hosted_bytes_per_expert([m.report() for m in self.managers])
 
     def capacities(self) -> list[int]:
-        return capacity_from_memory([m.free_bytes() for m in self.managers], self.bytes_per_expert(),
-                                    [m.memory_pool() for m in self.managers])
+        reports = [m.report() for m in self.managers]
+        return capacity_from_memory([r.free_bytes for r in reports], hosted_bytes_per_expert(reports),
+                                    [r.memory_pool for r in reports])
 
     def pids(self) -> list[int]:
         return [os.getpid()] * len(self.managers)

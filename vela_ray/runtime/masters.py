@@ -1,4 +1,4 @@
-"""Data-parallel masters (`cluster.num_masters`): backbone replicas that split every batch and share the workers.
+"""Data-parallel masters (`masters.count`): backbone replicas that split every batch and share the workers.
 
 Master 0 runs the job (`JobRunner`); masters 1..M-1, its *peers*, each hold a copy of the
 backbone with its LoRA and AdamW state and brokers of their own to the same ExpertManagers.
@@ -16,7 +16,7 @@ Master 0 keeps the run's state (checkpoints, evaluation, profile, placement); th
 it with `load_state` whenever master 0's changes other than by a step (start, resume,
 recovery), and a new table with `rebind` after every migration.
 
-With `cluster.sequence_migration` every master's loss function moves its sequences among the
+With `masters.sequence_migration` every master's loss function moves its sequences among the
 masters during the forward (`master_loss`, `vela_ray.training.sequence_migration`).
 
 Two kinds of peers, one protocol: `ThreadPeers` (threads of this process, over the
@@ -28,93 +28,22 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from vela_ray.config import JobConfig
-from vela_ray.data.locality import RoutingRecorder
-from vela_ray.model.loading import load_backbone
 from vela_ray.model.traffic import TrafficSnapshot, link_tiers
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.runtime.migration import master_table
+from vela_ray.runtime.pool import PeerMasters, Wait, WorkerPool, master_spec
 from vela_ray.training.expert_manager import ExpertManager
-from vela_ray.training.replicas import SINGLE, Exchanger, Replicas, ReplicaShare, ThreadGroup
+from vela_ray.training.replicas import Exchanger, ReplicaShare, ThreadGroup
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
 from vela_ray.training.step import (
-    STEPPED_ELSEWHERE, Batch, LossFn, MasterModel, build_master, load_master_state, train_step,
+    STEPPED_ELSEWHERE, LossFn, MasterModel, build_master_replica, load_master_state, train_step,
 )
-
-Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; returns their `peer_step` records
-
-
-class PeerMasters(Protocol):
-    """Masters 1..M-1 as master 0's runner drives them."""
-
-    replicas: Replicas  # master 0's member of the masters' group
-    num_masters: int
-    nodes: list[str]  # node of each master, master 0's first
-
-    def start_step(self, micro_batches: Sequence[Batch], lr: float, max_grad_norm: float | None) -> Wait:
-        """Start every peer's `train_step` on its rows of `micro_batches`; master 0 then runs its own."""
-        ...
-
-    def abort(self) -> None:
-        """Master 0's step failed: release the peers from the step (they may wait in a gradient sum that
-        master 0 will never join) and discard it; the next `start_step` starts clean."""
-        ...
-
-    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Backbone LoRA and AdamW state (`step.master_state` of master 0) into every peer."""
-        ...
-
-    def rebind(self, table: np.ndarray) -> None:
-        """Every peer's brokers to a new table, or to its own of per-master routes (after a migration)."""
-        ...
-
-    def traffic(self) -> list[TrafficSnapshot]:
-        """Each peer's traffic counts since it started."""
-        ...
-
-    def pids(self) -> list[int]:
-        """Each peer's process id (operators and tests signal them by it)."""
-        ...
-
-    def close(self) -> None:
-        ...
-
-
-class SoloMaster:
-    """One master: no peers, nothing to sum or to tell."""
-
-    replicas = SINGLE
-    num_masters = 1
-
-    def __init__(self, node: str = ""):
-        self.nodes = [node]
-
-    def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
-        return lambda: []
-
-    def abort(self) -> None:
-        pass
-
-    def load_state(self, tensors) -> None:
-        pass
-
-    def rebind(self, table) -> None:
-        pass
-
-    def traffic(self) -> list[TrafficSnapshot]:
-        return []
-
-    def pids(self) -> list[int]:
-        return []
-
-    def close(self) -> None:
-        pass
-
 
 def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
     """Nodes of masters 1..M-1: the workers' nodes other than master 0's, in order; round robin over
@@ -135,14 +64,12 @@ class ThreadPeers:
     def __init__(self, config: JobConfig, managers: list[ExpertManager], table: np.ndarray, node: str,
                  lock: threading.Lock, worker_nodes: list[str]):
         self.config = config
-        self.num_masters = config.cluster.num_masters
+        self.num_masters = config.masters.count
         self.nodes = [node, *peer_nodes(worker_nodes, node, self.num_masters - 1)]
         self.lock = lock
         self.group = ThreadGroup(self.num_masters)
         self.replicas = self.group.member(0)
         self.masters = [self._build(rank, managers, table, worker_nodes) for rank in range(1, self.num_masters)]
-        self.routing = [RoutingRecorder.for_model(m.peft_model, record_confidence=False).attach()
-                        for m in self.masters]
         self.migrations = [sequence_migration(config, rank, m, NodeMap.of(self.nodes, worker_nodes))
                            for rank, m in enumerate(self.masters, start=1)]
         self._errors: list[BaseException] = []
@@ -150,13 +77,8 @@ class ThreadPeers:
 
     def _build(self, rank: int, managers: list[ExpertManager], table: np.ndarray,
                worker_nodes: list[str]) -> MasterModel:
-        cfg = self.config
-        torch.manual_seed(cfg.training.seed)  # as master 0's Backbone.load; load_state makes them equal anyway
-        model = load_backbone(cfg.model.path, cfg.torch_dtype, cfg.model.trust_remote_code)
         transport = InProcessTransport(managers, self.lock, link_tiers(self.nodes[rank], worker_nodes))
-        return build_master(model, master_table(table, rank), transport, cfg.lora_spec,
-                            cfg.training.optimizer, master=rank, num_masters=self.num_masters,
-                            row_format=cfg.cluster.row_format)
+        return build_master_replica(master_spec(self.config), master_table(table, rank), transport, rank=rank)
 
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         self._errors = []
@@ -171,8 +93,8 @@ class ThreadPeers:
             self._join()
             if self._errors:
                 raise self._errors[0]
-            return [peer_step(m.dispatcher.counter.snapshot() - before, routing.take_counts(), migration)
-                    for m, before, routing, migration in zip(self.masters, befores, self.routing, self.migrations)]
+            return [peer_step(m.dispatcher.counter.snapshot() - before, migration)
+                    for m, before, migration in zip(self.masters, befores, self.migrations)]
         return wait
 
     def _join(self) -> None:
@@ -214,27 +136,34 @@ class ThreadPeers:
         return [os.getpid()] * len(self.masters)
 
     def close(self) -> None:
-        for routing in self.routing:
-            routing.detach()
         for migration in self.migrations:
             if migration is not None:
                 migration.detach()
-        self.masters, self.routing, self.migrations = [], [], []
+        self.masters, self.migrations = [], []
+
+
+def start_peers(config: JobConfig, pool: WorkerPool, table: np.ndarray, master: MasterModel,
+                worker_nodes: list[str]) -> tuple[PeerMasters, SequenceMigration | None]:
+    """Masters 1..M-1 over `table` (none for one master), and master 0's sequence migration among them."""
+    peers = pool.start_peers(table)
+    migration = None if peers.num_masters == 1 else sequence_migration(
+        config, 0, master, NodeMap.of(peers.nodes, worker_nodes))
+    return peers, migration
 
 
 def sequence_migration(config: JobConfig, rank: int, master: MasterModel, nodes: NodeMap) -> SequenceMigration | None:
-    """Master `rank`'s `SequenceMigration` (hooks on its model) with `cluster.sequence_migration`, else None."""
-    if not config.cluster.sequence_migration:
+    """Master `rank`'s `SequenceMigration` (hooks on its model) with `masters.sequence_migration`, else None."""
+    if not config.masters.sequence_migration:
         return None
-    return SequenceMigration(master.peft_model, master.dispatcher, rank, config.cluster.num_masters, nodes,
-                             config.cluster.sequence_migration_candidates)
+    return SequenceMigration(master.peft_model, master.dispatcher, rank, config.masters.count, nodes,
+                             config.masters.sequence_migration_candidates)
 
 
 def master_loss(config: JobConfig, rank: int, master: MasterModel, migration: SequenceMigration | None,
                 exchanger: Exchanger, device: torch.device | str = "cpu") -> LossFn:
     """Master `rank`'s loss function of a step: its share of each micro-batch, its sequences moving among
     the masters (over `exchanger`, its member of the masters' group) when it has a `migration`."""
-    share = master_share(rank, config.cluster.num_masters, master.peft_model, device)
+    share = master_share(rank, config.masters.count, master.peft_model, device)
     return share.loss if migration is None else migration.loss_fn(share, exchanger)
 
 
@@ -246,9 +175,8 @@ def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: to
     return ReplicaShare(rank, num_masters, coef, device)
 
 
-def peer_step(traffic: TrafficSnapshot, routed_LE: torch.Tensor, migration: SequenceMigration | None = None) -> dict:
-    """What master 0's step record takes from a peer's step: its traffic, its bytes by its own link tiers,
-    the tokens it routed to each expert [L][E], and what its sequence migration moved."""
+def peer_step(traffic: TrafficSnapshot, migration: SequenceMigration | None = None) -> dict:
+    """What master 0's step record takes from a peer's step: its traffic (with the tokens it routed to each
+    expert), its bytes by its own link tiers, and what its sequence migration moved."""
     moves = (migration.take_stats() if migration is not None else SequenceMoveStats()).as_dict()
-    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "routed_LE": routed_LE.tolist(),
-            "sequence_moves": moves}
+    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "sequence_moves": moves}

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from placement import SharedLink
 from placement.cost import hosted
 
 from vela_ray.config import JobConfig
-from vela_ray.model.traffic import LinkTier
+from vela_ray.model.traffic import LinkTier, TrafficSnapshot
 from vela_ray.model.transport import Transport
 from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
-from vela_ray.training.step import ExpertWorkers
+from vela_ray.training.replicas import SINGLE, Replicas
+from vela_ray.training.step import Batch, ExpertWorkers, MasterSpec, master_device
 from vela_ray.training.summary import LinkRecord
-
-if TYPE_CHECKING:
-    from vela_ray.runtime.masters import PeerMasters
 
 
 @dataclass
@@ -42,6 +41,76 @@ class HostedExperts:
         return self.transport.worker_tiers()
 
 
+Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; returns their `peer_step` records
+
+
+class PeerMasters(Protocol):
+    """Masters 1..M-1 as master 0's runner drives them."""
+
+    replicas: Replicas  # master 0's member of the masters' group
+    num_masters: int
+    nodes: list[str]  # node of each master, master 0's first
+
+    def start_step(self, micro_batches: Sequence[Batch], lr: float, max_grad_norm: float | None) -> Wait:
+        """Start every peer's `train_step` on its rows of `micro_batches`; master 0 then runs its own."""
+        ...
+
+    def abort(self) -> None:
+        """Master 0's step failed: release the peers from the step (they may wait in a gradient sum that
+        master 0 will never join) and discard it; the next `start_step` starts clean."""
+        ...
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Backbone LoRA and AdamW state (`step.master_state` of master 0) into every peer."""
+        ...
+
+    def rebind(self, table: np.ndarray) -> None:
+        """Every peer's brokers to a new table, or to its own of per-master routes (after a migration)."""
+        ...
+
+    def traffic(self) -> list[TrafficSnapshot]:
+        """Each peer's traffic counts since it started."""
+        ...
+
+    def pids(self) -> list[int]:
+        """Each peer's process id (operators and tests signal them by it)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class SoloMaster:
+    """One master: no peers, nothing to sum or to tell."""
+
+    replicas = SINGLE
+    num_masters = 1
+
+    def __init__(self, node: str = ""):
+        self.nodes = [node]
+
+    def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
+        return lambda: []
+
+    def abort(self) -> None:
+        pass
+
+    def load_state(self, tensors) -> None:
+        pass
+
+    def rebind(self, table) -> None:
+        pass
+
+    def traffic(self) -> list[TrafficSnapshot]:
+        return []
+
+    def pids(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
 class WorkerPool(Protocol):
     master_node: str
 
@@ -54,8 +123,8 @@ class WorkerPool(Protocol):
         """(Re)start the workers so that worker n hosts the experts `table` gives n."""
         ...
 
-    def start_peers(self, table: np.ndarray) -> "PeerMasters":
-        """Masters 1..M-1 of `cluster.num_masters`, with brokers over `table` to the started workers
+    def start_peers(self, table: np.ndarray) -> PeerMasters:
+        """Masters 1..M-1 of `masters.count`, with brokers over `table` to the started workers
         (`vela_ray.runtime.masters`); `SoloMaster` when there is one."""
         ...
 
@@ -107,16 +176,26 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
             worker=n, keys=[tuple(k) for k in np.argwhere(hosts[n]).tolist()],
             model_dir=str(config.model.path.resolve()), lora=config.lora_spec,
             optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
-            tiers=config.cluster.expert_tiers, trust_remote_code=config.model.trust_remote_code,
+            tiers=config.expert_tiers, trust_remote_code=config.model.trust_remote_code,
         )
         for n in range(config.cluster.num_workers)
     ]
 
 
+def master_spec(config: JobConfig) -> MasterSpec:
+    """What every master replica of this job is built from (`step.build_master_replica`)."""
+    return MasterSpec(
+        model_dir=config.model.path, dtype=config.torch_dtype, lora=config.lora_spec, optim=config.training.optimizer,
+        seed=config.training.seed, trust_remote_code=config.model.trust_remote_code,
+        num_masters=config.masters.count, row_format=config.data_plane.row_format,
+        device=master_device(bool(config.cluster.master_gpus)),
+    )
+
+
 def capacity_from_memory(free_bytes: list[int], bytes_per_expert: int, memory_pools: list[str] | None = None
                          ) -> list[int]:
     """Experts of `bytes_per_expert` that fit in each worker's free memory. `memory_pools[n]` names the memory
-    worker n measured (`ExpertManager.memory_pool`): workers that share one (CPU or tiered workers on one
+    worker n measured (`WorkerReport.memory_pool`): workers that share one (CPU or tiered workers on one
     node's host memory, in-process workers on one GPU) split it evenly instead of each counting all of it."""
     if bytes_per_expert <= 0:
         raise ValueError(f"bytes_per_expert must be positive, got {bytes_per_expert}")

@@ -12,7 +12,7 @@
   the latest plan (`schedule`), failing that the least recently used one of the plan, never one the
   caller has in use (`fetch(..., protected=...)`). A plan never exceeds the capacity, so its own
   copies never evict each other.
-- Low-bit uploads (`cluster.expert_tiers.upload_format`, LOSSY): `host_params` gives the weights in a
+- Low-bit uploads (`expert_tiers.upload_format`, LOSSY): `host_params` gives the weights in a
   wire form of fewer bytes (`vela_ray.model.wire`) and `decode` restores them on the device, so the
   link carries half (bf16) or about a quarter (fp8) of the bytes; `upload_bytes` counts what crossed.
 - `DroppedWeights`: saved-tensor hooks for a forward graph that keep no device copy of the frozen
@@ -108,7 +108,7 @@ class DeviceExpertCache:
                 victim = next((k for k in self._entries if k not in in_use), None)
             if victim is None:
                 raise RuntimeError(f"the device cache of {self.capacity} experts is full of experts in use "
-                                   f"({list(self._entries)}); raise cluster.expert_tiers.cache_experts")
+                                   f"({list(self._entries)}); raise expert_tiers.cache_experts")
             del self._entries[victim]
             self.evictions += 1
 

@@ -1,4 +1,4 @@
-"""ExpertManager: hosts the experts one worker owns and trains their LoRA adapters.
+"""ExpertManager: hosts the experts one worker owns, serves their rows and trains their LoRA adapters.
 
 A plain class with no Ray in it (Ray Train v2 style): `actors.cluster.spawn_expert_managers`
 is the one place that turns it into a Ray actor (one per GPU, or per CPU bundle in tests);
@@ -7,26 +7,30 @@ is the one place that turns it into a Ray actor (one per GPU, or per CPU bundle 
 
     spec = ExpertManagerSpec(worker=0, model_dir="/ckpt", keys=[(0, 3), (1, 5)])
     manager = ExpertManager(spec)          # reads only experts (0, 3) and (1, 5)
-    out_RD = manager.forward(ForwardRequest(layer=0, expert_ids=ids_R, rows=rows_RD, key=k))
-    grad_RD = manager.backward(k, grad_out_RD)
+    out_RD = manager.forward_rows(0, ids_R, rows_RD, key=k)
+    grad_RD = manager.backward_rows(k, grad_out_RD)
     manager.step(lr, clip_coef)
 
 Zero redundancy: the manager reads its own experts from the checkpoint
-(`vela_ray.model.loading.read_experts`, memory-mapped); the master never sends expert
+(`vela_ray.training.expert_spec.load_expert_weights`, memory-mapped); the master never sends expert
 weights. Tests may pass in-memory `weights` instead of a `model_dir`.
 
-Data plane: `forward`, `backward` (Ray object refs), or `join_collective`: a serving
-loop on a thread of this process, answering the master over torch.distributed
-(`vela_ray.model.collective`). Control plane: `grad_sq_norm`,
-`step`, `zero_grad`, `lora_state`, `load_lora_state` (and `lora_grads` for tests);
-`zo_apply` for zeroth-order training (`vela_ray.training.zo`).
-Topology and sizing: `node_id`, `pid`, `bytes_per_expert`, `capacity`, `ping`.
-APTMoE's CPU/device tiers (`spec.tiers`, `vela_ray.training.tiered`): the data plane computes each expert
-on the CPU or the device; `tier_stats`, `set_tier_speeds`, `set_predictor`.
-Live migration (`vela_ray.runtime.migration`): `expert_states` (what a leaving expert
-carries), `rehost` (host a new key set, reading arriving experts' weights from the checkpoint).
-Checkpoints: `save_checkpoint_part`, or asynchronously `snapshot_checkpoint_part` (copies, then
-writes on a thread) and `finish_checkpoint_part` (polled by the master).
+Callers reach it by method name, in this process or through a Ray actor handle, so every call below
+is one method of this class; what is not about rows and steps lives in delegates it holds and calls:
+- data plane: `forward_rows`, `backward_rows` (ExpertShard's calls: in-process, or Ray object refs),
+  or `join_collective` / `leave_collective`: a serving loop on a thread of this process, answering the
+  master over torch.distributed (`vela_ray.model.collective`, which calls the same two methods);
+- control plane: `grad_sq_norm`, `step`, `zero_grad`, `lora_state`, `load_lora_state`, `lora_grads` and
+  `set_lora_grads` (replicated experts); `zo_apply` for zeroth-order training (`vela_ray.training.zo`);
+- checkpoints (`checkpoint_parts`, `vela_ray.training.checkpoint_parts`): `snapshot_checkpoint_part`
+  (copies, then writes on a thread), `finish_checkpoint_part` (polled by the master), `load_checkpoint`;
+- live migration (`vela_ray.training.rehosting`, planned by `vela_ray.runtime.migration`):
+  `expert_states` (what a leaving expert carries), `rehost` (host a new key set, reading arriving
+  experts' weights from the checkpoint);
+- APTMoE's CPU/device tiers (`tiers`, a `vela_ray.training.tiered.TieredExperts` when `spec.tiers` is
+  enabled): the data plane computes each expert on the CPU or the device; `set_predictor`;
+- probes: `ping` (liveness, and the PlacementService's link timing), `report` (where it runs, its sizing
+  for the placement, its counters: `vela_ray.training.worker_report`).
 
 Any failure in the data plane is re-raised as `ExpertWorkerError` naming this
 worker and the (layer, expert) keys involved, with the worker's traceback (Ray adds it,
@@ -35,111 +39,49 @@ the collective plane sends it along).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from pathlib import Path
-from typing import Any, Hashable, Literal
+from typing import Callable, Hashable, Iterator
 
-import psutil
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from transformers import PretrainedConfig
 
 from vela_ray.errors import ExpertWorkerError
-from vela_ray.quiet import silence_known_warnings
-from vela_ray.training import checkpoint
-from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
 from vela_ray.model import wire
-from vela_ray.model.loading import checkpoint_prototypes, read_experts
-from vela_ray.model.modeling import experts_prototypes
-from vela_ray.training.optim import OptimizerConfig, ShardTrainer, ZoTerm, apply_zo_terms, grad_sq_norm
-from vela_ray.model.traffic import LOCAL_NODE
-from vela_ray.model.transport import ForwardRequest
+from vela_ray.model.experts import ExpertKey, ExpertShard
+from vela_ray.quiet import silence_known_warnings
+from vela_ray.training.checkpoint_parts import ExpertCheckpointParts, read_part_states
+from vela_ray.training.expert_spec import ExpertManagerSpec, load_expert_weights
+from vela_ray.training.optim import ShardTrainer, ZoTerm, apply_zo_terms, grad_sq_norm
+from vela_ray.training import checkpoint, worker_report
 from vela_ray.training.popularity import PopularityPredictor
-from vela_ray.training.tiered import TieredExperts, seconds_per_row
-from vela_ray.training.tiers import ExpertTiersConfig, TierCounters, TierSpeeds, request_seconds_per_row
+from vela_ray.training.rehosting import (
+    ExpertMove, ExpertStates, MigrationStats, arriving_weights, expert_states, host_experts, load_expert_states,
+)
+from vela_ray.training.tiered import TieredExperts
+from vela_ray.training.worker_report import WorkerReport
+
+__all__ = ["ExpertManager", "ExpertManagerSpec", "ExpertStates", "LoraState", "MigrationStats", "NotCounted",
+           "load_expert_weights"]
 
 logger = logging.getLogger(__name__)
 
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
-# LoRA factors and AdamW slots of each expert, named as in a checkpoint part ("lora_A_up", "lora_A_up.exp_avg")
-ExpertStates = dict[ExpertKey, dict[str, torch.Tensor]]
 NotCounted = dict[int, list[ExpertKey]]
 """{worker: its copies of replicated experts that another worker counts (in norms and checkpoints)}."""
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Per LoRA parameter the worker keeps the value, its gradient and AdamW's two moments.
-_LORA_COPIES = 4
-
-
-class ExpertManagerSpec(BaseModel):
-    """What one ExpertManager hosts and how it trains; plain data, sent to the actor once."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
-
-    worker: int = Field(ge=0, description="index of this worker in the placement table")
-    keys: list[tuple[int, int]] = Field(description="the (MoE layer, expert) pairs this worker hosts")
-    model_dir: str | None = Field(None, description="checkpoint to read the experts from (safetensors)")
-    trust_remote_code: bool = Field(False, description="`model.trust_remote_code`: run the model's own code")
-    weights: dict[tuple[int, int], dict[str, torch.Tensor]] | None = Field(
-        None, description="in-memory {(layer, expert): {parameter: slice}} instead of model_dir (tests)"
-    )
-    # Any, checked below: transformers' configs are dataclasses whose annotations pydantic cannot resolve
-    hf_config: Any = Field(
-        None, description="the model's PretrainedConfig, whose experts classes compute; required with `weights`"
-    )
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA rank and alpha of the expert adapters")
-    optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW of the expert adapters")
-    seed: int = Field(0, description="LoRA init seed, combined with each (layer, expert)")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="the frozen experts' dtype, None keeps the stored one; LoRA factors and their AdamW "
-                          "state are fp32 under bf16/fp16, as peft keeps them (`experts.adapter_dtype`)")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="where the experts run")
-    tiers: ExpertTiersConfig = Field(default_factory=ExpertTiersConfig, description="APTMoE's CPU/device tiers: "
-                                     "experts in host memory, `device` only the tier of a bounded cache")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "ExpertManagerSpec":
-        if (self.model_dir is None) == (self.weights is None):
-            raise ValueError(f"worker {self.worker}: give exactly one of `model_dir` and `weights`")
-        if self.weights is not None:
-            missing = [k for k in self.keys if k not in self.weights]
-            if missing:
-                raise ValueError(f"worker {self.worker}: `weights` lacks experts {missing[:8]} listed in `keys`")
-            if not isinstance(self.hf_config, PretrainedConfig):
-                raise ValueError(f"worker {self.worker}: in-memory `weights` need the `hf_config` of their model "
-                                 f"(a transformers PretrainedConfig, got {type(self.hf_config).__name__})")
-        if len(set(self.keys)) != len(self.keys):
-            raise ValueError(f"worker {self.worker}: `keys` lists an expert twice")
-        return self
-
-
-class MigrationStats(BaseModel):
-    """What one worker's `rehost` took in: experts that arrived, their state over the wire, weights read."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    worker: int
-    arrived: int = Field(description="experts this worker now hosts that it did not before")
-    state_bytes: int = Field(description="LoRA + AdamW bytes received from the experts' old workers")
-    frozen_bytes: int = Field(description="frozen expert weights read from the model's checkpoint")
-
-
-def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
-    """The spec's experts as {(layer, expert): {parameter: slice}} and each layer's experts prototype."""
-    dtype = _DTYPES[spec.dtype] if spec.dtype else None
-    if spec.weights is not None:
-        weights = {k: {n: t.to(dtype) if dtype else t for n, t in spec.weights[k].items()} for k in spec.keys}
-        return weights, experts_prototypes(spec.hf_config)
-    trust = spec.trust_remote_code
-    return (read_experts(spec.model_dir, list(spec.keys), dtype=dtype, trust_remote_code=trust),
-            checkpoint_prototypes(spec.model_dir, trust))
 
 
 class ExpertManager:
     """One worker's experts: an `ExpertShard` with its own AdamW (`ShardTrainer`)."""
+
+    # What it hosts now (`rehosting.Hosting`), replaced as a whole by `rehost`.
+    keys: list[ExpertKey]
+    shard: ExpertShard
+    trainer: ShardTrainer | None
+    dtype: torch.dtype
+    tiers: TieredExperts | None
 
     def __init__(self, spec: ExpertManagerSpec):
         silence_known_warnings()  # an actor process: Ray is imported by now, so the filters stay in front
@@ -147,62 +89,44 @@ class ExpertManager:
         self.spec = spec
         self.device = torch.device("cpu" if spec.tiers.enabled else spec.device)  # tiered: the shard is in host memory
         weights, self.prototypes = load_expert_weights(spec)
-        self._host(weights)
+        self.keys, self.shard, self.trainer, self.dtype, self.tiers = host_experts(
+            spec, weights, self.prototypes, self.device)
+        self.checkpoint_parts = ExpertCheckpointParts(self.worker)
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
         self.compute_s = 0.0  # wall seconds spent in expert forward/backward (the data plane's arithmetic)
-        self._part_write: checkpoint.Background[str] | None = None  # the checkpoint part being written, if any
+        self._serving: threading.Thread | None = None  # the collective plane's serving loop, once joined
         logger.info("expert worker %d: hosting %d experts on %s", self.worker, len(self.keys), self.device)
-
-    def _host(self, weights: ExpertWeights) -> None:
-        """Build the shard and its AdamW over exactly `weights`' experts (fresh LoRA and optimizer state)."""
-        self.keys: list[ExpertKey] = sorted(weights)
-        self.shard = ExpertShard.from_weights(weights, self.spec.lora, self.prototypes,
-                                              seed=self.spec.seed).to(self.device)
-        # A placement may leave a worker without experts; torch's AdamW refuses an empty parameter list.
-        self.trainer = ShardTrainer(self.shard, self.spec.optim) if self.keys else None
-        self.dtype = next(iter(next(iter(weights.values())).values())).dtype if weights else torch.float32
-        tiers = self.spec.tiers  # APTMoE's tiers (`vela_ray.training.tiered`): the data plane goes through them
-        self.tiered = TieredExperts(self.shard, self.prototypes, self.spec.lora, tiers, torch.device(self.spec.device),
-                                    self.worker, previous=getattr(self, "tiered", None)) if tiers.enabled else None
 
     # -- data plane -------------------------------------------------------------------------
 
-    def forward(self, request: ForwardRequest) -> torch.Tensor:
-        """Unweighted expert outputs [R, D] for the request's rows, on the CPU."""
-        return self._forward(request).cpu()
-
-    def backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
-        """d(rows) [R, D] for the forward saved under `key`, on the CPU."""
-        return self._backward(key, grad).cpu()
-
-    def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor, key: Hashable | None = None):
-        """`ExpertShard.forward_rows`'s call, so an `InProcessTransport` can serve rows from managers."""
-        return self._forward(ForwardRequest(layer, expert_ids, rows, key))
+    def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor,
+                     key: Hashable | None = None) -> torch.Tensor:
+        """Unweighted expert outputs [R, D] for `rows` [R, D] of experts `expert_ids` [R] of `layer`, in the
+        rows' format (`vela_ray.model.wire`) and on their device: the CPU for a Ray caller, the data plane's
+        device for the collective plane's. With `key`, the graph is kept for `backward_rows(key, ...)`."""
+        self.received_bytes += rows.numel() * rows.element_size()
+        with self._computing(lambda: f"forward of experts {_experts_of(layer, expert_ids)} (key {key!r})"):
+            rows_RD = wire.decode(rows.to(self.device), self.dtype)
+            out_RD = (self.tiers or self.shard).forward_rows(layer, expert_ids, rows_RD, key)
+            out = wire.encode(out_RD, wire.reply_format(rows, self.dtype))
+        return out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
 
     def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
-        return self._backward(key, grad)
-
-    def _forward(self, request: ForwardRequest) -> torch.Tensor:
-        self.received_bytes += request.rows.numel() * request.rows.element_size()
-        start = time.perf_counter()
-        try:
-            rows_RD = wire.decode(request.rows.to(self.device), self.dtype)
-            out_RD = (self.tiered or self.shard).forward_rows(request.layer, request.expert_ids, rows_RD, request.key)
-            return wire.encode(out_RD, wire.reply_format(request.rows, self.dtype))
-        except Exception as exc:
-            experts = sorted({(request.layer, int(e)) for e in request.expert_ids.tolist()})
-            raise self._error(f"forward of experts {experts} (key {request.key!r})", exc) from exc
-        finally:
-            self.compute_s += time.perf_counter() - start
-
-    def _backward(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+        """d(rows) [R, D] for the forward saved under `key`, in `grad`'s format and on its device."""
         self.received_bytes += grad.numel() * grad.element_size()
+        with self._computing(lambda: f"backward of key {key!r}"):
+            grad_RD = (self.tiers or self.shard).backward_rows(key, wire.decode(grad.to(self.device), self.dtype))
+            out = wire.encode(grad_RD, wire.reply_format(grad, self.dtype))
+        return out.to(grad.device)
+
+    @contextlib.contextmanager
+    def _computing(self, what: Callable[[], str]) -> Iterator[None]:
+        """Count the block's wall time as compute, and raise its failure as this worker's `ExpertWorkerError`."""
         start = time.perf_counter()
         try:
-            grad_RD = (self.tiered or self.shard).backward_rows(key, wire.decode(grad.to(self.device), self.dtype))
-            return wire.encode(grad_RD, wire.reply_format(grad, self.dtype))
+            yield
         except Exception as exc:
-            raise self._error(f"backward of key {key!r}", exc) from exc
+            raise self._error(what(), exc) from exc
         finally:
             self.compute_s += time.perf_counter() - start
 
@@ -229,10 +153,9 @@ class ExpertManager:
 
     def leave_collective(self, timeout_s: float = 30.0) -> bool:
         """Wait for the serving loop to end (after the master's stop); True if none is running."""
-        thread = getattr(self, "_serving", None)
-        if thread is not None:
-            thread.join(timeout_s)
-            if thread.is_alive():
+        if self._serving is not None:
+            self._serving.join(timeout_s)
+            if self._serving.is_alive():
                 return False
             self._serving = None
         return True
@@ -242,7 +165,7 @@ class ExpertManager:
     def grad_sq_norm(self, not_counted: NotCounted | None = None) -> float:
         """Squared norm of this worker's LoRA gradients, without the experts `not_counted[self.worker]`
         (copies of replicated experts that another worker counts)."""
-        skip = {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
+        skip = self._not_counted_here(not_counted)
         if not self.trainer:
             return 0.0
         if not skip:
@@ -294,59 +217,30 @@ class ExpertManager:
                                                  f"(of {len(missing)}); load an adapter of the same model")
         self.shard.load_lora_state({key: state[key] for key in self.keys})
 
-    # -- checkpoints (vela_ray.training.checkpoint): written here, in parallel with the other workers -----
+    def _not_counted_here(self, not_counted: NotCounted | None) -> set[ExpertKey]:
+        return {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
 
-    def save_checkpoint_part(self, staging_dir: str, not_counted: NotCounted | None = None) -> str:
-        """Write this worker's experts' LoRA and AdamW state, named by logical expert; returns the file.
-        Copies of replicated experts in `not_counted[self.worker]` are left to the worker that counts them."""
-        self.snapshot_checkpoint_part(staging_dir, not_counted)
-        return self.finish_checkpoint_part()
+    # -- checkpoints (`checkpoint_parts`): written here, in parallel with the other workers -----
 
     def snapshot_checkpoint_part(self, staging_dir: str, not_counted: NotCounted | None = None) -> None:
-        """`save_checkpoint_part` in two halves: copy the state to host memory now (so the next step cannot
-        change what is saved) and write it on a thread of this process; `finish_checkpoint_part` waits."""
-        previous = self._part_write
-        if previous is not None:
-            previous.join()  # an abandoned checkpoint's part: at most one write in flight
-        skip = {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
-        path = Path(staging_dir) / "experts" / f"part-{self.worker}.safetensors"
-        tensors = checkpoint.expert_part_tensors(self.expert_states([k for k in self.keys if k not in skip]))
-
-        def write() -> str:
-            checkpoint.write_tensors(path, tensors)
-            return str(path)
-
-        self._part_write = checkpoint.Background(write, name=f"vela-checkpoint-part-{self.worker}")
+        """Copy this worker's experts' LoRA and AdamW state to host memory now (so the next step cannot
+        change what is saved) and write it, named by logical expert, on a thread of this process;
+        `finish_checkpoint_part` waits. Copies of replicated experts in `not_counted[self.worker]` are
+        left to the worker that counts them."""
+        skip = self._not_counted_here(not_counted)
+        states = self.expert_states([k for k in self.keys if k not in skip])
+        self.checkpoint_parts.snapshot(staging_dir, states)
 
     def finish_checkpoint_part(self, timeout_s: float | None = None) -> str | None:
-        """The file `snapshot_checkpoint_part` writes, once written; None if still writing after `timeout_s`
-        (None: wait). The master polls with 0 while training goes on: a blocked actor would hold up the
-        rows of the step in flight. Answers alike until the next snapshot; a failed write raises."""
-        write = self._part_write
-        if write is None:
-            raise ExpertWorkerError(self.worker, "no checkpoint part is being written; call "
-                                                 "snapshot_checkpoint_part first")
-        if not write.join(timeout_s):
-            return None
-        try:
-            return write.result()
-        except Exception as exc:
-            raise ExpertWorkerError(self.worker, f"writing its checkpoint part failed with "
-                                                 f"{type(exc).__name__}: {exc}") from exc
+        """The part `snapshot_checkpoint_part` writes, once written; None if still writing after
+        `timeout_s` (None: wait; `ExpertCheckpointParts.finish`)."""
+        return self.checkpoint_parts.finish(timeout_s)
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Load LoRA and AdamW state of the experts this worker hosts, whichever worker wrote them."""
-        path = Path(checkpoint_dir)
-        self._load_states(checkpoint.read_expert_states(path, checkpoint.verify(path, checksums=False), self.keys))
+        load_expert_states(self.shard, self.trainer, read_part_states(checkpoint_dir, self.keys))
 
-    def _load_states(self, states: ExpertStates) -> None:
-        """LoRA factors (names without a dot) and AdamW slots ("<factor>.<slot>") of every hosted expert."""
-        self.shard.load_lora_state({k: {n: v for n, v in s.items() if "." not in n} for k, s in states.items()})
-        if self.trainer:
-            self.trainer.load_optimizer_state({k: {n: v for n, v in s.items() if "." in n}
-                                               for k, s in states.items()})
-
-    # -- live migration (vela_ray.runtime.migration): between steps, with no graph in flight -----
+    # -- live migration (`rehosting`): between steps, with no graph in flight -----------------
 
     def expert_states(self, keys: list[ExpertKey]) -> ExpertStates:
         """LoRA factors and AdamW state of `keys`, on the CPU, named as in a checkpoint part:
@@ -355,125 +249,54 @@ class ExpertManager:
         missing = [k for k in keys if k not in self.keys]
         if missing:
             raise ExpertWorkerError(self.worker, f"cannot send experts {missing[:8]}: not hosted here")
-        lora, optim = self.lora_state(), self.trainer.optimizer_state() if self.trainer else {}
-        return {k: {**lora[k], **{n: v.cpu() for n, v in optim.get(k, {}).items()}} for k in keys}
+        return expert_states(self.shard, self.trainer, keys)
 
     def rehost(self, keys: list[ExpertKey], *incoming: ExpertStates) -> MigrationStats:
         """Host exactly `keys` from now on: experts staying keep their weights and state, arriving ones
         read their frozen weights from the model's checkpoint (as at spawn) and take LoRA and AdamW
         state from `incoming` (their old workers' `expert_states`), leaving ones are dropped."""
-        keys = sorted(tuple(k) for k in keys)
-        arriving = [k for k in keys if k not in self.keys]
-        states: ExpertStates = {}
-        for part in incoming:
-            states.update(part)
-        missing = [k for k in arriving if k not in states]
-        if missing:
-            raise ExpertWorkerError(self.worker, f"rehost: no LoRA/AdamW state sent for arriving experts "
-                                                 f"{missing[:8]}; send each old worker's expert_states")
-        staying = [k for k in keys if k in self.keys]
-        leaving = len(self.keys) - len(staying)
-        states.update(self.expert_states(staying))
+        move = ExpertMove.between(self.worker, self.keys, keys, incoming)
+        states = {**move.incoming, **self.expert_states(move.staying)}
         kept = self.shard.weights()
-        weights = {k: kept[k] for k in staying}
-        if arriving:
-            if self.spec.weights is not None and any(k not in self.spec.weights for k in arriving):
-                raise ExpertWorkerError(self.worker, "rehost: this worker was built from in-memory `weights` "
-                                                     "that lack arriving experts; give it a `model_dir`")
-            weights.update(load_expert_weights(self.spec.model_copy(update={"keys": arriving}))[0])
+        weights = {k: kept[k] for k in move.staying} | arriving_weights(self.spec, move.arriving)
         self.shard.release()
-        self._host(weights)
-        self._load_states({k: states[k] for k in keys})
-        received = sum(t.numel() * t.element_size() for k in arriving for t in states[k].values())
-        frozen = sum(t.numel() * t.element_size() for k in arriving for t in weights[k].values())
-        logger.info("expert worker %d: now hosting %d experts (%d arrived, %d left)", self.worker, len(keys),
-                    len(arriving), leaving)
-        return MigrationStats(worker=self.worker, arrived=len(arriving), state_bytes=received, frozen_bytes=frozen)
+        self.keys, self.shard, self.trainer, self.dtype, self.tiers = host_experts(
+            self.spec, weights, self.prototypes, self.device, previous_tiers=self.tiers)
+        load_expert_states(self.shard, self.trainer, {k: states[k] for k in move.keys})
+        logger.info("expert worker %d: now hosting %d experts (%d arrived, %d left)", self.worker, len(move.keys),
+                    len(move.arriving), move.leaving)
+        return move.stats(weights)
 
-    # -- topology and sizing ----------------------------------------------------------------
-
-    def node_id(self) -> str:
-        """The Ray node this worker runs on, or "local" outside Ray."""
-        import ray  # actors are built in-process by unit tests, where Ray is not needed
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else LOCAL_NODE
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def ping(self) -> int:
-        """Cheap liveness check; returns the worker index."""
-        return self.worker
-
-    def received(self) -> int:
-        """Bytes of rows and gradients received so far (the broker's dispatch + grad_dispatch counts)."""
-        return self.received_bytes
-
-    def compute_seconds(self) -> float:
-        """Wall seconds spent so far in expert forward/backward (CUDA work is timed as launched)."""
-        return self.compute_s
-
-    # -- APTMoE's tiers (`cluster.expert_tiers`, vela_ray.training.tiered) ----------------------
-
-    def tier_stats(self) -> TierCounters | None:
-        """Experts and rows per tier, uploads, predictor accuracy and speeds so far; None when untiered."""
-        return self.tiered.stats() if self.tiered else None
-
-    def set_tier_speeds(self, speeds: TierSpeeds) -> None:
-        """Decide tiers by `speeds` instead of this worker's own measurement (taken at its first request)."""
-        if self.tiered:
-            self.tiered.speeds = speeds
+    # -- APTMoE's tiers (`tiers`, `expert_tiers`) ------------------------------------
 
     def set_predictor(self, state: dict[str, torch.Tensor], top_k: int) -> None:
         """Forecast each next layer's demand with this popularity predictor (a `PopularityPredictor`'s
-        state_dict, fitted on the master: `vela_ray.training.popularity`)."""
-        if self.tiered:
-            self.tiered.predictor = PopularityPredictor.from_state(state, top_k)
+        state_dict, fitted on the master: `vela_ray.training.popularity`); untiered workers ignore it."""
+        if self.tiers:
+            self.tiers.use_predictor(PopularityPredictor.from_state(state, top_k))
 
-    def echo(self, payload: torch.Tensor) -> int:
-        """Receive a probe payload (the PlacementService times these); returns its size in bytes."""
-        return payload.numel() * payload.element_size()
+    # -- probes -------------------------------------------------------------------------------
 
-    def seconds_per_row(self, num_rows: int, repeats: int = 3) -> float | None:
-        """Wall seconds of one row's forward + backward through a hosted expert, best of `repeats`.
+    def ping(self, payload: torch.Tensor | None = None) -> int:
+        """Cheap liveness check; returns the worker index. The PlacementService times these with
+        `payload`s of several sizes to fit this worker's link."""
+        return self.worker
 
-        The placement cost model's compute term (`PlacementProblem.compute_seconds_per_row`). Random rows;
-        gradients are returned, not accumulated, so training state is untouched. None when this worker hosts
-        no expert. A tiered worker answers for its tiers: `num_rows` spread over its first layer's experts,
-        a share of them cached, each computed where Eq. 1 puts it, from its measured `TierSpeeds`
-        (`tiers.request_seconds_per_row`).
-        """
-        if not self.keys:
-            return None
-        layer, expert = self.keys[0]
-        if self.tiered is None:
-            return seconds_per_row(self.shard.layers[str(layer)], expert, num_rows, repeats)
-        experts = len(self.shard.layers[str(layer)].expert_ids)
-        cache = self.tiered.cache.capacity
-        resident = min(experts, experts * cache // len(self.keys))  # the layer's share of the cache
-        return request_seconds_per_row(self.tiered.measured_speeds(), num_rows, experts, resident, cache)
+    def report(self, num_rows: int | None = None) -> WorkerReport:
+        """Where this worker runs, what the placement sizes it by, and its counters so far. `num_rows`:
+        also time one row's forward + backward at that many rows (slow; training state is untouched)."""
+        node, tiered = worker_report.node_id(), self.tiers is not None
+        return WorkerReport(
+            worker=self.worker, node_id=node, pid=os.getpid(), num_experts=len(self.keys),
+            bytes_per_expert=worker_report.bytes_per_expert(self.shard),
+            free_bytes=worker_report.free_bytes(self.device, tiered),
+            memory_pool=worker_report.memory_pool(self.device, tiered, node),
+            seconds_per_row=None if num_rows is None else worker_report.measured_seconds_per_row(
+                self.shard, self.keys, self.tiers, num_rows),
+            received_bytes=self.received_bytes, compute_s=self.compute_s,
+            tiers=self.tiers.stats() if self.tiers else None)
 
-    def bytes_per_expert(self) -> int:
-        """Mean bytes one hosted expert needs: frozen weights + LoRA with its gradient and AdamW moments."""
-        if not self.keys:
-            raise ExpertWorkerError(self.worker, "hosts no experts, so it cannot estimate bytes per expert")
-        frozen = sum(t.numel() * t.element_size() for params in self.shard.weights().values() for t in params.values())
-        lora = sum(p.numel() * p.element_size() for p in self.shard.lora_parameters())
-        return (frozen + _LORA_COPIES * lora) // len(self.keys)
 
-    def free_bytes(self) -> int:
-        """Free memory where this worker keeps its experts: its GPU's, or host memory on a CPU worker and on
-        a tiered one (APTMoE: frozen weights, LoRA and AdamW in host memory, only the bounded cache on the
-        device). Workers that share that memory each see all of it: `memory_pool` says which do."""
-        if self.device.type == "cuda" and self.tiered is None:
-            return int(torch.cuda.mem_get_info(self.device)[0])
-        return int(psutil.virtual_memory().available)
-
-    def memory_pool(self) -> str:
-        """Names the memory `free_bytes` measured: workers with the same name split it (`capacity_from_memory`)."""
-        if self.device.type == "cuda" and self.tiered is None:
-            return f"{self.node_id()}/cuda:{torch.cuda.get_device_properties(self.device).uuid}"
-        return f"{self.node_id()}/host"
-
-    def num_experts(self) -> int:
-        return len(self.keys)
+def _experts_of(layer: int, expert_ids: torch.Tensor) -> list[ExpertKey]:
+    """The (layer, expert) keys a request's rows go to, for its error message."""
+    return sorted({(layer, int(e)) for e in expert_ids.tolist()})

@@ -2,7 +2,7 @@
 
 A step may run on several replicas of the master's backbone at once, each on its own
 shard of the batch: the expert-parallel baseline's ranks (`vela_ray.baselines.expert_parallel`),
-each with its own experts, and vela-ray's data-parallel masters (`cluster.num_masters`), which
+each with its own experts, and vela-ray's data-parallel masters (`masters.count`), which
 share the ExpertManagers. The step itself is the same; each replica computes its share of
 the loss (`ReplicaShare`), and the replicas only have to agree on two things, and `Replicas`
 is exactly those two:
@@ -44,7 +44,10 @@ WATCH_INTERVAL_S = 0.005  # how often a waiting sum checks `ProcessGroupReplicas
 
 
 class Replicas(Protocol):
-    """What `train_step`/`eval_loss` need from the other replicas (every call is collective)."""
+    """What `train_step`/`eval_loss` need from the other replicas (every call is collective), and the
+    backbone gradient bytes this replica has sent to the others so far (the step records read it)."""
+
+    grad_bytes: int
 
     def sync_grads(self, params: Sequence[nn.Parameter]) -> None: ...
 
@@ -64,6 +67,8 @@ class Exchanger(Protocol):
 
 class SingleReplica:
     """One master, no other replicas: nothing to sync, a sum is the value itself."""
+
+    grad_bytes = 0
 
     def sync_grads(self, params: Sequence[nn.Parameter]) -> None:
         pass
@@ -189,10 +194,11 @@ class ThreadGroup:
 
 @dataclass
 class ThreadReplicas:
-    """One thread's `Replicas` in a `ThreadGroup`."""
+    """One thread's `Replicas` in a `ThreadGroup`; threads share memory, so no gradient byte is sent."""
 
     group: ThreadGroup
     rank: int
+    grad_bytes: int = 0
 
     def sync_grads(self, params: Sequence[nn.Parameter]) -> None:
         if not params:

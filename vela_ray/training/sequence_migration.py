@@ -1,8 +1,8 @@
 """Sequence migration among data-parallel masters (LUFFY, Chen et al., Sec. IV), exact.
 
-With M masters (`cluster.num_masters`) each master runs its share of every micro-batch's sequences
+With M masters (`masters.count`) each master runs its share of every micro-batch's sequences
 through the backbone, and sends their rows to the shared ExpertManagers. With
-`cluster.sequence_migration` on, after every decoder layer that holds a MoE block the masters
+`masters.sequence_migration` on, after every decoder layer that holds a MoE block the masters
 decide together where each sequence continues: on the master whose node served most of that
 layer's rows of it (`placement.migrate_sequences`, LUFFY's Algorithm 1), and its hidden states move
 there. After the last decoder layer every sequence goes back to the master it started on, which

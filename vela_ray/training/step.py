@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from vela_ray.model.adapters import backbone_lora_config, backbone_state_of, export_adapter, full_lora_config
 from vela_ray.model.broker import ExpertDispatcher
+from vela_ray.model.loading import load_backbone
 from vela_ray.model.experts import ExpertKey, LoraSpec
 from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
@@ -56,6 +58,10 @@ class ExpertWorkers:
     def in_process(cls, workers: Sequence[Any]) -> "ExpertWorkers":
         workers = list(workers)
         return cls(lambda method, *args: [getattr(w, method)(*args) for w in workers], len(workers))
+
+    def set_copies(self, copies: dict[ExpertKey, list[int]]) -> None:
+        """The replicated experts of the placement the workers now host (`migration.copies_of`)."""
+        self.copies = dict(copies)
 
     @property
     def not_counted(self) -> dict[int, list[ExpertKey]]:
@@ -116,7 +122,8 @@ class ExpertWorkers:
     def save_checkpoint_parts(self, staging_dir: str) -> list[str]:
         """Every worker writes its experts' LoRA and AdamW state into the staging directory (a replicated
         expert once, by the worker that counts it)."""
-        return self._call_all("save_checkpoint_part", staging_dir, self.not_counted)
+        self.snapshot_checkpoint_parts(staging_dir)
+        return self.finish_checkpoint_parts()
 
     def snapshot_checkpoint_parts(self, staging_dir: str) -> None:
         """`save_checkpoint_parts` in two halves: every worker copies its state now and writes it into the
@@ -139,15 +146,15 @@ class ExpertWorkers:
 
     def received(self) -> list[int]:
         """Per worker: bytes of rows and gradients received so far."""
-        return self._call_all("received")
+        return [report.received_bytes for report in self._call_all("report")]
 
     def compute_seconds(self) -> list[float]:
         """Per worker: seconds of expert compute so far."""
-        return self._call_all("compute_seconds")
+        return [report.compute_s for report in self._call_all("report")]
 
     def tier_stats(self) -> list:
-        """Per worker: its `tiers.TierCounters` (`cluster.expert_tiers`), None where untiered."""
-        return self._call_all("tier_stats")
+        """Per worker: its `tiers.TierCounters` (`expert_tiers`), None where untiered."""
+        return [report.tiers for report in self._call_all("report")]
 
     def set_predictor(self, state: dict[str, torch.Tensor], top_k: int) -> None:
         """Every tiered worker forecasts next-layer demand with this `popularity.PopularityPredictor` state."""
@@ -172,9 +179,55 @@ class MasterModel:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
 
 
+def master_device(wants_gpu: bool) -> torch.device:
+    """Where a master keeps the backbone, its LoRA and optimizer state: its GPU with `cluster.master_gpus: 1`
+    (Ray gives the actor one), else the CPU."""
+    if not wants_gpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("cluster.master_gpus is 1 but the master's process sees no CUDA device; set "
+                         "cluster.master_gpus: 0 or run it where Ray gives it a GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class MasterSpec:
+    """What every master replica is built from (`runtime.pool.master_spec` makes it from a job's config):
+    the job's master, its data-parallel peers, the master actor and the expert-parallel baseline's ranks."""
+
+    model_dir: Path
+    dtype: torch.dtype
+    lora: LoraSpec
+    optim: OptimizerConfig
+    seed: int = 0
+    trust_remote_code: bool = False
+    num_masters: int = 1
+    row_format: RowFormat = "exact"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def seeded_backbone(spec: MasterSpec) -> nn.Module:
+    """The model, read after seeding torch: the LoRA that `build_master` then draws is the same in every
+    replica and in peft's reference, which seeds and builds in this order."""
+    torch.manual_seed(spec.seed)
+    return load_backbone(spec.model_dir, spec.dtype, spec.trust_remote_code)
+
+
+def build_master_replica(spec: MasterSpec, expert_to_worker, transport: Transport, *, rank: int = 0,
+                         model: nn.Module | None = None, latency=None, condenser=None) -> MasterModel:
+    """Master `rank`'s replica on `spec.device`: `model` (read with `seeded_backbone` if None) with brokers
+    over `transport` by `expert_to_worker` [L, E], wrapped with peft LoRA, and its optimizer."""
+    model = seeded_backbone(spec) if model is None else model
+    master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
+                          num_masters=spec.num_masters, row_format=spec.row_format, latency=latency,
+                          condenser=condenser)
+    master.peft_model.to(spec.device)  # after the brokers replaced the (unallocated) experts
+    return master
+
+
 def build_master(
     model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig,
-    *, master: int = 0, num_masters: int = 1, row_format: RowFormat = "exact",
+    *, master: int = 0, num_masters: int = 1, row_format: RowFormat = "exact", latency=None, condenser=None,
 ) -> MasterModel:
     """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA.
 
@@ -187,7 +240,8 @@ def build_master(
         config.use_cache = False
     full_cfg = full_lora_config(model, lora)
     dispatcher = ExpertDispatcher(torch.as_tensor(expert_to_worker), transport, master=master,
-                                  num_masters=num_masters, row_format=row_format)
+                                  num_masters=num_masters, row_format=row_format, latency=latency,
+                                  condenser=condenser)
     attach_brokers(model, dispatcher)
     peft_model = get_peft_model(model, backbone_lora_config(full_cfg))
     params = [p for p in peft_model.parameters() if p.requires_grad]

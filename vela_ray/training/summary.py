@@ -51,7 +51,7 @@ class StepRecord(_Record):
     """Backbone LoRA gradient all-reduce bytes of this step, as one rank sent them to the group (the
     expert-parallel ranks', or data-parallel masters' over the network; 0 for one master)."""
     sequence_moves: dict[str, int] | None = None
-    """`cluster.sequence_migration`: what the masters' migrations moved in this step, summed over masters
+    """`masters.sequence_migration`: what the masters' migrations moved in this step, summed over masters
     (`vela_ray.training.sequence_migration.SequenceMoveStats`); None when it is off."""
 
 
@@ -147,7 +147,7 @@ class ReplanRecord(_Record):
 
 
 class RecoveryRecord(_Record):
-    """A lost worker replaced in place (`cluster.on_worker_loss: recover`)."""
+    """A lost worker replaced in place (`fault_tolerance.on_worker_loss: recover`)."""
 
     step: int
     """The step that failed."""
@@ -226,7 +226,7 @@ class RunSummary(_Record):
     method: Literal["first_order", "zo"] = "first_order"
     """`training.method`: backward + AdamW, or zeroth-order ZO-SGD (two no-grad forwards per step)."""
     row_format: RowFormat = "exact"
-    """`cluster.row_format`: how rows travelled; LOSSY unless exact (`vela_ray.model.wire`)."""
+    """`data_plane.row_format`: how rows travelled; LOSSY unless exact (`vela_ray.model.wire`)."""
     data_plane: str = ""
     """What carried the rows between master and workers (`Transport.describe`): "collective (gloo)",
     "collective (nccl)", "object_ref", "in-process", or a split such as "collective (nccl) + in-process"."""
@@ -250,7 +250,7 @@ class RunSummary(_Record):
     worker_nodes: list[str]
     master_node: str
     master_nodes: list[str] = Field(default_factory=list)
-    """Node of each data-parallel master (`cluster.num_masters`), master 0's first; traffic counts are
+    """Node of each data-parallel master (`masters.count`), master 0's first; traffic counts are
     every master's, each binned by its own link tier to the worker."""
     placement: PlacementRecord
     links: list[LinkRecord] = Field(default_factory=list)
@@ -262,9 +262,9 @@ class RunSummary(_Record):
     checkpoint: str | None = None
     """The last checkpoint written (None: checkpoints off or none written)."""
     allreduce_bytes_per_step: int | None = None
-    """Expert-parallel ranks, or data-parallel masters (`cluster.num_masters` > 1); None otherwise."""
+    """Expert-parallel ranks, or data-parallel masters (`masters.count` > 1); None otherwise."""
     sequence_moves: dict[str, int] | None = None
-    """`cluster.sequence_migration`: the steps' `StepRecord.sequence_moves` summed; None when it is off."""
+    """`masters.sequence_migration`: the steps' `StepRecord.sequence_moves` summed; None when it is off."""
     control_bytes: int | None = None
     """Expert-parallel baseline only: the [N, E] count exchanges before each all-to-all."""
     data: DataRecord | None = None
@@ -274,7 +274,7 @@ class RunSummary(_Record):
     condensation: CondensationRecord | None = None
     """Token condensation (None: a run from before it existed, or the expert-parallel baseline: exact)."""
     expert_tiers: list[TierCounters] = Field(default_factory=list)
-    """APTMoE's CPU/device tiers per worker (`cluster.expert_tiers`): experts and rows per tier, uploads,
+    """APTMoE's CPU/device tiers per worker (`expert_tiers`): experts and rows per tier, uploads,
     predictor accuracy, measured speeds; empty when the tiers are off."""
 
     @property

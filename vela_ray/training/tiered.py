@@ -1,8 +1,8 @@
 """A tiered ExpertManager's data plane: APTMoE's CPU/device expert tiers (paper §III).
 
-With `cluster.expert_tiers.enabled` a worker keeps its experts' frozen weights in host memory (pinned
+With `expert_tiers.enabled` a worker keeps its experts' frozen weights in host memory (pinned
 with CUDA) and at most `cache_experts` of them on its device, and computes each expert of a request
-where Eq. 1 says (`vela_ray.training.tiers`). `ExpertManager` calls this instead of its shard:
+where Eq. 1 says (`vela_ray.training.tiers`). `ExpertManager` calls this (`manager.tiers`) instead of its shard:
 
     tiered = TieredExperts(shard, prototypes, lora, ExpertTiersConfig(enabled=True), torch.device("cuda"))
     out_RD = tiered.forward_rows(layer, expert_ids_R, rows_RD, key)     # ExpertShard's calls
@@ -50,7 +50,8 @@ from vela_ray.model.experts import ExpertKey, ExpertParams, ExpertShard, LayerEx
 from vela_ray.training.expert_cache import DeviceExpertCache, DroppedWeights, stack_experts
 from vela_ray.training.popularity import PopularityPredictor, demand_overlap
 from vela_ray.training.tiers import (
-    ExpertTiersConfig, TierCounters, TierSpeeds, affinity_split, historical_order, upload_order,
+    ExpertTiersConfig, TierCounters, TierSpeeds, affinity_split, historical_order, request_seconds_per_row,
+    upload_order,
 )
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,23 @@ class TieredExperts:
         saved = self.shard._saved  # the shard owns the graphs; a plan lives exactly as long as its graph
         if len(self._plans) > len(saved):
             self._plans = {k: plan for k, plan in self._plans.items() if k in saved}
+
+    def use_speeds(self, speeds: TierSpeeds) -> None:
+        """Decide tiers by `speeds` instead of this worker's own measurement (taken at its first request)."""
+        self.speeds = speeds
+
+    def use_predictor(self, predictor: PopularityPredictor) -> None:
+        """Forecast each next layer's demand with `predictor` (fitted on the master: `popularity`)."""
+        self.predictor = predictor
+
+    def request_seconds_per_row(self, layer: int, num_rows: int, num_hosted: int) -> float:
+        """Seconds per row of a request of `num_rows` spread over `layer`'s experts, the layer's share of
+        the cache resident (of `num_hosted` experts in all), each expert computed where Eq. 1 puts it, from
+        the measured `TierSpeeds` (`tiers.request_seconds_per_row`)."""
+        experts = len(self.shard.layers[str(layer)].expert_ids)
+        cache = self.cache.capacity
+        resident = min(experts, experts * cache // num_hosted)  # the layer's share of the cache
+        return request_seconds_per_row(self.measured_speeds(), num_rows, experts, resident, cache)
 
     def measured_speeds(self) -> TierSpeeds:
         if self.speeds is None:

@@ -30,7 +30,7 @@ from vela_ray.model.traffic import RowFormat
 
 
 class ExpertTiersConfig(BaseModel):
-    """`cluster.expert_tiers`: APTMoE's CPU/device expert tiers on every ExpertManager."""
+    """`expert_tiers`: APTMoE's CPU/device expert tiers on every ExpertManager."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -186,7 +186,7 @@ def historical_order(scores: dict[tuple[int, int], float], num_layers: int, star
 
 
 class TierCounters(BaseModel):
-    """What a tiered worker did (`ExpertManager.tier_stats`), over its lifetime."""
+    """What a tiered worker did (`ExpertManager.report().tiers`), over its lifetime."""
 
     model_config = ConfigDict(extra="forbid")
 

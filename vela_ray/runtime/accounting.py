@@ -1,0 +1,128 @@
+"""What a run counts: each step's record (loss, time, tokens, traffic by tier and worker, routing, the
+masters' all-reduce and sequence moves) into the history and the metrics, and the run's summary
+built from the state at the end (`StepAccounting`).
+
+Master 0 counts its own rows; the other masters' steps hand theirs over (`runtime.masters.peer_step`),
+each binned by its own link tiers, and they are added here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vela_ray.config import JobConfig
+from vela_ray.data.locality import DriftTracker
+from vela_ray.model.traffic import TrafficSnapshot
+from vela_ray.observability.metrics import MetricsSink
+from vela_ray.runtime.state import Live, RunState
+from vela_ray.training.summary import (
+    CondensationRecord, DataRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown,
+)
+
+
+@dataclass(frozen=True)
+class StepMark:
+    """Master 0's counters when a step began."""
+
+    traffic: TrafficSnapshot
+    waited_s: float
+    allreduce_bytes: int
+
+
+def added(dicts: list[dict[str, int]]) -> dict[str, int]:
+    """Key-wise sum (masters' traffic by link tier: each master bins by its own tiers)."""
+    total: dict[str, int] = {}
+    for d in dicts:
+        for key, value in d.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+class StepAccounting:
+    """Turns each step's counters into a `StepRecord` and metrics; the workers' received bytes and compute
+    over the training; the `RunSummary` at the end."""
+
+    def __init__(self, config: JobConfig, state: RunState, metrics: MetricsSink):
+        self.config = config
+        self.state = state
+        self.metrics = metrics
+        self.workers_at_start: tuple[list[int], list[float]] = ([], [])  # received bytes, compute seconds
+
+    def begin_training(self, live: Live) -> None:
+        """The workers' counters now (again after a recovery: new workers count from zero)."""
+        self.workers_at_start = (live.workers.received(), live.workers.compute_seconds())
+
+    def end_training(self, live: Live) -> None:
+        received, compute = self.workers_at_start
+        self.state.received_bytes = [a - b for a, b in zip(live.workers.received(), received)]
+        self.state.timings_s["worker_compute_s"] = [a - b for a, b in zip(live.workers.compute_seconds(), compute)]
+
+    @staticmethod
+    def begin_step(live: Live) -> StepMark:
+        dispatcher = live.master.dispatcher
+        return StepMark(dispatcher.counter.snapshot(), sum(dispatcher.round_trip_s.values()),
+                        live.peers.replicas.grad_bytes)
+
+    def end_step(self, live: Live, mark: StepMark, step: int, loss: float, step_time_s: float, tokens: int,
+                 peer_steps: list[dict], drift: DriftTracker | None) -> StepRecord:
+        """Step `step`'s record (1-based), from master 0's counters since `mark` and the other masters'
+        `peer_step` records; sent to the metrics."""
+        dispatcher = live.master.dispatcher
+        own = dispatcher.counter.snapshot() - mark.traffic
+        traffic = [own, *(p["traffic"] for p in peer_steps)]  # each master's rows, by its own link tiers
+        counts_LE = np.sum([t.routed_LE for t in traffic], axis=0)  # every master's routing
+        self.state.add_routed(counts_LE)
+        record = StepRecord(step=step, loss=loss, step_time_s=step_time_s, tokens=tokens,
+                            expert_round_trip_s=sum(dispatcher.round_trip_s.values()) - mark.waited_s,
+                            bytes_by_tier=added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_steps]]),
+                            bytes_by_worker=sum(traffic[1:], own).bytes_by_worker(),
+                            allreduce_bytes=live.peers.replicas.grad_bytes - mark.allreduce_bytes,
+                            sequence_moves=self._sequence_moves(live, peer_steps))
+        self.metrics.record_step(step, loss, step_time_s, tokens=tokens, traffic_delta=traffic,
+                                 expert_counts_LE=counts_LE,
+                                 drift_L=drift.record_step(counts_LE) if drift else None)
+        if record.sequence_moves is not None:
+            self.metrics.record_sequence_moves(record.sequence_moves)
+        return record
+
+    @staticmethod
+    def _sequence_moves(live: Live, peer_steps: list[dict]) -> dict[str, int] | None:
+        """This step's sequence migration, summed over the masters; None when it is off."""
+        if live.migration is None:
+            return None
+        return added([live.migration.take_stats().as_dict(), *(p["sequence_moves"] for p in peer_steps)])
+
+    def summary(self, live: Live, master_node: str, out_dir: Path) -> RunSummary:
+        state, config, dispatcher = self.state, self.config, live.master.dispatcher
+        traffics = [dispatcher.counter.snapshot(), *live.peers.traffic()]
+        history, routed = state.history, state.tokens_routed_LE
+        return RunSummary(
+            mode="vela", method=config.training.method, row_format=config.data_plane.row_format,
+            data_plane=live.hosted.transport.describe(), family_check=config.family_check,
+            steps=len(history), losses=[h.loss for h in history],
+            eval_loss=history[-1].eval_loss if history else None,
+            median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
+            history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),
+            traffic_bytes_by_tier=added([t.bytes_by_tier() for t in traffics]),
+            traffic_bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
+            sent_bytes_by_worker=np.sum([t.bytes_by_worker(("dispatch", "grad_dispatch")) for t in traffics],
+                                        axis=0).tolist(),
+            worker_received_bytes=state.received_bytes,
+            tokens_routed=[] if routed is None else routed.astype(int).tolist(),
+            worker_tiers=list(traffics[0].worker_tiers), worker_nodes=live.hosted.node_ids, master_node=master_node,
+            master_nodes=live.peers.nodes,
+            allreduce_bytes_per_step=history[-1].allreduce_bytes if live.peers.num_masters > 1 and history else None,
+            sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
+            placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),
+            links=state.links, timings_s=state.timings_s,
+            adapter_dir=str((out_dir / "adapter").resolve()),
+            checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
+            data=DataRecord.of(config.data, live.backbone.train_set),
+            migrations=state.migrations, replans=state.replans, recoveries=state.recoveries,
+            condensation=CondensationRecord.of(dispatcher.condenser),
+            expert_tiers=[stats for stats in live.workers.tier_stats() if stats is not None],
+            report=str((out_dir / "report.html").resolve()),
+        )

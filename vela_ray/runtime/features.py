@@ -1,0 +1,144 @@
+"""How a run steps, and the optional parts it runs with, each one object the runner calls at fixed points.
+
+A step is a first-order `train_step` or, with `training.method: zo`, a ZO-SGD step (`Stepper`:
+`GradientSteps`, `ZoSteps`). Optional features are `RunFeature`s in one list (`run_features`): the
+runner calls every feature's hook at its point of the run, so a feature is added here, never as a
+flag check in the loop. The others plug in where they belong: several masters through
+`PeerMasters` (`SoloMaster` for one), re-placement and replicas in the `Placer`'s policy,
+recovery in `Recovery`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+
+from vela_ray.config import JobConfig
+from vela_ray.data.datasets import sequential_batches
+from vela_ray.model.condensation import Condenser
+from vela_ray.observability.metrics import MetricsSink
+from vela_ray.runtime.state import Live
+from vela_ray.training.popularity import PopularityPredictor, routing_pairs
+from vela_ray.training.step import Batch, LossFn, train_step
+from vela_ray.training.summary import StepRecord
+from vela_ray.training.zo import ZoTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class Stepper(Protocol):
+    def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
+        """One optimizer step of master 0 and the workers on `micro_batches`; its loss."""
+        ...
+
+    def settle(self, live: Live) -> None:
+        """Make the adapters what the last step made them, before anything reads them (eval, checkpoint,
+        export)."""
+        ...
+
+
+class GradientSteps:
+    """First-order steps: `train_step` with the masters' gradient sum and clipping."""
+
+    def __init__(self, max_grad_norm: float | None):
+        self.max_grad_norm = max_grad_norm
+
+    def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
+        return train_step(live.master, live.workers, micro_batches, lr, self.max_grad_norm, loss_fn=loss_fn,
+                          replicas=live.peers.replicas)
+
+    def settle(self, live: Live) -> None:
+        pass
+
+
+class ZoSteps:
+    """`training.method: zo`: ZO-SGD steps whose update is fused into the next step's first pass until
+    `settle` applies it (`vela_ray.training.zo`)."""
+
+    def __init__(self, eps: float, seed: int):
+        self.trainer = ZoTrainer(eps, seed)
+
+    def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
+        return self.trainer.step(live.master, live.workers, micro_batches, lr, step).loss
+
+    def settle(self, live: Live) -> None:
+        self.trainer.settle(live.master, live.workers)
+
+
+def stepper_for(config: JobConfig) -> Stepper:
+    training = config.training
+    if training.method == "zo":
+        return ZoSteps(training.zo.eps, training.seed)
+    return GradientSteps(training.optimizer.max_grad_norm)
+
+
+class RunFeature:
+    """An optional part of a run; the runner calls each hook of every feature at its point. The defaults
+    do nothing."""
+
+    def after_placement(self, live: Live) -> None:
+        """The placement is settled and the experts hosted by it; no step has run."""
+
+    def after_step(self, live: Live, record: StepRecord) -> None:
+        """A training step ended (before its eval and checkpoint)."""
+
+    def workers_replaced(self, live: Live) -> None:
+        """Recovery started new workers in place of lost ones (`live.hosted` is theirs)."""
+
+
+class Condensation(RunFeature):
+    """LUFFY's token condensation (LOSSY, `training.condensation.enabled`): master 0's brokers condense
+    (`vela_ray.model.condensation`); its adaptive threshold follows the loss."""
+
+    def __init__(self, condenser: Condenser):
+        self.condenser = condenser
+
+    def after_step(self, live: Live, record: StepRecord) -> None:
+        self.condenser.observe_loss(record.loss)
+
+
+class ExpertTiers(RunFeature):
+    """APTMoE's CPU/device expert tiers (`expert_tiers`): the popularity predictor is fitted on the
+    routing of the profile batches and sent to every worker (new ones too); the tiers' counts are metrics."""
+
+    def __init__(self, config: JobConfig, metrics: MetricsSink):
+        self.config = config
+        self.metrics = metrics
+        self.predictor: tuple[dict, int] | None = None  # (state, top-k), re-sent to workers that replace lost ones
+
+    def after_placement(self, live: Live) -> None:
+        backbone = live.backbone
+        if len(backbone.blocks) < 2:  # it predicts a layer's routing from the one before
+            return
+        batches = sequential_batches(backbone.train_set, self.config.training.batch_size,
+                                     max_batches=self.config.placement.profile_batches, token_mask=True)
+        pairs = routing_pairs(live.master.peft_model, batches, backbone.blocks)
+        predictor = PopularityPredictor.from_model(backbone.model, backbone.blocks)
+        predictor.fit(pairs)
+        logger.info("popularity predictor: top-k overlap per layer on its fitting batches %s",
+                    {layer: round(overlap, 3) for layer, overlap in predictor.top_k_overlap(pairs).items()})
+        self.predictor = (predictor.state_dict(), predictor.top_k)
+        live.workers.set_predictor(*self.predictor)
+
+    def after_step(self, live: Live, record: StepRecord) -> None:
+        self.metrics.record_tiers(live.workers.tier_stats())
+
+    def workers_replaced(self, live: Live) -> None:
+        if self.predictor is not None:  # the new workers' tiers forecast as the old ones did
+            live.workers.set_predictor(*self.predictor)
+
+
+def condenser_for(config: JobConfig) -> Condenser | None:
+    """Token condensation (LOSSY) with `training.condensation.enabled`; it lives in master 0's brokers only."""
+    cfg = config.training.condensation
+    return Condenser(cfg) if cfg.enabled else None
+
+
+def run_features(config: JobConfig, metrics: MetricsSink, condenser: Condenser | None) -> list[RunFeature]:
+    """The optional features this job runs with, in the order their hooks are called."""
+    features: list[RunFeature] = []
+    if condenser is not None:
+        features.append(Condensation(condenser))
+    if config.expert_tiers.enabled:
+        features.append(ExpertTiers(config, metrics))
+    return features

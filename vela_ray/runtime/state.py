@@ -1,0 +1,165 @@
+"""A run's state, in one place: what it loaded (`Backbone`), what lives while it trains (`Live`),
+where it resumes from (`ResumePoint`) and what it decided and measured so far (`RunState`).
+
+The stages of `vela_ray.runtime.runner` read and fill these; none keeps a copy of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from placement import Placement, PlacementProblem, SharedLink
+from vela_ray.config import JobConfig
+from vela_ray.data.datasets import TokenizedDataset
+from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
+from vela_ray.runtime.masters import start_peers
+from vela_ray.runtime.pool import HostedExperts, PeerMasters, SoloMaster, WorkerPool, master_spec
+from vela_ray.training import checkpoint
+from vela_ray.training.sequence_migration import SequenceMigration
+from vela_ray.training.step import ExpertWorkers, MasterModel, MasterSpec, seeded_backbone
+from vela_ray.training.summary import LinkRecord, MigrationRecord, RecoveryRecord, ReplanRecord, StepRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Backbone:
+    """What the master holds before any worker starts: tokenizer, data, the model and its MoE blocks."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train_set: TokenizedDataset
+    eval_set: TokenizedDataset
+    model: nn.Module
+    blocks: list[MoeBlock]
+
+    @classmethod
+    def load(cls, config: JobConfig, spec: MasterSpec | None = None) -> Backbone:
+        """Tokenizer, data split and the model as `spec` (the job's `master_spec` by default) reads it."""
+        tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
+        train_set, eval_set = config.data.build(tokenizer).split(config.training.eval_fraction, config.training.seed)
+        model = seeded_backbone(spec or master_spec(config))
+        return cls(tokenizer, train_set, eval_set, model, find_moe_blocks(model))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(MoE layers, experts per layer)."""
+        return len(self.blocks), self.blocks[0].layout.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return top_k_of(self.model)
+
+    def checkpoint_meta(self, config: JobConfig) -> dict:
+        """What a checkpoint of this model must match to be resumed (`checkpoint.check_compatible`)."""
+        layout = self.blocks[0].layout
+        return {"model_type": self.model.config.model_type, "moe_layers": len(self.blocks),
+                "experts": layout.num_experts, "hidden_size": layout.hidden_size,
+                "lora_r": config.lora.r, "lora_alpha": config.lora.alpha}
+
+
+@dataclass
+class Live:
+    """What a run trains with, from the master's build to the end: the backbone, master 0, the experts'
+    workers and the other masters. Recovery replaces `hosted` and `peers` (and their `migration`)."""
+
+    backbone: Backbone
+    master: MasterModel
+    hosted: HostedExperts
+    peers: PeerMasters = field(default_factory=SoloMaster)
+    migration: SequenceMigration | None = None  # master 0's, with masters.sequence_migration
+
+    @property
+    def workers(self) -> ExpertWorkers:
+        return self.hosted.workers
+
+    def start_peers(self, config: JobConfig, pool: WorkerPool, table: np.ndarray) -> None:
+        """(Re)start masters 1..M-1 over `table` and master 0's sequence migration among them (after a
+        recovery the old peers may be stuck in the failed step's gradient sum: they go first)."""
+        self.peers.close()
+        if self.migration is not None:
+            self.migration.detach()
+        self.peers, self.migration = start_peers(config, pool, table, self.master, self.hosted.node_ids)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues from: its directory, verified manifest and `trainer.json`."""
+
+    path: Path
+    manifest: dict
+    trainer: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def placement(self) -> dict | None:
+        return self.trainer.get("placement")
+
+    @property
+    def profile(self) -> np.ndarray | None:
+        saved = self.trainer.get("profile")
+        return None if saved is None else np.asarray(saved, dtype=np.float64)
+
+    @classmethod
+    def of(cls, config: JobConfig) -> ResumePoint | None:
+        """`checkpoint.resume`'s checkpoint, verified in full; refused if it does not match the job."""
+        spec = config.checkpoint.resume
+        if spec is None:
+            return None
+        path = checkpoint.resolve(spec, config.checkpoint_root)
+        manifest = checkpoint.verify(path)  # full checksums
+        trainer = json.loads((path / "trainer.json").read_text())
+        checkpoint.check_compatible(manifest, {"lora_r": config.lora.r, "lora_alpha": config.lora.alpha}, path)
+        if manifest["step"] >= config.training.steps:
+            raise ValueError(f"{path}: the run is complete at step {manifest['step']} (training.steps = "
+                             f"{config.training.steps}); raise training.steps to train further")
+        logger.info("resuming from %s (step %d of %d)", path, manifest["step"], config.training.steps)
+        return cls(path, manifest, trainer)
+
+
+@dataclass
+class RunState:
+    """What the run has decided and measured so far; each stage fills its part."""
+
+    plan: Placement | None = None
+    problem: PlacementProblem | None = None
+    version: int = 1  # of the placement; each adopted re-placement adds one
+    placed_probs: np.ndarray | None = None  # [L, E] the profile the current placement was solved for
+    links: list[LinkRecord] = field(default_factory=list)
+    shared_links: list[SharedLink] = field(default_factory=list)  # NICs the links share, measured with them
+    start_step: int = 0
+    history: list[StepRecord] = field(default_factory=list)
+    last_checkpoint: Path | None = None  # the newest published checkpoint of this run (or before it)
+    tokens_routed_LE: np.ndarray | None = None
+    routed_at_checkpoint: np.ndarray | None = None  # tokens_routed_LE when last_checkpoint was written
+    timings_s: dict[str, float | list[float]] = field(default_factory=dict)
+    migrations: list[MigrationRecord] = field(default_factory=list)
+    replans: list[ReplanRecord] = field(default_factory=list)
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
+    migrating: bool = False  # between pool.migrate's start and its end
+    tables: np.ndarray | None = None  # what the workers host: a table [L, E], or routes [M, L, E] with replicas
+    received_bytes: list[int] = field(default_factory=list)  # by each worker during training
+
+    def checkpointed(self, step: int) -> bool:
+        """Whether the newest published checkpoint is of `step`."""
+        last = self.last_checkpoint
+        return last is not None and last.name == f"step-{step:06d}"
+
+    def add_routed(self, counts_LE: np.ndarray) -> None:
+        """Tokens routed to each expert in a training step (not in eval or profiling)."""
+        routed = self.tokens_routed_LE
+        self.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE
+
+    def roll_back_to(self, step: int) -> None:
+        """Forget what the steps after `step` recorded (they are replayed from its checkpoint)."""
+        self.history = [h for h in self.history if h.step <= step]
+        self.tokens_routed_LE = self.routed_at_checkpoint

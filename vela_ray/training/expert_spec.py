@@ -1,0 +1,77 @@
+"""What one ExpertManager hosts and how it trains (`ExpertManagerSpec`), and reading those experts.
+
+The spec is plain data, sent to the actor once; `load_expert_weights` reads the spec's experts from the
+model's checkpoint (memory-mapped, only those experts) or takes them from its in-memory `weights`:
+
+    spec = ExpertManagerSpec(worker=0, model_dir="/ckpt", keys=[(0, 3), (1, 5)])
+    weights, prototypes = load_expert_weights(spec)   # {(layer, expert): {parameter: slice}}, per-layer modules
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import PretrainedConfig
+
+from vela_ray.model.experts import ExpertWeights, LoraSpec
+from vela_ray.model.loading import checkpoint_prototypes, read_experts
+from vela_ray.model.modeling import experts_prototypes
+from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.tiers import ExpertTiersConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExpertManagerSpec(BaseModel):
+    """What one ExpertManager hosts and how it trains; plain data, sent to the actor once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    worker: int = Field(ge=0, description="index of this worker in the placement table")
+    keys: list[tuple[int, int]] = Field(description="the (MoE layer, expert) pairs this worker hosts")
+    model_dir: str | None = Field(None, description="checkpoint to read the experts from (safetensors)")
+    trust_remote_code: bool = Field(False, description="`model.trust_remote_code`: run the model's own code")
+    weights: dict[tuple[int, int], dict[str, torch.Tensor]] | None = Field(
+        None, description="in-memory {(layer, expert): {parameter: slice}} instead of model_dir (tests)"
+    )
+    # Any, checked below: transformers' configs are dataclasses whose annotations pydantic cannot resolve
+    hf_config: Any = Field(
+        None, description="the model's PretrainedConfig, whose experts classes compute; required with `weights`"
+    )
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA rank and alpha of the expert adapters")
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW of the expert adapters")
+    seed: int = Field(0, description="LoRA init seed, combined with each (layer, expert)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the frozen experts' dtype, None keeps the stored one; LoRA factors and their AdamW "
+                          "state are fp32 under bf16/fp16, as peft keeps them (`experts.adapter_dtype`)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the experts run")
+    tiers: ExpertTiersConfig = Field(default_factory=ExpertTiersConfig, description="APTMoE's CPU/device tiers: "
+                                     "experts in host memory, `device` only the tier of a bounded cache")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ExpertManagerSpec":
+        if (self.model_dir is None) == (self.weights is None):
+            raise ValueError(f"worker {self.worker}: give exactly one of `model_dir` and `weights`")
+        if self.weights is not None:
+            missing = [k for k in self.keys if k not in self.weights]
+            if missing:
+                raise ValueError(f"worker {self.worker}: `weights` lacks experts {missing[:8]} listed in `keys`")
+            if not isinstance(self.hf_config, PretrainedConfig):
+                raise ValueError(f"worker {self.worker}: in-memory `weights` need the `hf_config` of their model "
+                                 f"(a transformers PretrainedConfig, got {type(self.hf_config).__name__})")
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"worker {self.worker}: `keys` lists an expert twice")
+        return self
+
+
+def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
+    """The spec's experts as {(layer, expert): {parameter: slice}} and each layer's experts prototype."""
+    dtype = _DTYPES[spec.dtype] if spec.dtype else None
+    if spec.weights is not None:
+        weights = {k: {n: t.to(dtype) if dtype else t for n, t in spec.weights[k].items()} for k in spec.keys}
+        return weights, experts_prototypes(spec.hf_config)
+    trust = spec.trust_remote_code
+    return (read_experts(spec.model_dir, list(spec.keys), dtype=dtype, trust_remote_code=trust),
+            checkpoint_prototypes(spec.model_dir, trust))
