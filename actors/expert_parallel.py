@@ -45,12 +45,12 @@ from actors.cluster import SpawnConfig, reserve_bundles
 from placement import sequential_table
 from vela_ray.baselines.expert_parallel import ExpertParallelRank, build_rank
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import batch_rows, micro_batches, sequential_batches
+from vela_ray.data.datasets import batch_rows, build_dataset, micro_batches, sequential_batches
 from vela_ray.model.adapters import backbone_state_of, export_adapter
 from vela_ray.model.loading import moe_layout
 from vela_ray.model.traffic import TrafficSnapshot, link_tiers
 from vela_ray.observability.report import write_report
-from vela_ray.training.optim import lr_at
+from vela_ray.training.schedule import lr_at
 from vela_ray.training.step import eval_loss, train_step
 from vela_ray.training.summary import PlacementRecord, RunSummary, StepRecord
 
@@ -74,7 +74,7 @@ class RankActor:
         self.config, self.rank, self.num_ranks = config, rank, num_ranks
         self.device = "cuda" if config.cluster.num_gpus_per_worker else "cpu"
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
-        dataset = config.data.build(tokenizer)
+        dataset = build_dataset(config.data, tokenizer)
         self.train_set, self.eval_set = dataset.split(config.training.eval_fraction, config.training.seed)
         self.replica: ExpertParallelRank | None = None
 

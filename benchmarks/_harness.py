@@ -82,6 +82,21 @@ def run(main: Callable[[], int | None], level: int = logging.INFO, quiet: Sequen
     sys.exit(main())
 
 
+def benchmark_device(name: str, script: str):
+    """The torch device a GPU benchmark runs on (`--device cuda|cpu`); None, after one line on stderr saying
+    why and what to do, where CUDA is asked for and absent (the script then exits 2: it measured nothing)."""
+    import torch
+
+    if name != "cuda":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    print(f"{script}: no CUDA device (torch {torch.__version__} sees none); run it on a machine with a working "
+          f"CUDA GPU, or pass `--device cpu` (`python benchmarks/{script}.py --device cpu --tiny`: a smoke run)",
+          file=sys.stderr)
+    return None
+
+
 def tiny_job(out_dir: Path | str, model_dir: Path | str | None = None, **sections: dict | None) -> dict:
     """A job dict on the cached tiny pre-trained Mixtral (`vela build-tiny-model`; or the model at
     `model_dir`) and Tiny Shakespeare, as vela_ray.demo's job, over 3 ExpertManagers with a fixed placement

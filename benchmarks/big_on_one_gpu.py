@@ -100,9 +100,9 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._harness import command, parser, run, write_results  # noqa: E402
+from benchmarks._harness import benchmark_device, command, parser, run, write_results  # noqa: E402
 from benchmarks.gpu_step import (  # noqa: E402
-    LR, MAX_GRAD_NORM, Setup, error_line, expert_specs, no_cuda_message, random_model)
+    LR, MAX_GRAD_NORM, Setup, error_line, expert_specs, random_model)
 
 RESULTS = ROOT / "benchmarks" / "results" / "big_on_one_gpu.json"
 SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
@@ -311,7 +311,8 @@ def _peft_offload(config, dtype, cuda: bool, args, workdir: Path, load: str, dev
 
     from vela_ray.model.adapters import full_lora_config
     from vela_ray.model.experts import LoraSpec
-    from vela_ray.training.optim import OptimizerConfig, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+    from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm, make_adamw
+    from vela_ray.training.schedule import OptimizerConfig
 
     offload_dir = str(workdir / "offload")
     kwargs = dict(dtype=dtype, attn_implementation="sdpa", experts_implementation="grouped_mm")
@@ -457,7 +458,7 @@ class VelaHost:
         from vela_ray.model.experts import LoraSpec
         from vela_ray.model.transport import InProcessTransport
         from vela_ray.training.expert_manager import ExpertManager
-        from vela_ray.training.optim import OptimizerConfig
+        from vela_ray.training.schedule import OptimizerConfig
         from vela_ray.training.step import ExpertWorkers, build_master
         from vela_ray.training.tiers import ExpertTiersConfig
 
@@ -676,10 +677,9 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     silence_known_warnings()
-    if args.device == "cuda" and (problem := no_cuda_message("big_on_one_gpu")):
-        print(problem, file=sys.stderr)
+    device = benchmark_device(args.device, "big_on_one_gpu")
+    if device is None:
         return 2
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     config = mixtral_config(args)
     dtype = torch.bfloat16
     generator = torch.Generator().manual_seed(args.seed)

@@ -26,7 +26,6 @@ under "what") to `--results`:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -38,7 +37,6 @@ from typing import Callable
 
 import numpy as np
 import ray
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python benchmarks/checkpoint_recovery.py`: the root, for benchmarks._harness
@@ -46,13 +44,15 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/checkpoint_recovery.p
 
 from actors.pool import RayWorkerPool  # noqa: E402
 from benchmarks._harness import command, kill_when, parser, run, write_results  # noqa: E402
-from placement import PlacementProblem, sequential_table, solve  # noqa: E402
+from placement import sequential_table, solve  # noqa: E402
 from vela_ray.api import VelaJob  # noqa: E402
 from vela_ray.config import JobConfig  # noqa: E402
 from vela_ray.demo import demo_config  # noqa: E402
 from vela_ray.errors import WorkerLostError  # noqa: E402
+from vela_ray.runtime.placer import placement_problem  # noqa: E402
+from vela_ray.runtime.state import Backbone  # noqa: E402
 from vela_ray.training import checkpoint  # noqa: E402
-from vela_ray.training.summary import RunSummary  # noqa: E402
+from vela_ray.training.summary import LinkRecord, RunSummary  # noqa: E402
 
 PROFILE = REPO / "benchmarks" / "results" / "locality" / "P_shakespeare.npy"
 KILLED_WORKER = 1  # kill_when's victim
@@ -270,22 +270,19 @@ def _max_rel_diff(losses: list[float], reference: list[float]) -> float:
 
 def _tables(config: JobConfig) -> tuple[np.ndarray, np.ndarray, str]:
     """The sequential table and a solved one for the demo model (shape checked against the profile)."""
-    model = json.loads((Path(config.model.path) / "config.json").read_text())
-    shape = (model["num_hidden_layers"], model["num_local_experts"])
+    backbone = Backbone.load(config)
     probs = np.load(PROFILE)
-    if probs.shape != shape:
-        raise SystemExit(f"{PROFILE} is {probs.shape} but the demo model has (layers, experts) = {shape}")
+    if probs.shape != backbone.shape:
+        raise SystemExit(f"{PROFILE} is {probs.shape} but the demo model has (layers, experts) = {backbone.shape}")
     workers = config.cluster.num_workers
-    problem = PlacementProblem(  # as runner.placement_problem builds it, with equal links and room for all
-        probs=probs, top_k=model["num_experts_per_tok"],
-        tokens_per_step=config.training.batch_size * config.data.seq_len, hidden_size=model["hidden_size"],
-        bits_per_element=torch.finfo(config.torch_dtype).bits, bandwidths=[1e9] * workers,
-        capacities=[shape[0] * shape[1]] * workers, worker_nodes=["local"] * workers, master_node="local")
+    equal_links = [LinkRecord(latency_s=0.0, bandwidth_bytes_per_s=1e9)] * workers
+    problem = placement_problem(config, backbone, probs, equal_links, capacities=[probs.size] * workers,
+                                worker_nodes=["local"] * workers, master_node="local")
     solved = solve(problem, "improved", seed=config.placement.seed).as_array()
     source = (f"placement.solve(improved, seed {config.placement.seed}) on {PROFILE.relative_to(REPO)} "
-              f"(the demo model's Tiny Shakespeare routing, {shape[0]}x{shape[1]}), {workers} workers, equal "
-              "links, communication cost model, capacities unbounded")
-    return sequential_table(*shape, workers), solved, source
+              f"(the demo model's Tiny Shakespeare routing, {probs.shape[0]}x{probs.shape[1]}), {workers} workers, "
+              "equal links, communication cost model, capacities unbounded")
+    return sequential_table(*probs.shape, workers), solved, source
 
 
 def _setup_times(config: JobConfig, repeats: int) -> dict:

@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/gpu_step.py`: the roo
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._harness import command, parser, run, write_results  # noqa: E402
+from benchmarks._harness import benchmark_device, command, parser, run, write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_step.json"
 MODELS = ("olmoe", "qwen3")
@@ -134,7 +134,7 @@ def expert_specs(config, dtype: torch.dtype, num_workers: int, device: str, args
     from vela_ray.model.experts import LoraSpec
     from vela_ray.model.modeling import experts_prototypes
     from vela_ray.training.expert_manager import ExpertManagerSpec
-    from vela_ray.training.optim import OptimizerConfig
+    from vela_ray.training.schedule import OptimizerConfig
 
     prototypes = experts_prototypes(config)
     generator = torch.Generator().manual_seed(args.seed)
@@ -164,7 +164,8 @@ def build_peft(config, dtype, device, args) -> Setup:
 
     from vela_ray.model.adapters import full_lora_config
     from vela_ray.model.experts import LoraSpec
-    from vela_ray.training.optim import OptimizerConfig, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+    from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm, make_adamw
+    from vela_ray.training.schedule import OptimizerConfig
 
     model = random_model(config, dtype, device, with_experts=True, seed=args.seed)
     model = get_peft_model(model, full_lora_config(model, LoraSpec(r=args.rank, alpha=2.0 * args.rank)))
@@ -184,7 +185,7 @@ def build_vela(config, dtype, device, args, cpu_workers: bool) -> Setup:
     from vela_ray.model.experts import LoraSpec
     from vela_ray.model.transport import InProcessTransport
     from vela_ray.training.expert_manager import ExpertManager
-    from vela_ray.training.optim import OptimizerConfig
+    from vela_ray.training.schedule import OptimizerConfig
     from vela_ray.training.step import ExpertWorkers, build_master, train_step
 
     close: Callable[[], None] = lambda: None
@@ -296,23 +297,14 @@ def print_table(results: dict) -> None:
             print(f"{model:<8}{name:<18}{r['tokens_per_s']:>10.0f}{r['median_step_s']:>9.2f}{peak:>14}{ratio:>14}")
 
 
-def no_cuda_message(script: str) -> str | None:
-    """The one line a GPU benchmark exits with where CUDA is asked for and absent (None: CUDA is here)."""
-    if torch.cuda.is_available():
-        return None
-    return (f"{script}: no CUDA device (torch {torch.__version__} sees none); run it on a machine with a working "
-            f"CUDA GPU, or pass `--device cpu` (`python benchmarks/{script}.py --device cpu --tiny`: a smoke run)")
-
-
 def main(argv=None) -> int:
     from vela_ray.quiet import silence_known_warnings
 
     args = parse_args(argv)
     silence_known_warnings()
-    if args.device == "cuda" and (problem := no_cuda_message("gpu_step")):
-        print(problem, file=sys.stderr)
+    device = benchmark_device(args.device, "gpu_step")
+    if device is None:
         return 2
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     out = args.out or (RESULTS if device.type == "cuda" else None)
     results: dict[str, dict] = {}
     for model in args.models:

@@ -36,8 +36,9 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/locality_study.py`: t
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import SHAKESPEARE, WIKITEXT, parser, run, write_results  # noqa: E402
+from vela_ray.data.config import DataConfig  # noqa: E402
 from vela_ray.data.datasets import (  # noqa: E402
-    DataConfig, TokenizedDataset, batch_at, iterate_batches, sequential_batches)
+    TokenizedDataset, batch_at, build_dataset, iterate_batches, sequential_batches)
 from vela_ray.data.locality import (  # noqa: E402
     AccessProfile,
     DriftTracker,
@@ -206,7 +207,7 @@ def main() -> None:
     study_started = time.perf_counter()
 
     # 2. Tiny Shakespeare before fine-tuning: all of it, as the paper does (Fig. 3a, 3b)
-    shakespeare = DataConfig(kind="text", path=SHAKESPEARE, seq_len=args.seq_len).build(tokenizer)
+    shakespeare = build_dataset(DataConfig(kind="text", path=SHAKESPEARE, seq_len=args.seq_len), tokenizer)
     p0 = profile_dataset(model, blocks, "Tiny Shakespeare", shakespeare)
     train, held_out = shakespeare.split(args.eval_fraction, args.seed)
 
@@ -234,7 +235,7 @@ def main() -> None:
                                             seq_len=args.instruct_seq_len),
         }
         for name, config in others.items():
-            profiles[name] = profile_dataset(peft_model, blocks, name, config.build(tokenizer))
+            profiles[name] = profile_dataset(peft_model, blocks, name, build_dataset(config, tokenizer))
     names = list(profiles)
     pairwise = np.array([[total_variation(profiles[a].probs_array(), profiles[b].probs_array(), top_k).mean()
                           for b in names] for a in names])

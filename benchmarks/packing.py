@@ -26,7 +26,8 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/packing.py`: the root
 
 from benchmarks._harness import command, parser, run, tiny_job, write_results  # noqa: E402
 from vela_ray.config import JobConfig  # noqa: E402
-from vela_ray.data.datasets import DataConfig  # noqa: E402
+from vela_ray.data.config import DataConfig  # noqa: E402
+from vela_ray.data.datasets import build_dataset  # noqa: E402
 from vela_ray.paths import data_dir  # noqa: E402
 from vela_ray.runtime.local import InProcessPool  # noqa: E402
 from vela_ray.runtime.runner import JobRunner  # noqa: E402
@@ -39,7 +40,7 @@ def padding_waste(tokenizer, seq_len: int) -> dict:
     """Rows, non-padding tokens and padding share of the whole file, both ways."""
     out = {}
     for packing in (False, True):
-        rows = DataConfig(kind="instruct", path=GSM8K, seq_len=seq_len, packing=packing).build(tokenizer)
+        rows = build_dataset(DataConfig(kind="instruct", path=GSM8K, seq_len=seq_len, packing=packing), tokenizer)
         out["packed" if packing else "padded"] = {"rows": len(rows), "tokens": rows.num_tokens,
                                                   "padding_fraction": rows.padding_fraction}
     return out

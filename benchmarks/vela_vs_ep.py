@@ -171,13 +171,13 @@ def serial_compute(args, dataset: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vela_ray.config import JobConfig
-    from vela_ray.data.datasets import batch_at
+    from vela_ray.data.datasets import batch_at, build_dataset
     from placement import sequential_table
     from vela_ray.model.experts import LoraSpec
     from vela_ray.training.step import build_local, train_step
 
     config = JobConfig.from_dict(job_dict(args, dataset, "sequential", args.steps, Path(tempfile.gettempdir())))
-    train_set, _ = config.data.build(AutoTokenizer.from_pretrained(config.model.path)).split(0.05, 0)
+    train_set, _ = build_dataset(config.data, AutoTokenizer.from_pretrained(config.model.path)).split(0.05, 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -44,11 +44,12 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/zo_memory.py`: the ro
 
 from benchmarks._harness import WIKITEXT, command, parser, run, write_results  # noqa: E402
 from placement import sequential_table  # noqa: E402
-from vela_ray.data.datasets import DataConfig, batch_at  # noqa: E402
+from vela_ray.data.config import DataConfig  # noqa: E402
+from vela_ray.data.datasets import batch_at, build_dataset  # noqa: E402
 from vela_ray.model.experts import LoraSpec  # noqa: E402
 from vela_ray.model.modeling import find_moe_blocks  # noqa: E402
 from vela_ray.model.traffic import DIRECTIONS  # noqa: E402
-from vela_ray.training.optim import OptimizerConfig  # noqa: E402
+from vela_ray.training.schedule import OptimizerConfig  # noqa: E402
 from vela_ray.training.step import build_local, train_step  # noqa: E402
 from vela_ray.training.tiny_model import tiny_model_path  # noqa: E402
 from vela_ray.training.zo import ZoTrainer  # noqa: E402
@@ -108,7 +109,8 @@ def setup(args):
     """Model, master + in-process workers, the batch, and the storages of every parameter and buffer."""
     model_dir = tiny_model_path(build=False)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = DataConfig(kind="text", path=WIKITEXT, seq_len=args.seq_len, limit=4 * args.batch_size).build(tokenizer)
+    text = DataConfig(kind="text", path=WIKITEXT, seq_len=args.seq_len, limit=4 * args.batch_size)
+    data = build_dataset(text, tokenizer)
     batch = batch_at(data, 0, args.batch_size, seed=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     blocks = find_moe_blocks(model)

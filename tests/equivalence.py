@@ -24,7 +24,8 @@ from vela_ray.training import equivalence
 from vela_ray.training.equivalence import (  # noqa: F401 - the tests' names for the harness
     LORA, OPTIM, Pair, exported_adapter, micro_batches, reference_adapter_state, run_both,
     run_reference, scattered_placement, start_adapter)
-from vela_ray.training.optim import OptimizerConfig, make_adamw
+from vela_ray.training.optim import make_adamw
+from vela_ray.training.schedule import OptimizerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import batch_at
+from vela_ray.data.datasets import batch_at, build_dataset
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_config_like, debug_model, seeded_model
@@ -19,7 +19,7 @@ from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.runner import JobRunner
-from vela_ray.training.optim import lr_at
+from vela_ray.training.schedule import lr_at
 from vela_ray.paths import data_dir
 from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiny_model import train_tokenizer
@@ -115,7 +115,7 @@ def reference_losses(config: JobConfig, device: str = "cpu") -> tuple[list[float
     """Plain transformers + peft over the very batches, learning rates and clipping of the job."""
     train = config.training
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    train_set, _ = config.data.build(tokenizer).split(train.eval_fraction, train.seed)
+    train_set, _ = build_dataset(config.data, tokenizer).split(train.eval_fraction, train.seed)
     base = AutoModelForCausalLM.from_pretrained(config.model.path)
     base.config.use_cache = False  # as vela-ray's master: packed rows need it (see vela_ray.data.examples)
     model = PeftModel.from_pretrained(base, config.lora.init_adapter, is_trainable=True).to(device)

@@ -84,7 +84,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vela_ray.observability import plots
-    from vela_ray.data.datasets import TEXT_SUFFIXES, DataConfig, sequential_batches
+    from vela_ray.data.config import DataConfig
+    from vela_ray.data.datasets import TEXT_SUFFIXES, build_dataset, sequential_batches
     from vela_ray.data.locality import profile_model
 
     if not (args.model / "config.json").is_file():
@@ -94,8 +95,9 @@ def _run_profile(args: argparse.Namespace) -> int:
     kind = args.kind or ("text" if text else "instruct")
     limit = args.batches * args.batch_size if args.batches else None
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    dataset = DataConfig(kind=kind, path=args.data, seq_len=args.seq_len, limit=limit, packing=args.packing,
-                         chat_template=args.chat_template).build(tokenizer)
+    data = DataConfig(kind=kind, path=args.data, seq_len=args.seq_len, limit=limit, packing=args.packing,
+                      chat_template=args.chat_template)
+    dataset = build_dataset(data, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     profile = profile_model(model, sequential_batches(dataset, args.batch_size, token_mask=True), progress=True,
                             source=f"{args.model} on {args.data} ({kind}, seq_len {args.seq_len})")

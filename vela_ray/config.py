@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from vela_ray.data.datasets import DataConfig
+from vela_ray.data.config import DataConfig
 from vela_ray.errors import first_line
 from vela_ray.model.traffic import RowFormat
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
 
 if TYPE_CHECKING:

@@ -240,6 +240,8 @@ def check_data(config: JobConfig) -> int:
     training rows; refuse data that is empty, malformed, or too short for one batch."""
     from transformers import AutoTokenizer
 
+    from vela_ray.data.datasets import build_dataset
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
     except (ValueError, OSError) as err:
@@ -247,7 +249,7 @@ def check_data(config: JobConfig) -> int:
                          "next to the model with tokenizer.save_pretrained") from None
     training = config.training
     try:
-        train, _ = config.data.build(tokenizer).split(training.eval_fraction, training.seed)
+        train, _ = build_dataset(config.data, tokenizer).split(training.eval_fraction, training.seed)
     except UnicodeDecodeError as err:
         raise ValueError(f"data.path {config.data.path}: not UTF-8 text ({err.reason} at byte {err.start})") \
             from None

@@ -18,7 +18,7 @@ from tests.ray.helpers import TIMEOUT_S
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_config
 from vela_ray.training.expert_manager import ExpertManagerSpec
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 
 FAMILY = "mixtral"
 BF16_OPTIM = OptimizerConfig(lr=3e-5, schedule="constant")

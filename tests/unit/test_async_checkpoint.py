@@ -25,7 +25,7 @@ from vela_ray.errors import CheckpointWriteError
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.training import checkpoint
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.step import build_local, master_state, train_step
 
 STEPS = 4

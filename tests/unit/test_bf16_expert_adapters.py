@@ -30,7 +30,7 @@ from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
 from vela_ray.training import checkpoint
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig, TierSpeeds
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

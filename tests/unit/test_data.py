@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from vela_ray.data.config import DataConfig
 from vela_ray.data.datasets import (
     IGNORE_INDEX,
-    DataConfig,
+    build_dataset,
     batch_at,
     iterate_batches,
     micro_batches,
@@ -181,7 +182,7 @@ def test_an_empty_instruction_file_says_it_is_empty(tmp_path, name):
 
 @pytest.fixture(scope="module")
 def blocks(tokenizer):
-    return DataConfig(kind="text", path=SHAKESPEARE, seq_len=16, limit=21).build(tokenizer)
+    return build_dataset(DataConfig(kind="text", path=SHAKESPEARE, seq_len=16, limit=21), tokenizer)
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(blocks):
@@ -230,8 +231,10 @@ def test_data_config_checks_the_path_and_builds_both_kinds(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         DataConfig(kind="text", path=tmp_path / "missing.txt", seq_len=8)
     path = _write_json(tmp_path / "d.json", [{"instruction": "a", "output": "b"}] * 3)
-    assert DataConfig(kind="instruct", path=path, seq_len=160, limit=2).build(tokenizer).input_ids.shape == (2, 160)
-    assert DataConfig(kind="text", path=SHAKESPEARE, seq_len=8, limit=5).build(tokenizer).input_ids.shape == (5, 8)
+    instruct = DataConfig(kind="instruct", path=path, seq_len=160, limit=2)
+    assert build_dataset(instruct, tokenizer).input_ids.shape == (2, 160)
+    text = DataConfig(kind="text", path=SHAKESPEARE, seq_len=8, limit=5)
+    assert build_dataset(text, tokenizer).input_ids.shape == (5, 8)
 
 
 

@@ -18,7 +18,7 @@ from vela_ray.model.adapters import ADAPTER_FILE
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.loading import moe_layout
 from vela_ray.model.traffic import LOCAL_NODE, link_tiers
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.step import build_local, eval_loss, export, import_adapter, train_step
 
 LORA = LoraSpec(r=4, alpha=8)

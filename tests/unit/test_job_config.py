@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.fixtures import job_dict, make_checkpoint, write_job
 from vela_ray.config import JobConfig
+from vela_ray.data.datasets import build_dataset
 from vela_ray.preflight import check_cluster_resources
 from vela_ray.training.tiers import ExpertTiersConfig
 from vela_ray.training import checkpoint as ckpt
@@ -40,7 +41,7 @@ def test_a_good_config_passes_preflight_and_counts_the_rows_the_master_trains_on
     config = _config(checkpoint, tmp_path)
     checked = config.preflight()
     # what MasterActor does with the same config
-    train, _ = config.data.build(AutoTokenizer.from_pretrained(str(checkpoint))).split(
+    train, _ = build_dataset(config.data, AutoTokenizer.from_pretrained(str(checkpoint))).split(
         config.training.eval_fraction, config.training.seed)
     assert checked.train_rows == len(train) == 190
     assert (checked.model.num_layers, checked.model.num_experts, checked.model.max_positions) == (2, 6, 128)

@@ -21,7 +21,7 @@ from vela_ray.data.datasets import batch_rows, micro_batches
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.migration import MigrationPlan
 from vela_ray.runtime.runner import Backbone
-from vela_ray.training.optim import lr_at
+from vela_ray.training.schedule import lr_at
 from vela_ray.training.step import build_master, train_step
 from vela_ray.training.summary import LinkRecord, RunSummary
 

@@ -12,7 +12,8 @@ from tests.equivalence import LORA, micro_batches
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
-from vela_ray.training.optim import OptimizerConfig, ShardTrainer, apply_step, grad_sq_norm, make_adamw
+from vela_ray.training.optim import ShardTrainer, apply_step, grad_sq_norm, make_adamw
+from vela_ray.training.schedule import OptimizerConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,7 +7,8 @@ import logging
 import pytest
 import torch
 
-from vela_ray.data.datasets import DataConfig
+from vela_ray.data.config import DataConfig
+from vela_ray.data.datasets import build_dataset
 from vela_ray.data.examples import IGNORE_INDEX, Example, check_packing, packed_rows, padded_rows, packing_leak
 from vela_ray.model.families import debug_config, debug_model
 from vela_ray.paths import data_dir
@@ -90,8 +91,8 @@ def test_packing_is_refused_where_the_architecture_mixes_packed_examples(family,
 
 def test_packing_cuts_the_padding_of_gsm8k():
     tokenizer = train_tokenizer(GSM8K.read_text()[:200_000], vocab_size=600)
-    padded = DataConfig(kind="instruct", path=GSM8K, seq_len=512, limit=200).build(tokenizer)
-    packed = DataConfig(kind="instruct", path=GSM8K, seq_len=512, limit=200, packing=True).build(tokenizer)
+    padded = build_dataset(DataConfig(kind="instruct", path=GSM8K, seq_len=512, limit=200), tokenizer)
+    packed = build_dataset(DataConfig(kind="instruct", path=GSM8K, seq_len=512, limit=200, packing=True), tokenizer)
     assert packed.num_tokens == padded.num_tokens  # the same tokens, in fewer rows
     assert padded.padding_fraction > 0.3 and packed.padding_fraction < padded.padding_fraction / 2
     assert len(packed) < 0.75 * len(padded)

@@ -20,7 +20,7 @@ import torch
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.quiet import silence_known_warnings
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.step import build_local, eval_loss, export, import_adapter, train_step
 
 

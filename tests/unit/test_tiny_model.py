@@ -16,7 +16,8 @@ from vela_ray import cli
 from vela_ray.training import tiny_model
 from vela_ray.data.locality import AccessProfile
 from vela_ray.paths import data_dir
-from vela_ray.data.datasets import DataConfig
+from vela_ray.data.config import DataConfig
+from vela_ray.data.datasets import build_dataset
 from vela_ray.training.tiny_model import BUILD_INFO, TinyModelConfig, tiny_model_path
 
 SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
@@ -127,7 +128,7 @@ def test_vela_profile_reads_chat_data_with_the_built_chat_template(built, tmp_pa
     code = cli.main(["profile", "--model", str(built), "--data", str(data), "--kind", "chat", "--seq-len", "64",
                      "--batch-size", "2", "--out", str(tmp_path / "p.json")] + (["--packing"] if packing else []))
     assert code == 0
-    rows = DataConfig(kind="chat", path=data, seq_len=64).build(AutoTokenizer.from_pretrained(built))
+    rows = build_dataset(DataConfig(kind="chat", path=data, seq_len=64), AutoTokenizer.from_pretrained(built))
     assert AccessProfile.load(tmp_path / "p.json").tokens == rows.num_tokens == 3 * rows.attention_mask[0].sum()
 
 

@@ -29,7 +29,8 @@ from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import find_moe_blocks
 from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
-from vela_ray.training.optim import OptimizerConfig, zo_noise
+from vela_ray.training.optim import zo_noise
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.step import build_local, export, import_adapter
 from vela_ray.training.zo import ZoTrainer, step_seed
 

@@ -62,7 +62,7 @@ from vela_ray.model.modeling import find_moe_blocks
 from vela_ray.model.traffic import LinkTier, link_tiers
 from vela_ray.model.transport import ForwardRequest
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.replicas import ProcessGroupReplicas, ReplicaShare
 from vela_ray.training.step import (
     ExpertWorkers, MasterModel, MasterSpec, build_master_replica, import_adapter, seeded_backbone,

@@ -27,7 +27,7 @@ step: `batch_at` gives one batch, `iterate_batches` a stream from a start step;
 `sequential_batches` walks the rows once in order (for profiling and evaluation).
 Usage::
 
-    dataset = DataConfig(kind="text", path=Path("input.txt"), seq_len=128).build(tokenizer)
+    dataset = build_dataset(DataConfig(kind="text", path=Path("input.txt"), seq_len=128), tokenizer)
     train, held_out = dataset.split(eval_fraction=0.05, seed=0)
     for batch in iterate_batches(train, batch_size=8, seed=0, start_step=100, num_steps=200):
         ...
@@ -37,17 +37,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import Iterator
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import torch
+from transformers import PreTrainedTokenizerBase
 
+from vela_ray.data.chat import conversation_of, encode_chat
+from vela_ray.data.config import DataConfig
 from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample, packed_rows, padded_rows
 from vela_ray.data.records import as_object, load_records
 from vela_ray.data.tokenized import Batch, TokenizedDataset
-
-if TYPE_CHECKING:  # transformers loads inside the functions: `vela_ray.config` imports DataConfig,
-    from transformers import PreTrainedTokenizerBase  # and a config typo must be reported without its import
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,6 @@ def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int 
 
 def pack_tokens(stream: list[int], seq_len: int, source: str) -> TokenizedDataset:
     """Cut a token stream into [N, seq_len] blocks (labels = input_ids); the short tail is dropped."""
-    import torch
-
     if not stream:
         raise ValueError(f"{source}: 0 tokens: the file is empty; give it some text")
     num_blocks = len(stream) // seq_len
@@ -298,72 +296,20 @@ def load_instruct(tokenizer: PreTrainedTokenizerBase, path: Path, seq_len: int,
 # --- config ------------------------------------------------------------------------------
 
 
-COLUMNS = {  # data.kind -> the fields `data.columns` may map onto a file's own column names
-    "instruct": ("instruction", "input", "output", "instances"),
-    "chat": ("messages", "conversations", "system"),
-}
+def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedDataset:
+    """The data set `config` names, tokenised with `tokenizer`."""
+    if config.kind == "text":
+        return pack_text(tokenizer, config.path, config.seq_len, max_blocks=config.limit)
+    if config.kind == "instruct":
+        examples = instruct_examples(tokenizer, load_instruct_examples(config.path, config.limit, config.columns))
+    else:
+        examples = _chat_examples(config, tokenizer)
+    return lay_out(tokenizer, examples, config.seq_len, config.packing, source=str(config.path))
 
 
-class DataConfig(BaseModel):
-    """Which data set to fine-tune or profile on, and how to cut it into rows."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["text", "instruct", "chat"]
-    """``text``: packed LM corpus; ``instruct``: Alpaca-style instruction records; ``chat``: conversations
-    (``messages`` of role/content, or ShareGPT ``conversations`` of from/value) rendered with the chat template."""
-    path: Path
-    """A text file or directory of ``.txt`` files (text); for instruct and chat a ``.json``, ``.jsonl``,
-    ``.parquet`` or ``.csv`` file, or a directory written by ``datasets.Dataset.save_to_disk``."""
-    seq_len: int = Field(default=256, ge=2)
-    """Tokens per row."""
-    limit: int | None = Field(default=None, ge=1)
-    """Keep at most this many rows (text blocks) or examples (instruct, chat), in file order."""
-    columns: dict[str, str] = Field(default_factory=dict)
-    """instruct and chat: the file's column for a field vela-ray reads, e.g. ``{instruction: question, output:
-    answer}`` or ``{messages: dialog}``."""
-    chat_template: str | None = None
-    """chat: a Jinja chat template, as a file path or the template itself (default: the tokenizer's own)."""
-    packing: bool = False
-    """instruct and chat: lay several examples end to end in each row instead of padding one per row; attention
-    and loss stay within each example (refused for models where they would not, see `examples.check_packing`)."""
-
-    @field_validator("path")
-    @classmethod
-    def _path_exists(cls, path: Path) -> Path:
-        if not path.exists():
-            raise ValueError(f"data path {path} does not exist")
-        return path
-
-    @model_validator(mode="after")
-    def _options_fit_the_kind(self) -> "DataConfig":
-        if self.kind == "text" and (self.packing or self.columns):
-            field = "packing" if self.packing else "columns"
-            raise ValueError(f"data.{field} applies to instruct and chat data; text is always packed as one "
-                             "token stream")
-        if self.chat_template is not None and self.kind != "chat":
-            raise ValueError(f"data.chat_template applies to kind chat, not {self.kind}")
-        unknown = sorted(set(self.columns) - set(COLUMNS.get(self.kind, ())))
-        if unknown:
-            raise ValueError(f"data.columns: {unknown} are not {self.kind} fields; map any of "
-                             f"{list(COLUMNS[self.kind])} to your file's column names")
-        return self
-
-    def build(self, tokenizer: PreTrainedTokenizerBase) -> TokenizedDataset:
-        """Tokenise the data set with `tokenizer`."""
-        if self.kind == "text":
-            return pack_text(tokenizer, self.path, self.seq_len, max_blocks=self.limit)
-        if self.kind == "instruct":
-            examples = instruct_examples(tokenizer, load_instruct_examples(self.path, self.limit, self.columns))
-        else:
-            examples = self._chat_examples(tokenizer)
-        return lay_out(tokenizer, examples, self.seq_len, self.packing, source=str(self.path))
-
-    def _chat_examples(self, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
-        from vela_ray.data.chat import conversation_of, encode_chat
-
-        records = load_records(self.path, self.columns, self.limit)
-        if not records:
-            raise ValueError(f"{self.path}: holds no chat records; add records with 'messages' or 'conversations'")
-        conversations = [conversation_of(r, f"{self.path}: record {i}") for i, r in enumerate(records)]
-        return encode_chat(tokenizer, conversations, self.chat_template, source=str(self.path))
+def _chat_examples(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
+    records = load_records(config.path, config.columns, config.limit)
+    if not records:
+        raise ValueError(f"{config.path}: holds no chat records; add records with 'messages' or 'conversations'")
+    conversations = [conversation_of(r, f"{config.path}: record {i}") for i, r in enumerate(records)]
+    return encode_chat(tokenizer, conversations, config.chat_template, source=str(config.path))

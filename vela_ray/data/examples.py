@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from vela_ray.data.tokenized import TokenizedDataset
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,6 @@ def _fit(examples: list[Example], seq_len: int, source: str) -> list[Example]:
 
 def padded_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> TokenizedDataset:
     """One example per row, right-padded to `seq_len` (pad: label IGNORE_INDEX, attention 0)."""
-    import torch
-
 
     kept = _fit(examples, seq_len, source)
     shape = (len(kept), seq_len)
@@ -91,8 +91,6 @@ def padded_rows(examples: list[Example], seq_len: int, pad_id: int, source: str)
 
 def packed_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> TokenizedDataset:
     """Several examples per row (first-fit in data order), position ids restarting per example."""
-    import torch
-
 
     kept = _fit(examples, seq_len, source)
     rows: list[list[Example]] = []
@@ -137,8 +135,6 @@ def packing_leak(model_config) -> float:
     samples in training (PhiMoE) draws nothing: 0 up to rounding where attention honours the per-example position ids; large where a
     layer mixes tokens another way (recurrent or linear-attention layers, attention sinks).
     """
-    import torch
-
     from vela_ray.model.families import build_model, debug_config, debug_config_like
 
     try:

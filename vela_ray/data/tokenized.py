@@ -1,21 +1,14 @@
 """`TokenizedDataset`: N fixed-length rows of token ids, labels and masks, the one shape every kind of
 fine-tuning data becomes (`vela_ray.data.datasets` builds them, `vela_ray.data.examples` lays them out).
-
-torch loads inside the methods: `vela_ray.config` imports the data config, and a config typo must be
-reported without paying torch's import.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
+import torch
 
-if TYPE_CHECKING:
-    import torch
-
-Batch = dict[str, "torch.Tensor"]
+Batch = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -52,8 +45,6 @@ class TokenizedDataset:
         `attention_mask`: transformers then masks attention block-diagonally, one block per example (see
         `vela_ray.data.examples`). `token_mask` adds the padding mask to packed rows too, for counting
         tokens (the routing profiler), not for the model."""
-        import torch
-
         index = torch.as_tensor(index, dtype=torch.long)
         batch = {"input_ids": self.input_ids[index], "labels": self.labels[index]}
         if self.position_ids is None or token_mask:
@@ -63,8 +54,6 @@ class TokenizedDataset:
         return batch
 
     def subset(self, index: torch.Tensor | np.ndarray | list[int], source: str) -> TokenizedDataset:
-        import torch
-
         index = torch.as_tensor(index, dtype=torch.long)
         positions = None if self.position_ids is None else self.position_ids[index]
         return TokenizedDataset(self.input_ids[index], self.labels[index], self.attention_mask[index], source,

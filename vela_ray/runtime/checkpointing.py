@@ -31,7 +31,7 @@ from vela_ray.errors import CheckpointWriteError, ExpertWorkerError, first_line
 from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.state import Live, ResumePoint, RunState
 from vela_ray.training import checkpoint
-from vela_ray.training.optim import lr_at
+from vela_ray.training.schedule import lr_at
 from vela_ray.training.step import ExpertWorkers, import_adapter, load_master_state, master_state
 
 logger = logging.getLogger(__name__)

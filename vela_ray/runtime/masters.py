@@ -19,9 +19,9 @@ recovery), and a new table with `rebind` after every migration.
 With `masters.sequence_migration` every master's loss function moves its sequences among the
 masters during the forward (`master_loss`, `vela_ray.training.sequence_migration`).
 
-Two kinds of peers, one protocol: `ThreadPeers` (threads of this process, over the
-in-process ExpertManagers) and `actors.masters.RayPeers` (MasterReplica actors, one per
-node). `SoloMaster` is the single master.
+Two kinds of peers, one protocol (`runtime.pool.PeerMasters`): `ThreadPeers` (threads of
+this process, over the in-process ExpertManagers) and `actors.masters.RayPeers`
+(MasterReplica actors, one per node). `runtime.pool.SoloMaster` is the single master.
 """
 
 from __future__ import annotations

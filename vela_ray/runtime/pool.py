@@ -5,6 +5,11 @@ A pool starts ExpertManagers for a placement table and hands back their control 
 (links, compute per row, capacity) and says whether an error means a worker died. Two
 implementations: `vela_ray.runtime.local.InProcessPool` (this process) and
 `actors.pool.RayWorkerPool` (Ray actors, one per GPU or CPU bundle).
+
+A pool also starts the other data-parallel masters (`PeerMasters`, the protocol master 0's
+runner drives them by; `SoloMaster` when there is one; `vela_ray.runtime.masters` has the
+rest). What the workers and the masters are built from comes from the config here, in one
+place each: `manager_specs` and `master_spec`.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from vela_ray.runtime.pool import WorkerPool, master_spec
 from vela_ray.runtime.recovery import Recovery
 from vela_ray.runtime.state import Backbone, Live, ResumePoint, RunState
 from vela_ray.training import checkpoint
-from vela_ray.training.optim import lr_at
+from vela_ray.training.schedule import lr_at
 from vela_ray.training.step import LossFn, build_master_replica, eval_loss, export, model_loss
 from vela_ray.training.summary import RunSummary
 

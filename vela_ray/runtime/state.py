@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from placement import Placement, PlacementProblem, SharedLink
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import TokenizedDataset
+from vela_ray.data.datasets import TokenizedDataset, build_dataset
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 from vela_ray.runtime.masters import start_peers
 from vela_ray.runtime.pool import HostedExperts, PeerMasters, SoloMaster, WorkerPool, master_spec
@@ -43,7 +43,7 @@ class Backbone:
     def load(cls, config: JobConfig, spec: MasterSpec | None = None) -> Backbone:
         """Tokenizer, data split and the model as `spec` (the job's `master_spec` by default) reads it."""
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
-        train_set, eval_set = config.data.build(tokenizer).split(config.training.eval_fraction, config.training.seed)
+        train_set, eval_set = build_dataset(config.data, tokenizer).split(config.training.eval_fraction, config.training.seed)
         model = seeded_backbone(spec or master_spec(config))
         return cls(tokenizer, train_set, eval_set, model, find_moe_blocks(model))
 

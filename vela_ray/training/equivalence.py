@@ -26,7 +26,8 @@ from vela_ray.model.adapters import ADAPTER_FILE, full_lora_config
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.model.transport import InProcessTransport
-from vela_ray.training.optim import OptimizerConfig, ShardTrainer, lr_at, make_adamw
+from vela_ray.training.optim import ShardTrainer, make_adamw
+from vela_ray.training.schedule import OptimizerConfig, lr_at
 from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, export, import_adapter, train_step
 
 LORA = LoraSpec(r=4, alpha=8)

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from vela_ray.model.experts import ExpertWeights, LoraSpec
 from vela_ray.model.loading import checkpoint_prototypes, read_experts
 from vela_ray.model.modeling import experts_prototypes
-from vela_ray.training.optim import OptimizerConfig
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

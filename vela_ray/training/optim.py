@@ -3,7 +3,7 @@
 The master steps the backbone adapters; every expert host steps its own
 experts' adapters (`ShardTrainer`). Together they must equal one AdamW over
 all adapters of the original model with global grad-norm clipping, so:
-- the learning rate of each step is computed once, on the master (`lr_at`), and sent;
+- the learning rate of each step is computed once, on the master (`schedule.lr_at`), and sent;
 - the clip coefficient comes from the global norm sqrt(master^2 + sum of workers^2);
 - expert gradients start as zeros, not None, so an expert that saw no token in a step
   still gets its AdamW update (weight decay, momentum), exactly as peft's fused matrix does.
@@ -17,45 +17,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+import torch
+from torch.nn.utils import get_total_norm
 
-if TYPE_CHECKING:  # torch loads inside the functions: `vela_ray.config` imports OptimizerConfig,
-    import torch   # and a config typo must be reported without paying torch's import
+from vela_ray.training.schedule import OptimizerConfig
 
+if TYPE_CHECKING:
     from vela_ray.model.experts import ExpertShard
 
 
-class OptimizerConfig(BaseModel):
-    """AdamW and schedule; defaults are the VELA paper's."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    lr: float = Field(3e-5, gt=0, description="peak learning rate")
-    betas: tuple[float, float] = (0.8, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(3e-7, ge=0)
-    max_grad_norm: float | None = Field(1.0, description="global grad-norm clip; None disables")
-    schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-
-
-def lr_at(cfg: OptimizerConfig, step: int, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based) of `total_steps`."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant" or total_steps <= cfg.warmup_steps:
-        return cfg.lr
-    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-    if cfg.schedule == "linear":
-        return cfg.lr * (1.0 - progress)
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def make_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    import torch
-
     return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
@@ -64,8 +37,6 @@ def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
     grouped by device and dtype (`get_total_norm`, as `clip_grad_norm_` computes them), read back with one
     host sync whatever the number of tensors. An expert host has one tensor per (expert, factor), thousands
     for a real MoE, so one sync each would stall every step on a GPU."""
-    from torch.nn.utils import get_total_norm
-
     grads = [p.grad.detach() for p in params if p.grad is not None]
     return float(get_total_norm(grads, 2.0)) ** 2 if grads else 0.0
 
@@ -79,8 +50,6 @@ def clip_coefficient(total_sq_norm: float, max_norm: float | None) -> float:
 
 def apply_step(optimizer: torch.optim.Optimizer, lr: float, clip_coef: float) -> None:
     """Clip by `clip_coef` (fused over all gradients, no host sync) and step at `lr`."""
-    import torch
-
     for group in optimizer.param_groups:
         group["lr"] = lr
         grads = [p.grad for p in group["params"] if p.grad is not None]
@@ -92,10 +61,7 @@ def apply_step(optimizer: torch.optim.Optimizer, lr: float, clip_coef: float) ->
 
 class ShardTrainer:
     """An ExpertShard with its own AdamW: what an ExpertManager runs per step."""
-
     def __init__(self, shard: ExpertShard, cfg: OptimizerConfig):
-        import torch
-
         self.shard = shard
         self.params = list(shard.lora_parameters())
         for p in self.params:
@@ -121,8 +87,6 @@ class ShardTrainer:
 
     def optimizer_state(self) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         """AdamW moments and step per logical expert: {(l, e): {"lora_A_down.exp_avg": ..., ...}}."""
-        import torch
-
         out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for key in self.shard.keys:
             for name, param in self.shard.expert(*key).named_parameters():
@@ -165,8 +129,6 @@ def zo_noise(step_seed: int, name: str, like: torch.Tensor) -> torch.Tensor:
 
     Drawn on the CPU in fp32 whatever `like`'s device and dtype (a CUDA generator draws other
     numbers), then moved there: the master's GPU and a CPU worker add the same z."""
-    import torch
-
     generator = torch.Generator().manual_seed(zo_tensor_seed(step_seed, name))
     return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
 
@@ -177,8 +139,6 @@ def apply_zo_terms(named: Mapping[str, torch.Tensor], terms: Sequence[ZoTerm]) -
     One add per term, not one add of the summed coefficients, so a fused pass (restore, update and
     next perturbation together) rounds exactly as MeZO's separate passes do, and a run that settles
     between steps (for a checkpoint) keeps the same bits as one that never does."""
-    import torch
-
     with torch.no_grad():
         for name, tensor in named.items():
             noise: dict[int, torch.Tensor] = {}

@@ -29,7 +29,8 @@ from vela_ray.model.loading import load_backbone
 from vela_ray.model.experts import ExpertKey, LoraSpec
 from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
-from vela_ray.training.optim import OptimizerConfig, apply_step, clip_coefficient, grad_sq_norm, make_adamw
+from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm, make_adamw
+from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.replicas import SINGLE, Replicas
 from vela_ray.model.transport import InProcessTransport, Transport
 from vela_ray.model.traffic import RowFormat
