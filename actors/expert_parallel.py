@@ -74,7 +74,7 @@ class RankActor:
         self.config, self.rank, self.num_ranks = config, rank, num_ranks
         self.device = "cuda" if config.cluster.num_gpus_per_worker else "cpu"
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
-        dataset = build_dataset(config.data, tokenizer)
+        dataset = build_dataset(config.data, tokenizer, warn=False)  # the driver's preflight warned already
         self.train_set, self.eval_set = dataset.split(config.training.eval_fraction, config.training.seed)
         self.replica: ExpertParallelRank | None = None
 

@@ -22,6 +22,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from vela_ray.quiet import silence_known_warnings
 from vela_ray.training.summary import LinkRecord
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ def fit_link(samples: Sequence[tuple[int, float]]) -> LinkRecord:
 
 class PlacementService:
     """Plain class; `spawn_placement_service` makes it an actor on the master's node."""
+
+    def __init__(self) -> None:
+        silence_known_warnings()  # an actor process: Ray is imported by now, so the filters stay in front
 
     def probe(self, handles: list[Any], sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3,
               enough_s: float = 0.1) -> list[LinkRecord]:

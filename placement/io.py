@@ -286,9 +286,22 @@ def check_writable(path: str | Path, flag: str = "--out") -> Path:
         reason = f"is in a directory that does not exist ({str(parent)!r}); create it first or choose another {flag}"
     elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         reason = f"cannot be written (no write permission); choose another {flag}"
+    elif (failure := _probe_write(parent)) is not None:  # what os.access cannot see: root, read-only mounts
+        reason = f"cannot be written ({failure}); choose another {flag}"
     else:
         return path
     raise ValueError(f"{flag} {str(path)!r} {reason}")
+
+
+def _probe_write(directory: Path) -> str | None:
+    """Why a file cannot be created in `directory` (None if it can): one created and removed at once."""
+    probe = directory / f".vela-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
 
 
 def _existing(path: str | Path, what: str) -> Path:

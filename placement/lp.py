@@ -40,6 +40,10 @@ a few slots, which the rounding's step 2 repairs.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+
 import cvxpy as cp
 import numpy as np
 import scipy.sparse as sp
@@ -64,6 +68,30 @@ def worker_classes(problem: PlacementProblem, *, direct: bool = False) -> list[n
     for worker, key in enumerate(keys):
         classes.setdefault(key, []).append(worker)
     return [np.array(members) for members in classes.values()]
+
+
+@functools.cache
+def _first_highs_quietly() -> None:
+    """Build this process's first HiGHS object with fd 1 on /dev/null, so its banner is not printed.
+
+    HiGHS prints "Running HiGHS 1.16.0 ... Copyright ..." to fd 1 (bypassing sys.stdout) when a process
+    builds its first `highspy.Highs`, before any option can be set: cvxpy's `verbose=False` (its
+    default, passed on as `log_to_console`) and `output_flag` only reach the solve. Later objects and
+    solves print nothing, so one quiet construction keeps every run's output free of it. (Here, not in
+    `vela_ray.quiet`, because placement/ sits below vela_ray in the import layers and is used alone.)
+    """
+    import highspy  # cvxpy's HiGHS backend, a pinned dependency; imported here only to be built once
+
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+        os.close(devnull)
 
 
 def solve_class_lp(problem: PlacementProblem, classes: list[np.ndarray]) -> tuple[float, np.ndarray]:
@@ -100,6 +128,7 @@ def solve_class_lp(problem: PlacementProblem, classes: list[np.ndarray]) -> tupl
         constraints.append(link_load <= np.ones((len(problem.shared_links), 1)) @ bound_rows)
     # 3. solve
     lp = cp.Problem(cp.Minimize(cp.sum(layer_bound)), constraints)
+    _first_highs_quietly()
     lp.solve(solver=cp.HIGHS)
     if lp.status != cp.OPTIMAL:
         raise RuntimeError(f"placement LP ended with status {lp.status!r}")

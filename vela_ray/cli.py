@@ -206,6 +206,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="job YAML (see deploy/ for examples)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="DIR|latest",
                    help="continue from a checkpoint (default: the latest valid one under the checkpoint dir)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="output.dir holds another run: move it aside to <dir>.old-<run id> instead of refusing")
     p.set_defaults(handler=_run_train)
 
 
@@ -213,6 +215,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from vela_ray.config import JobConfig
 
     config = JobConfig.from_yaml(args.config).with_resume(args.resume)  # a typo fails here, before torch loads
+    if args.overwrite:
+        config = config.model_copy(update={"output": config.output.model_copy(update={"overwrite": True})})
     checked = config.preflight()  # and a file or capacity problem here, before Ray loads
 
     from vela_ray.api import VelaJob

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from vela_ray.data.config import DataConfig
 from vela_ray.errors import first_line
+from vela_ray.paths import UserPath
 from vela_ray.model.traffic import RowFormat
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
@@ -43,7 +45,7 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    path: Path = Field(description="Hugging Face checkpoint directory (config.json + safetensors)")
+    path: UserPath = Field(description="Hugging Face checkpoint directory (config.json + safetensors)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype of backbone and experts")
     trust_remote_code: bool = Field(
         False, description="run the model's own code (config.json's auto_map) in every process that reads it; "
@@ -53,7 +55,7 @@ class ModelSection(_Section):
 class LoraSection(_Section):
     r: int = Field(8, ge=1, description="LoRA rank (the paper: 8)")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (the paper: 16)")
-    init_adapter: Path | None = Field(None, description="start from this peft adapter dir (same model and rank)")
+    init_adapter: UserPath | None = Field(None, description="start from this peft adapter dir (same model and rank)")
 
     @model_validator(mode="after")
     def _adapter_exists(self) -> "LoraSection":
@@ -183,8 +185,8 @@ class ReplanSection(_Section):
 
 class PlacementSection(_Section):
     solver: Solver = Field("improved", description="placement solver; `file` reads `file`")
-    file: Path | None = Field(None, description="placement JSON for solver `file` (from `vela place`)")
-    profile: Literal["measure", "uniform"] | Path = Field(
+    file: UserPath | None = Field(None, description="placement JSON for solver `file` (from `vela place`)")
+    profile: Literal["measure", "uniform"] | UserPath = Field(
         "measure", description="expert-access profile: measured on the training data, uniform, or a .json/.npy file")
     profile_batches: int = Field(4, ge=1, description="batches profiled when `profile: measure`")
     capacity: int | None = Field(None, ge=1, description="experts per worker; None: from free device memory")
@@ -301,15 +303,25 @@ class TrainingSection(_Section):
 class CheckpointSection(_Section):
     every: int = Field(0, ge=0, description="checkpoint every N steps; 0: only at the end")
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
-    dir: Path | None = Field(None, description="checkpoint root; None: output.dir/checkpoints")
+    dir: UserPath | None = Field(None, description="checkpoint root; None: output.dir/checkpoints")
     resume: str | None = Field(None, description="`latest` or a checkpoint directory to continue from")
     asynchronous: bool = Field(
         False, description="copy the state to host memory at a checkpoint step and write it on background "
                            "threads while training goes on; published (atomically, as ever) once all is written")
 
 
+def _timestamped_dir() -> Path:
+    return Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+
+
 class OutputSection(_Section):
-    dir: Path = Field(Path("runs/latest"), description="where the adapter, summary and logs go")
+    dir: UserPath = Field(
+        default_factory=_timestamped_dir, description="where the adapter, summary, report and checkpoints go; one "
+                                                      "run per dir. Default: runs/<the config file's name>, or "
+                                                      "runs/run-<date-time> for a job built in Python")
+    overwrite: bool = Field(
+        False, description="when output.dir holds another run, move it aside to <dir>.old-<its run id> (nothing "
+                           "is deleted) instead of refusing the job")
 
 
 class JobConfig(_Section):
@@ -464,6 +476,9 @@ class JobConfig(_Section):
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of sections (model:, data:, training:, ...), "
                              f"got a YAML {type(raw).__name__}")
+        output = raw.get("output")
+        if output is None or (isinstance(output, dict) and "dir" not in output):  # one run dir per config file
+            raw = {**raw, "output": {**(output or {}), "dir": str(Path("runs") / path.stem)}}
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
@@ -555,18 +570,50 @@ def _read_yaml(path: Path) -> object:
         raise ValueError(f"{path}: {where}YAML syntax error ({what}); fix the YAML there") from None
 
 
+# Names other fine-tuning tools use for a field, and vela-ray's own (an unknown key gets a pointer).
+ALIASES: dict[tuple[str, ...], str] = {
+    ("training", "learning_rate"): "training.optimizer.lr",
+    ("training", "lr"): "training.optimizer.lr",
+    ("training", "max_steps"): "training.steps",
+    ("training", "num_train_steps"): "training.steps",
+    ("training", "warmup_steps"): "training.optimizer.warmup_steps",
+    ("training", "weight_decay"): "training.optimizer.weight_decay",
+    ("training", "max_grad_norm"): "training.optimizer.max_grad_norm",
+    ("training", "lr_scheduler_type"): "training.optimizer.schedule",
+    ("training", "per_device_train_batch_size"): "training.micro_batch_size",
+    ("lora", "rank"): "lora.r",
+    ("lora", "lora_r"): "lora.r",
+    ("lora", "lora_alpha"): "lora.alpha",
+    ("data", "cutoff_len"): "data.seq_len",
+    ("data", "max_seq_length"): "data.seq_len",
+}
+
+
 def _readable(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         where = ".".join(str(x) for x in e["loc"]) or "config"
-        msg = _unknown_field(e["loc"]) if e["type"] == "extra_forbidden" else e["msg"]
-        parts.append(f"{where}: {msg}")
+        parts.append(f"{where}: {_unknown_field(e['loc']) if e['type'] == 'extra_forbidden' else _message(e)}")
     return "; ".join(parts)
+
+
+def _message(error: dict) -> str:
+    """pydantic's error in vela-ray's words: our own validators' text as written, the rest without pydantic's
+    phrasing ("Value error, ...", "Input should be ...")."""
+    if error["type"] == "value_error" and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    if error["type"] == "missing":
+        return "missing: this field is required"
+    got = f" (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else ""
+    return error["msg"].replace("Input should be", "must be").replace("Value error, ", "") + got
 
 
 def _unknown_field(loc: tuple) -> str:
     """A misspelt key: the closest field of its section, which is what the user meant to type; a misspelt
     old key (`MOVED`) is pointed to its new place."""
+    alias = ALIASES.get(tuple(map(str, loc)))
+    if alias:
+        return f"unknown field (vela-ray calls it {alias!r})"
     names = _section_fields(loc[:-1])
     moved = {old[-1]: ".".join(new) for old, new in MOVED.items() if old[:-1] == tuple(map(str, loc[:-1]))}
     close = difflib.get_close_matches(str(loc[-1]), [*names, *moved], n=1)

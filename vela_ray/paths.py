@@ -9,6 +9,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BeforeValidator
+
+
+def _expand_user(value: object) -> object:
+    return Path(value).expanduser() if isinstance(value, (str, Path)) and str(value).startswith("~") else value
+
+
+UserPath = Annotated[Path, BeforeValidator(_expand_user)]
+"""A config path field: `~` and `~user` expand to the home directory, as a shell would have done."""
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

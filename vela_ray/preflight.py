@@ -19,6 +19,7 @@ The heavy imports (torch, transformers) are inside the functions, so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vela_ray.errors import first_line
+from vela_ray.runs import check_output_dir, check_same_math
 
 if TYPE_CHECKING:
     from vela_ray.config import JobConfig
@@ -71,7 +73,7 @@ def preflight(config: JobConfig) -> Preflight:
     train_rows = check_data(config)
     resume, resume_step = check_resume(config, model)
     family = check_family(config)  # seconds, and only for a family the test suite did not verify
-    check_output_dirs(config)
+    check_output_dirs(config, resume)
     pinned = (config.with_resume(str(resume)) if resume else config).with_family_check(family)
     return Preflight(config=pinned, model=model, train_rows=train_rows, resume=resume, resume_step=resume_step)
 
@@ -284,6 +286,9 @@ def check_resume(config: JobConfig, model: ModelFacts) -> tuple[Path | None, int
         checkpoint.check_compatible(manifest, expected, path)
     except ValueError as err:
         raise ValueError(f"checkpoint.resume (--resume): {err}; resume a checkpoint of this job") from None
+    saved_run = checkpoint.read_run(path)
+    if saved_run is not None:
+        check_same_math(saved_run["math"], config.model_dump(mode="json"), path)
     step, steps = int(manifest["step"]), config.training.steps
     if step >= steps:
         raise ValueError(f"checkpoint.resume (--resume): {path} is at step {step}: the run is complete at step "
@@ -295,18 +300,26 @@ def check_resume(config: JobConfig, model: ModelFacts) -> tuple[Path | None, int
 # --- output -----------------------------------------------------------------------------
 
 
-def check_output_dirs(config: JobConfig) -> None:
-    """output.dir (and checkpoint.dir when set apart) can be created and written."""
+def check_output_dirs(config: JobConfig, resume: Path | None) -> None:
+    """output.dir holds no other run (`runs.check_output_dir`), and it (and checkpoint.dir when set apart) can
+    be created and written."""
+    from vela_ray.training import checkpoint
+
+    resumed_run = checkpoint.read_run(resume) if resume else None
+    check_output_dir(config.output.dir, config.output.overwrite, resume is not None,
+                     resumed_run["run_id"] if resumed_run else None)
     check_writable(config.output.dir, "output.dir")
     if config.checkpoint.dir is not None:
         check_writable(config.checkpoint.dir, "checkpoint.dir")
 
 
 def check_writable(directory: Path, field: str) -> None:
-    """Create `directory` and a probe file in it, then delete the probe: the one write preflight does."""
+    """Create `directory` and a probe file in it, then delete both: preflight leaves nothing behind (the run
+    creates the directory when it starts, after the cluster's checks too)."""
     probe = directory / f".vela-preflight-{os.getpid()}"
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{field} {directory} is a file, not a directory; choose a directory for {field}")
+    created = [d for d in (directory, *directory.parents) if not d.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
@@ -314,6 +327,10 @@ def check_writable(directory: Path, field: str) -> None:
     except OSError as err:
         raise ValueError(f"{field} {directory} cannot be created or written ({err.strerror or err}); "
                          f"choose a writable directory for {field}") from None
+    finally:
+        for made in created:  # deepest first
+            with contextlib.suppress(OSError):
+                made.rmdir()
 
 
 # --- cluster ----------------------------------------------------------------------------

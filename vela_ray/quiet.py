@@ -1,21 +1,33 @@
 """The warnings vela-ray triggers knowingly, silenced one by one so that real ones stand out.
 
     from vela_ray.quiet import silence_known_warnings
-    silence_known_warnings()   # first thing in the driver, the master and every ExpertManager
+    silence_known_warnings()   # first thing in the driver and every actor (master, ExpertManager, PlacementService)
 
 Each filter names the message, the category and the module that warns, so the same
-text from anywhere else still shows. What vela-ray could fix in its own code is fixed
-there instead (e.g. `modeling.attach_brokers` reads `is_activation_checkpointing`,
-not transformers' deprecated alias). Importing this module imports nothing heavy.
+text from anywhere else still shows; one log filter drops Ray's token-auth notice in
+the same way. What vela-ray could fix in its own code is fixed there instead (e.g.
+`modeling.attach_brokers` reads `is_activation_checkpointing`, not transformers'
+deprecated alias). Noise that is no warning is silenced where it is made: the HiGHS
+banner in `placement.lp` (placement sits below this module), the tiny-model build's
+"Writing model shards" bar in `training.tiny_model`. Importing this module imports
+nothing heavy.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
+
+# Ray's logger that announces token authentication when `ray.init()` starts a local cluster.
+RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _not_the_token_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster.")
 
 
 def silence_known_warnings() -> None:
-    """Ignore the three warnings every vela-ray process would otherwise repeat.
+    """Ignore the warnings every vela-ray process would otherwise repeat.
 
     Call it after `import ray` in a process that pickles tensors through Ray: Ray's
     import puts its own "once" filter for ZeroCopyTensorsWarning in front of earlier
@@ -48,3 +60,9 @@ def silence_known_warnings() -> None:
         "ignore", message=r"The given NumPy array is not writable", category=UserWarning,
         module=r"ray\._private\.tensor_serialization_utils",
     )
+    # `vela train`/`vela demo` without `cluster.address` start a local Ray cluster, and Ray turns token
+    # authentication on for it by default (as it should) and says so in a WARNING at every start
+    # ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out").
+    # Nothing is wrong and nothing is to be done, so that one notice goes; the same logger's warning
+    # that authentication is *disabled* (a security risk) still shows.
+    logging.getLogger(RAY_TOKEN_AUTH_LOGGER).addFilter(_not_the_token_auth_notice)

@@ -37,11 +37,12 @@ def test_packed_rows_restart_positions_and_never_label_an_example_s_first_token(
     assert "attention_mask" in rows.rows([0], token_mask=True)  # for counting tokens, not for the model
 
 
-def test_first_fit_fills_earlier_rows_and_truncation_drops_examples_with_nothing_to_learn(caplog):
+def test_packing_truncates_long_examples_and_drops_examples_with_nothing_to_learn(caplog):
     long, short, unlabelled = _example(10, 12, 1), _example(40, 3, 1), _example(50, 9, 9)
     with caplog.at_level(logging.WARNING):
         rows = packed_rows([long, _example(30, 8, 1), short, unlabelled], seq_len=10, pad_id=PAD, source="t")
-    assert "dropped 1 of 4 examples with no supervised token" in caplog.text
+    assert "50% of 4 examples dropped or truncated at data.seq_len=10: 1 truncated" in caplog.text
+    assert "1 dropped (empty: no supervised token at all)" in caplog.text
     assert rows.input_ids[0].tolist() == long.input_ids[:10]  # cut on the right at seq_len
     assert rows.input_ids[1].tolist() == list(range(30, 38)) + [PAD, PAD]
     assert rows.input_ids.shape == (3, 10) and rows.input_ids[2, :3].tolist() == short.input_ids

@@ -131,6 +131,17 @@ def test_place_reports_bad_files_in_one_line_naming_the_file_and_writes_nothing(
     assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_that_not_even_root_can_write_fails_before_solving(tmp_path, capsys):
+    """os.access says yes to root everywhere; a probe file finds out (here: /proc takes no new files)."""
+    _write(tmp_path / "p.npy", GOOD)
+    args = ["place", "--profile", str(tmp_path / "p.npy"), "--bandwidths", "10,1", "--capacities", "4",
+            "--out", "/proc/vela-placement.json"]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--out '/proc/vela-placement.json' cannot be written" in captured.err
+
+
 def test_placement_and_vela_place_do_not_import_torch(tmp_path):
     np.save(tmp_path / "profile.npy", np.full((2, 4), 0.5))
     script = (

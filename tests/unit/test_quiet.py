@@ -10,6 +10,7 @@ that they still occur without the filters, so a filter that stops matching is no
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import warnings
@@ -19,7 +20,7 @@ import torch
 
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
-from vela_ray.quiet import silence_known_warnings
+from vela_ray.quiet import RAY_TOKEN_AUTH_LOGGER, silence_known_warnings
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.step import build_local, eval_loss, export, import_adapter, train_step
 
@@ -76,3 +77,50 @@ def test_rays_zero_copy_warnings_are_silenced_and_still_occur_without_the_filter
     assert any(m.startswith("Zero-copy tensor serialization is enabled") for m in unfiltered), unfiltered
     assert any(m.startswith("The given NumPy array is not writable") for m in unfiltered), unfiltered
     assert _zero_copy_warnings("silenced") == []
+
+
+_HIGHS = """
+import sys
+import numpy as np
+if sys.argv[1] == "placement":
+    from placement import PlacementProblem, solve_lp
+    problem = PlacementProblem(probs=np.array([[1.0, 0.6, 0.4, 0.0]]), top_k=2, tokens_per_step=64, hidden_size=8,
+                               bandwidths=[1e9, 1e8], capacities=[2, 2])
+    assert solve_lp(problem)[0] > 0
+else:  # what placement.lp solves with, built plainly: the control
+    import highspy
+    highspy.Highs()
+"""
+
+
+def test_a_placement_solve_prints_no_highs_banner_and_a_plain_highs_object_still_does():
+    """HiGHS writes its banner to fd 1 (C stdio, flushed at exit), so each case runs in a fresh process."""
+    def stdout_of(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", _HIGHS, mode], capture_output=True, text=True, check=True).stdout
+
+    assert "Running HiGHS" in stdout_of("highspy")
+    assert stdout_of("placement") == ""
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_rays_token_auth_notice_is_silenced_and_its_disabled_warning_is_not():
+    from ray._private.authentication import authentication_token_setup as token_setup
+
+    assert token_setup.logger.name == RAY_TOKEN_AUTH_LOGGER
+    silence_known_warnings()
+    records = _Records()  # Ray's loggers do not propagate to the root logger (nor to caplog)
+    token_setup.logger.addHandler(records)
+    try:
+        token_setup._warn_token_auth_enabled()  # what ray.init says when it starts a local cluster
+        token_setup._warn_token_auth_disabled()
+    finally:
+        token_setup.logger.removeHandler(records)
+    assert len(records.messages) == 1 and records.messages[0].startswith("Token authentication is disabled")

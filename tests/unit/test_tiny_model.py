@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,17 @@ def test_vela_profile_reports_a_missing_model_as_a_user_error(tmp_path, capsys):
     code = cli.main(["profile", "--model", str(tmp_path), "--data", str(SHAKESPEARE), "--out", str(tmp_path / "p")])
     assert code == 2
     assert "is not a model directory" in capsys.readouterr().err
+
+
+def test_wikitexts_tokenisation_is_undone_and_ordinary_text_is_all_but_unchanged():
+    wikitext = (' = = Description = = \n Homarus gammarus , known as the " European lobster " , is 0 @.@ 7 m '
+                "( 24 in ) long ; it is well @-@ known and does n't live in Linnaeus ' genus . \n")
+    assert tiny_model.detokenise_wikitext(wikitext) == (
+        '== Description ==\nHomarus gammarus, known as the "European lobster", is 0.7 m '
+        "(24 in) long; it is well-known and doesn't live in Linnaeus' genus.\n")
+    shakespeare = SHAKESPEARE.read_text()
+    assert len(shakespeare) - len(tiny_model.detokenise_wikitext(shakespeare)) < 20  # of 1.1M characters
+
+
+def test_the_build_uses_at_least_one_and_at_most_all_cores():
+    assert 1 <= tiny_model.cpu_threads() <= (os.cpu_count() or 1)

@@ -3,9 +3,13 @@
 A chat record holds one conversation, in either of the two common layouts:
 
 * OpenAI ``messages``: ``[{"role": "system"|"user"|"assistant", "content": "..."}, ...]``;
-* ShareGPT ``conversations``: ``[{"from": "system"|"human"|"user"|"gpt"|"assistant", "value": "..."}, ...]``;
+* ShareGPT ``conversations``: ``[{"from": "system"|"human"|"user"|"gpt"|"assistant", "value": "..."}, ...]``,
+  with LLaMA-Factory's tool turns ``function_call`` (a JSON call) and ``observation`` (its result),
+  and its ``tags`` for other key and role names;
 
-optionally with a top-level ``system`` string that becomes the first (system) message.
+optionally with a top-level ``system`` string that becomes the first (system) message and a
+``tools`` list of function schemas passed to the template (`tools_of`). OpenAI content given
+as a list of parts is read for its text parts.
 `conversation_of` validates one record into a list of ``{role, content}`` messages (errors
 name the record and field in one line), `chat_template_of` picks the Jinja template
 (``data.chat_template`` or the tokenizer's own) and `encode_chat` renders and tokenises
@@ -24,8 +28,10 @@ is reported without paying their import.
 from __future__ import annotations
 
 import logging
+import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample
 
@@ -35,14 +41,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, str]  # {"role": "system"|"user"|"assistant", "content": str}
+FUNCTION_CALL = "function_call"  # a parsed turn's role until it becomes an assistant turn with tool_calls
 
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str[, "tool_calls": [...]]}
 
-_LAYOUTS = {  # field -> (role key, content key, how an unknown role is reported)
-    "messages": ("role", "content", "unknown role {value!r}; use system, user or assistant"),
-    "conversations": ("from", "value", "unknown 'from' value {value!r}; use system, human or gpt"),
+ROLES = ("system", "user", "assistant", "tool")
+OPENAI_ROLES = {role: role for role in ROLES}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "observation": "tool", "function_call": FUNCTION_CALL}
+"""ShareGPT `from` value -> role; a function_call turn is the assistant calling a tool (its value the JSON
+call), an observation the tool's answer (LLaMA-Factory's names)."""
+LLAMA_FACTORY_TAGS = {  # tag -> (its default, the role its value stands for); role_tag/content_tag name keys
+    "user_tag": ("human", "user"), "assistant_tag": ("gpt", "assistant"), "observation_tag": ("observation", "tool"),
+    "function_tag": ("function_call", FUNCTION_CALL), "system_tag": ("system", "system"),
+}
+
+_KEYS = {"messages": ("role", "content"), "conversations": ("from", "value")}  # each field's usual keys
+_UNKNOWN = {  # role key -> how an unknown role is reported, without data.tags
+    "role": "unknown role {value!r}; use system, user or assistant (or tool for a tool's answer)",
+    "from": "unknown 'from' value {value!r}; use system, human or gpt (or function_call and observation for a "
+            "tool call and its answer)",
 }
 
 
@@ -68,10 +86,18 @@ def _check_conversation(messages: list[Message], where: str) -> None:
                          "(or system) message before it")
 
 
-def conversation_of(record: dict, where: str) -> list[Message]:
+def conversation_of(record: dict, where: str, tags: dict[str, str] | None = None) -> list[Message]:
     """The conversation in one record: OpenAI-style `messages` [{role, content}], or ShareGPT
-    `conversations` [{from, value}] (from: system/human/user/gpt/assistant -> system/user/assistant),
+    `conversations` [{from, value}] (from: system/human/user/gpt/assistant/function_call/observation),
     with an optional top-level `system` string put first as a system message.
+
+    Either field holds either layout: the keys of its messages decide (LLaMA-Factory reads
+    ``conversations`` of role/content and vela-ray's ``data.columns: {messages: conversations}``
+    gives ``messages`` of from/value). `tags` (data.tags, LLaMA-Factory's ShareGPT tags) name
+    the keys and role values instead. Roles become system/user/assistant/tool: a ShareGPT
+    ``function_call`` turn (a JSON ``{"name", "arguments"}`` or a list of them) is an assistant
+    turn with ``tool_calls``, an ``observation`` a ``tool`` turn. A content that is a list of
+    OpenAI parts is its text parts joined by newlines; any other part is refused by type.
 
     `where` names the record in errors (``"data.jsonl: record 12"``). An empty top-level
     ``system`` counts as absent (ShareGPT dumps often carry ``"system": ""``); a record with
@@ -80,34 +106,24 @@ def conversation_of(record: dict, where: str) -> list[Message]:
     """
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    present = [field for field in _LAYOUTS if field in record]
+    present = [field for field in _KEYS if record.get(field) is not None]  # datasets fills absent fields: None
     if not present:
         raise ValueError(f"{where}: no 'messages' or 'conversations' field; a chat record needs one "
                          "(or map yours with data.columns)")
     if len(present) > 1:
         raise ValueError(f"{where}: both 'messages' and 'conversations' fields; keep one")
     field = present[0]
-    role_key, content_key, unknown = _LAYOUTS[field]
     raw = record[field]
+    role_key, content_key = _keys_of(field, raw, tags or {})
     if not isinstance(raw, list):
         raise ValueError(f"{where}: field {field!r} must be a list of {{{role_key}, {content_key}}} objects")
+    roles, unknown = _roles_of(role_key, tags or {})
     messages: list[Message] = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise ValueError(f"{where}: field {field!r} must be a list of {{{role_key}, {content_key}}} objects; "
                              f"message {i} is a {type(item).__name__}")
-        for key in (role_key, content_key):
-            if key not in item:
-                raise ValueError(f"{where}: message {i}: missing field {key!r}")
-        value, content = item[role_key], item[content_key]
-        roles = SHAREGPT_ROLES if field == "conversations" else {role: role for role in ROLES}
-        role = roles.get(value) if isinstance(value, str) else None
-        if role is None:
-            raise ValueError(f"{where}: message {i}: {unknown.format(value=value)}")
-        if not isinstance(content, str):
-            raise ValueError(f"{where}: message {i}: field {content_key!r} must be a string, "
-                             f"got {type(content).__name__} {_one_line(repr(content)):.60}")
-        messages.append({"role": role, "content": content})
+        messages.append(_message(item, role_key, content_key, roles, unknown, f"{where}: message {i}"))
     system = record.get("system")
     if system is not None and not isinstance(system, str):
         raise ValueError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
@@ -121,11 +137,131 @@ def conversation_of(record: dict, where: str) -> list[Message]:
     return messages
 
 
+def _keys_of(field: str, raw: object, tags: dict[str, str]) -> tuple[str, str]:
+    """The role and content keys of a conversation's messages: data.tags', else those its first message has."""
+    if "role_tag" in tags or "content_tag" in tags:
+        return tags.get("role_tag", "from"), tags.get("content_tag", "value")
+    first = next((m for m in raw if isinstance(m, dict)), {}) if isinstance(raw, list) else {}
+    for keys in _KEYS.values():
+        others = [k for other in _KEYS.values() if other != keys for k in other]
+        if any(first.get(k) is not None for k in keys) and all(first.get(k) is None for k in others):
+            return keys
+    return _KEYS[field]
+
+
+def _roles_of(role_key: str, tags: dict[str, str]) -> tuple[dict[str, str], str]:
+    """Role value -> role, and how an unknown value is reported."""
+    if any(tag in tags for tag in LLAMA_FACTORY_TAGS):
+        roles = {tags.get(tag, default): role for tag, (default, role) in LLAMA_FACTORY_TAGS.items()}
+        return roles, f"unknown {role_key!r} value {{value!r}}; data.tags declare {', '.join(roles)}"
+    roles = SHAREGPT_ROLES if role_key == "from" else OPENAI_ROLES
+    return roles, _UNKNOWN.get(role_key, f"unknown {role_key!r} value {{value!r}}; use one of {', '.join(roles)}")
+
+
+def _message(item: dict, role_key: str, content_key: str, roles: dict[str, str], unknown: str, where: str) -> Message:
+    tool_calls = item.get("tool_calls")  # OpenAI's own tool-call turns
+    for key in (role_key, content_key):
+        if key not in item and not (key == content_key and tool_calls):
+            raise ValueError(f"{where}: missing field {key!r} (its fields: {sorted(item)}); write messages as "
+                             "{role, content} or {from, value}, or name your keys with data.tags role_tag and "
+                             "content_tag")
+    value, content = item[role_key], item.get(content_key)
+    role = roles.get(value) if isinstance(value, str) else None
+    if role is None:
+        raise ValueError(f"{where}: {unknown.format(value=value)}")
+    if role == FUNCTION_CALL:
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: field {content_key!r} of a function call must be a JSON string "
+                             '{"name": ..., "arguments": {...}}')
+        return {"role": "assistant", "content": "", "tool_calls": _calls(_json(content, content_key, where), where)}
+    if tool_calls:
+        if role != "assistant":
+            raise ValueError(f"{where}: a {value} message has tool_calls; only assistant messages call tools")
+        calls = [c.get("function", c) if isinstance(c, dict) else c for c in tool_calls]
+        return {"role": role, "content": _text(content or "", content_key, where), "tool_calls": _calls(calls, where)}
+    return {"role": role, "content": _text(content, content_key, where)}
+
+
+def _text(content: object, content_key: str, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of content parts with their text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text" and not isinstance(part.get("text"), str):
+                keys = sorted(k for k in part if part[k] is not None)
+                raise ValueError(f"{where}: content part {j} is a text part without a 'text' string (OpenAI's "
+                                 f"{{type: text, text: ...}}); its keys are {keys}")
+            if kind != "text":
+                raise ValueError(f"{where}: content part {j} is of type {kind!r}; vela-ray fine-tunes text "
+                                 f"models and reads text parts only ({{type: text, text: ...}}); drop the {kind} "
+                                 "parts or the record")
+        return "\n".join(part["text"] for part in content)
+    raise ValueError(f"{where}: field {content_key!r} must be a string or a list of {{type: text, text}} parts, "
+                     f"got {type(content).__name__} {_one_line(repr(content)):.60}")
+
+
+def _json(text: str, key: str, where: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: field {key!r} is not valid JSON ({err.msg}): {_one_line(text):.60}") from None
+
+
+def _calls(calls: object, where: str) -> list[dict]:
+    """Tool calls as chat templates take them: [{type: function, function: {name, arguments: {...}}}]."""
+    calls = calls if isinstance(calls, list) else [calls]
+    out = []
+    for call in calls:
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]):
+            raise ValueError(f"{where}: a tool call must be an object with a 'name' and 'arguments', got "
+                             f"{_one_line(repr(call)):.60}")
+        arguments = call.get("arguments")
+        if isinstance(arguments, str):
+            arguments = _json(arguments, "arguments", where) if arguments.strip() else {}
+        out.append({"type": "function", "function": {"name": call["name"], "arguments": arguments or {}}})
+    return out
+
+
+def tools_of(record: dict, where: str) -> list[dict] | None:
+    """The record's `tools` (LLaMA-Factory: a JSON string of function schemas; or a list of them), as chat
+    templates take them ({type: function, function: schema}); None if it has none."""
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        tools = _json(tools, "tools", where) if tools.strip() else None
+    if tools is None or tools == []:
+        return None
+    tools = tools if isinstance(tools, list) else [tools]
+    if not all(isinstance(t, dict) and (t.get("name") or t.get("function")) for t in tools):
+        raise ValueError(f"{where}: field 'tools' must be a list of function schemas {{name, description, "
+                         f"parameters}}, got {_one_line(repr(tools)):.60}")
+    return [t if t.get("type") else {"type": "function", "function": t} for t in tools]
+
+
+def tool_names(tools: list[dict] | None) -> list[str]:
+    return [t.get("function", t).get("name", "") for t in tools or []]
+
+
+@dataclass(frozen=True)
+class AlpacaExample(InstructExample):
+    """An Alpaca record with LLaMA-Factory's optional columns: a system prompt and earlier turns."""
+
+    system: str = ""
+    history: tuple[tuple[str, str], ...] = ()
+    """Earlier (instruction, response) turns, oldest first."""
+
+
 def alpaca_to_messages(example: InstructExample, system: str | None = None) -> list[Message]:
-    """An Alpaca example as a conversation: [system], user (instruction, plus a blank line and the
-    input when there is one), assistant (the output)."""
+    """An Alpaca example as a conversation: [system], the history's user/assistant turns, then user
+    (instruction, plus a blank line and the input when there is one) and assistant (the output).
+    `system` (or else the example's own) goes first."""
+    history = example.history if isinstance(example, AlpacaExample) else ()
+    system = system or (example.system if isinstance(example, AlpacaExample) else "")
     user = f"{example.instruction}\n\n{example.input}" if example.input.strip() else example.instruction
     messages = [{"role": "system", "content": system}] if system else []
+    for query, response in history:
+        messages += [{"role": "user", "content": query}, {"role": "assistant", "content": response}]
     return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": example.output}]
 
 
@@ -168,19 +304,31 @@ def chat_template_of(tokenizer: PreTrainedTokenizerBase, chat_template: str | No
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message]], template: str,
-            generation_prompt: bool, source: str, numbers: list[int]) -> list[str]:
-    """Render a batch of conversations (one template call: per-call overhead dominates short chats);
-    if the template raises, find and name the conversation it failed on."""
+            generation_prompt: bool, source: str, numbers: list[int], tools: list[list[dict] | None]) -> list[str]:
+    """Render conversations: those without tools in one template call (per-call overhead dominates short
+    chats), those with tools one by one (`apply_chat_template` takes one `tools` list per call)."""
+    plain = [k for k, t in enumerate(tools) if t is None]
+    texts = dict(zip(plain, _render_batch(tokenizer, [conversations[k] for k in plain], template, generation_prompt,
+                                          source, [numbers[k] for k in plain], None)))
+    for k, t in enumerate(tools):
+        if t is not None:
+            [texts[k]] = _render_batch(tokenizer, [conversations[k]], template, generation_prompt, source,
+                                       [numbers[k]], t)
+    return [texts[k] for k in range(len(conversations))]
+
+
+def _render_batch(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message]], template: str,
+                  generation_prompt: bool, source: str, numbers: list[int], tools: list[dict] | None) -> list[str]:
+    """One template call; if the template raises, find and name the conversation it failed on."""
     if not conversations:
         return []
+    options = dict(chat_template=template, tokenize=False, add_generation_prompt=generation_prompt, tools=tools)
     try:
-        return tokenizer.apply_chat_template(conversations, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(conversations, **options)
     except Exception as batch_error:  # jinja2 errors, raise_exception() in the template, ...
         for conversation, number in zip(conversations, numbers):
             try:
-                tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                              add_generation_prompt=generation_prompt)
+                tokenizer.apply_chat_template(conversation, **options)
             except Exception as err:
                 raise ValueError(f"{source}: conversation {number}: the chat template failed: "
                                  f"{type(err).__name__}: {_one_line(err)}") from err
@@ -189,15 +337,19 @@ def _render(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message
 
 
 def _assistant_spans(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message]], template: str,
-                     source: str) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """Each conversation's full rendering and the character spans of its assistant turns in it."""
+                     source: str, tools: list[list[dict] | None]) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """Each conversation's full rendering and the character spans of its assistant turns (tool calls
+    included) in it."""
     numbers = list(range(len(conversations)))
-    full = _render(tokenizer, conversations, template, False, source, numbers)
+    full = _render(tokenizer, conversations, template, False, source, numbers, tools)
     turns = [(n, i) for n, conversation in enumerate(conversations)
              for i, message in enumerate(conversation) if message["role"] == "assistant"]
     owners = [n for n, _ in turns]
-    before = _render(tokenizer, [conversations[n][:i] for n, i in turns], template, True, source, owners)
-    through = _render(tokenizer, [conversations[n][:i + 1] for n, i in turns], template, False, source, owners)
+    owner_tools = [tools[n] for n in owners]
+    before = _render(tokenizer, [conversations[n][:i] for n, i in turns], template, True, source, owners,
+                     owner_tools)
+    through = _render(tokenizer, [conversations[n][:i + 1] for n, i in turns], template, False, source, owners,
+                      owner_tools)
     spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
     for (n, i), head, upto in zip(turns, before, through):
         text = full[n]
@@ -209,16 +361,32 @@ def _assistant_spans(tokenizer: PreTrainedTokenizerBase, conversations: list[lis
                 "that renders each turn the same whatever follows (data.chat_template)")
         if len(upto) > len(head):
             spans[n].append((len(head), len(upto)))
+        calls = conversations[n][i].get("tool_calls") or []
+        missing = [c["function"]["name"] for c in calls if c["function"]["name"] not in text[len(head):len(upto)]]
+        if missing:
+            raise ValueError(f"{source}: conversation {n}: message {i}: the chat template does not render tool "
+                             f"calls (the call to {missing[0]!r} is not in its text), so they would not be learned; "
+                             "use a template that renders tool_calls (data.chat_template)")
+    for n, text in enumerate(full):
+        missing = [name for name in tool_names(tools[n]) if name not in text]
+        if missing:
+            raise ValueError(f"{source}: conversation {n}: the chat template does not render the tools given to it "
+                             f"(tool {missing[0]!r} is not in its text), so the model would call tools it was never "
+                             "shown; use a template that renders `tools` (data.chat_template)")
     return full, spans
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message]], chat_template: str | None,
-                source: str) -> list[Example]:
+                source: str, tools: list[list[dict] | None] | None = None) -> list[Example]:
     """Render each conversation with the chat template and tokenise it; labels are the tokens of
     assistant turns only (every assistant turn of a multi-turn conversation), IGNORE_INDEX elsewhere
     (system, user, template text). No truncation here (the caller truncates/packs: vela_ray.data.examples).
 
     `chat_template` is a template string or file (see `chat_template_of`), None for the tokenizer's own.
+    `tools` (one list per conversation, or None) is passed to the template as `apply_chat_template`'s
+    ``tools``; a template that leaves out a conversation's tools or an assistant turn's
+    ``tool_calls`` is refused. Tool calls are assistant turns, so they are labels; tool results
+    (role ``tool``) are not.
 
     How assistant tokens are found, for any template: the assistant turn i occupies the
     characters between ``render(messages[:i], add_generation_prompt=True)`` (everything the
@@ -251,7 +419,8 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Mes
             raise ValueError(f"{source}: conversation {n} is empty: nothing to learn")
         _check_conversation(conversation, f"{source}: conversation {n}")
     template = chat_template_of(tokenizer, chat_template)
-    texts, spans = _assistant_spans(tokenizer, conversations, template, source)
+    tools = list(tools) if tools is not None else [None] * len(conversations)
+    texts, spans = _assistant_spans(tokenizer, conversations, template, source, tools)
 
     bos = tokenizer.bos_token
     has_bos = [bool(bos) and text.startswith(bos) for text in texts]

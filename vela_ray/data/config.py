@@ -8,9 +8,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from vela_ray.data.dataset_info import (FORMATTING_KINDS, TAG_NAMES, dataset_info_file, is_llama_factory_dir,
+                                       read_entry)
+from vela_ray.paths import UserPath
+
 COLUMNS = {  # data.kind -> the fields `data.columns` may map onto a file's own column names
-    "instruct": ("instruction", "input", "output", "instances"),
-    "chat": ("messages", "conversations", "system"),
+    "text": ("text",),
+    "instruct": ("instruction", "input", "output", "instances", "system", "history"),
+    "chat": ("messages", "conversations", "system", "tools", "instruction", "input", "output", "history"),
 }
 
 
@@ -21,22 +26,72 @@ class DataConfig(BaseModel):
 
     kind: Literal["text", "instruct", "chat"]
     """``text``: packed LM corpus; ``instruct``: Alpaca-style instruction records; ``chat``: conversations
-    (``messages`` of role/content, or ShareGPT ``conversations`` of from/value) rendered with the chat template."""
-    path: Path
-    """A text file or directory of ``.txt`` files (text); for instruct and chat a ``.json``, ``.jsonl``,
-    ``.parquet`` or ``.csv`` file, or a directory written by ``datasets.Dataset.save_to_disk``."""
+    (``messages`` of role/content, or ShareGPT ``conversations`` of from/value) rendered with the chat template.
+    Given `dataset_info`, it defaults to what the entry's formatting reads as."""
+    path: UserPath
+    """A text file or directory of ``.txt`` files (text), or for any kind a ``.json``, ``.jsonl``, ``.parquet``
+    or ``.csv`` file of records (text: a ``text`` column) or a directory written by ``Dataset.save_to_disk``.
+    Filled in from `dataset_info` when that is given."""
     seq_len: int = Field(default=256, ge=2)
     """Tokens per row."""
     limit: int | None = Field(default=None, ge=1)
     """Keep at most this many rows (text blocks) or examples (instruct, chat), in file order."""
     columns: dict[str, str] = Field(default_factory=dict)
-    """instruct and chat: the file's column for a field vela-ray reads, e.g. ``{instruction: question, output:
-    answer}`` or ``{messages: dialog}``."""
+    """The file's column for a field vela-ray reads, e.g. ``{instruction: question, output: answer}``,
+    ``{messages: dialog}`` or (text records) ``{text: content}``."""
     chat_template: str | None = None
     """chat: a Jinja chat template, as a file path or the template itself (default: the tokenizer's own)."""
+    dataset_info: UserPath | None = None
+    """A LLaMA-Factory ``dataset_info.json`` (or the directory holding it): `name`'s entry sets `path`,
+    `columns`, `tags` and, if not given, `kind` (`vela_ray.data.dataset_info`). A `path` that is a directory
+    holding a LLaMA-Factory ``dataset_info.json`` reads the same way."""
+    name: str | None = None
+    """The `dataset_info` entry to read."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """chat: LLaMA-Factory's ShareGPT tags (``role_tag``, ``content_tag``, ``user_tag``, ``assistant_tag``,
+    ``observation_tag``, ``function_tag``, ``system_tag``): the message keys and role values of the file."""
+    on_bad_record: Literal["error", "skip"] = "error"
+    """Records (instruct, chat, text records): ``error`` refuses the data at the first record that cannot be
+    read; ``skip`` leaves such records out and names them in one warning (`datasets.build_data` counts them)."""
     packing: bool = False
     """instruct and chat: lay several examples end to end in each row instead of padding one per row; attention
     and loss stay within each example (refused for models where they would not, see `examples.check_packing`)."""
+    truncation: Literal["right", "keep_answer"] = "right"
+    """instruct and chat: how an example longer than `seq_len` is cut (before packing). ``right``: its first
+    `seq_len` tokens. ``keep_answer``: its answer (the last assistant turn: from the first label of the last run
+    of labels to the end) whole, after the prompt cut in the middle to the B = seq_len - answer tokens left (the
+    prompt's first ceil(B/2) and last floor(B/2) tokens: the task's head, and the assistant header before the
+    answer); an answer longer than seq_len - min(prompt, seq_len // 2) tokens gets B = min(prompt, seq_len // 2)
+    and is itself cut on the right. Either way an example left with no label is dropped; the run's summary counts
+    both (`vela_ray.data.examples`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_dataset_info(cls, data: object) -> object:
+        """Fill `path`, `columns`, `tags` and `kind` from a LLaMA-Factory dataset_info.json entry."""
+        if not isinstance(data, dict):
+            return data
+        info, path = data.get("dataset_info"), data.get("path")
+        if info is None and path is not None and Path(path).is_dir() and is_llama_factory_dir(Path(path)):
+            info, data = path, {**data, "dataset_info": path, "path": None}
+            path = None
+        if info is None:
+            if data.get("name") is not None:
+                raise ValueError("data.name names an entry of data.dataset_info; set data.dataset_info too")
+            return data
+        entry = read_entry(Path(info).expanduser(), data.get("name"))
+        kind = data.get("kind") or entry.kind
+        if kind not in FORMATTING_KINDS[entry.formatting]:
+            raise ValueError(f"data.kind {kind} cannot read entry {entry.name!r} (formatting {entry.formatting}); "
+                             f"use data.kind {' or '.join(FORMATTING_KINDS[entry.formatting])}")
+        filled = {"kind": kind, "path": entry.path, "columns": entry.columns_for(kind), "tags": entry.tags,
+                  "dataset_info": dataset_info_file(Path(info).expanduser())}
+        for key in ("path", "columns", "tags"):
+            given = data.get(key)
+            if given and (Path(given).expanduser() if key == "path" else given) != filled[key]:
+                raise ValueError(f"data.{key} {given!r} differs from what entry {entry.name!r} of data.dataset_info "
+                                 f"gives ({filled[key]!r}); set it in the dataset_info.json entry, not in data")
+        return {**data, **filled}
 
     @field_validator("path")
     @classmethod
@@ -47,10 +102,16 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _options_fit_the_kind(self) -> "DataConfig":
-        if self.kind == "text" and (self.packing or self.columns):
-            field = "packing" if self.packing else "columns"
-            raise ValueError(f"data.{field} applies to instruct and chat data; text is always packed as one "
+        if self.kind == "text" and self.truncation != "right":
+            raise ValueError("data.truncation applies to instruct and chat data; text is cut into blocks of seq_len")
+        if self.kind == "text" and self.packing:
+            raise ValueError("data.packing applies to instruct and chat data; text is always packed as one "
                              "token stream")
+        if self.tags and self.kind != "chat":
+            raise ValueError(f"data.tags applies to kind chat (ShareGPT records), not {self.kind}")
+        unknown_tags = sorted(set(self.tags) - set(TAG_NAMES))
+        if unknown_tags:
+            raise ValueError(f"data.tags: unknown tags {unknown_tags}; LLaMA-Factory's are {list(TAG_NAMES)}")
         if self.chat_template is not None and self.kind != "chat":
             raise ValueError(f"data.chat_template applies to kind chat, not {self.kind}")
         unknown = sorted(set(self.columns) - set(COLUMNS.get(self.kind, ())))
@@ -58,3 +119,4 @@ class DataConfig(BaseModel):
             raise ValueError(f"data.columns: {unknown} are not {self.kind} fields; map any of "
                              f"{list(COLUMNS[self.kind])} to your file's column names")
         return self
+

@@ -3,19 +3,27 @@
 Three kinds of data set, all tokenised with any Hugging Face tokenizer into a
 `TokenizedDataset` of fixed-length rows (N = rows, S = `seq_len`):
 
-* ``text``: one text file or a directory of ``.txt`` files, tokenised and packed
-  into consecutive blocks of S tokens (files are separated by the EOS token;
-  the tail that does not fill a block is dropped); ``labels = input_ids``.
+* ``text``: one text file or a directory of ``.txt`` files, or records with a ``text`` field
+  (JSON, JSONL, Parquet, ...), tokenised and packed into consecutive blocks of S tokens (files
+  and records are separated by the EOS token; the tail that does not fill a block is dropped);
+  ``labels = input_ids``.
 * ``instruct``: records with ``instruction``, optional ``input`` and ``output`` (or
   the Alpaca seed-task layout, where each record holds ``instances: [{input,
   output}]``), rendered with the fixed `ALPACA_PROMPT` template; prompt tokens are
-  masked out of the loss (label -100).
-* ``chat``: conversations (`vela_ray.data.chat`) rendered with the tokenizer's chat
-  template; only assistant turns are labels.
+  masked out of the loss (label -100). LLaMA-Factory's optional ``system`` replaces the
+  Alpaca preamble, and its ``history`` of earlier [instruction, response] turns comes
+  first, each response closed by EOS as its alpaca template does; every response is a label.
+* ``chat``: conversations (`vela_ray.data.chat`: OpenAI ``messages``, ShareGPT
+  ``conversations`` with LLaMA-Factory's tool turns and tags, or Alpaca records with their
+  system and history as turns) rendered with the tokenizer's chat template; only assistant
+  turns (tool calls included) are labels.
 
-Records of instruct and chat data are read through the `datasets` library from
-JSON, JSONL, Parquet or CSV files or a `save_to_disk` directory
-(`vela_ray.data.records`), with `DataConfig.columns` mapping other field names.
+Records of every kind are read through the `datasets` library from JSON, JSONL, Parquet or
+CSV files or a `save_to_disk` directory (`vela_ray.data.records`), with `DataConfig.columns`
+mapping other field names, or named by a LLaMA-Factory ``dataset_info.json`` entry
+(`vela_ray.data.dataset_info`). Fields vela-ray would not train on (KTO tags, preference
+pairs, images) are refused; a bad record refuses the file or, with
+``data.on_bad_record: skip``, is left out and counted (`build_data` returns the count).
 Their examples become rows one per row, right-padded, or packed several per row
 (`DataConfig.packing`; see `vela_ray.data.examples` for both layouts and the
 truncation policy).
@@ -36,17 +44,19 @@ Usage::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from vela_ray.data.chat import conversation_of, encode_chat
+from vela_ray.data.chat import AlpacaExample, Message, alpaca_to_messages, conversation_of, encode_chat, tools_of
 from vela_ray.data.config import DataConfig
-from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample, packed_rows, padded_rows
-from vela_ray.data.records import as_object, load_records
+from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample, Truncation, packed_rows, padded_rows
+from vela_ray.data.records import (RECORD_FORMATS, SAVED_DATASET_FILES, RecordCount, as_object, load_records,
+                                   parse_each, refuse_unreadable_fields, warn_placeholders)
 from vela_ray.data.tokenized import Batch, TokenizedDataset
 
 log = logging.getLogger(__name__)
@@ -218,6 +228,19 @@ def _string_field(record: dict, name: str, where: str, required: bool) -> str:
     return value
 
 
+def _history(record: dict, where: str) -> tuple[tuple[str, str], ...]:
+    """LLaMA-Factory's Alpaca `history`: earlier [instruction, response] turns, oldest first."""
+    history = record.get("history")
+    if history is None:
+        return ()
+    turns = history if isinstance(history, list) else None
+    if turns is None or not all(isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t)
+                                for t in turns):
+        raise ValueError(f"{where}: field 'history' must be a list of [instruction, response] string pairs, got "
+                         f"{history!r:.60}")
+    return tuple((query, response) for query, response in turns)
+
+
 def _parse_instances(record: dict, instruction: str, where: str) -> list[InstructExample]:
     instances = record["instances"]
     if not isinstance(instances, list) or not instances:
@@ -231,35 +254,79 @@ def _parse_instances(record: dict, instruction: str, where: str) -> list[Instruc
 
 
 def _parse_record(record: object, where: str) -> list[InstructExample]:
+    """One Alpaca record's examples (`AlpacaExample` when it has a system prompt or history)."""
     record = as_object(record, where)
     instruction = _string_field(record, "instruction", where, required=True)
     if not instruction.strip():
         raise ValueError(f"{where}: field 'instruction' is empty")
     if record.get("instances") is not None and record.get("output") is None:  # datasets fills absent fields
         return _parse_instances(record, instruction, where)
-    return [InstructExample(instruction, _string_field(record, "input", where, False),
-                            _string_field(record, "output", where, True))]
+    system, history = _string_field(record, "system", where, False), _history(record, where)
+    example = InstructExample(instruction, _string_field(record, "input", where, False),
+                              _string_field(record, "output", where, True))
+    if system or history:
+        example = AlpacaExample(example.instruction, example.input, example.output, system, history)
+    return [example]
+
+
+def read_instruct_examples(path: Path, limit: int | None = None, columns: dict[str, str] | None = None,
+                           on_bad_record: str = "error",
+                           warn: bool = True) -> tuple[list[InstructExample], RecordCount]:
+    """Examples from an Alpaca-style records file (`vela_ray.data.records` formats; seed-task `instances`
+    are expanded in order; LLaMA-Factory's `system` and `history` columns kept) and the count of records
+    read and skipped (`on_bad_record`: data.on_bad_record). `columns` maps field names to the file's own;
+    `warn`: False logs the warnings about skipped records and placeholders at INFO."""
+    records = load_records(path, columns, limit)
+    refuse_unreadable_fields(records, path)
+    with_tools = next((i for i, r in enumerate(records) if r.get("tools") not in (None, "", [])), None)
+    if with_tools is not None:
+        raise ValueError(f"{path}: record {with_tools}: field 'tools': the Alpaca prompt of data.kind instruct "
+                         "cannot show tools; read the records as data.kind chat (rendered with the chat template, "
+                         "tools included)")
+    per_record, count = parse_each(records, _parse_record, path, on_bad_record, warn)
+    examples = [example for found in per_record for example in found]
+    if not examples:
+        raise ValueError(f"{path}: holds no instruction records; add records with 'instruction' and 'output'")
+    warn_placeholders(records, path, warn)
+    return examples[:limit] if limit is not None else examples, count
 
 
 def load_instruct_examples(path: Path, limit: int | None = None,
                            columns: dict[str, str] | None = None) -> list[InstructExample]:
-    """Examples from an Alpaca-style records file (`vela_ray.data.records` formats; seed-task `instances`
-    are expanded in order). `columns` maps instruction/input/output to the file's own column names."""
-    examples: list[InstructExample] = []
-    for index, record in enumerate(load_records(path, columns, limit)):
-        examples.extend(_parse_record(record, f"{path}: record {index}"))
-        if limit is not None and len(examples) >= limit:
-            return examples[:limit]
-    if not examples:
-        raise ValueError(f"{path}: holds no instruction records; add records with 'instruction' and 'output'")
-    return examples
+    """The examples of `read_instruct_examples`, a bad record refusing the file."""
+    return read_instruct_examples(path, limit, columns)[0]
+
+
+def _preamble(example: InstructExample) -> str:
+    """What the prompt opens with: the system prompt, else the Alpaca preamble (which says whether an input
+    follows)."""
+    system = example.system if isinstance(example, AlpacaExample) else ""
+    if system:
+        return system + "\n\n"
+    template = ALPACA_PROMPT_WITH_INPUT if example.input.strip() else ALPACA_PROMPT
+    return template[:template.index("### Instruction:")]
+
+
+def _turn(instruction: str, input: str = "") -> str:
+    if input.strip():
+        return f"### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+    return f"### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 def render_prompt(example: InstructExample) -> str:
-    """The fixed Alpaca prompt for `example` (everything the model reads before the response)."""
-    if example.input.strip():
-        return ALPACA_PROMPT_WITH_INPUT.format(instruction=example.instruction, input=example.input)
-    return ALPACA_PROMPT.format(instruction=example.instruction)
+    """The fixed Alpaca prompt for `example`'s last turn (everything the model reads before the response
+    when it has no history): the system prompt (else the Alpaca preamble), then the instruction and input."""
+    return _preamble(example) + _turn(example.instruction, example.input)
+
+
+def _pieces(example: InstructExample) -> list[tuple[str, str]]:
+    """(prompt, response) per turn, as LLaMA-Factory's alpaca template lays history out: each earlier
+    turn's response is closed by EOS and a blank line, then the next turn's instruction follows."""
+    history = example.history if isinstance(example, AlpacaExample) else ()
+    prompts = [_turn(query) for query, _ in history] + [_turn(example.instruction, example.input)]
+    responses = [response for _, response in history] + [example.output]
+    prompts = [_preamble(example) + prompts[0]] + ["\n\n" + prompt for prompt in prompts[1:]]
+    return list(zip(prompts, responses))
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -270,20 +337,32 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def instruct_examples(tokenizer: PreTrainedTokenizerBase, examples: list[InstructExample]) -> list[Example]:
-    """[BOS] prompt response [EOS] token ids of each example; only the response and EOS are labels."""
-    prompts = tokenizer([render_prompt(e) for e in examples], add_special_tokens=False)["input_ids"]
-    responses = tokenizer([e.output for e in examples], add_special_tokens=False)["input_ids"]
+    """[BOS] prompt response [EOS] token ids of each example (with history: one prompt, response, EOS per
+    turn); the responses and their EOS are the labels, every turn's as in LLaMA-Factory (prompts are not)."""
+    turns = [_pieces(e) for e in examples]
+    flat = [text for pieces in turns for piece in pieces for text in piece]
+    ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"]) if flat else iter(())
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return [Example(bos + prompt + response + eos, [IGNORE_INDEX] * (len(bos) + len(prompt)) + response + eos)
-            for prompt, response in zip(prompts, responses)]
+    out = []
+    for pieces in turns:
+        input_ids, labels = list(bos), [IGNORE_INDEX] * len(bos)
+        for _ in pieces:
+            prompt, response = next(ids), next(ids)
+            input_ids += prompt + response + eos
+            labels += [IGNORE_INDEX] * len(prompt) + response + eos
+        out.append(Example(input_ids, labels))
+    return out
 
 
 def lay_out(tokenizer: PreTrainedTokenizerBase, examples: list[Example], seq_len: int, packing: bool,
-            source: str) -> TokenizedDataset:
-    """Rows of `seq_len` tokens: packed several to a row, or one per row padded (`vela_ray.data.examples`)."""
+            source: str, *, truncation: Truncation = "right", warn: bool = True,
+            skipped: Mapping[str, int] | None = None) -> TokenizedDataset:
+    """Rows of `seq_len` tokens: packed several to a row, or one per row padded, with the counts of what was
+    kept, truncated and dropped (`vela_ray.data.examples`; `skipped`: records left out before tokenisation, by
+    reason; `warn`: False where this data was built, and warned about, before)."""
     rows = packed_rows if packing else padded_rows
-    return rows(examples, seq_len, _pad_id(tokenizer), source)
+    return rows(examples, seq_len, _pad_id(tokenizer), source, truncation=truncation, warn=warn, skipped=skipped)
 
 
 def load_instruct(tokenizer: PreTrainedTokenizerBase, path: Path, seq_len: int,
@@ -296,20 +375,99 @@ def load_instruct(tokenizer: PreTrainedTokenizerBase, path: Path, seq_len: int,
 # --- config ------------------------------------------------------------------------------
 
 
-def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedDataset:
-    """The data set `config` names, tokenised with `tokenizer`."""
+BAD_RECORD = "bad record (data.on_bad_record: skip)"
+"""The `DataStats.dropped` reason of the records `parse_each` skipped."""
+
+
+@dataclass(frozen=True)
+class BuiltData:
+    """A data set and how many records it was read from (`RecordCount.skipped`: data.on_bad_record: skip)."""
+
+    dataset: TokenizedDataset
+    records: RecordCount
+
+
+def build_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: bool = True) -> BuiltData:
+    """The data set `config` names, tokenised with `tokenizer`, with its record count. `warn`: False for a second
+    build of the same data (the master's, after the driver's preflight warned): a warning about dropped or
+    truncated examples is then logged at INFO."""
     if config.kind == "text":
-        return pack_text(tokenizer, config.path, config.seq_len, max_blocks=config.limit)
+        if not is_records_path(config.path):
+            files = text_files(config.path)
+            return BuiltData(pack_text(tokenizer, config.path, config.seq_len, max_blocks=config.limit),
+                             RecordCount(len(files)))
+        return _text_records(config, tokenizer, warn)
     if config.kind == "instruct":
-        examples = instruct_examples(tokenizer, load_instruct_examples(config.path, config.limit, config.columns))
+        parsed, count = read_instruct_examples(config.path, config.limit, config.columns, config.on_bad_record,
+                                               warn)
+        examples = instruct_examples(tokenizer, parsed)
     else:
-        examples = _chat_examples(config, tokenizer)
-    return lay_out(tokenizer, examples, config.seq_len, config.packing, source=str(config.path))
+        examples, count = _chat_examples(config, tokenizer, warn)
+    skipped = {BAD_RECORD: count.skipped} if count.skipped else None
+    return BuiltData(lay_out(tokenizer, examples, config.seq_len, config.packing, source=str(config.path),
+                             truncation=config.truncation, warn=warn, skipped=skipped), count)
 
 
-def _chat_examples(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
+def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: bool = True) -> TokenizedDataset:
+    """The data set `config` names, tokenised with `tokenizer` (`build_data` also counts its records; `warn` as
+    it takes it)."""
+    return build_data(config, tokenizer, warn=warn).dataset
+
+
+def is_records_path(path: Path) -> bool:
+    """A file or directory of records (`vela_ray.data.records`) rather than plain text."""
+    if path.is_dir():
+        return any((path / name).is_file() for name in SAVED_DATASET_FILES)
+    return path.suffix.lower() in RECORD_FORMATS
+
+
+def _text_records(config: DataConfig, tokenizer: PreTrainedTokenizerBase, warn: bool) -> BuiltData:
+    """kind text from records: each record's `text` (data.columns.text maps another column), EOS between
+    records, packed into blocks."""
+    records = load_records(config.path, config.columns)
+
+    def text_of(record: dict, where: str) -> str:
+        if record.get("text") is None:
+            raise ValueError(f"{where}: missing field 'text'; text records need one (or map yours with "
+                             "data.columns: {text: COLUMN})")
+        if not isinstance(record["text"], str):
+            raise ValueError(f"{where}: field 'text' must be a string, got {type(record['text']).__name__}")
+        return record["text"]
+
+    texts, count = parse_each(records, text_of, config.path, config.on_bad_record, warn)
+    if not texts:
+        raise ValueError(f"{config.path}: holds no records; add records with a 'text' field")
+    max_tokens = None if config.limit is None else config.limit * config.seq_len
+    stream: list[int] = []
+    for text in texts:
+        if stream and tokenizer.eos_token_id is not None:
+            stream.append(tokenizer.eos_token_id)
+        remaining = None if max_tokens is None else max_tokens - len(stream)
+        stream.extend(_encode_text(tokenizer, text, remaining))
+        if max_tokens is not None and len(stream) >= max_tokens:
+            break
+    return BuiltData(pack_tokens(stream, config.seq_len, source=str(config.path)), count)
+
+
+def _conversation(record: dict, where: str, tags: dict[str, str]) -> list[tuple[list[Message], list[dict] | None]]:
+    """A chat record's conversations with their tools: its messages, or an Alpaca record's turns (system
+    and history included) as user/assistant messages."""
+    if all(record.get(field) is None for field in ("messages", "conversations")) and \
+            record.get("instruction") is not None:
+        return [(alpaca_to_messages(e), tools_of(record, where)) for e in _parse_record(record, where)]
+    return [(conversation_of(record, where, tags), tools_of(record, where))]
+
+
+def _chat_examples(config: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                   warn: bool) -> tuple[list[Example], RecordCount]:
     records = load_records(config.path, config.columns, config.limit)
     if not records:
         raise ValueError(f"{config.path}: holds no chat records; add records with 'messages' or 'conversations'")
-    conversations = [conversation_of(r, f"{config.path}: record {i}") for i, r in enumerate(records)]
-    return encode_chat(tokenizer, conversations, config.chat_template, source=str(config.path))
+    refuse_unreadable_fields(records, config.path)
+    parsed, count = parse_each(records, lambda r, where: _conversation(r, where, config.tags), config.path,
+                               config.on_bad_record, warn)
+    warn_placeholders(records, config.path, warn)
+    pairs = [pair for found in parsed for pair in found]
+    examples = encode_chat(tokenizer, [c for c, _ in pairs], config.chat_template, source=str(config.path),
+                           tools=[t for _, t in pairs])
+    return examples, count

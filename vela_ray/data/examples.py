@@ -4,32 +4,45 @@ An `Example` is one instruction or conversation as token ids with its labels
 (`IGNORE_INDEX` where the loss does not look: prompts, user turns, template text).
 Rows of S tokens are made in one of two ways:
 
-* `padded_rows`: one example per row, truncated on the right to S tokens, padding
-  masked out of loss and attention;
-* `packed_rows`: several examples per row, laid end to end (first-fit in data order,
-  an example longer than S is truncated to S first). `position_ids` restart at 0 at
-  each example, and the batch carries no `attention_mask`: transformers then builds a
-  block-diagonal causal mask from the position ids (`masking_utils.find_packed_sequence_indices`),
-  so no token attends to another example. The first label of every example is
-  `IGNORE_INDEX`, so the loss never predicts one example's first token from the previous
-  example's last. The padding at a row's end forms its own block and carries no label.
+* `padded_rows`: one example per row, padding masked out of loss and attention;
+* `packed_rows`: several examples per row, laid end to end (best-fit decreasing: the longest example first,
+  each into the row with the least room that holds it; within a row in data order). `position_ids` restart
+  at 0 at each example, and the batch carries no `attention_mask`: transformers then builds a block-diagonal
+  causal mask from the position ids (`masking_utils.find_packed_sequence_indices`), so no token attends to
+  another example. The first label of every example is `IGNORE_INDEX`, so the loss never predicts one
+  example's first token from the previous example's last. The padding at a row's end forms its own block
+  and carries no label.
 
-Truncation policy (both layouts): an example is cut on the right at S tokens; one left
-without a single supervised token is dropped and counted in the log.
+Truncation (both layouts, `data.truncation`), for an example longer than S, before any packing:
+
+* ``right``: its first S tokens;
+* ``keep_answer``: its answer (from the first label of the last run of labels, i.e. the last assistant
+  turn, to the end) whole, after the prompt cut in the middle to the B = S - answer tokens left: the
+  prompt's first ceil(B/2) and last floor(B/2) tokens (the task's head, and its end with the assistant
+  header). An answer so long that B < min(prompt, S // 2) gets B = min(prompt, S // 2) and is itself cut
+  on the right.
+
+An example with no supervised token (empty), or left without one by truncation, is dropped. Every build
+counts what it read, kept, truncated and dropped (by reason) into the rows' `DataStats`, logs it, and warns
+when more than `LOSS_WARNING_SHARE` of the examples were dropped or truncated, naming the fix.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal, Mapping
 
 import torch
 
-from vela_ray.data.tokenized import TokenizedDataset
+from vela_ray.data.tokenized import CUT_AWAY, EMPTY, DataStats, TokenizedDataset
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+
+Truncation = Literal["right", "keep_answer"]
 
 
 @dataclass(frozen=True)
@@ -52,58 +65,123 @@ class Example:
         if len(self.input_ids) != len(self.labels):
             raise ValueError(f"example has {len(self.input_ids)} ids but {len(self.labels)} labels")
 
-    def truncated(self, seq_len: int) -> "Example":
-        return Example(self.input_ids[:seq_len], self.labels[:seq_len])
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def truncated(self, seq_len: int, truncation: Truncation = "right") -> Example:
+        """At most `seq_len` tokens, cut as `truncation` says (see the module docstring)."""
+        if len(self) <= seq_len:
+            return self
+        if truncation == "right":
+            return Example(self.input_ids[:seq_len], self.labels[:seq_len])
+        answer = self.answer_start
+        budget = max(seq_len - (len(self) - answer), min(answer, seq_len // 2))  # prompt tokens kept
+        head, tail = (budget + 1) // 2, budget // 2
+        keep = [*range(head), *range(answer - tail, answer), *range(answer, answer + seq_len - budget)]
+        return Example([self.input_ids[i] for i in keep], [self.labels[i] for i in keep])
 
     @property
-    def supervised(self) -> bool:
-        return any(label != IGNORE_INDEX for label in self.labels)
+    def answer_start(self) -> int:
+        """Index of the first label of the last run of labels (the last assistant turn); 0 with no label."""
+        supervised = [i for i, label in enumerate(self.labels) if label != IGNORE_INDEX]
+        if not supervised:
+            return 0
+        start = supervised[-1]
+        while start > 0 and self.labels[start - 1] != IGNORE_INDEX:
+            start -= 1
+        return start
+
+    @property
+    def num_supervised(self) -> int:
+        return sum(label != IGNORE_INDEX for label in self.labels)
 
 
-def _fit(examples: list[Example], seq_len: int, source: str) -> list[Example]:
-    """Truncate each example to `seq_len`; drop (and count) those left with nothing to learn."""
-    fitted = [e.truncated(seq_len) for e in examples]
-    kept = [e for e in fitted if e.supervised]
-    if len(kept) < len(fitted):
-        log.warning("%s: dropped %d of %d examples with no supervised token within seq_len=%d",
-                    source, len(fitted) - len(kept), len(fitted), seq_len)
+def fit(examples: list[Example], seq_len: int, truncation: Truncation, source: str,
+        skipped: Mapping[str, int] | None = None) -> tuple[list[Example], DataStats]:
+    """The examples truncated to `seq_len`, those left with something to learn, and the counts (`rows` and
+    `padding_fraction` still 0: the layout fills them in). `skipped`: examples dropped before tokenisation,
+    by reason, counted as read and dropped."""
+    dropped = dict(skipped or {})
+    kept: list[Example] = []
+    truncated = supervised = lost = 0
+    for example in examples:
+        cut = example.truncated(seq_len, truncation)
+        before, after = example.num_supervised, cut.num_supervised
+        supervised, lost = supervised + before, lost + before - after
+        reason = EMPTY if not before else CUT_AWAY if not after else None
+        if reason is not None:
+            dropped[reason] = dropped.get(reason, 0) + 1
+            continue
+        truncated += cut is not example
+        kept.append(cut)
+    lengths = sorted(len(e) for e in examples)
+    stats = DataStats(examples=len(examples) + sum((skipped or {}).values()), kept=len(kept), truncated=truncated,
+                      dropped=dropped, supervised_tokens=supervised, supervised_tokens_lost=lost,
+                      longest=lengths[-1] if lengths else 0,
+                      seq_len_p90=lengths[(9 * len(lengths) + 9) // 10 - 1] if lengths else 0,
+                      seq_len=seq_len, truncation=truncation)
     if not kept:
-        raise ValueError(f"{source}: no example has a supervised token within seq_len={seq_len}; "
-                         "raise data.seq_len or check the records")
-    return kept
+        reasons = ", ".join(f"{count} {reason}" for reason, count in dropped.items())
+        raise ValueError(f"{source}: no example has a supervised token within seq_len={seq_len} "
+                         f"({len(examples)} examples: {reasons}); raise data.seq_len or check the records")
+    return kept, stats
 
 
-def padded_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> TokenizedDataset:
-    """One example per row, right-padded to `seq_len` (pad: label IGNORE_INDEX, attention 0)."""
+def _finish(rows: TokenizedDataset, stats: DataStats, warn: bool) -> TokenizedDataset:
+    """`rows` with `stats` completed; the counts logged, and the warning (`DataStats.warning`) at WARNING when
+    `warn`, else at INFO (a second build of data already warned about: the master's after the preflight's)."""
+    stats = replace(stats, rows=len(rows), padding_fraction=rows.padding_fraction)
+    log.info("%s: %d examples read, %d kept (%d truncated to seq_len=%d, %s), %d dropped; %d rows, %.1f%% padding",
+             rows.source, stats.examples, stats.kept, stats.truncated, stats.seq_len, stats.truncation,
+             stats.num_dropped, stats.rows, 100.0 * stats.padding_fraction)
+    warning = stats.warning(rows.source)
+    if warning is not None:
+        log.log(logging.WARNING if warn else logging.INFO, warning)
+    return replace(rows, stats=stats)
 
-    kept = _fit(examples, seq_len, source)
+
+def padded_rows(examples: list[Example], seq_len: int, pad_id: int, source: str, *, truncation: Truncation = "right",
+                warn: bool = True, skipped: Mapping[str, int] | None = None) -> TokenizedDataset:
+    """One example per row, right-padded to `seq_len` (pad: label IGNORE_INDEX, attention 0). `truncation`,
+    `skipped`: as `fit` takes them; `warn`: as `_finish` takes it."""
+    kept, stats = fit(examples, seq_len, truncation, source, skipped)
     shape = (len(kept), seq_len)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros(shape, dtype=torch.long)
     for row, example in enumerate(kept):
-        length = len(example.input_ids)
+        length = len(example)
         input_ids[row, :length] = torch.tensor(example.input_ids, dtype=torch.long)
         labels[row, :length] = torch.tensor(example.labels, dtype=torch.long)
         attention_mask[row, :length] = 1
-    return TokenizedDataset(input_ids, labels, attention_mask, source=source)
+    return _finish(TokenizedDataset(input_ids, labels, attention_mask, source=source), stats, warn)
 
 
-def packed_rows(examples: list[Example], seq_len: int, pad_id: int, source: str) -> TokenizedDataset:
-    """Several examples per row (first-fit in data order), position ids restarting per example."""
-
-    kept = _fit(examples, seq_len, source)
-    rows: list[list[Example]] = []
-    free: list[int] = []  # tokens left in each row
-    for example in kept:
-        length = len(example.input_ids)
-        row = next((i for i, left in enumerate(free) if left >= length), None)
-        if row is None:
+def best_fit_decreasing(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Indices of `lengths` (each <= `seq_len`) grouped into rows of at most `seq_len` tokens: the longest
+    first, each into the row with the least room that holds it. Rows are in order of their first index and
+    list their indices in order."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free tokens, row) of the rows not full, ascending
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: equal lengths in data order
+        at = bisect.bisect_left(room, (lengths[i], -1))  # the first row with room >= lengths[i]
+        if at == len(room):
             rows.append([])
-            free.append(seq_len)
-            row = len(rows) - 1
-        rows[row].append(example)
-        free[row] -= length
+            free, row = seq_len, len(rows) - 1
+        else:
+            free, row = room.pop(at)
+        rows[row].append(i)
+        if free - lengths[i] > 0:
+            bisect.insort(room, (free - lengths[i], row))
+    return sorted(sorted(members) for members in rows)
+
+
+def packed_rows(examples: list[Example], seq_len: int, pad_id: int, source: str, *, truncation: Truncation = "right",
+                warn: bool = True, skipped: Mapping[str, int] | None = None) -> TokenizedDataset:
+    """Several examples per row (`best_fit_decreasing` of what truncation leaves), position ids restarting per
+    example. `truncation`, `skipped`: as `fit` takes them; `warn`: as `_finish` takes it."""
+    kept, stats = fit(examples, seq_len, truncation, source, skipped)
+    rows = best_fit_decreasing([len(e) for e in kept], seq_len)
     shape = (len(rows), seq_len)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -111,17 +189,16 @@ def packed_rows(examples: list[Example], seq_len: int, pad_id: int, source: str)
     position_ids = torch.zeros(shape, dtype=torch.long)
     for r, members in enumerate(rows):
         start = 0
-        for example in members:
-            end = start + len(example.input_ids)
+        for example in (kept[i] for i in members):
+            end = start + len(example)
             input_ids[r, start:end] = torch.tensor(example.input_ids, dtype=torch.long)
             labels[r, start + 1:end] = torch.tensor(example.labels[1:], dtype=torch.long)
             attention_mask[r, start:end] = 1
             position_ids[r, start:end] = torch.arange(end - start)
             start = end
         position_ids[r, start:] = torch.arange(seq_len - start)  # the padding: a block of its own
-    log.info("%s: %d examples packed into %d rows of %d (%.1f%% padding)", source, len(kept), len(rows), seq_len,
-             100.0 * float(1 - attention_mask.float().mean()))
-    return TokenizedDataset(input_ids, labels, attention_mask, source=source, position_ids=position_ids)
+    packed = TokenizedDataset(input_ids, labels, attention_mask, source=source, position_ids=position_ids)
+    return _finish(packed, stats, warn)
 
 
 PACKING_TOLERANCE = 1e-5  # fp32 debug models: rounding is ~1e-7; a recurrent layer's leak can be ~1e-4

@@ -28,9 +28,11 @@ import csv
 import io
 import json
 import logging
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
 
 from vela_ray.errors import first_line
 
@@ -269,3 +271,107 @@ def _renamed(dataset: Dataset, columns: Mapping[str, str], path: Path) -> Datase
                              f"{canonical}): the file already has a column {canonical!r}; map that one instead "
                              "or drop it from data.columns")
     return dataset.rename_columns(renames) if renames else dataset
+
+
+# --- what records hold that vela-ray does not train on ----------------------------------------
+
+
+UNREADABLE_FIELDS = {  # field -> (what it is, why it is refused, the fix); never read past in silence
+    "kto_tag": ("a KTO desirable/undesirable tag", "supervised fine-tuning would train the undesirable answers "
+                "as targets", "keep only the desirable records and drop the field"),
+    "label": ("a KTO desirable/undesirable tag", "supervised fine-tuning would train the undesirable answers as "
+              "targets", "keep only the records labelled true and drop the field"),
+    "chosen": ("a preference pair (chosen/rejected)", "vela-ray trains supervised fine-tuning only, not DPO/ORPO",
+               "write the chosen answer as the output (or assistant turn) and drop chosen/rejected"),
+    "rejected": ("a preference pair (chosen/rejected)", "vela-ray trains supervised fine-tuning only, not "
+                 "DPO/ORPO", "write the chosen answer as the output (or assistant turn) and drop chosen/rejected"),
+    "images": ("images", "vela-ray fine-tunes text models, which cannot read them",
+               "drop the field (and the <image> markers) or use a vision fine-tuner"),
+    "videos": ("videos", "vela-ray fine-tunes text models, which cannot read them",
+               "drop the field (and the <video> markers) or use a vision fine-tuner"),
+    "audios": ("audio", "vela-ray fine-tunes text models, which cannot read it",
+               "drop the field (and the <audio> markers) or use an audio fine-tuner"),
+}
+
+
+def refuse_unreadable_fields(records: list[dict], path: Path) -> None:
+    """One line naming the first record holding a field vela-ray would otherwise ignore (`UNREADABLE_FIELDS`):
+    training past a KTO tag, a preference pair or an image would learn something else than the data says.
+    ``label`` counts only as a KTO tag (true/false); an empty list of images counts as none."""
+    for name, (what, why, fix) in UNREADABLE_FIELDS.items():
+        for index, record in enumerate(records):
+            value = record.get(name)
+            if isinstance(value, bool) if name == "label" else value not in (None, [], ""):
+                raise ValueError(f"{path}: record {index}: field {name!r} is {what}; {why}, so vela-ray refuses "
+                                 f"it rather than ignore it; {fix}")
+
+
+PLACEHOLDER = re.compile(r"\{\{\s*[A-Za-z_][\w.]*\s*\}\}")
+
+
+def warn_placeholders(records: list[dict], path: Path, warn: bool = True) -> int:
+    """Warn once if records hold unreplaced template placeholders such as LLaMA-Factory's identity.json
+    ``{{name}}`` (they would be learned literally); the number of records holding one. `warn`: False logs at
+    INFO (a second build of data already warned about)."""
+    found = [(index, match) for index, record in enumerate(records) if (match := _placeholder(record))]
+    if found:
+        index, match = found[0]
+        log.log(logging.WARNING if warn else logging.INFO, "%s: %d of %d records hold unreplaced {{placeholders}} "
+                "(record %d: %r), which the model would learn literally; replace them with their values before "
+                "training", path, len(found), len(records), index, match)
+    return len(found)
+
+
+def _placeholder(value: object) -> str | None:
+    if isinstance(value, str):
+        match = PLACEHOLDER.search(value)
+        return match.group(0) if match else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for item in items if (found := _placeholder(item))), None)
+
+
+# --- bad records -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordCount:
+    """How many records a data set was read from, and which were left out (data.on_bad_record: skip)."""
+
+    read: int
+    """Records (text: files or records) read, the skipped ones included."""
+    skipped: int = 0
+    reasons: tuple[tuple[int, str], ...] = ()
+    """(record index, why) of every skipped record."""
+
+    @property
+    def used(self) -> int:
+        return self.read - self.skipped
+
+
+T = TypeVar("T")
+SKIPPED_NAMED = 3  # skipped records the warning names
+
+
+def parse_each(records: list[dict], parse: Callable[[dict, str], T], path: Path, on_bad_record: str = "error",
+               warn: bool = True) -> tuple[list[T], RecordCount]:
+    """`parse(record, where)` of every record (`where` is ``"{path}: record {i}"``). A ValueError stops
+    everything (``error``) or leaves the record out (``skip``): the skipped records are counted, and named
+    with their reasons (the first few) in one warning (INFO if not `warn`); all of them bad is still an error."""
+    parsed, reasons = [], []
+    for index, record in enumerate(records):
+        where = f"{path}: record {index}"
+        try:
+            parsed.append(parse(record, where))
+        except ValueError as err:
+            if on_bad_record != "skip":
+                raise
+            reasons.append((index, str(err).removeprefix(f"{where}: ")))
+    count = RecordCount(len(records), len(reasons), tuple(reasons))
+    if reasons:
+        named = "; ".join(f"record {index}: {why}" for index, why in reasons[:SKIPPED_NAMED])
+        more = f"; and {len(reasons) - SKIPPED_NAMED} more" if len(reasons) > SKIPPED_NAMED else ""
+        if not parsed:
+            raise ValueError(f"{path}: all {len(records)} records are bad (data.on_bad_record: skip): {named}{more}")
+        log.log(logging.WARNING if warn else logging.INFO, "%s: skipped %d of %d records (data.on_bad_record: "
+                "skip): %s%s", path, len(reasons), len(records), named, more)
+    return parsed, count

@@ -1,14 +1,79 @@
 """`TokenizedDataset`: N fixed-length rows of token ids, labels and masks, the one shape every kind of
-fine-tuning data becomes (`vela_ray.data.datasets` builds them, `vela_ray.data.examples` lays them out).
+fine-tuning data becomes (`vela_ray.data.datasets` builds them, `vela_ray.data.examples` lays them out),
+and `DataStats`: what became of a file's examples on the way (kept, truncated, dropped and why).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
 Batch = dict[str, torch.Tensor]
+
+LOSS_WARNING_SHARE = 0.10
+"""A build that drops or truncates more than this share of its examples warns, naming the fix."""
+EMPTY = "empty: no supervised token at all"
+CUT_AWAY = "no supervised token left after truncation"
+"""`DataStats.dropped` reasons of `vela_ray.data.examples` (other steps may add their own)."""
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """How the examples of one file (instruct and chat data) became rows: the whole build, before any
+    train/eval split (`TokenizedDataset.split` and `subset` keep it as it is)."""
+
+    examples: int
+    """Examples read: records that reached tokenisation, plus those dropped before it (`dropped`)."""
+    kept: int
+    """Examples in the rows, whole or truncated."""
+    truncated: int
+    """Of the kept, examples longer than `seq_len` and cut to it (`truncation`)."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Examples not in the rows, by reason (`EMPTY`, `CUT_AWAY`, or a reason of a step before tokenisation)."""
+    supervised_tokens: int = 0
+    """Label tokens (the answers) of every example read, before truncation."""
+    supervised_tokens_lost: int = 0
+    """Of them, those truncation cut off, the dropped examples' included."""
+    longest: int = 0
+    """Tokens of the longest example."""
+    seq_len_p90: int = 0
+    """The shortest seq_len that would hold 90% of the examples whole."""
+    seq_len: int = 0
+    truncation: str = "right"
+    rows: int = 0
+    """Rows built from the kept examples (one each padded; several each packed)."""
+    padding_fraction: float = 0.0
+    """Share of those rows' token slots that are padding."""
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    @property
+    def lost_share(self) -> float:
+        """Share of the examples dropped or truncated."""
+        return (self.num_dropped + self.truncated) / max(1, self.examples)
+
+    def warning(self, source: str) -> str | None:
+        """The warning when more than `LOSS_WARNING_SHARE` of the examples were dropped or truncated, naming
+        the fix (raise data.seq_len, or data.truncation: keep_answer); None when fewer were."""
+        if self.lost_share <= LOSS_WARNING_SHARE:
+            return None
+        reasons = "".join(f"; {count} dropped ({reason})" for reason, count in self.dropped.items())
+        lost = self.supervised_tokens_lost / max(1, self.supervised_tokens)
+        fixes = []
+        if self.truncated or self.dropped.get(CUT_AWAY):
+            fixes.append(f"raise data.seq_len ({self.seq_len_p90} holds 90% of the examples whole, the longest "
+                         f"has {self.longest} tokens)")
+            if self.truncation == "right":
+                fixes.append("set data.truncation: keep_answer (cuts the prompt's middle, keeps the answer)")
+        if set(self.dropped) - {CUT_AWAY}:
+            fixes.append("check the records dropped for another reason")
+        return (f"{source}: {self.lost_share:.0%} of {self.examples} examples dropped or truncated at data.seq_len="
+                f"{self.seq_len}: {self.truncated} truncated (data.truncation: {self.truncation}){reasons}; "
+                f"{lost:.1%} of the supervised tokens cut; " + " or ".join(fixes))
 
 
 @dataclass(frozen=True)
@@ -22,6 +87,8 @@ class TokenizedDataset:
     source: str
     position_ids: torch.Tensor | None = None
     """Packed rows only (`examples.packed_rows`): positions restarting at 0 at every example."""
+    stats: DataStats | None = None
+    """Instruct and chat data: what became of the file's examples (None: text data, or rows made by hand)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -54,10 +121,11 @@ class TokenizedDataset:
         return batch
 
     def subset(self, index: torch.Tensor | np.ndarray | list[int], source: str) -> TokenizedDataset:
+        """These rows at `index`; `stats` stays the whole build's."""
         index = torch.as_tensor(index, dtype=torch.long)
         positions = None if self.position_ids is None else self.position_ids[index]
         return TokenizedDataset(self.input_ids[index], self.labels[index], self.attention_mask[index], source,
-                                positions)
+                                positions, self.stats)
 
     def split(self, eval_fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset]:
         """(train, eval): a seeded random `eval_fraction` of the rows is held out; both must be non-empty."""

@@ -14,8 +14,10 @@ tiny self-check (`window.onerror` and a count of rendered charts, written into
 `<body data-rendered=...>` for the browser test).
 
 Sections: the run at a glance (the training method, first-order or zeroth-order, and whether
-token condensation made training lossy); the placement map (layers x workers: which experts each
-worker holds, shaded by the routing mass it serves); the access heatmap P [L, E] with each expert's
+token condensation made training lossy); the data (examples read, kept, truncated and dropped
+by reason, supervised tokens lost, rows and padding, and the warning when much was lost); the
+placement map (layers x workers: which experts each worker holds, shaded by the routing mass it
+serves); the access heatmap P [L, E] with each expert's
 worker; traffic by link tier per step; predicted vs measured communication per worker; APTMoE's
 expert tiers per worker (with `expert_tiers`: rows on CPU vs device, uploads, predictor
 accuracy, measured speeds); loss (+ eval loss); the config.
@@ -47,7 +49,7 @@ import yaml  # noqa: E402
 from placement.cost import experts_per_worker, routing_mass  # noqa: E402
 from placement.io import load_profile  # noqa: E402
 from vela_ray.observability.plots import access_heatmap_figure  # noqa: E402
-from vela_ray.training.summary import PlacementRecord, RunSummary, StepRecord  # noqa: E402
+from vela_ray.training.summary import DataRecord, PlacementRecord, RunSummary, StepRecord  # noqa: E402
 from vela_ray.training.tiers import TierCounters  # noqa: E402
 
 MiB = 2**20
@@ -166,8 +168,9 @@ def _bandwidths(summary: RunSummary) -> list[float | None]:
 
 
 def _measured_bytes(summary: RunSummary) -> np.ndarray:
-    """[N] mean training bytes per step and worker."""
-    per_step = [h.bytes_by_worker for h in summary.history if h.bytes_by_worker]
+    """[N] mean training bytes per step and worker (of the steps run on N workers: a run resumed with another
+    worker count holds the earlier steps' records too)."""
+    per_step = [h.bytes_by_worker for h in summary.history if len(h.bytes_by_worker) == summary.num_workers]
     if per_step:
         return np.mean(np.asarray(per_step, dtype=np.float64), axis=0)
     by_worker = np.asarray(summary.traffic_bytes_by_worker, dtype=np.float64)
@@ -211,8 +214,8 @@ def _expected_texts(plan: PlacementRecord) -> dict[str, str]:
 
 def summary_text(source: RunSummary | str | Path) -> str:
     """A few lines for the terminal: loss (and the method when zeroth-order), step time, placement, traffic by
-    tier, the expert tiers (when on), predicted vs measured, and where the adapter, report and last checkpoint
-    went. `source`: a run directory or its RunSummary."""
+    tier, the expert tiers (when on), the data (`data_lines`), predicted vs measured, and where the adapter,
+    report and last checkpoint went. `source`: a run directory or its RunSummary."""
     run = load_run(source)
     s = run.summary
     expected = ", ".join(f"{label} {text}" for label, text in _expected_texts(s.placement).items())
@@ -231,6 +234,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         *([tiers_text(s)] if s.expert_tiers else []),
         *([masters_text(s)] if len(s.master_nodes) > 1 else []),
         *([f"family {s.family_check}"] if s.family_check else []),
+        *data_lines(s.data),
     ]
     for c in compare_comm(run):
         predicted = "n/a" if c.predicted_bytes is None else f"{c.predicted_bytes / MiB:.2f}"
@@ -241,9 +245,28 @@ def summary_text(source: RunSummary | str | Path) -> str:
               for r in s.replans]
     lines += [f"worker(s) {r.workers} lost in step {r.step}: replaced and rolled back to step {r.checkpoint_step} "
               f"in {r.seconds:.2f} s" for r in s.recoveries]
+    lines += [f"resumed after step {r.step} from {r.checkpoint}" for r in s.resumes]
     lines += [f"{name}: {path}" for name, path in
               (("adapter", s.adapter_dir), ("report", s.report), ("checkpoint", s.checkpoint)) if path]
     return "\n".join(lines)
+
+
+def data_lines(d: DataRecord | None) -> list[str]:
+    """The data's line (examples read, kept, truncated, dropped; rows and padding), and its warning when more
+    than 10% of the examples were dropped or truncated; none for a run that recorded no data."""
+    if d is None:
+        return []
+    rows = f"{d.rows} training rows of {d.seq_len} tokens ({d.padding_fraction:.1%} padding)"
+    if d.examples is None:
+        return [f"data: {d.kind}, {rows}"]
+    dropped = sum(d.examples_dropped.values())
+    reasons = "; ".join(f"{count} {reason}" for reason, count in d.examples_dropped.items())
+    lost = d.supervised_tokens_lost / max(1, d.supervised_tokens or 0)
+    per_row = f", {d.examples_per_row:.2f} examples per row" if d.packing and d.examples_per_row else ""
+    line = (f"data: {d.examples} examples read, {d.examples_kept} kept ({d.examples_truncated} truncated, "
+            f"{d.truncation}), {dropped} dropped" + (f" ({reasons})" if reasons else "")
+            + f"; {lost:.1%} of the supervised tokens cut; {rows}{per_row}")
+    return [line] + ([f"WARNING: {d.warning}"] if d.warning else [])
 
 
 def masters_text(s: RunSummary) -> str:
@@ -532,9 +555,40 @@ def changes_table(summary: RunSummary) -> str:
     rows += [(r.step, f"worker(s) {r.workers} lost: replaced in place",
               f"rolled back to step {r.checkpoint_step} in {r.seconds:.2f} s, steps since replayed")
              for r in summary.recoveries]
+    rows += [(r.step, "resumed in a new process", f"from checkpoint {r.checkpoint}") for r in summary.resumes]
     body = "".join(f"<tr><td>{step}</td><td>{what}</td><td>{detail}</td></tr>" for step, what, detail in
                    sorted(rows, key=lambda row: row[0]))
     return f'<table class="comm"><tr><th>after step</th><th>what</th><th>detail</th></tr>{body}</table>'
+
+
+def data_table(d: DataRecord) -> str:
+    """What became of the data file's examples (instruct and chat) and the rows they made."""
+    def share(n: int, of: int | None) -> str:
+        return f"{n} ({n / max(1, of or 0):.1%})"
+
+    facts: list[tuple[str, object]] = [("kind", d.kind), ("seq_len", d.seq_len),
+                                       ("layout", "packed" if d.packing else "padded, one example per row")]
+    if d.examples is not None:
+        facts += [("examples read", d.examples), ("kept", share(d.examples_kept, d.examples)),
+                  (f"truncated ({d.truncation})", share(d.examples_truncated, d.examples))]
+        facts += [(f"dropped: {reason}", share(count, d.examples)) for reason, count in d.examples_dropped.items()]
+        facts += [("supervised tokens", d.supervised_tokens),
+                  ("lost to truncation", share(d.supervised_tokens_lost, d.supervised_tokens)),
+                  ("longest example", f"{d.longest_example} tokens"),
+                  ("seq_len for 90% whole", d.seq_len_p90), ("rows of the whole file", d.built_rows)]
+        if d.packing and d.examples_per_row:
+            facts.append(("examples per row", f"{d.examples_per_row:.2f}"))
+    facts += [("training rows", d.rows), ("training tokens", d.tokens), ("padding", f"{d.padding_fraction:.1%}")]
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in facts)
+    warning = f'<p class="warning">{html.escape(d.warning)}</p>' if d.warning else ""
+    return warning + f'<table class="data">{body}</table>'
+
+
+def _data_note(d: DataRecord) -> str:
+    if d.examples is None:
+        return "Text data: the token stream cut into rows of seq_len tokens (the tail that fills no row is left out)."
+    return ("Counted over the whole file before the train/eval split; an example is dropped when truncation (or an "
+            "empty answer) leaves it no supervised token. Padding: share of the training rows' token slots.")
 
 
 def config_block(run: Run) -> str:
@@ -557,6 +611,8 @@ def render_html(run: Run) -> str:
     comms = compare_comm(run)
     sections = [
         _section("overview", "Run at a glance", overview(run)),
+        *([_section("data", "Data", data_table(run.summary.data), _data_note(run.summary.data))]
+          if run.summary.data is not None else []),
         _section("placement", "Placement map", placement_table(run),
                  "Rows: MoE layers; columns: workers (ExpertManagers) with their link tier from the master. "
                  "A cell lists the experts the worker holds in that layer; the shade is the share of the layer's "
@@ -574,7 +630,8 @@ def render_html(run: Run) -> str:
         _section("loss", "Loss", _chart("loss", loss_chart(run.summary.history))),
         *([_section("changes", "Placement changes and recoveries", changes_table(run.summary),
                     "Experts moved between live workers, re-solves on drifted routing, lost workers replaced.")]
-          if run.summary.migrations or run.summary.replans or run.summary.recoveries else []),
+          if run.summary.migrations or run.summary.replans or run.summary.recoveries or run.summary.resumes
+          else []),
         _section("config", "Configuration", config_block(run)),
     ]
     name = "" if run.dir is None else run.dir.name or str(run.dir)
@@ -636,6 +693,8 @@ td, th { border: 1px solid #ddd; padding: 3px 7px; text-align: center; }
 .chart svg { max-width: 100%; height: auto; }
 pre { background: #f6f6f6; padding: 10px; font-size: 12px; overflow-x: auto; }
 #js-error { color: #b00; font-weight: bold; }
+.warning { color: #b00; font-weight: 600; max-width: 900px; }
+table.data th { text-align: left; font-weight: normal; color: #555; }
 """
 
 # Self-check for the browser test: any script error shows up in the DOM, and the body records how many

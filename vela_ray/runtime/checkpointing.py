@@ -33,6 +33,7 @@ from vela_ray.runtime.state import Live, ResumePoint, RunState
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import lr_at
 from vela_ray.training.step import ExpertWorkers, import_adapter, load_master_state, master_state
+from vela_ray.training.summary import ResumeRecord
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ class CheckpointWriter:
         """Checkpoint of `step` (`save`) of what `live` holds; the adapters must be settled (ZO). With
         `checkpoint.asynchronous` it becomes `state.last_checkpoint` at the next `settle()`."""
         self.settle()  # at most one in flight
-        self.save(step, live.workers, live.backbone.checkpoint_meta(self.config),
-                  lambda copy: self._contents(live, step, copy))
+        meta = {**live.backbone.checkpoint_meta(self.config), "run_id": self.state.identity.run_id}
+        self.save(step, live.workers, meta, lambda copy: self._contents(live, step, copy))
 
     def _contents(self, live: Live, step: int, copy: bool) -> tuple[dict[str, torch.Tensor], dict]:
         """What master 0 writes into the checkpoint of `step`: its LoRA, AdamW state and the torch RNGs
@@ -83,6 +84,7 @@ class CheckpointWriter:
             "placement": state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
             "profile": None if state.placed_probs is None else np.asarray(state.placed_probs).tolist(),
             "condenser": condenser.state() if condenser is not None else None,
+            "run": state.identity.model_dump(), "records": state.records(),
         }
         return tensors, trainer
 
@@ -90,6 +92,9 @@ class CheckpointWriter:
         """Adapters and optimizer state to start from (the checkpoint's, `lora.init_adapter`'s or the
         initial ones) in every master and worker; returns the first step to run."""
         if resume:
+            self.state.restore_records(resume.trainer.get("records", {}))
+            self.state.resumes.append(ResumeRecord(step=resume.step, checkpoint=str(resume.path),
+                                                   resumed_at=time.time()))
             return self.restore(live, resume.path)
         if self.config.lora.init_adapter:
             import_adapter(live.master, live.workers, self.config.lora.init_adapter)

@@ -164,7 +164,7 @@ class Placer:
         seed = self.config.placement.seed
         plan = solve(problem, solver, seed=seed)
         logger.info("placement solved (%s): expected %.3g s/step, LP bound %s", plan.solver,
-                    plan.expected_step_time, plan.lower_bound)
+                    plan.expected_step_time, "none" if plan.lower_bound is None else f"{plan.lower_bound:.3g} s")
         if not (self.config.placement.replicas and problem.num_masters > 1):
             return plan
         routes = replicate(problem, plan.as_array(), seed=seed)

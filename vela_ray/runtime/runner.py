@@ -34,6 +34,7 @@ from vela_ray.data.datasets import batch_rows, micro_batches, sequential_batches
 from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.observability.report import write_report
+from vela_ray.runs import RunIdentity, move_aside
 from vela_ray.runtime.accounting import StepAccounting
 from vela_ray.runtime.checkpointing import CheckpointWriter
 from vela_ray.runtime.features import condenser_for, run_features, stepper_for
@@ -82,6 +83,8 @@ class JobRunner:
     def run(self) -> RunSummary:
         started = time.perf_counter()
         resume = ResumePoint.of(self.config)
+        self.state.identity = resume.run if resume and resume.run else RunIdentity.new(
+            self.config.model_dump(mode="json"))
         table = self.state.tables = self.placer.initial_table(resume)
         self.pool.launch(table)  # the workers load their experts while this process loads the backbone
         try:
@@ -107,7 +110,10 @@ class JobRunner:
         """The workers up, master 0 built over them, the other masters started; `config.json` written."""
         if resume:
             checkpoint.check_compatible(resume.manifest, backbone.checkpoint_meta(self.config), resume.path)
+        if self.config.output.overwrite and not resume:
+            move_aside(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.state.identity.write(self.out_dir)
         (self.out_dir / "config.json").write_text(self.config.model_dump_json(indent=1))
         hosted = self.pool.start(table)
         hosted.workers.set_copies(copies_of(table))

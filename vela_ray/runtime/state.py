@@ -24,7 +24,10 @@ from vela_ray.runtime.pool import HostedExperts, PeerMasters, SoloMaster, Worker
 from vela_ray.training import checkpoint
 from vela_ray.training.sequence_migration import SequenceMigration
 from vela_ray.training.step import ExpertWorkers, MasterModel, MasterSpec, seeded_backbone
-from vela_ray.training.summary import LinkRecord, MigrationRecord, RecoveryRecord, ReplanRecord, StepRecord
+from vela_ray.runs import RunIdentity, check_same_math
+from vela_ray.training.summary import (
+    LinkRecord, MigrationRecord, RecoveryRecord, ReplanRecord, ResumeRecord, StepRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,8 @@ class Backbone:
     def load(cls, config: JobConfig, spec: MasterSpec | None = None) -> Backbone:
         """Tokenizer, data split and the model as `spec` (the job's `master_spec` by default) reads it."""
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
-        train_set, eval_set = build_dataset(config.data, tokenizer).split(config.training.eval_fraction, config.training.seed)
+        data = build_dataset(config.data, tokenizer, warn=False)  # the driver's preflight warned already
+        train_set, eval_set = data.split(config.training.eval_fraction, config.training.seed)
         model = seeded_backbone(spec or master_spec(config))
         return cls(tokenizer, train_set, eval_set, model, find_moe_blocks(model))
 
@@ -105,6 +109,12 @@ class ResumePoint:
         return self.trainer.get("placement")
 
     @property
+    def run(self) -> RunIdentity | None:
+        """The run the checkpoint belongs to (None: written before runs had an identity)."""
+        saved = self.trainer.get("run")
+        return None if saved is None else RunIdentity.model_validate(saved)
+
+    @property
     def profile(self) -> np.ndarray | None:
         saved = self.trainer.get("profile")
         return None if saved is None else np.asarray(saved, dtype=np.float64)
@@ -119,6 +129,8 @@ class ResumePoint:
         manifest = checkpoint.verify(path)  # full checksums
         trainer = json.loads((path / "trainer.json").read_text())
         checkpoint.check_compatible(manifest, {"lora_r": config.lora.r, "lora_alpha": config.lora.alpha}, path)
+        if trainer.get("run"):
+            check_same_math(trainer["run"]["math"], config.model_dump(mode="json"), path)
         if manifest["step"] >= config.training.steps:
             raise ValueError(f"{path}: the run is complete at step {manifest['step']} (training.steps = "
                              f"{config.training.steps}); raise training.steps to train further")
@@ -148,6 +160,8 @@ class RunState:
     migrating: bool = False  # between pool.migrate's start and its end
     tables: np.ndarray | None = None  # what the workers host: a table [L, E], or routes [M, L, E] with replicas
     received_bytes: list[int] = field(default_factory=list)  # by each worker during training
+    identity: RunIdentity | None = None  # the run's (a resume's is its checkpoint's)
+    resumes: list[ResumeRecord] = field(default_factory=list)
 
     def checkpointed(self, step: int) -> bool:
         """Whether the newest published checkpoint is of `step`."""
@@ -158,6 +172,25 @@ class RunState:
         """Tokens routed to each expert in a training step (not in eval or profiling)."""
         routed = self.tokens_routed_LE
         self.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE
+
+    def records(self) -> dict:
+        """What a checkpoint keeps of the run's record, for a resume to go on with (`restore_records`)."""
+        return {"history": [h.model_dump() for h in self.history],
+                "migrations": [m.model_dump() for m in self.migrations],
+                "replans": [r.model_dump() for r in self.replans],
+                "recoveries": [r.model_dump() for r in self.recoveries],
+                "resumes": [r.model_dump() for r in self.resumes],
+                "tokens_routed": None if self.tokens_routed_LE is None else self.tokens_routed_LE.tolist()}
+
+    def restore_records(self, saved: dict) -> None:
+        """The record of the steps before a resumed checkpoint (`records`), so the summary covers them all."""
+        self.history = [StepRecord.model_validate(h) for h in saved.get("history", [])]
+        self.migrations = [MigrationRecord.model_validate(m) for m in saved.get("migrations", [])]
+        self.replans = [ReplanRecord.model_validate(r) for r in saved.get("replans", [])]
+        self.recoveries = [RecoveryRecord.model_validate(r) for r in saved.get("recoveries", [])]
+        self.resumes = [ResumeRecord.model_validate(r) for r in saved.get("resumes", [])]
+        routed = saved.get("tokens_routed")
+        self.tokens_routed_LE = self.routed_at_checkpoint = None if routed is None else np.asarray(routed)
 
     def roll_back_to(self, step: int) -> None:
         """Forget what the steps after `step` recorded (they are replayed from its checkpoint)."""

@@ -137,18 +137,21 @@ def finalize(staging: Path, step: int, meta: dict, keep: int | None = None) -> P
     os.rename(staging, final)
     _fsync_dir(staging.parent)
     if keep:
-        prune(staging.parent, keep)
+        prune(staging.parent, keep, run_id=meta.get("run_id"))
     return final
 
 
-def prune(root: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` valid checkpoints, and the staging directories crashes left.
+def prune(root: str | Path, keep: int, run_id: str | None = None) -> list[Path]:
+    """Delete all but the newest `keep` valid checkpoints (of run `run_id` only, when given: another run's
+    checkpoints in the same root are never touched), and the staging directories crashes left.
 
     `finalize` calls it right after publishing, when no other staging directory of this
     run can be in progress: any left is from a writer that died (SIGKILL mid-write) and
     would otherwise stay forever.
     """
-    removed = staging_dirs(root) + valid_checkpoints(root)[:-keep]
+    ours = [p for p in valid_checkpoints(root)
+            if run_id is None or verify(p, checksums=False).get("meta", {}).get("run_id") == run_id]
+    removed = staging_dirs(root) + ours[:-keep]
     for old in removed:
         _delete(old)
     return removed
@@ -316,6 +319,13 @@ def verify(path: str | Path, checksums: bool = True) -> dict:
         if checksums and _sha256(file) != entry["sha256"]:
             raise ValueError(f"{path}: {name} fails its sha256 checksum (corrupted)")
     return manifest
+
+
+def read_run(path: str | Path) -> dict | None:
+    """The identity of the run checkpoint `path` belongs to (`vela_ray.runs.RunIdentity` as a dict), or None
+    for a checkpoint written before runs had one."""
+    trainer = Path(path) / "trainer.json"
+    return json.loads(trainer.read_text()).get("run") if trainer.is_file() else None
 
 
 def check_compatible(manifest: dict, expected: dict, path: Path) -> None:

@@ -146,6 +146,17 @@ class ReplanRecord(_Record):
     adopted: bool
 
 
+class ResumeRecord(_Record):
+    """The run went on from a checkpoint in a new process (`--resume`): its steps before are the earlier
+    processes' (restored from the checkpoint), the ones after this one's."""
+
+    step: int
+    """The checkpoint's step: this process ran the steps after it."""
+    checkpoint: str
+    resumed_at: float
+    """Unix time."""
+
+
 class RecoveryRecord(_Record):
     """A lost worker replaced in place (`fault_tolerance.on_worker_loss: recover`)."""
 
@@ -161,7 +172,9 @@ class RecoveryRecord(_Record):
 
 
 class DataRecord(_Record):
-    """The training rows a run saw: how they were laid out and how much of them is padding."""
+    """The training rows a run saw: how they were laid out and how much of them is padding, and (instruct and
+    chat data) what became of the file's examples: read, kept, truncated, dropped and why
+    (`vela_ray.data.tokenized.DataStats`, counted over the whole file before the train/eval split)."""
 
     kind: str
     packing: bool
@@ -171,12 +184,45 @@ class DataRecord(_Record):
     """Non-padding tokens over all training rows."""
     padding_fraction: float
     """Share of the token slots that are padding: compute spent on nothing (packing lowers it)."""
+    truncation: str = "right"
+    """`data.truncation`: how examples longer than seq_len were cut."""
+    examples: int | None = None
+    """Examples read (None: text data, cut into blocks, or a run from before the counts)."""
+    examples_kept: int | None = None
+    examples_truncated: int = 0
+    """Of the kept, those cut to seq_len."""
+    examples_dropped: dict[str, int] = Field(default_factory=dict)
+    """Examples left out, by reason."""
+    supervised_tokens: int | None = None
+    """Label tokens of every example read, before truncation."""
+    supervised_tokens_lost: int = 0
+    """Of them, those truncation cut off (the dropped examples' included)."""
+    longest_example: int | None = None
+    seq_len_p90: int | None = None
+    """The shortest seq_len that holds 90% of the examples whole."""
+    built_rows: int | None = None
+    """Rows of the whole file (train and eval) the kept examples made."""
+    warning: str | None = None
+    """The build's warning when more than 10% of the examples were dropped or truncated, with its fix."""
 
     @classmethod
     def of(cls, data, train_set) -> DataRecord:
-        """From a `DataConfig` and the `TokenizedDataset` of its training rows."""
-        return cls(kind=data.kind, packing=data.packing, seq_len=train_set.seq_len, rows=len(train_set),
-                   tokens=train_set.num_tokens, padding_fraction=train_set.padding_fraction)
+        """From a `DataConfig` and the `TokenizedDataset` of its training rows (with its `stats`)."""
+        record = cls(kind=data.kind, packing=data.packing, seq_len=train_set.seq_len, rows=len(train_set),
+                     tokens=train_set.num_tokens, padding_fraction=train_set.padding_fraction,
+                     truncation=data.truncation)
+        stats = train_set.stats
+        if stats is None:
+            return record
+        return record.model_copy(update=dict(
+            examples=stats.examples, examples_kept=stats.kept, examples_truncated=stats.truncated,
+            examples_dropped=dict(stats.dropped), supervised_tokens=stats.supervised_tokens,
+            supervised_tokens_lost=stats.supervised_tokens_lost, longest_example=stats.longest,
+            seq_len_p90=stats.seq_len_p90, built_rows=stats.rows, warning=stats.warning(str(data.path))))
+
+    @property
+    def examples_per_row(self) -> float | None:
+        return None if not self.built_rows or self.examples_kept is None else self.examples_kept / self.built_rows
 
 
 class CondensationRecord(_Record):
@@ -271,6 +317,10 @@ class RunSummary(_Record):
     migrations: list[MigrationRecord] = Field(default_factory=list)
     replans: list[ReplanRecord] = Field(default_factory=list)
     recoveries: list[RecoveryRecord] = Field(default_factory=list)
+    resumes: list[ResumeRecord] = Field(default_factory=list)
+    """Each time the run went on from a checkpoint in a new process; `history` covers every step regardless."""
+    run_id: str | None = None
+    """The run's identity (`vela_ray.runs`): a resume continues the same run."""
     condensation: CondensationRecord | None = None
     """Token condensation (None: a run from before it existed, or the expert-parallel baseline: exact)."""
     expert_tiers: list[TierCounters] = Field(default_factory=list)

@@ -2,16 +2,16 @@
 
 The locality study and tests need a *pre-trained* MoE model: routing of a random
 model carries no locality. `build_tiny_model` trains a byte-level BPE tokenizer
-on a corpus (WikiText-2 by default), pre-trains a small `MixtralForCausalLM`
-(load-balancing aux loss on, AdamW, warmup + cosine) for a bounded number of
-steps, and saves model and tokenizer so that `AutoModelForCausalLM.from_pretrained`
+on a corpus (WikiText-2 by default, its tokenisation undone), pre-trains a small
+`MixtralForCausalLM` (load-balancing aux loss on, AdamW, warmup + cosine) for a
+bounded number of steps, showing its progress (`vela_ray.progress`), and saves model and tokenizer so that `AutoModelForCausalLM.from_pretrained`
 and `AutoTokenizer.from_pretrained` load them. `tiny_model_path(config)` caches
 the result under ``cache_dir()/tiny-mixtral-<hash of the build settings>`` and
 builds only if missing (into a temporary directory renamed into place, so a
 killed build never leaves a half model). ``vela build-tiny-model`` does the same
 from the command line. Usage::
 
-    model_dir = tiny_model_path()            # default build, ~3 minutes on 2 cores
+    model_dir = tiny_model_path()            # default build: ~2 min on 2 idle cores, ~4 on 1
     model = AutoModelForCausalLM.from_pretrained(model_dir)
 """
 
@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,16 +32,18 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, MixtralConfig, PreTrainedTokenizerFast
+from transformers.utils import logging as transformers_logging
 
 from vela_ray.data.datasets import TokenizedDataset, iterate_batches, pack_string, pack_text, sequential_batches
 from vela_ray.data.locality import profile_model, skew_per_layer
 from vela_ray.paths import cache_dir, data_dir
+from vela_ray.progress import Progress
 
 log = logging.getLogger(__name__)
 
-BUILD_VERSION = 2  # bump when the build recipe changes, to invalidate cached models (2: chat template)
+# bump when the build recipe changes, to invalidate cached models (2: chat template, 3: WikiText detokenised)
+BUILD_VERSION = 3
 BUILD_INFO = "build_info.json"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 # ChatML-like: BOS, then each message as "<|role|>\n{content}" + "\n" (EOS right after an assistant's
@@ -58,15 +61,33 @@ CHAT_TEMPLATE = (
 
 
 def cpu_threads() -> int:
-    """Torch threads for CPU training: the cores not already busy (1-minute load average), at least 1.
+    """Torch threads for CPU training: the cores idle now, at least 1 (all of them on an idle machine).
 
     OpenMP threads wait for each other at every parallel region, so on a shared
     machine more threads than idle cores make training up to ~10x slower
-    (measured: 0.64 s/step on 1 thread vs 6.3 s/step on 2 with a load of 6 on 2 cores).
+    (measured: 0.64 s/step on 1 thread vs 6.3 s/step on 2 with a load of 6 on 2 cores;
+    again 1.56 vs 0.20 steps/s at a load of 6-10). Busy cores are measured over the
+    last second (/proc/stat), not the 1-minute load average, which stays high for a
+    minute after other work (a `make setup`) has finished.
     """
     cores = os.cpu_count() or 1
-    idle = cores - os.getloadavg()[0] if hasattr(os, "getloadavg") else cores
-    return max(1, min(cores, round(idle)))
+    return max(1, min(cores, round(cores - _busy_cores(cores))))
+
+
+def _busy_cores(cores: int, window: float = 1.0) -> float:
+    """Cores busy over the last `window` seconds (Linux /proc/stat), else the 1-minute load average."""
+    def busy_and_total() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    try:
+        busy0, total0 = busy_and_total()
+        time.sleep(window)
+        busy1, total1 = busy_and_total()
+        return cores * (busy1 - busy0) / max(total1 - total0, 1)
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
 def _default_corpus() -> Path:
@@ -141,9 +162,33 @@ class TinyModelConfig(BaseModel):
 # --- tokenizer -------------------------------------------------------------------------------
 
 
+# WikiText is stored tokenised ("lobster , is a species", "well @-@ known", "do n't", " \n" ending every
+# line). A model pre-trained on it as is never sees a comma, colon or newline right after a word, and
+# puts ~e^-17 on them in ordinary text: on Tiny Shakespeare it started at loss 9.1, above a uniform
+# guess (ln 4096 = 8.3); undone, 5.9. Ordinary text barely changes (13 of Tiny Shakespeare's 1.1M characters).
+_WIKITEXT_DETOKENISE = [
+    (re.compile(r" @(.)@ "), r"\1"),  # 1 @,@ 000 -> 1,000; well @-@ known -> well-known; 0 @.@ 7 -> 0.7
+    (re.compile(r" ([.,;:!?%)\]])(?=[\s.,;:!?'\")\]]|$)"), r"\1"),  # claws , and -> claws, and
+    (re.compile(r"([(\[]) "), r"\1"),  # ( 24 in ) -> (24 in)
+    (re.compile(r" (n't|'s|'re|'ve|'m|'ll|'d)(?=\s)"), r"\1"),  # do n't -> don't; Paul 's -> Paul's
+    (re.compile(r"(?<=s) '(?=\s)"), "'"),  # Linnaeus ' concept -> Linnaeus' concept
+    (re.compile(r'" ([^"\n]*?) "'), r'"\1"'),  # " lobster red " -> "lobster red"
+    (re.compile(r"(?<==) (?==)"), ""),  # = = Description = = -> == Description ==
+    (re.compile(r"^ | $", re.MULTILINE), ""),  # the space that opens and ends every line
+]
+
+
+def detokenise_wikitext(text: str) -> str:
+    """`text` with WikiText's tokenisation undone (see `_WIKITEXT_DETOKENISE`)."""
+    for pattern, replacement in _WIKITEXT_DETOKENISE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 def corpus_text(config: TinyModelConfig) -> str:
+    """The pre-training text: the corpus (its first `max_corpus_chars`), WikiText's tokenisation undone."""
     text = config.corpus.read_text(encoding="utf-8")
-    return text[:config.max_corpus_chars] if config.max_corpus_chars else text
+    return detokenise_wikitext(text[:config.max_corpus_chars] if config.max_corpus_chars else text)
 
 
 def train_tokenizer(text: str, vocab_size: int) -> PreTrainedTokenizerFast:
@@ -182,8 +227,9 @@ def pretrain(model: torch.nn.Module, dataset: TokenizedDataset, config: TinyMode
     batches = iterate_batches(dataset, config.batch_size, config.seed, num_steps=config.steps)
     losses: list[float] = []
     model.train()
-    with tqdm(batches, total=config.steps, desc="pre-train tiny mixtral", unit="step") as bar:
-        for batch in bar:
+    tokens_per_step = config.batch_size * config.seq_len
+    with Progress(config.steps, "pre-train tiny mixtral", tokens_per_step=tokens_per_step) as progress:
+        for batch in batches:
             out = model(**batch)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -192,7 +238,7 @@ def pretrain(model: torch.nn.Module, dataset: TokenizedDataset, config: TinyMode
             optimizer.zero_grad(set_to_none=True)
             aux_loss = float(out.aux_loss.detach())
             losses.append(float(out.loss.detach()) - config.router_aux_loss_coef * aux_loss)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", aux=f"{aux_loss:.3f}")
+            progress.update(loss=f"{losses[-1]:.3f}", aux=f"{aux_loss:.3f}")
     return losses
 
 
@@ -214,6 +260,19 @@ def report_router_skew(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFas
     return report
 
 
+def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # no "Writing model shards" bar for one 17 MB file
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+
+
 def build_tiny_model(config: TinyModelConfig, out_dir: Path, skew_data: Path | None = None,
                      num_threads: int | None = None) -> dict:
     """Train tokenizer and model per `config` and save both to `out_dir`; returns the build info.
@@ -225,7 +284,8 @@ def build_tiny_model(config: TinyModelConfig, out_dir: Path, skew_data: Path | N
     start = time.perf_counter()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads or cpu_threads())
-    log.info("building tiny mixtral %s on %d torch threads", config.digest(), torch.get_num_threads())
+    log.info("building tiny mixtral %s on %d torch threads (%d cores)", config.digest(), torch.get_num_threads(),
+             os.cpu_count() or 1)
     try:
         torch.manual_seed(config.seed)
         text = corpus_text(config)
@@ -234,10 +294,7 @@ def build_tiny_model(config: TinyModelConfig, out_dir: Path, skew_data: Path | N
         model = AutoModelForCausalLM.from_config(config.mixtral_config(tokenizer), dtype=torch.float32)
         losses = pretrain(model, dataset, config)
         model.eval()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
-        tokenizer.chat_template = CHAT_TEMPLATE
-        tokenizer.save_pretrained(out_dir)
+        _save(model, tokenizer, out_dir)
         skew_data = skew_data or default_skew_data()
         skew = report_router_skew(model, tokenizer, skew_data, config.seq_len) if skew_data.is_file() else None
     finally:
@@ -252,8 +309,8 @@ def build_tiny_model(config: TinyModelConfig, out_dir: Path, skew_data: Path | N
         "losses": [round(x, 4) for x in losses], "router_skew": skew,
     }
     (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=1))
-    log.info("built tiny mixtral (%.1fM parameters) in %.0f s: loss %.3f -> %.3f, saved to %s",
-             info["parameters"] / 1e6, info["seconds"], info["loss_first"], info["loss_last"], out_dir)
+    log.info("built tiny mixtral (%.1fM parameters) in %.0f s: pre-training loss %.3f -> %.3f",
+             info["parameters"] / 1e6, info["seconds"], info["loss_first"], info["loss_last"])
     return info
 
 
@@ -286,6 +343,7 @@ def tiny_model_path(config: TinyModelConfig | None = None, build: bool = True,
     if not build:
         raise ValueError(f"tiny model {target} is not built; run `vela build-tiny-model`")
     _remove_dead_staging(target)
+    log.info("building the tiny pre-trained model (once; later runs load it from %s)", target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-{os.getpid()}-", dir=target.parent))
     try:
         build_tiny_model(config, staging, num_threads=num_threads)
