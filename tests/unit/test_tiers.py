@@ -441,11 +441,13 @@ def test_workers_sharing_one_memory_split_it():
     assert capacity_from_memory(free, per_expert, ["a/host", "a/host", "a/host", "a/cuda:0"]) == [3, 3, 3, 6]
 
 
-def test_a_tiered_manager_first_asked_without_grad_measures_its_speeds_all_the_same(tiny_model_dir):
-    # in-process (InProcessPool) the first request may come from an eval or ZO forward under no_grad
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_a_tiered_manager_first_asked_without_grad_measures_its_speeds_all_the_same(tiny_model_dir, mode):
+    # in-process (InProcessPool) the first request may come from an eval or ZO forward under no_grad, or from
+    # the routing profile (`placement.profile: measure`) under inference mode
     tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=2))
     ids, rows, _ = requests(0, 128, seed=0)
-    with torch.no_grad():
+    with mode():
         out = tiered.forward_rows(0, ids, rows)
     torch.testing.assert_close(out, make_manager(tiny_model_dir).forward_rows(0, ids, rows), rtol=0, atol=1e-6)
     assert tiered.report().tiers.speeds.cpu_s_per_row > 0

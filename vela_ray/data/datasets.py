@@ -176,8 +176,9 @@ def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int 
     return ids
 
 
-def pack_tokens(stream: list[int], seq_len: int, source: str) -> TokenizedDataset:
-    """Cut a token stream into [N, seq_len] blocks (labels = input_ids); the short tail is dropped."""
+def pack_tokens(stream: list[int], seq_len: int, source: str, announce: bool = True) -> TokenizedDataset:
+    """Cut a token stream into [N, seq_len] blocks (labels = input_ids); the short tail is dropped. `announce`:
+    False logs the count at DEBUG (a second build of data the driver has already announced)."""
     if not stream:
         raise ValueError(f"{source}: 0 tokens: the file is empty; give it some text")
     num_blocks = len(stream) // seq_len
@@ -187,7 +188,8 @@ def pack_tokens(stream: list[int], seq_len: int, source: str) -> TokenizedDatase
             "use more text or a shorter seq_len"
         )
     ids = torch.tensor(stream[:num_blocks * seq_len], dtype=torch.long).view(num_blocks, seq_len)
-    log.info("%s: %d tokens packed into %d blocks of %d", source, len(stream), num_blocks, seq_len)
+    log.log(logging.INFO if announce else logging.DEBUG, "%s: %d tokens packed into %d blocks of %d", source,
+            len(stream), num_blocks, seq_len)
     return TokenizedDataset(ids, ids.clone(), torch.ones_like(ids), source=source)
 
 
@@ -199,7 +201,7 @@ def pack_string(tokenizer: PreTrainedTokenizerBase, text: str, seq_len: int, sou
 
 
 def pack_text(tokenizer: PreTrainedTokenizerBase, path: Path, seq_len: int,
-              max_blocks: int | None = None) -> TokenizedDataset:
+              max_blocks: int | None = None, announce: bool = True) -> TokenizedDataset:
     """Tokenise the text file(s) at `path` (EOS between files) into [N, seq_len] blocks (at most `max_blocks`)."""
     max_tokens = None if max_blocks is None else max_blocks * seq_len
     stream: list[int] = []
@@ -210,7 +212,7 @@ def pack_text(tokenizer: PreTrainedTokenizerBase, path: Path, seq_len: int,
         stream.extend(_encode_text(tokenizer, file.read_text(encoding="utf-8"), remaining))
         if max_tokens is not None and len(stream) >= max_tokens:
             break
-    return pack_tokens(stream, seq_len, source=str(path))
+    return pack_tokens(stream, seq_len, source=str(path), announce=announce)
 
 
 # --- instruction data ----------------------------------------------------------------
@@ -390,12 +392,12 @@ class BuiltData:
 def build_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: bool = True) -> BuiltData:
     """The data set `config` names, tokenised with `tokenizer`, with its record count. `warn`: False for a second
     build of the same data (the master's, after the driver's preflight warned): a warning about dropped or
-    truncated examples is then logged at INFO."""
+    truncated examples is then logged at INFO, and the blocks a text corpus packed into at DEBUG."""
     if config.kind == "text":
         if not is_records_path(config.path):
             files = text_files(config.path)
-            return BuiltData(pack_text(tokenizer, config.path, config.seq_len, max_blocks=config.limit),
-                             RecordCount(len(files)))
+            return BuiltData(pack_text(tokenizer, config.path, config.seq_len, max_blocks=config.limit,
+                                       announce=warn), RecordCount(len(files)))
         return _text_records(config, tokenizer, warn)
     if config.kind == "instruct":
         parsed, count = read_instruct_examples(config.path, config.limit, config.columns, config.on_bad_record,
@@ -446,7 +448,7 @@ def _text_records(config: DataConfig, tokenizer: PreTrainedTokenizerBase, warn: 
         stream.extend(_encode_text(tokenizer, text, remaining))
         if max_tokens is not None and len(stream) >= max_tokens:
             break
-    return BuiltData(pack_tokens(stream, config.seq_len, source=str(config.path)), count)
+    return BuiltData(pack_tokens(stream, config.seq_len, source=str(config.path), announce=warn), count)
 
 
 def _conversation(record: dict, where: str, tags: dict[str, str]) -> list[tuple[list[Message], list[dict] | None]]:

@@ -299,8 +299,9 @@ def seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, rep
     """Wall seconds of one row's forward + backward through `expert` of `layer_experts`, best of `repeats`,
     on the device of its weights. Random rows; gradients are returned, not accumulated, so training
     state is untouched. Grad mode is on whatever the caller's: a tiered worker first measures inside a
-    request, which may be a no-grad forward (eval, ZO) or the broker's autograd Function."""
-    with torch.enable_grad():
+    request, which may be a no-grad forward (eval, ZO), an inference-mode one (the routing profile: grad
+    cannot be turned back on inside it, only inference mode off) or the broker's autograd Function."""
+    with torch.inference_mode(False), torch.enable_grad():
         return _seconds_per_row(layer_experts, expert, num_rows, repeats)
 
 
