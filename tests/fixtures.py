@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, 
 
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import batch_at, build_dataset
+from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_config_like, debug_model, seeded_model
@@ -151,3 +152,14 @@ REFUSED = {  # family -> what the refusal must say
     "longcat_flash": r"LongcatFlashExperts's weight stacks hold different numbers of experts .* identity 'zero' experts",
 }
 KNOWN_FAILURES: dict[str, str] = {}  # family -> the gap, when a new transformers brings one
+
+
+def label_runs(labels: list[int]) -> list[list[int]]:
+    """The labelled tokens of a row, as contiguous runs (what the loss sees, turn by turn)."""
+    runs, current = [], []
+    for label in labels:
+        if label == IGNORE_INDEX:
+            runs, current = runs + ([current] if current else []), []
+        else:
+            current.append(label)
+    return runs + ([current] if current else [])

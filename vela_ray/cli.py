@@ -68,6 +68,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, type=Path, help="text file / directory, or Alpaca .json / .jsonl")
     p.add_argument("--kind", choices=["text", "instruct", "chat"],
                    help="data kind (default: text for .txt files and directories of them, else instruct)")
+    p.add_argument("--name", help="the entry of a LLaMA-Factory dataset_info.json to read (--data: that file or "
+                                  "its directory)")
     p.add_argument("--chat-template", help="chat: Jinja template file or string (default: the tokenizer's)")
     p.add_argument("--packing", action="store_true", help="instruct/chat: several examples per row")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
@@ -85,22 +87,19 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     from vela_ray.observability import plots
     from vela_ray.data.config import DataConfig
-    from vela_ray.data.datasets import TEXT_SUFFIXES, build_dataset, sequential_batches
+    from vela_ray.data.datasets import build_dataset, sequential_batches
     from vela_ray.data.locality import profile_model
 
     if not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model} is not a model directory (no config.json)")
-    saved_dataset = (args.data / "dataset_info.json").is_file()  # a datasets save_to_disk directory
-    text = args.data.suffix in TEXT_SUFFIXES or (args.data.is_dir() and not saved_dataset)
-    kind = args.kind or ("text" if text else "instruct")
     limit = args.batches * args.batch_size if args.batches else None
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data = DataConfig(kind=kind, path=args.data, seq_len=args.seq_len, limit=limit, packing=args.packing,
+    data = DataConfig(**_profile_data(args), seq_len=args.seq_len, limit=limit, packing=args.packing,
                       chat_template=args.chat_template)
     dataset = build_dataset(data, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     profile = profile_model(model, sequential_batches(dataset, args.batch_size, token_mask=True), progress=True,
-                            source=f"{args.model} on {args.data} ({kind}, seq_len {args.seq_len})")
+                            source=f"{args.model} on {data.path} ({data.kind}, seq_len {args.seq_len})")
     profile.save(args.out, args.npy)
     if args.plot:
         plots.plot_access_heatmaps({args.data.name: profile.probs_array()}, args.plot / "access_heatmap.png",
@@ -198,6 +197,19 @@ def _run_place(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {str(args.out)!r} cannot be written: {err.strerror}") from None
         print(f"placement written to {args.out}")
     return 0
+
+
+def _profile_data(args: argparse.Namespace) -> dict:
+    """Where `vela profile` reads: a dataset_info entry (`--name`, whose entry decides the kind unless `--kind`
+    says), else `--data` with `--kind` or the kind its name suggests."""
+    from vela_ray.data.datasets import TEXT_SUFFIXES
+
+    if args.name:
+        source = "dataset_info" if args.data.name == "dataset_info.json" else "path"
+        return {source: args.data, "name": args.name, **({"kind": args.kind} if args.kind else {})}
+    saved_dataset = (args.data / "dataset_info.json").is_file()  # a datasets save_to_disk directory
+    text = args.data.suffix in TEXT_SUFFIXES or (args.data.is_dir() and not saved_dataset)
+    return {"path": args.data, "kind": args.kind or ("text" if text else "instruct")}
 
 
 @_subcommand

@@ -8,6 +8,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from tests.fixtures import label_runs
 from vela_ray.data.chat import alpaca_to_messages, chat_template_of, conversation_of, encode_chat
 from vela_ray.data.datasets import InstructExample
 from vela_ray.data.examples import IGNORE_INDEX
@@ -33,17 +34,6 @@ def tokenizer():
     return tokenizer
 
 
-def _runs(labels: list[int]) -> list[list[int]]:
-    """The labelled tokens, as contiguous runs."""
-    runs, current = [], []
-    for label in labels:
-        if label == IGNORE_INDEX:
-            if current:
-                runs.append(current)
-            current = []
-        else:
-            current.append(label)
-    return runs + ([current] if current else [])
 
 
 # --- the template and the labels -----------------------------------------------------------------
@@ -63,7 +53,7 @@ def test_two_turn_labels_are_exactly_the_assistant_turns_token_by_token(tokenize
     assert example.input_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert example.input_ids[0] == tokenizer.bos_token_id
     assert example.input_ids.count(tokenizer.bos_token_id) == 1
-    runs = _runs(example.labels)
+    runs = label_runs(example.labels)
     assert [tokenizer.decode(run) for run in runs] == ["A friend, my lord.</s>\n", "Long live the king!</s>\n"]
     for run in runs:
         assert run[-2:] == [tokenizer.eos_token_id, tokenizer("\n", add_special_tokens=False)["input_ids"][0]]
@@ -91,7 +81,7 @@ def test_the_built_tiny_model_saves_the_template(tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.chat_template == CHAT_TEMPLATE
     [example] = encode_chat(loaded, [TWO_TURNS], None, source="built")
-    assert [loaded.decode(run) for run in _runs(example.labels)] == ["A friend, my lord.</s>\n",
+    assert [loaded.decode(run) for run in label_runs(example.labels)] == ["A friend, my lord.</s>\n",
                                                                      "Long live the king!</s>\n"]
 
 
@@ -151,7 +141,7 @@ def test_alpaca_sharegpt_and_messages_from_gsm8k_encode_identically(tokenizer):
     assert encoded[0] == encoded[1]
     assert encoded[0] == encode_chat(tokenizer, messages, None, source="gsm8k")
     for example, record in zip(encoded[0], alpaca):
-        [run] = _runs(example.labels)
+        [run] = label_runs(example.labels)
         assert tokenizer.decode(run) == record.output + "</s>\n"
 
 

@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.fixtures import label_runs
 from vela_ray.data.chat import conversation_of, encode_chat
 from vela_ray.data.config import DataConfig
-from vela_ray.data.datasets import (BAD_RECORD, _turn, build_data, instruct_examples, read_instruct_examples)
+from vela_ray.data.datasets import BAD_RECORD, _turn, build_data, instruct_examples, read_instruct_examples
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.paths import data_dir
 from vela_ray.training.tiny_model import CHAT_TEMPLATE, train_tokenizer
@@ -46,15 +47,6 @@ def tokenizer():
     return tokenizer
 
 
-def _runs(labels: list[int]) -> list[list[int]]:
-    """The labelled tokens, as contiguous runs."""
-    runs, current = [], []
-    for label in labels:
-        if label == IGNORE_INDEX:
-            runs, current = runs + ([current] if current else []), []
-        else:
-            current.append(label)
-    return runs + ([current] if current else [])
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -98,7 +90,7 @@ def test_alpaca_system_and_history_are_rendered_and_every_response_is_a_label(to
         expected_labels += [IGNORE_INDEX] * len(_ids(tokenizer, prompt)) + _ids(tokenizer, answer) + [eos]
     assert ids == expected_ids
     assert labels == expected_labels
-    assert [tokenizer.decode(run) for run in _runs(labels)] == [a + "</s>" for a in answers]
+    assert [tokenizer.decode(run) for run in label_runs(labels)] == [a + "</s>" for a in answers]
     # a record without system or history keeps vela-ray's Alpaca prompt, with the input section
     ids, labels = _row(built.dataset, 1)
     [plain] = instruct_examples(tokenizer, read_instruct_examples(path)[0][1:])
@@ -115,7 +107,7 @@ def test_alpaca_records_read_as_chat_become_turns_of_the_chat_template(tokenizer
                                      "<|assistant|>\nA friend to this ground.</s>\n<|user|>\nStand, ho!\n"
                                      "<|assistant|>\nFriends, sir.</s>\n<|user|>\nAnd your name?\n"
                                      "<|assistant|>\nHoratio, my lord.</s>\n")
-    assert [tokenizer.decode(run) for run in _runs(labels)] == [
+    assert [tokenizer.decode(run) for run in label_runs(labels)] == [
         "A friend to this ground.</s>\n", "Friends, sir.</s>\n", "Horatio, my lord.</s>\n"]
 
 
@@ -146,7 +138,7 @@ def test_sharegpt_tool_calls_are_labels_and_observations_are_not(tokenizer, tmp_
             '<|assistant|>\nYes, it rains.</s>\n')
     assert tokenizer.decode(ids) == text
     assert ids == _ids(tokenizer, text)
-    assert [tokenizer.decode(run) for run in _runs(labels)] == [
+    assert [tokenizer.decode(run) for run in label_runs(labels)] == [
         '<call>get_weather {"city": "Elsinore"}</call></s>\n', "Yes, it rains.</s>\n"]
     # every labelled token is its own id; the tools, the question and the observation are not learned
     assert all(label in (IGNORE_INDEX, token) for token, label in zip(ids, labels))
@@ -193,7 +185,7 @@ def test_sharegpt_records_under_a_messages_column_read_as_sharegpt(tokenizer, tm
     config = DataConfig(kind="chat", path=path, seq_len=64, columns={"messages": "conversations"},
                         chat_template=CHAT_TEMPLATE)
     ids, labels = _row(build_data(config, tokenizer).dataset)
-    assert [tokenizer.decode(run) for run in _runs(labels)] == ["No.</s>\n"]
+    assert [tokenizer.decode(run) for run in label_runs(labels)] == ["No.</s>\n"]
 
 
 # --- OpenAI content parts ------------------------------------------------------------------------------------
@@ -206,7 +198,7 @@ def test_openai_text_parts_are_joined(tokenizer, tmp_path):
     path = _write(tmp_path / "parts.jsonl", [parts])
     ids, labels = _row(build_data(DataConfig(kind="chat", path=path, seq_len=64), tokenizer).dataset)
     assert tokenizer.decode(ids) == "<s><|user|>\nWho goes there?\nSpeak.\n<|assistant|>\nA friend.</s>\n"
-    assert [tokenizer.decode(run) for run in _runs(labels)] == ["A friend.</s>\n"]
+    assert [tokenizer.decode(run) for run in label_runs(labels)] == ["A friend.</s>\n"]
 
 
 def test_an_image_part_is_refused_by_name(tokenizer, tmp_path):
@@ -276,7 +268,7 @@ def test_a_dataset_info_entry_sets_path_kind_columns_and_tags(tokenizer, tmp_pat
     assert (config.kind, config.path, config.columns) == (
         "instruct", data / "guards.json", {"instruction": "q", "output": "a", "system": "sys", "history": "past"})
     ids, labels = _row(build_data(config, tokenizer).dataset)
-    assert [tokenizer.decode(run) for run in _runs(labels)] == ["A friend.</s>", "Horatio, my lord.</s>"]
+    assert [tokenizer.decode(run) for run in label_runs(labels)] == ["A friend.</s>", "Horatio, my lord.</s>"]
     assert tokenizer.decode(ids).startswith("<s>You are a guard.\n\n### Instruction:\nWho goes there?")
     # the directory itself reads the same; a config dumped and read back is the same config
     assert DataConfig(path=data, name="guards", seq_len=128) == config
@@ -284,7 +276,7 @@ def test_a_dataset_info_entry_sets_path_kind_columns_and_tags(tokenizer, tmp_pat
     chat = DataConfig(dataset_info=data, name="openai_style", seq_len=64, chat_template=CHAT_TEMPLATE)
     assert (chat.kind, chat.columns, chat.tags["role_tag"]) == ("chat", {"conversations": "dialog"}, "role")
     ids, labels = _row(build_data(chat, tokenizer).dataset)
-    assert [tokenizer.decode(run) for run in _runs(labels)] == ["It is.</s>\n"]
+    assert [tokenizer.decode(run) for run in label_runs(labels)] == ["It is.</s>\n"]
     # an alpaca entry mapping a prompt and no response is LLaMA-Factory's pre-training text
     text = DataConfig(dataset_info=data, name="c4", seq_len=8)
     assert (text.kind, text.columns) == ("text", {"text": "body"})

@@ -133,6 +133,22 @@ def test_vela_profile_reads_chat_data_with_the_built_chat_template(built, tmp_pa
     assert AccessProfile.load(tmp_path / "p.json").tokens == rows.num_tokens == 3 * rows.attention_mask[0].sum()
 
 
+@pytest.mark.parametrize("where", ["dir", "file"])
+def test_vela_profile_reads_an_entry_of_a_llama_factory_dataset_info(built, tmp_path, where):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "greet.json").write_text(json.dumps([{"q": "Greet.", "a": "Hello."}, {"q": "Count.", "a": "1 2 3"}]))
+    (data / "dataset_info.json").write_text(json.dumps(
+        {"greet": {"file_name": "greet.json", "columns": {"prompt": "q", "response": "a"}}}))
+    named = data if where == "dir" else data / "dataset_info.json"
+    code = cli.main(["profile", "--model", str(built), "--data", str(named), "--name", "greet", "--seq-len", "256",
+                     "--batch-size", "2", "--out", str(tmp_path / "p.json")])
+    assert code == 0
+    rows = build_dataset(DataConfig(kind="instruct", path=data / "greet.json", seq_len=256,
+                                    columns={"instruction": "q", "output": "a"}), AutoTokenizer.from_pretrained(built))
+    assert AccessProfile.load(tmp_path / "p.json").tokens == rows.num_tokens
+
+
 def test_vela_profile_reports_a_missing_model_as_a_user_error(tmp_path, capsys):
     code = cli.main(["profile", "--model", str(tmp_path), "--data", str(SHAKESPEARE), "--out", str(tmp_path / "p")])
     assert code == 2
