@@ -14,8 +14,6 @@ to `output.dir/run.json` when the run starts and into every checkpoint's `traine
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -51,10 +49,6 @@ class RunIdentity(BaseModel):
         """A new run of `config` (a `JobConfig.model_dump(mode="json")`)."""
         return cls(run_id=time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], math=math_of(config),
                    started=time.strftime("%Y-%m-%d %H:%M:%S"))
-
-    @property
-    def math_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.math, sort_keys=True).encode()).hexdigest()[:12]
 
     def write(self, out_dir: Path) -> None:
         (out_dir / RUN_FILE).write_text(self.model_dump_json(indent=1))

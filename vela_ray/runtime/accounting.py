@@ -32,6 +32,12 @@ class StepMark:
     allreduce_bytes: int
 
 
+def _counters(live: Live) -> tuple[list[int], list[float]]:
+    """Each worker's received bytes and compute seconds so far, from one round of reports."""
+    reports = live.workers.reports()
+    return [r.received_bytes for r in reports], [r.compute_s for r in reports]
+
+
 def added(dicts: list[dict[str, int]]) -> dict[str, int]:
     """Key-wise sum (masters' traffic by link tier: each master bins by its own tiers)."""
     total: dict[str, int] = {}
@@ -53,12 +59,12 @@ class StepAccounting:
 
     def begin_training(self, live: Live) -> None:
         """The workers' counters now (again after a recovery: new workers count from zero)."""
-        self.workers_at_start = (live.workers.received(), live.workers.compute_seconds())
+        self.workers_at_start = _counters(live)
 
     def end_training(self, live: Live) -> None:
-        received, compute = self.workers_at_start
-        self.state.received_bytes = [a - b for a, b in zip(live.workers.received(), received)]
-        self.state.timings_s["worker_compute_s"] = [a - b for a, b in zip(live.workers.compute_seconds(), compute)]
+        (received, compute), (received_0, compute_0) = _counters(live), self.workers_at_start
+        self.state.received_bytes = [a - b for a, b in zip(received, received_0)]
+        self.state.timings_s["worker_compute_s"] = [a - b for a, b in zip(compute, compute_0)]
 
     @staticmethod
     def begin_step(live: Live) -> StepMark:

@@ -145,17 +145,13 @@ class ExpertWorkers:
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         self._call_all("load_checkpoint", checkpoint_dir)
 
-    def received(self) -> list[int]:
-        """Per worker: bytes of rows and gradients received so far."""
-        return [report.received_bytes for report in self._call_all("report")]
-
-    def compute_seconds(self) -> list[float]:
-        """Per worker: seconds of expert compute so far."""
-        return [report.compute_s for report in self._call_all("report")]
+    def reports(self) -> list:
+        """Per worker: its `worker_report.WorkerReport` (where it runs, its sizing, its counters so far)."""
+        return self._call_all("report")
 
     def tier_stats(self) -> list:
         """Per worker: its `tiers.TierCounters` (`expert_tiers`), None where untiered."""
-        return [report.tiers for report in self._call_all("report")]
+        return [report.tiers for report in self.reports()]
 
     def set_predictor(self, state: dict[str, torch.Tensor], top_k: int) -> None:
         """Every tiered worker forecasts next-layer demand with this `popularity.PopularityPredictor` state."""
