@@ -82,6 +82,23 @@ def run(main: Callable[[], int | None], level: int = logging.INFO, quiet: Sequen
     sys.exit(main())
 
 
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB, e.g. VmRSS (resident set) or VmHWM (its high-water mark)."""
+    import re
+
+    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def reset_peak() -> None:
+    """Reset VmHWM (the resident-set high-water mark) to the current resident set (Linux >= 4.0). Run the
+    measured process with MALLOC_MMAP_THRESHOLD_=65536 (`MEASURED_ENV`) so freed tensors go back to the OS
+    and do not mask the next peak."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+
+
 def benchmark_device(name: str, script: str):
     """The torch device a GPU benchmark runs on (`--device cuda|cpu`); None, after one line on stderr saying
     why and what to do, where CUDA is asked for and absent (the script then exits 2: it measured nothing)."""

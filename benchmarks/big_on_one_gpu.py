@@ -50,8 +50,10 @@ The GPU machine this is meant for: one H100 (80 GB, 78 GiB usable) or H200 (141 
     vela_tiers left it).
   - GPU memory of the vela setups: the backbone (3.2 GB at 32 layers), activations (estimated as 16
     hidden-size vectors per token per layer on the master and, per routed row, the expert's input and
-    three intermediate-size vectors: ~0.65 GB a layer at 4 x 512 tokens), and the cache; `--cache-experts`
-    defaults to what `--gpu-memory` leaves for it after the other two (`cache_experts_for`).
+    three intermediate-size vectors: ~0.65 GB a layer at 4 x 512 tokens), the working set of the largest
+    device call (a whole layer's routed rows through its cached experts, computed from the cache in place:
+    `tiers.device_working_bytes`, 1.13 GB at 4 x 512 tokens) plus the kernels' workspace (64 MiB), and the
+    cache; `--cache-experts` defaults to what `--gpu-memory` leaves for it after the rest (`cache_experts_for`).
   - Building: the experts are drawn once per layer and copied to every expert of the layer (the
     arithmetic does not depend on the values), so building never needs a second copy of the model in
     host memory (peft_offload's checkpoint is written layer by layer; vela's ExpertManager stacks its
@@ -108,6 +110,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "big_on_one_gpu.json"
 SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
 ZO_LR = 1e-6  # MeZO's scale of learning rates; the step's cost does not depend on it
 GIB, GB = 2.0 ** 30, 1e9
+KERNEL_WORKSPACE = 64 * 2**20  # cuBLAS's workspace on sm90 is 32 MiB per stream: the compute and upload streams
 GOAL = 3.0  # the issue's goal: vela_tiers' tokens/s >= 3x peft_offload's
 
 # What the papers report, to print beside ours (../shared/papers/aptmoe.md, zo-offloading.md).
@@ -436,18 +439,24 @@ def offload_fixups(peft_model: nn.Module) -> dict:
 
 
 def cache_experts_for(args, config, dtype) -> tuple[int, dict]:
-    """(--cache-experts, or what --gpu-memory leaves after the backbone and estimated activations; the sums)."""
+    """(--cache-experts, or what --gpu-memory leaves after the backbone, the estimated activations and the
+    largest device call's working set; the sums)."""
+    from vela_ray.training.tiers import device_working_bytes
+
     backbone, per_expert = model_bytes(config, dtype)
     tokens, size = args.batch * args.seq, torch.tensor([], dtype=dtype).element_size()
     hidden, inter = config.hidden_size, config.intermediate_size
     activations = config.num_hidden_layers * tokens * size * (
         16 * hidden + config.num_experts_per_tok * (hidden + 3 * inter))
-    room = args.gpu_memory * GIB - backbone - activations - 1 * GIB  # 1 GiB: kernels' workspace, fragments
+    # slack: the largest device call, every routed row of a layer on the device (Mixtral's stacks gate_up, down)
+    working = device_working_bytes(tokens * config.num_experts_per_tok, [(hidden, 2 * inter), (inter, hidden)],
+                                   args.rank, size, config.num_local_experts) + KERNEL_WORKSPACE
+    room = args.gpu_memory * GIB - backbone - activations - working
     fits = int(room // per_expert)
     everything = config.num_hidden_layers * config.num_local_experts
     cache = args.cache_experts or min(max(fits, 1), everything)
     return cache, {"cache_experts": cache, "expert_gb": per_expert / GB, "backbone_gb": backbone / GB,
-                   "activations_gb_estimate": activations / GB, "fits_in_budget": fits,
+                   "activations_gb_estimate": activations / GB, "working_gb": working / GB, "fits_in_budget": fits,
                    "cache_gb": cache * per_expert / GB}
 
 

@@ -78,8 +78,9 @@ def _loop_linear(layer: LayerExperts, stack: str, local: int, x: torch.Tensor) -
     return y + layer.scaling * low
 
 
-def padded_bmm(x_RK: torch.Tensor, w_nKN: torch.Tensor, offs_n: torch.Tensor) -> torch.Tensor:
+def padded_bmm(x_RK: torch.Tensor, w_nKN: torch.Tensor, offs_n) -> torch.Tensor:
     """`grouped_mm` as one torch.bmm over rows padded to the busiest expert's count."""
+    offs_n = offs_n.ends if isinstance(offs_n, experts_mod.GroupOffsets) else offs_n
     counts = torch.diff(offs_n, prepend=offs_n.new_zeros(1)).long()
     most = int(counts.max())
     expert_R = torch.repeat_interleave(torch.arange(len(counts)), counts)

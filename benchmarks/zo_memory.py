@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -42,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/zo_memory.py`: the root, for benchmarks._harness
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import WIKITEXT, command, parser, run, write_results  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    MEASURED_ENV, WIKITEXT, command, parser, reset_peak, run, status_kib, write_results)
 from placement import sequential_table  # noqa: E402
 from vela_ray.data.config import DataConfig  # noqa: E402
 from vela_ray.data.datasets import batch_at, build_dataset  # noqa: E402
@@ -72,15 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --- memory probes (Linux /proc) ---------------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
-
-
-def reset_peak() -> None:
-    """Reset VmHWM (the resident-set high-water mark) to the current resident set (Linux >= 4.0)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 class SavedForBackward:
@@ -129,7 +120,7 @@ def measure(args) -> dict:
     steps = []
     for step in range(args.steps):
         before, saved = counter.snapshot(), SavedForBackward(parameter_ptrs)
-        rss_before = _status_kib("VmRSS")
+        rss_before = status_kib("VmRSS")
         reset_peak()
         start = time.perf_counter()
         with saved.hooks:
@@ -138,20 +129,20 @@ def measure(args) -> dict:
             else:
                 loss = train_step(master, workers, [batch], args.lr, max_grad_norm=1.0)
         seconds = time.perf_counter() - start
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
         moved = np.asarray((counter.snapshot() - before).bytes).sum(axis=(0, 1))
         steps.append({"loss": loss, "seconds": seconds, "rss_before_MiB": rss_before / 1024,
                       "step_peak_MiB": (peak - rss_before) / 1024, "saved_for_backward_MiB": saved.nbytes / MiB,
                       "bytes": {d: int(b) for d, b in zip(DIRECTIONS, moved)}})
     zo.settle(master, workers)
-    return {"method": args.child, "steps": steps, "process_peak_MiB": _status_kib("VmHWM") / 1024}
+    return {"method": args.child, "steps": steps, "process_peak_MiB": status_kib("VmHWM") / 1024}
 
 
 # --- both, side by side ------------------------------------------------------------------------------------
 
 
 def run_child(argv: list[str], method: str) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **MEASURED_ENV}
     done = subprocess.run([sys.executable, __file__, *argv, "--child", method], env=env, check=True,
                           capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -16,6 +16,12 @@ RayTaskError is unwrapped to its cause, and its full traceback goes to the log a
 Ctrl-C and SIGTERM ask the master to stop after the step in flight and its checkpoint
 (a second Ctrl-C kills it at once); the run then raises `RunInterrupted` naming the
 checkpoint to resume from.
+
+After the run, the driver adds the report's Samples (`vela_ray.generate.add_samples`). What was trained
+exports for serving, and generates, from here too (`vela export`, `vela generate`):
+
+    from vela_ray.api import export_run, generate
+    export_run("runs/job", "merged", "serve/job")                # or "peft", "per-expert"
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ from actors.master import MasterActor
 from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
 from vela_ray.errors import ClusterError, RunInterrupted, VelaActorError, first_line
+from vela_ray.export import export_run  # the Python API of `vela export`
+from vela_ray.generate import add_samples, generate  # `generate`: the Python API of `vela generate`
 from vela_ray.preflight import Preflight, check_cluster_resources, master_gpus, master_unschedulable
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training import checkpoint
 from vela_ray.training.summary import RunSummary
 
+__all__ = ["VelaJob", "export_run", "generate"]
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 600  # how long a stopping run may take to finish its step and checkpoint
@@ -66,7 +75,9 @@ class VelaJob:
                 update={"master_gpus": gpus})})
             if self.config.mode == "expert_parallel":
                 return _unwrapped(lambda: run_expert_parallel(self.config))
-            return self._run_master()
+            summary = self._run_master()
+            add_samples(self.config)  # base vs fine-tuned generations into the report, on the driver
+            return summary
         finally:
             if started_ray:
                 ray.shutdown()

@@ -299,5 +299,45 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+@_subcommand
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a run or checkpoint for serving: peft adapter, merged model, per-expert")
+    p.add_argument("run", type=Path, help="a run's output.dir, or one of its checkpoints (step-*)")
+    p.add_argument("--format", required=True, choices=["peft", "merged", "per-expert"],
+                   help="peft: the adapter as trained; merged: base model with the LoRA folded in, in the base "
+                        "checkpoint's layout; per-expert: the adapter under per-expert module names")
+    p.add_argument("--out", required=True, type=Path, help="directory to write (must be empty, or --force)")
+    p.add_argument("--model", type=Path, help="the base model dir (default: the run's model.path)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from vela_ray.export import export_run
+
+    exported = export_run(args.run, args.format, args.out, model_dir=args.model, force=args.force)
+    print(f"{exported.format} export of {exported.source} -> {exported.out_dir}"
+          + (f"\n{exported.note}" if exported.note else ""))
+    return 0
+
+
+@_subcommand
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="greedy generation from a model (and adapter), for a quick look")
+    p.add_argument("--model", required=True, type=Path, help="model directory (a base or a merged export)")
+    p.add_argument("--adapter", type=Path, help="peft adapter directory to apply (a run's adapter/ or an export)")
+    p.add_argument("--prompt", required=True, help="the prompt (a chat model's goes in as one user turn)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from vela_ray.generate import generate, load
+
+    model, tokenizer = load(args.model, args.adapter)
+    print(generate(model, tokenizer, args.prompt, args.max_new_tokens))
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -53,16 +53,64 @@ class ModelSection(_Section):
 
 
 class LoraSection(_Section):
+    """LoRA in peft's names (`peft.LoraConfig`), passed to peft on the master; the ExpertManagers implement the
+    same options for the expert weight stacks. Checked against the model before Ray starts (preflight)."""
+
     r: int = Field(8, ge=1, description="LoRA rank (the paper: 8)")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (the paper: 16)")
     init_adapter: UserPath | None = Field(None, description="start from this peft adapter dir (same model and rank)")
+    target_modules: list[str] | str | None = Field(
+        None, description="backbone modules to adapt, as peft takes them: names (a module whose path ends with "
+                          "one), a regex over full paths, or 'all-linear'; [] adapts no backbone module (experts "
+                          "only). None: every linear layer but lm_head and the routers (the paper)")
+    exclude_modules: list[str] | str | None = Field(None, description="peft's: modules never adapted (names or regex)")
+    expert_stacks: list[str] | Literal["all"] = Field(
+        "all", description="the experts' weight stacks to adapt ('all', or names such as [gate_up_proj, "
+                           "down_proj]); [] leaves the experts frozen (attention only)")
+    lora_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="peft's dropout on a LoRA input, in [0, 1); backbone modules only: peft "
+                                         "cannot apply it to expert stacks, so it needs expert_stacks: []")
+    rank_pattern: dict[str, int] = Field(
+        default_factory=dict, description="peft's: {key: rank} for modules or expert stacks whose path ends with "
+                                          "key (a regex), e.g. {'experts\\.\\w+': 4}")
+    alpha_pattern: dict[str, float] = Field(default_factory=dict, description="peft's: {key: alpha}, as rank_pattern")
+    use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r) instead of alpha / r")
+    init_lora_weights: Literal[True, "gaussian"] = Field(
+        True, description="peft's init of A (B starts at 0): true = kaiming-uniform, 'gaussian' = N(0, 1/r)")
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="peft's: modules trained in full, e.g. [gate] for the router (the "
+                                          "paper keeps it frozen)")
 
     @model_validator(mode="after")
     def _adapter_exists(self) -> "LoraSection":
         if self.init_adapter is not None and not (self.init_adapter / "adapter_config.json").is_file():
             raise ValueError(f"lora.init_adapter {self.init_adapter} is not a peft adapter directory "
                              "(no adapter_config.json)")
+        bad = {k: v for k, v in self.rank_pattern.items() if v < 1} | {
+            k: v for k, v in self.alpha_pattern.items() if v <= 0}
+        if bad:
+            raise ValueError(f"lora.rank_pattern/alpha_pattern {bad}: ranks must be >= 1 and alphas > 0")
+        if self.lora_dropout and self.expert_stacks != []:
+            raise ValueError(f"lora.lora_dropout {self.lora_dropout} with adapted expert stacks: peft's "
+                             "ParamWrapper cannot apply dropout to expert weights; set lora.expert_stacks: [] "
+                             "or lora.lora_dropout: 0")
         return self
+
+    def spec(self):
+        """`vela_ray.model.experts.LoraSpec` of these options (rank/alpha patterns not yet resolved against the
+        model: `vela_ray.model.adapters.resolve_expert_lora`)."""
+        from vela_ray.model.experts import LoraSpec
+
+        def names(value):
+            return value if value is None or isinstance(value, str) else tuple(value)
+
+        return LoraSpec(
+            r=self.r, alpha=self.alpha, use_rslora=self.use_rslora, init_lora_weights=self.init_lora_weights,
+            lora_dropout=self.lora_dropout, target_modules=names(self.target_modules),
+            exclude_modules=names(self.exclude_modules),
+            expert_stacks=None if self.expert_stacks == "all" else tuple(self.expert_stacks),
+            rank_pattern=tuple(self.rank_pattern.items()), alpha_pattern=tuple(self.alpha_pattern.items()),
+            modules_to_save=tuple(self.modules_to_save))
 
 
 class ClusterSection(_Section):
@@ -287,12 +335,23 @@ class TrainingSection(_Section):
         "steps with optimizer.lr and its schedule (AdamW's other settings and max_grad_norm are unused). A "
         "different optimizer: it needs many more steps and a smaller lr")
     zo: ZoSection = Field(default_factory=ZoSection, description="settings of method: zo")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward instead of keeping them (long "
+        "contexts in less master memory, ~a third more master compute); the experts' outputs are kept, so expert "
+        "rows still cross the data plane once per step each way. Unused by method: zo, which keeps no activations")
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "TrainingSection":
         if self.micro_batch_size and self.batch_size % self.micro_batch_size:
             raise ValueError(f"training.micro_batch_size ({self.micro_batch_size}) must divide "
                              f"training.batch_size ({self.batch_size})")
+        return self
+
+    @model_validator(mode="after")
+    def _zo_keeps_no_activations(self) -> "TrainingSection":
+        if self.method == "zo" and self.activation_checkpointing:
+            logger.warning("training.activation_checkpointing is unused by method: zo (its forwards keep no "
+                           "activations)")
         return self
 
     @property
@@ -324,6 +383,20 @@ class OutputSection(_Section):
                            "is deleted) instead of refusing the job")
 
 
+class ReportSection(_Section):
+    """The report's Samples section: greedy generations of the base and the fine-tuned model, side by side,
+    made on the driver after the run (`vela_ray.generate.add_samples`)."""
+
+    prompts: list[str] = Field(default_factory=list, description="prompts to generate from (a chat model's "
+                               "under its chat template); empty: the start of the first `samples` eval rows")
+    samples: int = Field(3, ge=0, description="eval rows to take prompts from when `prompts` is empty; 0 (and no "
+                                              "prompts): no samples")
+    max_new_tokens: int = Field(32, ge=1, le=1024, description="tokens generated per prompt and model")
+    samples_max_params: float = Field(
+        2e9, gt=0, description="larger models get no samples (they are generated on the driver's CPU); the "
+                               "report says why")
+
+
 class JobConfig(_Section):
     """A whole fine-tuning job."""
 
@@ -343,6 +416,7 @@ class JobConfig(_Section):
     training: TrainingSection
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    report: ReportSection = Field(default_factory=ReportSection)
     _family_check: str | None = PrivateAttr(None)
 
     @model_validator(mode="before")
@@ -435,10 +509,14 @@ class JobConfig(_Section):
 
     @property
     def lora_spec(self):
-        """`vela_ray.model.experts.LoraSpec` of the expert adapters."""
-        from vela_ray.model.experts import LoraSpec
+        """`vela_ray.model.experts.LoraSpec` of the job's LoRA, rank/alpha patterns resolved against the model
+        (each expert stack's own, `vela_ray.model.adapters.resolve_expert_lora`), as workers need it."""
+        spec = self.lora.spec()
+        if not (spec.rank_pattern or spec.alpha_pattern):
+            return spec
+        from vela_ray.model.adapters import resolve_expert_lora_of
 
-        return LoraSpec(self.lora.r, self.lora.alpha)
+        return resolve_expert_lora_of(self.model.path, spec, self.model.trust_remote_code)
 
     @property
     def torch_dtype(self):

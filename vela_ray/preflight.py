@@ -68,6 +68,7 @@ def preflight(config: JobConfig) -> Preflight:
     check_seq_len(config, model)
     check_placement_file(config, model)
     check_profile_file(config, model)
+    check_lora_options(config)
     check_init_adapter(config)
     check_packing(config)
     train_rows = check_data(config)
@@ -203,6 +204,28 @@ def check_profile_file(config: JobConfig, model: ModelFacts) -> None:
         raise ValueError(
             f"placement.profile {path} is {probs.shape[0]}x{probs.shape[1]} (layers x experts) but model.path "
             f"has {wanted[0]}x{wanted[1]}; profile this model with `vela profile --model {config.model.path}`")
+
+
+def check_lora_options(config: JobConfig) -> None:
+    """The `lora` section against the model's architecture (a meta-device skeleton): a target module, expert
+    stack or rank/alpha pattern that matches nothing, or a router as a LoRA target where it is no linear layer
+    (`adapters.check_lora_targets`)."""
+    if config.lora == type(config.lora)(init_adapter=config.lora.init_adapter, r=config.lora.r,
+                                        alpha=config.lora.alpha):
+        return  # the paper's targets, which every verified family supports
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vela_ray.model.adapters import check_lora_targets
+
+    trust = config.model.trust_remote_code
+    try:
+        model_config = AutoConfig.from_pretrained(str(config.model.path), trust_remote_code=trust)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust)
+        check_lora_targets(skeleton, config.lora.spec())
+    except ValueError as err:  # its messages name the lora field
+        raise ValueError(first_line(err)) from None
 
 
 def check_init_adapter(config: JobConfig) -> None:

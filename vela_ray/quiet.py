@@ -36,11 +36,19 @@ def silence_known_warnings() -> None:
     """
     # peft's PeftModel.__init__ (get_peft_model: the master's model and the meta skeletons that
     # export_adapter/read_adapter build) reads transformers' deprecated `is_gradient_checkpointing`.
-    # The alias returns `is_activation_checkpointing` unchanged, and vela-ray refuses checkpointing
-    # anyway (modeling.attach_brokers), so the answer peft gets is right; the fix belongs to peft.
+    # The alias returns `is_activation_checkpointing` unchanged, so the answer peft gets is right; the fix
+    # belongs to peft.
     warnings.filterwarnings(
         "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
         module=r"transformers\.modeling_utils",
+    )
+    # lora.rank_pattern/alpha_pattern keys for expert stacks (`experts\.\w+`): peft applies them to the
+    # target_parameters it adapts but says they "did not match any targeted module and were ignored" (it
+    # checks only modules). A key that really matches nothing is refused by preflight
+    # (`adapters.check_lora_targets`), so this warning is never the only sign of a mistake.
+    warnings.filterwarnings(
+        "ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted module",
+        category=RuntimeWarning, module=r"peft\.",
     )
     # data_plane.zero_copy_tensors (default on) starts vela's actors with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS,
     # and Ray then warns on the first tensor each process sends. Zero-copy is only unsafe for tensors

@@ -29,7 +29,7 @@ RUN_FILE = "run.json"
 # What a run leaves in output.dir: any of them (without run.json: a run of an older vela-ray) means a run is there.
 RUN_ARTEFACTS = (RUN_FILE, "summary.json", "config.json", "adapter", "checkpoints", "workers.json")
 MATH_FIELDS = (  # dotted paths into the config; a section name takes all of it
-    "model.path", "model.dtype", "data", "lora.r", "lora.alpha", "training.batch_size", "training.seed",
+    "model.path", "model.dtype", "data", "lora", "training.batch_size", "training.seed",
     "training.eval_fraction", "training.method", "training.optimizer", "training.zo", "training.condensation",
     "data_plane.row_format",
 )
@@ -78,7 +78,8 @@ def _flatten(prefix: str, value: Any) -> dict[str, Any]:
 def check_same_math(saved: dict[str, Any], config: dict[str, Any], checkpoint: Path) -> None:
     """Refuse to continue checkpoint `checkpoint` (of a run whose math was `saved`) with another config."""
     now = math_of(config)
-    differ = [f"{k}: checkpoint {saved.get(k)!r} vs this job {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+    # a field the checkpoint does not name is newer than it: that run had the field's default behaviour
+    differ = [f"{k}: checkpoint {saved.get(k)!r} vs this job {now.get(k)!r}" for k in sorted(saved)
               if saved.get(k) != now.get(k)]
     if differ:
         raise ValueError(f"checkpoint.resume (--resume) {checkpoint} is of a run with other settings ("

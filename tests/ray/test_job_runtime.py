@@ -111,3 +111,20 @@ def test_a_model_with_its_own_code_trains_through_ray_equal_to_peft(ray_session,
     assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["pids"])) == 3  # real actors
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(reference_losses(config)[0]),
                                rtol=1e-5, atol=0)
+
+
+def test_a_checkpointed_job_through_ray_equals_peft_and_sends_what_an_unchecked_one_does(ray_session, tmp_path):
+    """Activation checkpointing over the collective plane (the default): ExpertManager actors in their own
+    processes, the master recomputing its layers and replaying the experts' outputs."""
+    model_dir = make_checkpoint(tmp_path / "model", "mixtral")
+    lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))}
+    summaries = {}
+    for on in (False, True):
+        job = job_dict(model_dir, tmp_path / f"out-{on}", steps=3, lora=lora,
+                       training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1},
+                                 "activation_checkpointing": on})
+        summaries[on] = VelaJob(JobConfig.from_dict(job)).run()
+    ref_losses, _ = reference_losses(JobConfig.from_dict(job))
+    torch.testing.assert_close(torch.tensor(summaries[True].losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert summaries[True].traffic_bytes_by_worker == summaries[False].traffic_bytes_by_worker
+    assert summaries[True].tokens_routed == summaries[False].tokens_routed

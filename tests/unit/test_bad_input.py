@@ -213,6 +213,22 @@ CASES: dict[str, tuple[Case, str]] = {
         _adapter_of_another_model,
         r"lora\.init_adapter: .*adapter: \S+ has shape \[\d+, 48\] but this model needs \[\d+, 32\]; "
         r"use an adapter of this model"),
+    "LoRA target that matches nothing": (
+        lambda t, m: (_job(t, m, lora={"target_modules": ["q_proj", "qkv_proj"]}), None),
+        r"lora\.target_modules entry 'qkv_proj' matches no module of MixtralForCausalLM"),
+    "LoRA rank pattern that matches nothing": (
+        lambda t, m: (_job(t, m, lora={"rank_pattern": {"w2": 4}}), None),
+        r"lora\.rank_pattern key 'w2' matches no adapted module or expert stack"),
+    "LoRA on a router that is no linear layer": (
+        lambda t, m: (_job(t, m, lora={"target_modules": ["gate"]}), None),
+        r"lora\.target_modules adapts the router model\.layers\.0\.mlp\.gate of MixtralForCausalLM, a "
+        r"MixtralTopKRouter, not a linear layer.*lora\.modules_to_save instead"),
+    "LoRA dropout outside [0, 1)": (
+        lambda t, m: (_job(t, m, lora={"lora_dropout": 1.0, "expert_stacks": []}), None),
+        r"lora\.lora_dropout.*less than 1"),
+    "LoRA dropout on expert stacks": (
+        lambda t, m: (_job(t, m, lora={"lora_dropout": 0.1}), None),
+        r"lora\.lora_dropout 0\.1 with adapted expert stacks: peft's ParamWrapper cannot apply dropout"),
     "output dir under a file": (
         _output_under_a_file, r"output\.dir .*blocker/out cannot be created or written"),
     "output dir is a file": (

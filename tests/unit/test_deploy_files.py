@@ -55,11 +55,13 @@ def _job_path(config_arg: str) -> Path:
 
 def _stand_in_missing_paths(raw: dict, tmp_path: Path) -> dict:
     """Cluster-only data (an absolute path that does not exist here) replaced by a tmp file of the same kind:
-    the first Alpaca records of the bundled GSM8K set (the deploy jobs train on Alpaca-style records)."""
+    the first Alpaca records of the bundled GSM8K set (the deploy jobs train on Alpaca-style records), 64 per
+    512 tokens of the job's rows (a long-context job packs many into each)."""
     data = dict(raw["data"])
     if Path(data["path"]).is_absolute() and not Path(data["path"]).exists():
         data["path"] = str(tmp_path / Path(data["path"]).name)
-        Path(data["path"]).write_text(json.dumps(json.loads(STAND_IN_DATA.read_text())[:64]))
+        records = 64 * max(1, data.get("seq_len", 512) // 512)
+        Path(data["path"]).write_text(json.dumps(json.loads(STAND_IN_DATA.read_text())[:records]))
     return {**raw, "data": data}
 
 

@@ -25,13 +25,13 @@ LAYERS: list[list[str]] = [
     ["vela_ray.data"],
     ["vela_ray.training"],
     ["vela_ray.config", "vela_ray.preflight"],
-    ["vela_ray.observability", "vela_ray.baselines"],
+    ["vela_ray.observability", "vela_ray.baselines", "vela_ray.export", "vela_ray.generate"],
     ["vela_ray.runtime"],
     ["actors"],
     ["vela_ray.api", "vela_ray.cli", "vela_ray.demo"],
 ]
 MODEL_SIDE = ["placement", "vela_ray.model", "vela_ray.data", "vela_ray.training", "vela_ray.observability",
-              "vela_ray.baselines", "vela_ray.runtime", "vela_ray.config"]
+              "vela_ray.baselines", "vela_ray.runtime", "vela_ray.config", "vela_ray.export", "vela_ray.generate"]
 
 
 def _layer_of(module: str) -> int | None:

@@ -89,13 +89,6 @@ def test_experts_with_a_parameter_that_is_not_per_expert_are_refused():
         find_moe_blocks(model)
 
 
-def test_gradient_checkpointing_is_refused_with_the_fix():
-    model = debug_model("mixtral")
-    model.activation_checkpointing_enable()
-    with pytest.raises(ValueError, match=r"checkpointing enabled.*model\.activation_checkpointing_disable\(\)"):
-        _split(model, torch.zeros(2, 6, dtype=torch.long))
-
-
 def test_attaching_brokers_reads_no_deprecated_transformers_api():
     """attach_brokers asks `is_activation_checkpointing`; the old alias warns in every master (issue 12)."""
     with warnings.catch_warnings(record=True) as caught:

@@ -15,12 +15,16 @@ those as fused matrices; for a parameter with E experts and rank r:
     lora_B: [out, r*E]  expert e owns columns e, e+E, e+2E, ...  (reshape(out, r, E)[:, :, e])
 
 `read_adapter` inverts this, so an adapter loads into any placement or worker count.
-The router (`gate`) and `lm_head` are never adapted (the paper: all linear layers but the gate).
+By default the router (`gate`) and `lm_head` are not adapted (the paper: all linear layers but the gate);
+`LoraSpec` (the job's `lora` section) passes peft's other choices through: target and excluded modules, which
+expert stacks, rank/alpha patterns (resolved per expert stack by peft's rule, `resolve_expert_lora`), rsLoRA,
+init, backbone dropout and `modules_to_save` (the router trained in full), each checked by `check_lora_targets`.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -28,9 +32,12 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft.tuners.lora.layer import ParamWrapper
+from peft.tuners.tuners_utils import check_target_module_exists
+from peft.utils.constants import DUMMY_TARGET_MODULES
+from peft.utils.other import get_pattern_key
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from vela_ray.model.experts import ExpertKey, LoraSpec, slot_name
 from vela_ray.model.modeling import find_moe_blocks
@@ -41,8 +48,9 @@ _ROUTER_NAMES = re.compile(r"(^gate$|_gate$|router)")
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def linear_targets(model: nn.Module) -> str:
-    """A regex over the module paths of every nn.Linear to adapt (all but lm_head and routers).
+def linear_targets(model: nn.Module, routers: bool = False) -> str:
+    """A regex over the module paths of every nn.Linear to adapt (all but lm_head, and routers unless `routers`:
+    `lora.target_modules: all-linear`, peft's meaning, so a linear router or shared-expert gate is adapted).
 
     Exact paths (layer numbers as \\d+), and without the leaf names that peft's
     transformers-v4 compatibility layer rewrites into *expert* targets for some
@@ -57,7 +65,7 @@ def linear_targets(model: nn.Module) -> str:
     paths = [
         path for path, mod in model.named_modules()
         if type(mod) is nn.Linear  # subclasses (DeepSeek-V4's grouped o_a_proj) have semantics peft's LoRA breaks
-        and not path.endswith("lm_head") and not _ROUTER_NAMES.search(path.rsplit(".", 1)[-1])
+        and not path.endswith("lm_head") and (routers or not _ROUTER_NAMES.search(path.rsplit(".", 1)[-1]))
         and _peft_accepts(model, path.rsplit(".", 1)[-1])
     ]
     rewritten = _leaf_names_peft_rewrites(model, {p.rsplit(".", 1)[-1] for p in paths})
@@ -123,27 +131,151 @@ def _leaf_names_peft_rewrites(model: nn.Module, leaf_names: set[str]) -> set[str
 
 
 def full_lora_config(model: nn.Module, lora: LoraSpec) -> LoraConfig:
-    """The peft config of the *original* model: linear layers + fused expert parameters."""
+    """The peft config of the *original* model: linear layers + fused expert parameters, with the job's
+    options in peft's names (checked against `model` first, `check_lora_targets`)."""
+    check_lora_targets(model, lora)
+    stacks = expert_parameters(model, lora)
+    if lora.target_modules in (None, "all-linear"):
+        # "all-linear" as explicit paths: peft 0.21 expands it to leaf names that its transformers-v4 conversion
+        # then maps onto the experts and routers of some families (Mixtral: a doubled expert rank), see linear_targets
+        targets = linear_targets(model, routers=lora.target_modules == "all-linear")
+    else:
+        targets = _peft_list(lora.target_modules) or None
     return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
-        lora_dropout=0.0,
-        target_modules=linear_targets(model),
-        target_parameters=expert_parameters(model),
+        lora_dropout=lora.lora_dropout,
+        target_modules=DUMMY_TARGET_MODULES if targets is None and not stacks else targets,
+        exclude_modules=_peft_list(lora.exclude_modules),
+        target_parameters=stacks or None,
+        rank_pattern=dict(lora.rank_pattern),
+        alpha_pattern=dict(lora.alpha_pattern),
+        use_rslora=lora.use_rslora,
+        init_lora_weights=lora.init_lora_weights,
+        modules_to_save=list(lora.modules_to_save) or None,
     )
 
 
-def expert_parameters(model: nn.Module) -> list[str]:
-    """peft `target_parameters` of the experts: every weight stack of every MoE block's experts class."""
-    return sorted({f"experts.{stack}" for block in find_moe_blocks(model) for stack in block.layout.stacks})
+def expert_parameters(model: nn.Module, lora: LoraSpec = LoraSpec()) -> list[str]:
+    """peft `target_parameters` of the experts: every weight stack of every MoE block's experts class, or
+    those `lora.expert_stacks` names."""
+    return sorted({f"experts.{stack}" for block in find_moe_blocks(model) for stack in block.layout.stacks
+                   if lora.expert_stacks is None or stack in lora.expert_stacks})
+
+
+def resolve_expert_lora(model: nn.Module, lora: LoraSpec) -> LoraSpec:
+    """`lora` with `resolved` filled: (MoE layer, stack, r, alpha) of every adapted expert stack, by peft's own
+    rule for `target_parameters` (`get_pattern_key` over "<experts path>.<stack>", as `LoraModel.
+    _create_and_replace` matches rank_pattern/alpha_pattern keys), so workers need no module paths."""
+    resolved = []
+    for block in find_moe_blocks(model):
+        for stack in block.layout.stacks:
+            if lora.expert_stacks is not None and stack not in lora.expert_stacks:
+                continue
+            key = f"{block.experts_path}.{stack}"
+            ranks, alphas = dict(lora.rank_pattern), dict(lora.alpha_pattern)
+            r = ranks.get(get_pattern_key(ranks.keys(), key), lora.r)
+            alpha = alphas.get(get_pattern_key(alphas.keys(), key), lora.alpha)
+            resolved.append((block.index, stack, int(r), float(alpha)))
+    return dataclasses.replace(lora, resolved=tuple(resolved))
+
+
+def resolve_expert_lora_of(model_dir: str | Path, lora: LoraSpec, trust_remote_code: bool = False) -> LoraSpec:
+    """`resolve_expert_lora` against a checkpoint's architecture (on the meta device: no weights read)."""
+    model_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    return resolve_expert_lora(skeleton, lora)
+
+
+def check_lora_targets(model: nn.Module, lora: LoraSpec) -> None:
+    """The job's LoRA options against `model`, refused in one line (ValueError) where peft would adapt nothing
+    or something else than asked: a target module or expert stack that matches nothing, a rank/alpha pattern
+    that matches no adapted module or stack, a router (or other non-linear module) as a LoRA target, dropout
+    on expert stacks (peft's `ParamWrapper` refuses it)."""
+    blocks = find_moe_blocks(model)
+    stacks = {stack for block in blocks for stack in block.layout.stacks}
+    unknown = sorted(set(lora.expert_stacks or ()) - stacks)
+    if unknown:
+        raise ValueError(f"lora.expert_stacks {unknown} match no expert weight stack of {type(model).__name__} "
+                         f"(it has {sorted(stacks)})")
+    if lora.lora_dropout and expert_parameters(model, lora):
+        raise ValueError(f"lora.lora_dropout {lora.lora_dropout} with adapted expert stacks: peft's ParamWrapper "
+                         "cannot apply dropout to expert weights; set lora.expert_stacks: [] or lora_dropout: 0")
+    paths = [path for path, _ in model.named_modules() if path]
+    for name in lora.modules_to_save:  # peft's match: a module path ending with the name
+        matched = [path for path in paths if path.endswith(name)]
+        if not matched:
+            raise ValueError(f"lora.modules_to_save entry {name!r} matches no module of {type(model).__name__}")
+        on_workers = [path for path in matched if any(path.startswith(b.experts_path) for b in blocks)]
+        if on_workers:
+            raise ValueError(f"lora.modules_to_save entry {name!r} matches {on_workers[0]}, expert weights that "
+                             "live on the ExpertManagers; adapt them with lora.expert_stacks instead")
+    adapted = _backbone_targets(model, lora, blocks)
+    adapted += [f"{block.experts_path}.{stack}" for block in blocks for stack in block.layout.stacks
+                if lora.expert_stacks is None or stack in lora.expert_stacks]
+    for field in ("rank_pattern", "alpha_pattern"):
+        for pattern, _ in getattr(lora, field):
+            if not any(re.match(rf"(.*\.)?({pattern})$", path) for path in adapted):
+                raise ValueError(f"lora.{field} key {pattern!r} matches no adapted module or expert stack of "
+                                 f"{type(model).__name__} (e.g. {adapted[:2]})")
+    if not adapted and not lora.modules_to_save:
+        raise ValueError("lora: nothing to train (no target_modules, no expert_stacks, no modules_to_save)")
+
+
+def _backbone_targets(model: nn.Module, lora: LoraSpec, blocks) -> list[str]:
+    """Module paths `lora.target_modules` adapts in `model` (peft's `check_target_module_exists`; None and
+    "all-linear" as `full_lora_config` expands them); ValueError for a target that matches nothing, a module
+    peft's LoRA cannot wrap, or a name peft's v4 conversion would move onto the experts."""
+    if lora.target_modules in (None, "all-linear"):
+        pattern = re.compile(linear_targets(model, routers=lora.target_modules == "all-linear"))
+        probe = LoraConfig(r=1, target_modules=pattern.pattern, exclude_modules=_peft_list(lora.exclude_modules),
+                           modules_to_save=_peft_list(lora.modules_to_save))
+        return [path for path, _ in model.named_modules() if check_target_module_exists(probe, path)]
+    inside_experts = tuple(f"{block.experts_path}." for block in blocks)
+    routers = {f"{block.path}.{name}" for block in blocks for name, child in block.block.named_children()
+               if child is not block.block.experts and not any(True for _ in child.children())
+               and _ROUTER_NAMES.search(name)}
+    modules = {path: mod for path, mod in model.named_modules() if path and not path.startswith(inside_experts)}
+    probe = LoraConfig(r=1, target_modules=_peft_list(lora.target_modules),
+                       exclude_modules=_peft_list(lora.exclude_modules),
+                       modules_to_save=_peft_list(lora.modules_to_save))
+    matched = [path for path in modules if check_target_module_exists(probe, path)]
+    if isinstance(lora.target_modules, tuple):
+        for name in lora.target_modules:
+            if not any(path == name or path.endswith(f".{name}") for path in matched):
+                raise ValueError(f"lora.target_modules entry {name!r} matches no module of {type(model).__name__}")
+    elif lora.target_modules and not matched:
+        raise ValueError(f"lora.target_modules {lora.target_modules!r} matches no module of {type(model).__name__}")
+    for path in matched:
+        if type(modules[path]) is not nn.Linear:
+            what = "the router" if path in routers else "a module"
+            raise ValueError(f"lora.target_modules adapts {what} {path} of {type(model).__name__}, a "
+                             f"{type(modules[path]).__name__}, not a linear layer peft's LoRA can wrap; "
+                             + ("train it in full with lora.modules_to_save instead" if path in routers
+                                else "target linear layers only"))
+    if isinstance(lora.target_modules, tuple):
+        rewritten = _leaf_names_peft_rewrites(model, {path.rsplit(".", 1)[-1] for path in matched})
+        if rewritten:
+            raise ValueError(f"lora.target_modules names {sorted(rewritten)}, which peft maps onto the experts of "
+                             f"{type(model).__name__} (its transformers-v4 conversion); name those modules by a "
+                             "regex over their paths instead")
+    return matched
+
+
+def _peft_list(value):
+    """A LoraSpec field as peft takes it: a regex string, a list of names, or None."""
+    return value if value is None or isinstance(value, str) else list(value)
 
 
 def backbone_lora_config(full: LoraConfig) -> LoraConfig:
-    """The same config without the expert parameters, for the master's stripped model."""
+    """The same config without the expert parameters, for the master's stripped model (peft's dummy target
+    where only experts or modules_to_save train: a PeftModel that adapts nothing of the backbone)."""
     kwargs = full.to_dict()
     kwargs.pop("peft_type", None)
     kwargs.pop("task_type", None)
     kwargs["target_parameters"] = None
+    kwargs["target_modules"] = kwargs.get("target_modules") or DUMMY_TARGET_MODULES
     return LoraConfig(**{k: v for k, v in kwargs.items() if k in LoraConfig.__dataclass_fields__})
 
 
@@ -218,9 +350,9 @@ def export_adapter(
     """
     skeleton, blocks = _peft_skeleton(config, lora_config)
     prefixes = _expert_param_keys(skeleton, blocks)
-    num_layers = 1 + max(layer for layer, _ in prefixes)
     num_experts = blocks[0].layout.num_experts
-    missing = [(l, e) for l in range(num_layers) for e in range(num_experts) if (l, e) not in expert_state]
+    missing = [(l, e) for l in {layer for layer, _ in prefixes} for e in range(num_experts)
+               if (l, e) not in expert_state]
     if missing:
         raise ValueError(
             f"cannot export adapter: {len(missing)} experts have no LoRA state, e.g. {missing[:6]}; "
@@ -253,7 +385,9 @@ def read_adapter(adapter_dir: str | Path, config: PretrainedConfig):
     _check_shapes(adapter_dir, state, skeleton)
     prefixes = _expert_param_keys(skeleton, blocks)
     num_experts = blocks[0].layout.num_experts
-    expert_state: dict[ExpertKey, dict[str, torch.Tensor]] = {}
+    # every expert, with no factors where its stacks are frozen (`lora.expert_stacks`)
+    expert_state: dict[ExpertKey, dict[str, torch.Tensor]] = {
+        (block.index, e): {} for block in blocks for e in range(block.layout.num_experts)}
     for (layer, slot), prefix in prefixes.items():
         keys = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
         if not all(k in state for k in keys):

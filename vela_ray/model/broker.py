@@ -18,10 +18,18 @@ forwards send only a representative of each group of similar rows of one expert 
 and every row takes its representative's output (`ExpertBroker._condense`); with a low-bit
 `row_format` (`vela_ray.model.wire`) rows, results and gradients travel in bf16 or fp8.
 Traffic is counted here, once, for every transport, in the bytes that travel.
+
+Activation checkpointing (`recompute_contexts`, torch's non-reentrant checkpoint around decoder
+layers): a checkpointed layer runs its forward twice, once in the forward pass and again in backward
+to rebuild what it saved. The first broker call records its plan, key and the experts' output; the
+recompute replays them, so no row crosses the data plane a second time, the routing is counted
+once, and backward still goes through the first call's `_RemoteExperts` node and its key.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import time
 from dataclasses import dataclass
@@ -161,21 +169,82 @@ def _concat_in_plan_order(plan: DispatchPlan, parts: dict[int, torch.Tensor], li
     return torch.cat([wire.decode(parts[w].to(like.device), like.dtype) for w, _, _ in plan.worker_rows])
 
 
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class _RemoteExperts(torch.autograd.Function):
-    """rows -> expert outputs, computed wherever the experts live; backward goes there too."""
+    """rows -> expert outputs, computed wherever the experts live; backward goes there too.
+    `replayed`: a checkpoint's recompute, which returns the first forward's output and sends nothing
+    (its node's backward never runs: backward goes through the first forward's node)."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, grad_anchor, dispatcher: ExpertDispatcher, plan: DispatchPlan, key):
+    def forward(ctx, hidden_TD, grad_anchor, dispatcher: ExpertDispatcher, plan: DispatchPlan, key,
+                replayed: torch.Tensor | None = None):
         ctx.dispatcher, ctx.plan, ctx.key, ctx.num_tokens = dispatcher, plan, key, hidden_TD.shape[0]
+        if replayed is not None:
+            return replayed.detach()
         rows_RD = hidden_TD.index_select(0, plan.token_idx_R.to(hidden_TD.device))
-        return dispatcher.forward(plan, rows_RD, key)
+        # In-process workers build their graphs in this thread: keep them out of any saved-tensor hooks of the
+        # master's (an activation checkpoint would drop them, and its recompute never rebuilds them)
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            return dispatcher.forward(plan, rows_RD, key)
 
     @staticmethod
     def backward(ctx, grad_out_RD):
         grad_rows_RD = ctx.dispatcher.backward(ctx.plan, grad_out_RD.contiguous(), ctx.key)
         grad_TD = grad_rows_RD.new_zeros(ctx.num_tokens, grad_rows_RD.shape[1])
         grad_TD.index_add_(0, ctx.plan.token_idx_R.to(grad_TD.device), grad_rows_RD)
-        return grad_TD, None, None, None, None
+        return grad_TD, None, None, None, None, None
+
+
+@dataclass
+class _BrokerCall:
+    """What a broker call in a checkpointed layer's first forward decided and got back."""
+
+    plan: DispatchPlan
+    selection: object  # condensation's selection, or None
+    sent: DispatchPlan
+    key: tuple[int, int]
+    expert_out_RD: torch.Tensor  # detached: the recompute's copy of the first forward's output
+
+
+class _LayerCalls:
+    """The broker calls of one checkpointed layer call: recorded in its forward, replayed in order
+    in its recompute, each dropped once replayed."""
+
+    def __init__(self):
+        self.calls: list[_BrokerCall | None] = []
+        self.replaying = False
+        self.next = 0
+
+    @contextlib.contextmanager
+    def active(self, replaying: bool):
+        self.replaying, self.next = replaying, 0
+        token = _CHECKPOINTED_LAYER.set(self)
+        try:
+            yield
+        finally:
+            _CHECKPOINTED_LAYER.reset(token)
+
+    def replay(self) -> _BrokerCall:
+        if self.next >= len(self.calls) or self.calls[self.next] is None:
+            raise RuntimeError("a checkpointed layer's recompute called the expert broker more often than its "
+                               "forward did (its routing is not deterministic?)")
+        call, self.calls[self.next] = self.calls[self.next], None
+        self.next += 1
+        return call
+
+
+_CHECKPOINTED_LAYER: contextvars.ContextVar[_LayerCalls | None] = contextvars.ContextVar(
+    "vela_checkpointed_layer", default=None)
+
+
+def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint's `context_fn` for decoder layers with brokers: the layer's forward records
+    its broker calls, its recompute in backward replays them (see the module docstring)."""
+    layer = _LayerCalls()
+    return layer.active(replaying=False), layer.active(replaying=True)
 
 
 def grouped_routing(grouped_XD: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,23 +284,36 @@ class ExpertBroker(nn.Module):
     def _routed(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
                 token_T: torch.Tensor | None = None):
         """`token_T`: the model's token of each row of hidden_TD when they differ (grouped calls)."""
-        plan = self.dispatcher.plan(self.layer, top_k_index_TK)
-        if self.dispatcher.plan_observer is not None:
-            self.dispatcher.plan_observer(plan, token_T)
         track_grad = torch.is_grad_enabled()
-        key = self.dispatcher.new_key(self.layer) if track_grad else None
+        checkpointed = _CHECKPOINTED_LAYER.get() if track_grad else None
+        if checkpointed is not None and checkpointed.replaying:
+            call = checkpointed.replay()
+            plan, selection, sent, key, replayed = call.plan, call.selection, call.sent, call.key, call.expert_out_RD
+        else:
+            plan, selection, sent, key, replayed = self._dispatch(hidden_TD, top_k_index_TK, token_T, track_grad)
         # The anchor makes the Function's output require grad even when no input does
         # (no backbone adapter upstream), so expert LoRA still gets its backward.
         anchor = torch.zeros((), requires_grad=track_grad)
-        selection = self._condense(hidden_TD, plan, token_T) if track_grad and self.training else None
-        sent = plan if selection is None else plan.subset(selection.kept_R)
-        expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, sent, key)
+        expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, sent, key, replayed)
+        if checkpointed is not None and not checkpointed.replaying:
+            checkpointed.calls.append(_BrokerCall(plan, selection, sent, key, expert_out_RD.detach()))
         if selection is not None:
             expert_out_RD = self.dispatcher.condenser.expand(selection, expert_out_RD)
         token_idx_R = plan.token_idx_R.to(hidden_TD.device)
         weights_R = top_k_weights_TK[token_idx_R, plan.k_pos_R.to(hidden_TD.device)]
         weighted_RD = (expert_out_RD * weights_R[:, None]).to(hidden_TD.dtype)
         return torch.zeros_like(hidden_TD).index_add(0, token_idx_R, weighted_RD)
+
+    def _dispatch(self, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, token_T: torch.Tensor | None,
+                  track_grad: bool):
+        """A first forward's decisions: the plan (routing counted), its key and which rows travel."""
+        plan = self.dispatcher.plan(self.layer, top_k_index_TK)
+        if self.dispatcher.plan_observer is not None:
+            self.dispatcher.plan_observer(plan, token_T)
+        key = self.dispatcher.new_key(self.layer) if track_grad else None
+        selection = self._condense(hidden_TD, plan, token_T) if track_grad and self.training else None
+        sent = plan if selection is None else plan.subset(selection.kept_R)
+        return plan, selection, sent, key, None
 
     def _condense(self, hidden_TD: torch.Tensor, plan: DispatchPlan, token_T: torch.Tensor | None):
         """Token condensation (LOSSY, opt-in; `vela_ray.model.condensation`): which rows travel, or None

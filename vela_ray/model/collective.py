@@ -8,12 +8,15 @@ ExpertManager) receives them, computes, and sends back a reply and the result.
 
 Two planes. The control plane is a gloo group of small CPU tensors told apart by tags; a dead
 peer closes its TCP connection, so a wait on it fails at once (`PeerLostError`), a hung one after
-`timeout_s`. The data plane is a second group that carries only the [R, D] payloads, on each
-rank's device: NCCL when every rank has a CUDA device of its own (`data_backend`; NCCL refuses two
-ranks on one GPU), gloo otherwise. NCCL ignores tags, so the data plane uses one tag and relies on
-posting order alone: for each worker both sides post its sends and receives in the same order,
-whatever the outcome (a failed request still sends its zeros). The CPU tests, on a gloo data
-plane, run the very protocol NCCL runs.
+`timeout_s`. Only a link's errors (`is_link_error`: torch.distributed's `DistError` family, gloo's
+transport errors) read as a lost peer, on either side: the master's own out of memory or CUDA error
+is raised as itself, and a worker's is answered (below), never taken for its link closing. The
+data plane is a second group that carries only the [R, D] payloads, on each rank's device: NCCL
+when every rank has a CUDA device of its own (`data_backend`; NCCL refuses two ranks on one GPU),
+gloo otherwise. NCCL ignores tags, so the data plane uses one tag and relies on posting order
+alone: for each worker both sides post its sends and receives in the same order, whatever the
+outcome (a failed request still sends its zeros; one that cannot, below, drops the plane). The CPU
+tests, on a gloo data plane, run the very protocol NCCL runs.
 
     control plane (gloo, CPU tensors, tags)
     master -> worker   header int64 [op, layer, key id, rows R, width D, dtype,     TAG_HEADER
@@ -21,24 +24,44 @@ plane, run the very protocol NCCL runs.
                        forward with n = -1: expert ids int64 [R]                   TAG_IDS
                        OP_DATA_PLANE: JSON text uint8 [R]                          TAG_TEXT
     worker -> master   reply int64 [status, text length]                          TAG_REPLY
-                       status ERROR: the error; setup: the answer; uint8 [length]  TAG_TEXT
+                       status ERROR / OUT_OF_STEP: the error; setup: the answer;   TAG_TEXT
+                       uint8 [length]
     data plane (nccl or gloo, tensors on the rank's device, TAG_DATA, posting order)
     master -> worker   forward: rows [R, D]; backward: d(outputs) [R, D]
-    worker -> master   result [R, D] in the request's dtype (zeros on error)
+    worker -> master   result [R, D] in the request's dtype (zeros on error; none when OUT_OF_STEP)
 
 A forward's expert ids ride in its header as (expert, count) runs: the broker groups a worker's
 rows by expert, so a layer's request has one run per expert it reaches, and the ids cost no message
 of their own (a message whose receive the worker can only post after the header, as for the rows).
 Past MAX_RUNS runs they follow on TAG_IDS.
 
-The result has the request's shape and dtype, so the master posts every receive of a layer at
-once, before any worker has answered. It waits for a worker's reply on the control plane before
-it waits for that worker's result: the reply proves the worker alive and past its compute (on a
+The result has the request's shape and dtype, so the master allocates every buffer of a layer
+first (an allocation that fails posts nothing) and posts every receive at once, before any worker
+has answered. It waits for a worker's reply on the control plane before it waits for that
+worker's payload send and result: the reply proves the worker alive and past its compute (on a
 GPU: launched), and it posts the result's send right after. With NCCL a data-plane wait does
 not block the host (it orders the current CUDA stream after the transfer), so time is bounded by
-the control plane; NCCL's own watchdog (twice `timeout_s`) only backs up a worker that dies
-between its reply and its result. After a lost peer `close` tells the other workers to stop and
-drops both groups (NCCL's are aborted; gloo's sockets close as the group goes).
+the control plane, and the results whose arrival the host has not seen are kept with a deadline
+(`timeout_s` after the reply): each layer checks them without waiting, and `settle` polls them
+(`backward` calls it once no saved forward is left, the end of a micro-batch, before the host reads
+its loss; a forward-only caller may call it before reading its own), so a worker that dies between
+its reply and its result is named `PeerLostError`, not a CUDA synchronization blocked forever.
+Behind that, NCCL's watchdog (twice `timeout_s`) runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 unless
+set otherwise: it aborts the communicators and fails the work instead of ending the process.
+After a lost peer `close` tells the other workers to stop and drops both groups (NCCL's are
+aborted; gloo's sockets close as the group goes).
+
+Failures that are no link's. A worker's compute error is answered ERROR with its zeros: the
+request's own payload buffer zeroed in place, so the reply allocates nothing. If a worker cannot
+allocate a request's receive buffer (after emptying CUDA's cache once), it cannot take the payload
+the master already posted, so it answers OUT_OF_STEP, posting nothing on the data plane, with a
+text naming the layer, the buffer's shape, dtype, MiB and device; as it does when zeroing fails
+(a CUDA error) or the loop fails outside the compute (logged with its cause, then answered). The
+master raises the `ExpertWorkerError` naming the worker, aborts the data plane (its send and
+receive for that worker stay unmatched) and refuses it from then on in one line; the control plane
+still reaches every worker, so `close` stops their loops as usual. The job stops on that error, or
+a new transport forms new planes. A failure of the master's own once a layer's posting began does
+the same, raised as itself.
 
 Setup, once, on the control plane (`form_data_plane`): OP_DESCRIBE asks each worker for its
 device (`device_descriptor`), the master picks the backend, OP_DATA_PLANE sends the rendezvous
@@ -57,6 +80,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Hashable, Literal, Protocol
@@ -72,7 +97,7 @@ from vela_ray.model.transport import ForwardRequest
 logger = logging.getLogger(__name__)
 
 OP_STOP, OP_FORWARD, OP_BACKWARD, OP_DESCRIBE, OP_DATA_PLANE = range(5)
-STATUS_OK, STATUS_ERROR = 0, 1
+STATUS_OK, STATUS_ERROR, STATUS_OUT_OF_STEP = 0, 1, 2  # out of step: the worker posted nothing on the data plane
 TAG_HEADER, TAG_IDS, TAG_REPLY, TAG_TEXT = range(4)  # control plane
 HEADER_FIELDS = 7  # op, layer, key id, rows, width, dtype, runs (-1: the ids follow on TAG_IDS)
 MAX_RUNS = 64  # (expert, count) runs a header holds: a worker's experts in one layer, usually far fewer
@@ -85,6 +110,11 @@ SERVE_TIMEOUT_S = 7 * 24 * 3600.0  # a worker waits this long for its next messa
 DATA_PREFIX = "vela-data-plane/"  # the data group's keys in the rendezvous store
 NCCL_TIMEOUT_FACTOR = 2  # NCCL's watchdog: a backstop behind the control plane's timeout
 STOP_AFTER_LOSS_S = 5.0  # after a lost worker, how long close() waits for each other worker to take its stop
+SETTLE_POLL_S = 0.0005  # how often `settle` polls the NCCL results still in flight
+# what gloo's errors say when the link itself failed (gloo raises plain RuntimeErrors: torch 2.13 wraps only
+# the store's and NCCL's errors in the DistError family)
+GLOO_LINK_MARKERS = ("gloo/transport", "Connection closed by peer", "pair closure", "Timed out waiting",
+                     "Connection reset by peer", "Broken pipe")
 
 Backend = Literal["nccl", "gloo"]
 
@@ -98,6 +128,18 @@ class PeerLostError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.worker, self.cause))
+
+
+def is_link_error(err: BaseException) -> bool:
+    """Whether `err` says the link to a peer failed (closed, reset, timed out, aborted): torch.distributed's
+    `DistError` family (NCCL, the store, the network) or one of gloo's plain RuntimeErrors from its
+    transport. Anything else (out of memory, a CUDA error, a bug) is the raising process's own failure."""
+    if isinstance(err, dist.DistError):
+        return True
+    if type(err) is not RuntimeError:  # torch.OutOfMemoryError, torch.AcceleratorError, ...: subclasses
+        return False
+    text = str(err)
+    return any(marker in text for marker in GLOO_LINK_MARKERS)
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
@@ -120,7 +162,11 @@ def make_group(store: dist.Store, rank: int, world_size: int, timeout_s: float,
 
 
 def make_nccl_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
-    """An NCCL group of its own; its communicators are created at each pair's first operation."""
+    """An NCCL group of its own; its communicators are created at each pair's first operation. Its
+    watchdog, on a timeout or a peer's error, aborts the communicators and fails the work (mode 2,
+    CleanUpOnly), unless the environment says otherwise: torch's default (3) ends the process, so that
+    `fault_tolerance.on_worker_loss: recover` never got to run."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # read as the group is made
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
@@ -272,12 +318,19 @@ class RowServer(Protocol):
 # -- the worker's side ------------------------------------------------------------------------
 
 def serve(group: dist.ProcessGroup, server: RowServer) -> None:
-    """Answer the master (rank 0) until it says stop or its link closes: the worker's serving loop."""
+    """Answer the master (rank 0) until it says stop or its link closes: the worker's serving loop.
+
+    Only a link error (`is_link_error`) means the master is gone or dropped the groups. Any other
+    failure is logged with its cause and, if the request it broke is still unanswered, answered
+    STATUS_OUT_OF_STEP, and the loop goes on; one outside any request ends the loop, logged."""
     loop = _ServingLoop(group, server)
     try:
-        while loop.serve_one():
+        while loop.step():
             pass
-    except RuntimeError as err:  # the link to the master closed: it is gone or dropped the groups
+    except Exception as err:
+        if not is_link_error(err):  # answering a failure failed: the thread's traceback says why
+            raise
+        # the link to the master closed: it is gone or dropped the groups
         logger.warning("expert worker %d: data plane closed (%s)", server.worker, first_line(err))
     finally:
         if loop.data is not None:
@@ -292,10 +345,20 @@ class _ServingLoop:
         self.data: DataPlane | None = None
         self.timeout = datetime.timedelta(seconds=SERVE_TIMEOUT_S)
         self._next_header: tuple[torch.Tensor, object] | None = None  # posted before the last reply went out
+        self._unanswered: str | None = None  # the request being served, until its reply is posted
 
     def _post_header_recv(self) -> tuple[torch.Tensor, object]:
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         return header, self.group.recv([header], 0, TAG_HEADER)
+
+    def step(self) -> bool:
+        """`serve_one`, a failure that is no link's answered (`fail`): False when the loop ends."""
+        try:
+            return self.serve_one()
+        except Exception as err:
+            if is_link_error(err):
+                raise
+            return self.fail(err)
 
     def serve_one(self) -> bool:
         """Receive one request and answer it; False on the master's stop."""
@@ -305,6 +368,9 @@ class _ServingLoop:
         op, layer, key_id, num_rows, width, dtype = header[:HEADER_FIELDS - 1].tolist()
         if op == OP_STOP:
             return False
+        self._unanswered = {OP_FORWARD: f"layer {layer}", OP_BACKWARD: f"backward of key id {key_id}",
+                            OP_DESCRIBE: "describing its device",
+                            OP_DATA_PLANE: "joining the data plane"}.get(op, f"op {op}")
         if op == OP_DESCRIBE:
             self._answer(STATUS_OK, device_descriptor(self.server.device))
         elif op == OP_DATA_PLANE:
@@ -315,51 +381,100 @@ class _ServingLoop:
             self._backward(key_id, (num_rows, width), DTYPES[dtype])
         return True
 
+    def fail(self, err: Exception) -> bool:
+        """A failure outside `_reply`'s: log it and answer the request it broke, if any, STATUS_OUT_OF_STEP
+        (where the data plane stands is unknown). False when no request was in progress: the loop ends."""
+        request, worker = self._unanswered, self.server.worker
+        logger.error("expert worker %d: the serving loop failed %s: %s: %s", worker,
+                     f"on {request}" if request else "outside any request", type(err).__name__, first_line(err))
+        logger.debug("expert worker %d: the serving loop's failure", worker, exc_info=err)
+        if request is None:
+            return False
+        self._answer(STATUS_OUT_OF_STEP, f"{request}: the serving loop failed and may be out of step on the data "
+                                         f"plane: {_error_text(err)}")
+        return True
+
     def _forward(self, layer: int, key_id: int, shape: tuple[int, int], dtype: torch.dtype,
                  ids: torch.Tensor | None) -> None:
         ids_work = None
         if ids is None:  # too many runs for the header: the ids follow
             ids = torch.empty(shape[0], dtype=torch.int64)
             ids_work = self.group.recv([ids], 0, TAG_IDS)
-        rows = self._recv_rows(shape, dtype)
+        rows = self._recv_rows(shape, dtype, f"layer {layer}", "rows")
         if ids_work is not None:
             ids_work.wait(self.timeout)
+        if rows is None:  # answered: out of step
+            return
         key = None if key_id == NO_KEY else key_id
         self._reply(lambda: self.server.forward_rows(layer, ids, rows, key), rows)
 
     def _backward(self, key_id: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
-        grad = self._recv_rows(shape, dtype)
-        self._reply(lambda: self.server.backward_rows(key_id, grad), grad)
+        grad = self._recv_rows(shape, dtype, f"backward of key id {key_id}", "gradients")
+        if grad is not None:
+            self._reply(lambda: self.server.backward_rows(key_id, grad), grad)
 
-    def _recv_rows(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        if self.data is None:
-            raise RuntimeError("rows arrived before the data plane was set up (OP_DATA_PLANE)")
-        rows = self.data.empty(shape, dtype)
+    def _recv_rows(self, shape: tuple[int, int], dtype: torch.dtype, request: str, what: str) -> torch.Tensor | None:
+        """The request's [R, D] payload, received; None when its buffer could not be allocated: then the
+        request is answered STATUS_OUT_OF_STEP (the master's send and receive for it stay unmatched)."""
+        try:
+            rows = self._empty(shape, dtype)
+        except Exception as exc:
+            device = self.data.device if self.data is not None else self.server.device
+            mib = shape[0] * shape[1] * dtype.itemsize / 2 ** 20
+            text = (f"{request}: could not allocate the {what}' receive buffer {list(shape)} {dtype} ({mib:.1f} MiB) "
+                    f"on {device}: {type(exc).__name__}: {first_line(exc)}")
+            logger.error("expert worker %d: %s", self.server.worker, text)
+            self._answer(STATUS_OUT_OF_STEP, text)
+            return None
         self.data.wait(self.data.recv(rows, 0))
         return rows
 
+    def _empty(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        if self.data is None:
+            raise RuntimeError("rows arrived before the data plane was set up (OP_DATA_PLANE)")
+        try:
+            return self.data.empty(shape, dtype)
+        except torch.OutOfMemoryError:
+            if self.data.device.type != "cuda":
+                raise
+        torch.cuda.empty_cache()  # blocks cached for other sizes: freed, then one more try
+        return self.data.empty(shape, dtype)
+
     def _reply(self, compute: Callable[[], torch.Tensor], like: torch.Tensor) -> None:
         """Send the result in `like`'s shape, dtype and device, or zeros and the error's text: the
-        data plane gets its message either way, so it stays in step (the loop survives a bad request)."""
+        data plane gets its message either way, so it stays in step (the loop survives a bad request).
+        The zeros are `like` itself, zeroed in place: an error reply allocates nothing (after an out of
+        memory it would fail again); if even that fails (a CUDA error), it is answered out of step."""
         try:
             result = compute().detach().to(like.device, like.dtype).contiguous()
             if result.shape != like.shape:
                 raise RuntimeError(f"result has shape {tuple(result.shape)}, the request {tuple(like.shape)}")
             status, text = STATUS_OK, ""
         except Exception as exc:  # sent to the master, raised there as ExpertWorkerError, traceback included
-            result, status, text = torch.zeros_like(like), STATUS_ERROR, _error_text(exc)
+            result, status, text = None, STATUS_ERROR, _error_text(exc)
+            try:
+                result = like.zero_()
+            except Exception as again:
+                status = STATUS_OUT_OF_STEP
+                text += f"\n(and its zeros could not be sent either: {type(again).__name__}: {first_line(again)})"
+                logger.error("expert worker %d: %s: %s, and zeroing its reply failed too (%s: %s): answered "
+                             "out of step", self.server.worker, self._unanswered, first_line(exc),
+                             type(again).__name__, first_line(again))
         message = _text(text)
         # the next header's receive goes up before the answer: gloo sends a message only once its receive
         # is posted, so the master's next header need not wait for this loop to come round
         self._next_header = self._post_header_recv()
+        self._unanswered = None
         reply = self.group.send([_reply(status, len(message))], 0, TAG_REPLY)
-        self.data.wait(self.data.send(result, 0))  # posted with the reply in flight: they overlap
+        if result is not None:
+            self.data.wait(self.data.send(result, 0))  # posted with the reply in flight: they overlap
         reply.wait()
         if len(message):
             self.group.send([message], 0, TAG_TEXT).wait()
 
     def _answer(self, status: int, text: str) -> None:
         message = _text(text)
+        self._unanswered = None
         self.group.send([_reply(status, len(message))], 0, TAG_REPLY).wait()
         if len(message):
             self.group.send([message], 0, TAG_TEXT).wait()
@@ -392,13 +507,45 @@ class _ServingLoop:
 # -- the master's side ------------------------------------------------------------------------
 
 def _checked(worker: int, operation: Callable):
-    """Run one point-to-point operation with `worker`; a broken link or a timeout is its loss."""
+    """Run one point-to-point operation with `worker`; a broken link or a timeout is its loss. Any other
+    error (the master's own out of memory or CUDA error) is raised as itself: no worker's fault."""
     try:
         return operation()
     except PeerLostError:
         raise
     except RuntimeError as err:
+        if not is_link_error(err):
+            raise
         raise PeerLostError(worker, first_line(err)) from None
+
+
+@dataclass
+class _InFlight:
+    """An NCCL result whose wait only ordered the master's CUDA stream: the host has not seen it arrive."""
+
+    worker: int
+    work: object
+    deadline: float  # time.monotonic()
+
+
+def _unarrived(in_flight: list[_InFlight], block: bool, timeout_s: float,
+               poll_s: float = SETTLE_POLL_S) -> list[_InFlight]:
+    """The results of `in_flight` not yet arrived (`block`: none, polled until they are). One past its
+    deadline raises the `PeerLostError` naming its worker (it answered, then its result never came: it died
+    in between), as does one that ended in an error (NCCL's watchdog aborted its communicator)."""
+    while True:
+        now, left = time.monotonic(), []
+        for result in in_flight:
+            if result.work.is_completed():
+                _checked(result.worker, result.work.wait)  # raises the error it ended with, if any
+            elif now >= result.deadline:
+                raise PeerLostError(result.worker, f"its result did not arrive within {timeout_s:g} s of its reply")
+            else:
+                left.append(result)
+        if not block or not left:
+            return left
+        in_flight = left
+        time.sleep(poll_s)
 
 
 def _recv_answer(group: dist.ProcessGroup, worker: int, timeout: datetime.timedelta) -> tuple[int, str]:
@@ -435,7 +582,7 @@ def _answers(group: dist.ProcessGroup, num_workers: int, timeout: datetime.timed
 def _raise_first_error(answers: list[tuple[int, str]]) -> list[str]:
     """The answers' texts, or the first error answer raised as the `ExpertWorkerError` naming its worker."""
     for worker, (status, answer) in enumerate(answers):
-        if status == STATUS_ERROR:
+        if status != STATUS_OK:
             raise ExpertWorkerError(worker, f"joining the collective data plane failed: {answer}")
     return [answer for _, answer in answers]
 
@@ -518,13 +665,15 @@ class _Outgoing:
 
 @dataclass
 class _Pending:
-    """One worker's outstanding answer: its reply (control plane) and its result (data plane), both posted."""
+    """One worker's outstanding answer: its reply (control plane) and its result (data plane), both posted,
+    and the send of its payload."""
 
     worker: int
     reply: torch.Tensor
     result: torch.Tensor
-    reply_work: object
-    result_work: object
+    reply_work: object = None
+    result_work: object = None
+    payload_work: object = None
 
 
 class CollectiveTransport:
@@ -544,6 +693,8 @@ class CollectiveTransport:
         self._next_key = 0
         self._closed = False
         self._lost: int | None = None  # the worker whose link broke: the message streams are out of step
+        self._out_of_step: str | None = None  # why the data plane is out of step (its peers all alive)
+        self._in_flight: list[_InFlight] = []  # NCCL results the host has not seen arrive (`settle`)
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         """Results on the data plane's device (the master's GPU with NCCL, the CPU with gloo)."""
@@ -566,7 +717,10 @@ class CollectiveTransport:
             grad = grad.to(self.data.device).contiguous()
             header = _header(OP_BACKWARD, 0, key_id, grad.shape[0], grad.shape[1], DTYPES.index(grad.dtype))
             outgoing.append(_Outgoing(worker, [(header, TAG_HEADER)], grad))
-        return self._exchange(outgoing)
+        results = self._exchange(outgoing)
+        if not self._keys:  # no saved forward left: a micro-batch's backward ends, its loss is read next
+            self.settle()
+        return results
 
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers
@@ -574,12 +728,27 @@ class CollectiveTransport:
     def describe(self) -> str:
         return f"collective ({self.data.backend})"
 
+    def settle(self) -> None:
+        """Block until every result received so far has arrived, or raise the `PeerLostError` naming the
+        worker whose result is `timeout_s` late. With NCCL a result's wait only orders the CUDA stream;
+        call this before the host reads what depends on one (a step's loss): a worker that died between
+        its reply and its result is then named, where a CUDA synchronization would block until NCCL's
+        watchdog. `backward` calls it once no saved forward is left. With gloo every result was waited
+        for on the host already: nothing to do."""
+        self._check_usable()
+        try:
+            self._in_flight = _unarrived(self._in_flight, True, self.timeout.total_seconds())
+        except PeerLostError as lost:
+            self._lost = lost.worker
+            raise
+
     def close(self) -> None:
         """Tell every worker's loop to stop and wait for them; idempotent. After a lost peer the others
         are told to stop too (briefly, best effort) and both groups are dropped: a loop still blocked
         ends when their sockets close (gloo closes them when the group goes, not on abort)."""
         if self._closed:
             return
+        self._in_flight = []
         others = [w for w in range(self.num_workers) if w != self._lost]
         unreached = _stop_all(self.group, others, self.timeout if self._lost is None
                               else datetime.timedelta(seconds=STOP_AFTER_LOSS_S))
@@ -587,7 +756,8 @@ class CollectiveTransport:
             self._abort()
             return
         self._closed = True
-        self.data.release()
+        if self._out_of_step is None:  # else aborted already
+            self.data.release()
         if self._on_close is not None:
             self._on_close()
 
@@ -624,6 +794,22 @@ class CollectiveTransport:
     def _check_usable(self) -> None:
         if self._closed or self._lost is not None:
             raise RuntimeError("CollectiveTransport is closed or lost a worker; form a new group to send rows")
+        if self._out_of_step is not None:
+            raise RuntimeError(f"CollectiveTransport: the data plane is out of step ({self._out_of_step}); "
+                               "close it and form a new group to send rows")
+
+    def _fall_out_of_step(self, reason: str) -> None:
+        """The data plane has sends or receives no peer will match: abort it (NCCL's would otherwise hang
+        until its watchdog) and refuse it from now on; the control plane still reaches every worker. The
+        other workers' results in flight (NCCL) are let arrive first, within their deadline: the abort
+        would cut their sends off and leave those workers' streams waiting on them."""
+        self._out_of_step = reason
+        try:
+            _unarrived(self._in_flight, True, self.timeout.total_seconds())
+        except Exception as err:  # noqa: BLE001 - the plane is dropped either way
+            logger.warning("collective data plane out of step; a result in flight did not arrive: %s", first_line(err))
+        self._in_flight = []
+        self.data.group.abort()
 
     def _link(self, worker: int, operation):
         """Run one operation with `worker`; a broken link or a timeout is its loss."""
@@ -636,33 +822,64 @@ class CollectiveTransport:
 
     def _exchange(self, outgoing: list[_Outgoing]) -> dict[int, torch.Tensor]:
         """Post every worker's messages and receives at once, then wait for replies and results. All
-        of a layer's messages are built before any is posted, so a bad request posts nothing."""
-        posted = []
-        for o in outgoing:
-            control = [self._send(tensor, o.worker, tag) for tensor, tag in o.control]
-            posted.append((o.worker, control, self._link(o.worker, lambda: self.data.send(o.payload, o.worker + 1))))
-        pending = [self._post_receives(o.worker, o.payload) for o in outgoing]
-        for worker, control, payload in posted:
-            for work in control:
-                self._wait(worker, work)
-            self._link(worker, lambda: self.data.wait(payload))
-        return self._collect(pending)
-
-    def _post_receives(self, worker: int, like: torch.Tensor) -> _Pending:
-        reply, result = torch.empty(2, dtype=torch.int64), torch.empty_like(like)
-        return _Pending(worker, reply, result, self._recv(reply, worker, TAG_REPLY),
-                        self._link(worker, lambda: self.data.recv(result, worker + 1)))
-
-    def _collect(self, pending: list[_Pending]) -> dict[int, torch.Tensor]:
-        """Each worker's reply (control plane, bounded by the timeout), then its result (data plane)."""
-        errors = []
-        for p in pending:
-            self._wait(p.worker, p.reply_work)
-            self._link(p.worker, lambda: self.data.wait(p.result_work))
-            status, length = p.reply.tolist()
-            text = self._link(p.worker, lambda: _recv_worker_text(self.group, p.worker, length, self.timeout))
-            if status == STATUS_ERROR:
-                errors.append(ExpertWorkerError(p.worker, text))
+        of a layer's messages and receive buffers are made before any is posted, so a bad request or
+        an allocation that fails posts nothing. A failure of the master's own once posting began (not a
+        link's) leaves the data plane out of step: raised as itself, and the plane refused from then on."""
+        self._check_usable()
+        try:  # results from earlier layers already late (NCCL): named now, without waiting
+            self._in_flight = _unarrived(self._in_flight, False, self.timeout.total_seconds())
+        except PeerLostError as lost:
+            self._lost = lost.worker
+            raise
+        pending = [_Pending(o.worker, torch.empty(2, dtype=torch.int64), torch.empty_like(o.payload))
+                   for o in outgoing]
+        try:
+            controls = [self._post(o, p) for o, p in zip(outgoing, pending)]
+            for p, control in zip(pending, controls):
+                for work in control:
+                    self._wait(p.worker, work)
+            results, errors, out_of_step = self._collect(pending)
+        except PeerLostError:
+            raise
+        except BaseException as err:
+            if self._lost is None and not self._closed:
+                self._fall_out_of_step(f"the master failed mid-layer: {type(err).__name__}: {first_line(err)}")
+            raise
+        if out_of_step:
+            worker, text = out_of_step[0]
+            self._fall_out_of_step(f"expert worker {worker} posted nothing on it for its last request: "
+                                   f"{(text.strip().splitlines() or ['no reason given'])[0]}")
         if errors:
             raise errors[0]
-        return {p.worker: p.result for p in pending}
+        return results
+
+    def _post(self, o: _Outgoing, p: _Pending) -> list:
+        """Post one worker's request (control messages, payload) and its answer's receives; returns the
+        control messages' works."""
+        control = [self._send(tensor, o.worker, tag) for tensor, tag in o.control]
+        p.payload_work = self._link(o.worker, lambda: self.data.send(o.payload, o.worker + 1))
+        p.reply_work = self._recv(p.reply, o.worker, TAG_REPLY)
+        p.result_work = self._link(o.worker, lambda: self.data.recv(p.result, o.worker + 1))
+        return control
+
+    def _collect(self, pending: list[_Pending]) -> tuple[dict[int, torch.Tensor], list[ExpertWorkerError],
+                                                         list[tuple[int, str]]]:
+        """Each worker's reply (control plane, bounded by the timeout), then its payload's send and its
+        result (data plane); a worker that answered out of step posted neither, so they are not waited
+        for. Returns the results, the workers' errors, and the (worker, text) of those out of step."""
+        errors, out_of_step = [], []
+        for p in pending:
+            self._wait(p.worker, p.reply_work)
+            status, length = p.reply.tolist()
+            if status != STATUS_OUT_OF_STEP:
+                self._link(p.worker, lambda: self.data.wait(p.payload_work))
+                self._link(p.worker, lambda: self.data.wait(p.result_work))
+                if self.data.backend == "nccl":  # the host has not seen it arrive: `settle`
+                    self._in_flight.append(_InFlight(p.worker, p.result_work,
+                                                     time.monotonic() + self.timeout.total_seconds()))
+            text = self._link(p.worker, lambda: _recv_worker_text(self.group, p.worker, length, self.timeout))
+            if status != STATUS_OK:
+                errors.append(ExpertWorkerError(p.worker, text))
+            if status == STATUS_OUT_OF_STEP:
+                out_of_step.append((p.worker, text))
+        return {p.worker: p.result for p in pending}, errors, out_of_step

@@ -16,7 +16,7 @@ x W + s (x A^T) B^T, as grouped matrix multiplies over rows sorted by expert
 (`LoraConfig(target_parameters=[...])`, `peft.tuners.lora.ParamWrapper`): each
 stack W [E, a, b] is used as
 
-    W' = baddbmm(W, lhs, rhs, alpha=s)      s = alpha / r
+    W' = baddbmm(W, lhs, rhs, alpha=s)      s = alpha / r (alpha / sqrt(r) with rsLoRA), the stack's own
     lhs, rhs = B_e [a, r], A_e [r, b]       when W stores [out, in] (is_transposed False)
     lhs, rhs = A_e^T [a, r], B_e^T [r, b]   when W stores [in, out] (is_transposed True)
 
@@ -53,6 +53,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Literal, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -62,16 +63,63 @@ ExpertParams = dict[str, torch.Tensor]  # one expert's slice of each per-expert 
 ExpertWeights = dict[ExpertKey, ExpertParams]
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """LoRA hyper-parameters of the expert adapters (the paper: r=8, alpha=16)."""
+InitLoraWeights = Literal[True, "gaussian"]
 
-    r: int = 8
-    alpha: float = 16.0
+
+@dataclass(frozen=True)
+class StackLora:
+    """One expert weight stack's resolved LoRA: peft's `ParamWrapper.update_layer` for that parameter."""
+
+    r: int
+    alpha: float
+    use_rslora: bool = False
+    init_lora_weights: InitLoraWeights = True
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.r
+        """peft's: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A job's LoRA in peft's names (`peft.LoraConfig`; the paper: r=8, alpha=16, every linear layer but the
+    router, every expert weight stack). The master passes the backbone's options to peft
+    (`vela_ray.model.adapters.full_lora_config`); the expert side implements them for its stacks.
+
+    `rank_pattern`/`alpha_pattern` need each stack's module path, which workers do not have: the driver
+    resolves them once (`adapters.resolve_expert_lora` fills `resolved`: (MoE layer, stack, r, alpha) of every
+    adapted stack), and `stack` then reads the table."""
+
+    r: int = 8
+    alpha: float = 16.0
+    use_rslora: bool = False
+    init_lora_weights: InitLoraWeights = True
+    lora_dropout: float = 0.0  # peft applies it on backbone modules only (it refuses it on expert stacks)
+    target_modules: str | tuple[str, ...] | None = None  # None: every linear layer but lm_head and routers
+    exclude_modules: str | tuple[str, ...] | None = None
+    expert_stacks: tuple[str, ...] | None = None  # the experts' weight stacks to adapt; None: all of them
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    modules_to_save: tuple[str, ...] = ()  # trained in full on the master (the router: "gate")
+    resolved: tuple[tuple[int, str, int, float], ...] | None = None
+
+    @property
+    def scaling(self) -> float:
+        return StackLora(self.r, self.alpha, self.use_rslora).scaling
+
+    def stack(self, layer: int, stack: str) -> StackLora | None:
+        """The LoRA of weight stack `stack` of MoE layer `layer`; None where it is not adapted."""
+        if self.resolved is None:
+            if self.rank_pattern or self.alpha_pattern:
+                raise ValueError("LoraSpec with rank_pattern/alpha_pattern must be resolved against the model "
+                                 "first (vela_ray.model.adapters.resolve_expert_lora)")
+            adapted = self.expert_stacks is None or stack in self.expert_stacks
+            return StackLora(self.r, self.alpha, self.use_rslora, self.init_lora_weights) if adapted else None
+        for at_layer, name, r, alpha in self.resolved:
+            if (at_layer, name) == (layer, stack):
+                return StackLora(r, alpha, self.use_rslora, self.init_lora_weights)
+        return None
 
 
 def weight_stacks(experts: nn.Module) -> list[str]:
@@ -116,19 +164,26 @@ def adapter_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 
 
 class ExpertAdapter(nn.Module):
-    """One expert's LoRA factors: `lora_A_<slot>` [r, in] and `lora_B_<slot>` [out, r] per weight stack."""
+    """One expert's LoRA factors: `lora_A_<slot>` [r, in] and `lora_B_<slot>` [out, r] per adapted weight stack."""
 
-    def __init__(self, in_out: dict[str, tuple[int, int]], lora: LoraSpec, dtype: torch.dtype,
+    def __init__(self, in_out: dict[str, tuple[int, int]], stacks: Mapping[str, StackLora], dtype: torch.dtype,
                  generator: torch.Generator | None = None):
-        """`dtype`: the factors' own (`adapter_dtype` of the frozen weights'). `generator` draws the A inits;
-        None draws from torch's global RNG, as nn.Linear does."""
+        """`in_out` and `stacks` by slot (`slot_name`); only slots in `stacks` get factors. `dtype`: the
+        factors' own (`adapter_dtype` of the frozen weights'). `generator` draws the A inits; None draws from
+        torch's global RNG, as nn.Linear does."""
         super().__init__()
-        for slot, (fan_in, fan_out) in in_out.items():
+        for slot, lora in stacks.items():
+            fan_in, fan_out = in_out[slot]
             setattr(self, f"lora_A_{slot}", nn.Parameter(torch.empty(lora.r, fan_in, dtype=dtype)))
             setattr(self, f"lora_B_{slot}", nn.Parameter(torch.zeros(fan_out, lora.r, dtype=dtype)))
-        # peft's default init: kaiming-uniform A (as nn.Linear), zero B, so the adapter starts as identity.
-        for slot in in_out:
-            nn.init.kaiming_uniform_(getattr(self, f"lora_A_{slot}"), a=math.sqrt(5), generator=generator)
+        # peft's `reset_lora_parameters`: A kaiming-uniform (as nn.Linear; peft's fused A [r*E, in] has the same
+        # fan-in, so the same bound) or gaussian with std 1/r, B zero, so the adapter starts as identity.
+        for slot, lora in stacks.items():
+            lora_A = getattr(self, f"lora_A_{slot}")
+            if lora.init_lora_weights is True:
+                nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5), generator=generator)
+            else:
+                nn.init.normal_(lora_A, std=1 / lora.r, generator=generator)
 
 
 def expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
@@ -222,14 +277,40 @@ def native_grouped_mm(x_RK: torch.Tensor, w_nKN: torch.Tensor) -> bool:
             and x_RK.data_ptr() % 16 == 0 and w_nKN.data_ptr() % 16 == 0)
 
 
-def grouped_mm(x_RK: torch.Tensor, w_nKN: torch.Tensor, offs_n: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class GroupOffsets:
+    """Where each expert's rows end among rows sorted by expert, twice: `ends` [n] int32 on the compute
+    device (what `torch._grouped_mm` reads there) and `counts` [n], each expert's rows, on the host (what the
+    per-expert loop splits by, so it reads nothing back from the device). Built on the host from the
+    expert ids, which arrive there (`LayerExperts.route`)."""
+
+    ends: torch.Tensor
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One call's rows by local expert (`LayerExperts.route`), on the weights' device: n = local experts."""
+
+    local_R: torch.Tensor  # each row's local expert, in the request's order
+    order_R: torch.Tensor  # the rows sorted by local expert (stable)
+    sorted_R: torch.Tensor  # local_R[order_R]
+    unorder_R: torch.Tensor  # the inverse of order_R: sorted rows back into the request's order
+    offs: GroupOffsets  # where each local expert's sorted rows end [n]
+
+
+def grouped_mm(x_RK: torch.Tensor, w_nKN: torch.Tensor, offs_n: torch.Tensor | GroupOffsets) -> torch.Tensor:
     """Rows times their expert's matrix: x [R, K] sorted by expert, expert i's rows ending at `offs_n[i]`
     (int32, offs_n[-1] == R; an expert may have none), times w [n, K, N] -> [R, N]. Differentiable in x
-    and w; see `native_grouped_mm` for which implementation runs."""
+    and w; see `native_grouped_mm` for which implementation runs. `offs_n` as `GroupOffsets` (what
+    `LayerExperts` passes) costs no host sync; as a device tensor the loop reads its counts back."""
+    counts = offs_n.counts if isinstance(offs_n, GroupOffsets) else None
+    offs_n = offs_n.ends if isinstance(offs_n, GroupOffsets) else offs_n
     x_RK = x_RK.contiguous()
     if native_grouped_mm(x_RK, w_nKN):
         return torch._grouped_mm(x_RK, w_nKN, offs=offs_n)
-    counts = torch.diff(offs_n, prepend=offs_n.new_zeros(1)).tolist()
+    if counts is None:
+        counts = torch.diff(offs_n, prepend=offs_n.new_zeros(1)).tolist()
     # unbind, not w[i]: the gradient of n selects would be n zero-filled copies of the whole stack
     return torch.cat([x_rK @ w_KN for x_rK, w_KN in zip(x_RK.split(counts), w_nKN.unbind(0))])
 
@@ -250,36 +331,61 @@ class LayerExperts(nn.Module):
         self.transposed = bool(getattr(prototype, "is_transposed", False))
         self.call = experts_call(prototype)
         self.low_rank = _follows_transformers_contract(prototype)
-        self.scaling = lora.scaling
+        self.lora = {s: spec for s in self.stacks if (spec := lora.stack(layer, s)) is not None}  # adapted stacks
         in_out = {slot_name(s): lora_in_out(prototype, s) for s in self.stacks}
         self.hidden_size = in_out[slot_name(self.stacks[0])][0]  # the first stack reads the hidden states
         first = next(iter(weights.values()))[self.stacks[0]] if weights else torch.empty(0)
+        slots = {slot_name(s): spec for s, spec in self.lora.items()}
         self.adapters = nn.ModuleDict({
             str(e): adapters[e] if adapters is not None
-            else ExpertAdapter(in_out, lora, adapter_dtype(first.dtype),
+            else ExpertAdapter(in_out, slots, adapter_dtype(first.dtype),
                                None if seed is None else expert_generator(seed, layer, e))
             for e in self.expert_ids
         })
         local_of = torch.full((_num_experts(prototype),), -1, dtype=torch.long, device=first.device)
         local_of[self.expert_ids] = torch.arange(len(self.expert_ids), device=first.device)
         self.register_buffer("local_of", local_of, persistent=False)
+        # the same map on the host, where the ids arrive: routing is worked out there (`route`)
+        self.host_local_of = np.full(_num_experts(prototype), -1, dtype=np.int64)
+        self.host_local_of[self.expert_ids] = np.arange(len(self.expert_ids))
 
     def forward(self, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs, row i through expert `expert_ids_R[i]` (global id in the layer)."""
-        ids_R = expert_ids_R.to(self.local_of.device)  # ids may come from the host, local_of is on the weights'
-        local_R = self.local_of[ids_R]
-        if bool((local_R < 0).any()):
-            missing = [(self.layer, e) for e in sorted(set(ids_R[local_R < 0].tolist()))]
-            raise KeyError(f"experts {missing} are not hosted here (hosted of layer {self.layer}: {self.expert_ids})")
+        routing = self.route(expert_ids_R)
         if self.low_rank:
-            return self._low_rank(local_R, rows_RD)
+            return self._low_rank(routing, rows_RD)
         adapted = {stack: self._adapted(stack) for stack in self.stacks}
         if self.call == "grouped":
-            return self._grouped(adapted, local_R, rows_RD)
+            return self._grouped(adapted, routing.local_R, rows_RD)
         ones_R1 = rows_RD.new_ones(rows_RD.shape[0], 1)
-        return functional_call(self.module, adapted, (rows_RD, local_R[:, None], ones_R1))
+        return functional_call(self.module, adapted, (rows_RD, routing.local_R[:, None], ones_R1))
 
-    def _low_rank(self, local_R: torch.Tensor, rows_RD: torch.Tensor) -> torch.Tensor:
+    def route(self, expert_ids_R: torch.Tensor) -> Routing:
+        """The rows' local experts, their order by expert and the grouped multiplies' offsets, worked out on
+        the host, where the ids arrive (the broker sends them with the rows), and moved to the weights' device
+        in one copy: the call reads nothing back from the device, however many experts (ids given on a
+        device are read back once, here). Ids of experts not hosted here raise a KeyError naming them."""
+        ids_R = expert_ids_R.detach().cpu().numpy().astype(np.int64, copy=False)
+        table = self.host_local_of
+        known_R = (ids_R >= 0) & (ids_R < len(table))
+        local_R = np.where(known_R, table[np.where(known_R, ids_R, 0)], -1)
+        if (local_R < 0).any():
+            missing = [(self.layer, int(e)) for e in sorted(set(ids_R[local_R < 0].tolist()))]
+            raise KeyError(f"experts {missing} are not hosted here (hosted of layer {self.layer}: {self.expert_ids})")
+        counts_n = np.bincount(local_R, minlength=len(self.expert_ids))
+        order_R = np.argsort(local_R, kind="stable")
+        unorder_R = np.empty_like(order_R)
+        unorder_R[order_R] = np.arange(len(order_R))
+        host = np.concatenate([local_R, order_R, local_R[order_R], unorder_R, np.cumsum(counts_n)])
+        moved, device = torch.from_numpy(host), self.local_of.device
+        if device.type == "cuda":  # from pinned memory: queued on the stream, not waited for
+            moved = moved.pin_memory().to(device, non_blocking=True)
+        moved = moved.to(device)  # the call's one host-to-device copy (none on the CPU)
+        local, order, ordered, unorder, offs = moved.split([len(ids_R)] * 4 + [len(counts_n)])
+        return Routing(local, order, ordered, unorder,
+                       GroupOffsets(offs.to(torch.int32), tuple(counts_n.tolist())))
+
+    def _low_rank(self, routing: Routing, rows_RD: torch.Tensor) -> torch.Tensor:
         """transformers' experts contract (see `_follows_transformers_contract`) with LoRA kept low-rank:
         x W + s (x A^T) B^T per weight stack, the family's `_apply_gate` (or activation) between them.
         Equal to peft's fold up to rounding, without its full-size weight gradient in backward.
@@ -288,15 +394,13 @@ class LayerExperts(nn.Module):
         multiply per product (`grouped_mm`) instead of a Python loop over experts, and the gate applied
         once to the whole sorted block (it works row by row)."""
         module = self.module
-        order_R = torch.argsort(local_R, stable=True)
-        sorted_R = local_R[order_R]
-        offs = torch.cumsum(torch.bincount(local_R, minlength=len(self.expert_ids)), 0, dtype=torch.int32)
+        order_R, sorted_R, offs = routing.order_R, routing.sorted_R, routing.offs  # built on the host: no sync
         h = self._grouped_linear("gate_up_proj" if module.has_gate else "up_proj", rows_RD[order_R], sorted_R, offs)
         h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        return self._grouped_linear("down_proj", h, sorted_R, offs)[torch.argsort(order_R)]
+        return self._grouped_linear("down_proj", h, sorted_R, offs)[routing.unorder_R]
 
     def _grouped_linear(self, stack: str, x_RI: torch.Tensor, local_R: torch.Tensor,
-                        offs: torch.Tensor) -> torch.Tensor:
+                        offs: GroupOffsets) -> torch.Tensor:
         """Each row's projection by its expert's `stack`, with bias and LoRA: peft's W + s B A, applied
         low-rank in the weights' dtype (see the module docstring). Rows are sorted by local expert
         (`local_R`); `offs` ends each expert's rows."""
@@ -304,9 +408,11 @@ class LayerExperts(nn.Module):
         y_RO = grouped_mm(x_RI, weight if self.transposed else weight.transpose(-2, -1), offs)
         if getattr(self.module, "has_bias", False):
             y_RO = y_RO + getattr(self.module, f"{stack}_bias")[local_R]
+        if stack not in self.lora:  # a stack the job leaves frozen
+            return y_RO
         A_nrI, B_nOr = self._factors(slot_name(stack), weight.dtype)
         low_RO = grouped_mm(grouped_mm(x_RI, A_nrI.transpose(-2, -1), offs), B_nOr.transpose(-2, -1), offs)
-        return y_RO + self.scaling * low_RO
+        return y_RO + self.lora[stack].scaling * low_RO
 
     def _factors(self, slot: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The local experts' LoRA factors of `slot`, stacked and cast to `dtype` (the frozen weights', as
@@ -333,9 +439,11 @@ class LayerExperts(nn.Module):
     def _adapted(self, stack: str) -> torch.Tensor:
         """peft's fold of the LoRA update into the stack, in the stack's dtype (see the module docstring)."""
         weight = getattr(self.module, stack)
+        if stack not in self.lora:  # a stack the job leaves frozen
+            return weight
         A_ErI, B_EOr = self._factors(slot_name(stack), weight.dtype)
         lhs, rhs = (A_ErI.transpose(-2, -1), B_EOr.transpose(-2, -1)) if self.transposed else (B_EOr, A_ErI)
-        return torch.baddbmm(weight, lhs, rhs, alpha=self.scaling)
+        return torch.baddbmm(weight, lhs, rhs, alpha=self.lora[stack].scaling)
 
 
 class ExpertShard(nn.Module):

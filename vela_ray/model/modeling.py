@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vela_ray.model.broker import ExpertBroker
+from vela_ray.model.broker import ExpertBroker, recompute_contexts
 from vela_ray.model.experts import ExpertsCall, experts_call, weight_stacks
 
 def _register_unmapped_causal_lms() -> None:
@@ -191,17 +191,12 @@ def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], d
 def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
     """Replace every MoE block's `experts` with an `ExpertBroker` sharing `dispatcher`.
 
-    Gradient checkpointing is refused: recomputing a block in backward would
-    dispatch its rows to the workers a second time and overwrite the graph they
-    keep for that backward.
+    A model that already checkpoints its activations gets the broker's recompute contexts
+    (`enable_activation_checkpointing`): a plain recompute would send every row to the
+    workers a second time and overwrite the graph they keep for backward.
     """
     if _checkpointing_enabled(model):
-        new_name = hasattr(model, "activation_checkpointing_disable")  # transformers' name since the rename
-        disable = "activation_checkpointing_disable" if new_name else "gradient_checkpointing_disable"
-        raise ValueError(
-            f"{type(model).__name__} has gradient (activation) checkpointing enabled; vela-ray's expert broker "
-            f"does not support it (experts run remotely). Call model.{disable}()"
-        )
+        enable_activation_checkpointing(model)
     blocks = find_moe_blocks(model)
     table_shape = tuple(dispatcher.expert_to_worker.shape)
     if table_shape != (len(blocks), blocks[0].layout.num_experts):
@@ -215,6 +210,20 @@ def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
         block.block.experts = broker
         brokers.append(broker)
     return brokers
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Checkpoint every decoder layer (transformers' own mechanism, torch's non-reentrant checkpoint) with
+    the expert broker's recompute contexts: backward recomputes the backbone's activations but replays
+    the experts' outputs, so expert rows cross the data plane once per step in each direction."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing in transformers; "
+                         "set training.activation_checkpointing: false")
+    kwargs = {"use_reentrant": False, "context_fn": recompute_contexts}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers' name since the rename
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _checkpointing_enabled(model: nn.Module) -> bool:

@@ -20,7 +20,8 @@ placement map (layers x workers: which experts each worker holds, shaded by the 
 serves); the access heatmap P [L, E] with each expert's
 worker; traffic by link tier per step; predicted vs measured communication per worker; APTMoE's
 expert tiers per worker (with `expert_tiers`: rows on CPU vs device, uploads, predictor
-accuracy, measured speeds); loss (+ eval loss); the config.
+accuracy, measured speeds); loss (+ eval loss); samples (with `samples.json`: greedy generations
+of the base and the fine-tuned model side by side, `vela_ray.generate`); the config.
 
 Predicted bytes per worker and step are the cost model's (`PlacementRecord.predicted_bytes_per_worker`,
 i.e. `placement.cost.worker_bytes` of the problem the placement was solved for); a run that solved
@@ -49,6 +50,7 @@ import yaml  # noqa: E402
 from placement.cost import experts_per_worker, routing_mass  # noqa: E402
 from placement.io import load_profile  # noqa: E402
 from vela_ray.observability.plots import access_heatmap_figure  # noqa: E402
+from vela_ray.observability.samples import SamplesRecord  # noqa: E402
 from vela_ray.training.summary import DataRecord, PlacementRecord, RunSummary, StepRecord  # noqa: E402
 from vela_ray.training.tiers import TierCounters  # noqa: E402
 
@@ -591,6 +593,29 @@ def _data_note(d: DataRecord) -> str:
             "empty answer) leaves it no supervised token. Padding: share of the training rows' token slots.")
 
 
+def samples_section(record: SamplesRecord) -> str:
+    """Greedy generations of the base and the fine-tuned model side by side (`samples.json`)."""
+    if record.skipped:
+        return _section("samples", "Samples", "", html.escape(f"No samples: {record.skipped}."))
+    rows = "".join(f"<tr><td><pre>{html.escape(s.prompt)}</pre></td><td><pre>{html.escape(s.base)}</pre></td>"
+                   f"<td><pre>{html.escape(s.tuned)}</pre></td></tr>" for s in record.samples)
+    table = f'<table class="samples"><tr><th>Prompt</th><th>Base model</th><th>Fine-tuned</th></tr>{rows}</table>'
+    return _section("samples", "Samples", table, html.escape(
+        f"Greedy generations, at most {record.max_new_tokens} new tokens per prompt and model, made on the driver "
+        f"after the run in {record.seconds:.1f} s (report.prompts, else the start of evaluation rows)."))
+
+
+def drift_table(history: list[StepRecord]) -> str:
+    """Each layer's routing drift at the first and last step that has one, and its largest."""
+    steps = [r for r in history if r.routing_drift]
+    first, last = steps[0], steps[-1]
+    rows = "".join(f"<tr><td>{layer}</td><td>{first.routing_drift[layer]:.3f}</td><td>{last.routing_drift[layer]:.3f}"
+                   f"</td><td>{max(r.routing_drift[layer] for r in steps):.3f}</td></tr>"
+                   for layer in range(len(last.routing_drift)))
+    return (f"<table><tr><th>MoE layer</th><th>step {first.step}</th><th>step {last.step}</th><th>largest</th></tr>"
+            f"{rows}</table>")
+
+
 def config_block(run: Run) -> str:
     if run.config is None:
         return '<p class="note">No <code>config.json</code> with this run.</p>'
@@ -628,6 +653,12 @@ def render_html(run: Run) -> str:
         *([_section("tiers", "Expert tiers (APTMoE)", tiers_table(run.summary), html.escape(_tiers_note(run)))]
           if run.summary.expert_tiers else []),
         _section("loss", "Loss", _chart("loss", loss_chart(run.summary.history))),
+        *([_section("drift", "Routing drift", drift_table(run.summary.history),
+                    "Per MoE layer: the total-variation distance of a step's routing from the profile the placement "
+                    "was solved for (0: the same distribution, 1: disjoint). It moves when the router trains "
+                    "(lora.modules_to_save); placement.replan re-solves when its mean passes drift_threshold.")]
+          if any(r.routing_drift for r in run.summary.history) else []),
+        *([samples_section(samples)] if (samples := SamplesRecord.read(run.dir)) is not None else []),
         *([_section("changes", "Placement changes and recoveries", changes_table(run.summary),
                     "Experts moved between live workers, re-solves on drifted routing, lost workers replaced.")]
           if run.summary.migrations or run.summary.replans or run.summary.recoveries or run.summary.resumes
@@ -695,6 +726,8 @@ pre { background: #f6f6f6; padding: 10px; font-size: 12px; overflow-x: auto; }
 #js-error { color: #b00; font-weight: bold; }
 .warning { color: #b00; font-weight: 600; max-width: 900px; }
 table.data th { text-align: left; font-weight: normal; color: #555; }
+table.samples { width: 100%; } table.samples td { text-align: left; vertical-align: top; width: 33%; }
+table.samples pre { white-space: pre-wrap; margin: 0; padding: 4px; }
 """
 
 # Self-check for the browser test: any script error shows up in the DOM, and the body records how many

@@ -81,15 +81,16 @@ class StepAccounting:
         traffic = [own, *(p["traffic"] for p in peer_steps)]  # each master's rows, by its own link tiers
         counts_LE = np.sum([t.routed_LE for t in traffic], axis=0)  # every master's routing
         self.state.add_routed(counts_LE)
+        drift_L = drift.record_step(counts_LE) if drift else None
         record = StepRecord(step=step, loss=loss, step_time_s=step_time_s, tokens=tokens,
                             expert_round_trip_s=sum(dispatcher.round_trip_s.values()) - mark.waited_s,
                             bytes_by_tier=added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_steps]]),
                             bytes_by_worker=sum(traffic[1:], own).bytes_by_worker(),
                             allreduce_bytes=live.peers.replicas.grad_bytes - mark.allreduce_bytes,
-                            sequence_moves=self._sequence_moves(live, peer_steps))
+                            sequence_moves=self._sequence_moves(live, peer_steps),
+                            routing_drift=None if drift_L is None else [round(float(d), 5) for d in drift_L])
         self.metrics.record_step(step, loss, step_time_s, tokens=tokens, traffic_delta=traffic,
-                                 expert_counts_LE=counts_LE,
-                                 drift_L=drift.record_step(counts_LE) if drift else None)
+                                 expert_counts_LE=counts_LE, drift_L=drift_L)
         if record.sequence_moves is not None:
             self.metrics.record_sequence_moves(record.sequence_moves)
         return record

@@ -194,6 +194,7 @@ def master_spec(config: JobConfig) -> MasterSpec:
         seed=config.training.seed, trust_remote_code=config.model.trust_remote_code,
         num_masters=config.masters.count, row_format=config.data_plane.row_format,
         device=master_device(bool(config.cluster.master_gpus)),
+        activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
     )
 
 

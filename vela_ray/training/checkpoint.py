@@ -339,6 +339,8 @@ def check_compatible(manifest: dict, expected: dict, path: Path) -> None:
 def read_expert_states(path: Path, manifest: dict, keys: list[ExpertKey]) -> dict[ExpertKey, dict[str, torch.Tensor]]:
     """{(layer, expert): {state name: tensor}} for exactly `keys`, from whichever parts hold them."""
     index = manifest["experts"]
+    if not index:  # a job with frozen experts (`lora.expert_stacks: []`): no expert has any state
+        return {key: {} for key in keys}
     missing = [k for k in keys if f"{k[0]}.{k[1]}" not in index]
     if missing:
         raise ValueError(f"{path}: checkpoint has no state for experts {missing[:8]} ({len(missing)} missing)")

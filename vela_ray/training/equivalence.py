@@ -22,7 +22,7 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
-from vela_ray.model.adapters import ADAPTER_FILE, full_lora_config
+from vela_ray.model.adapters import ADAPTER_FILE, full_lora_config, resolve_expert_lora
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.model.transport import InProcessTransport
@@ -63,11 +63,12 @@ class Pair:
 
 def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | None = None,
                dtype: torch.dtype = torch.float32, num_workers: int = 3,
-               optim: OptimizerConfig = OPTIM) -> Pair:
+               optim: OptimizerConfig = OPTIM, lora: LoraSpec = LORA) -> Pair:
     """The peft reference and vela-ray's master + shards, both from `make_model()` (called twice: it
-    must return the same weights each time), with one shared random-B adapter."""
+    must return the same weights each time), with one shared random-B adapter. `lora`: the LoRA options
+    both sides train with (peft's `LoraConfig` from `full_lora_config`, the same spec for vela-ray)."""
     reference = make_model().to(dtype)
-    cfg = full_lora_config(reference, LORA)
+    cfg = full_lora_config(reference, lora)
     cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
     torch.manual_seed(1)
     reference = get_peft_model(reference, cfg)
@@ -78,13 +79,14 @@ def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | N
     blocks = find_moe_blocks(model)
     table = scattered_placement(len(blocks), blocks[0].layout.num_experts, num_workers)
     weights = expert_weights(blocks)
+    resolved = resolve_expert_lora(model, lora)
     shards = [
-        ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, LORA,
+        ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, resolved,
                                  experts_prototypes(model.config))
         for n in range(num_workers)
     ]
     transport = (make_transport or InProcessTransport)(shards)
-    master = build_master(model, table, transport, LORA, optim)
+    master = build_master(model, table, transport, lora, optim)
     trainers = [ShardTrainer(s, optim) for s in shards]
     workers = ExpertWorkers.in_process(trainers)
     import_adapter(master, workers, adapter_dir)

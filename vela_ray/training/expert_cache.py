@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
@@ -115,15 +115,16 @@ class DeviceExpertCache:
 
 class DroppedWeights:
     """Saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)`) around one
-    device computation: a saved tensor that is a view of one of `stacks` (a layer's frozen weights stacked
-    for this computation) is kept as (name, size, stride, offset); backward rebuilds the stacks with
-    `restack()` once, at the first such tensor it unpacks, and takes the same views of them. Frozen
-    weights only: they do not change between forward and backward, so the views hold the same numbers."""
+    device computation: a saved tensor that is a view of one of `stacks` (the cache's frozen weights the
+    computation reads, by any hashable name, e.g. ((layer, expert), parameter)) is kept as (name, size,
+    stride, offset); backward fetches them again with `restack()` once, at the first such tensor it unpacks,
+    and takes the same views of them. Frozen weights only: they do not change between forward and backward,
+    so the views hold the same numbers, and the graph does not keep an evicted expert's weights alive."""
 
-    def __init__(self, stacks: dict[str, torch.Tensor], restack: Callable[[], dict[str, torch.Tensor]]):
+    def __init__(self, stacks: dict[Hashable, torch.Tensor], restack: Callable[[], dict[Hashable, torch.Tensor]]):
         self._names = {t.untyped_storage().data_ptr(): name for name, t in stacks.items()}
         self._restack = restack
-        self._rebuilt: dict[str, torch.Tensor] = {}
+        self._rebuilt: dict[Hashable, torch.Tensor] = {}
         self.dropped = 0
 
     def pack(self, tensor: torch.Tensor):
@@ -142,9 +143,4 @@ class DroppedWeights:
         if not self._rebuilt:
             self._rebuilt = self._restack()
         return self._rebuilt[name].as_strided(size, stride, offset)
-
-
-def stack_experts(params: list[ExpertParams]) -> dict[str, torch.Tensor]:
-    """{parameter: [n, ...]}: the experts' slices stacked in the given order, as `LayerExperts` holds them."""
-    return {name: torch.stack([p[name] for p in params]) for name in params[0]}
 

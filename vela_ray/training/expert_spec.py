@@ -40,7 +40,8 @@ class ExpertManagerSpec(BaseModel):
     hf_config: Any = Field(
         None, description="the model's PretrainedConfig, whose experts classes compute; required with `weights`"
     )
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA rank and alpha of the expert adapters")
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="the job's LoRA; rank/alpha patterns resolved per "
+                           "expert stack (`adapters.resolve_expert_lora`), which stacks, rsLoRA and init")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW of the expert adapters")
     seed: int = Field(0, description="LoRA init seed, combined with each (layer, expert)")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(

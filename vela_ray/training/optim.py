@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 
 
 def make_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    """One param group, which may be empty: frozen experts (`lora.expert_stacks: []`) or an experts-only job's
+    backbone train nothing on that side."""
+    return torch.optim.AdamW([{"params": list(params)}], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
 
 
 def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:

@@ -23,11 +23,13 @@ import torch
 from peft import PeftModel, get_peft_model
 from torch import nn
 
-from vela_ray.model.adapters import backbone_lora_config, backbone_state_of, export_adapter, full_lora_config
+from vela_ray.model.adapters import (
+    backbone_lora_config, backbone_state_of, export_adapter, full_lora_config, resolve_expert_lora,
+)
 from vela_ray.model.broker import ExpertDispatcher
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.experts import ExpertKey, LoraSpec
-from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
+from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm, make_adamw
 from vela_ray.training.schedule import OptimizerConfig
@@ -201,6 +203,7 @@ class MasterSpec:
     num_masters: int = 1
     row_format: RowFormat = "exact"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    activation_checkpointing: bool = False
 
 
 def seeded_backbone(spec: MasterSpec) -> nn.Module:
@@ -217,7 +220,7 @@ def build_master_replica(spec: MasterSpec, expert_to_worker, transport: Transpor
     model = seeded_backbone(spec) if model is None else model
     master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
                           num_masters=spec.num_masters, row_format=spec.row_format, latency=latency,
-                          condenser=condenser)
+                          condenser=condenser, activation_checkpointing=spec.activation_checkpointing)
     master.peft_model.to(spec.device)  # after the brokers replaced the (unallocated) experts
     return master
 
@@ -225,11 +228,14 @@ def build_master_replica(spec: MasterSpec, expert_to_worker, transport: Transpor
 def build_master(
     model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig,
     *, master: int = 0, num_masters: int = 1, row_format: RowFormat = "exact", latency=None, condenser=None,
+    activation_checkpointing: bool = False,
 ) -> MasterModel:
     """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA.
 
     `master` of `num_masters`: which data-parallel master this is (`vela_ray.runtime.masters`).
     `row_format`: how its rows travel (`vela_ray.model.wire`; LOSSY unless exact).
+    `activation_checkpointing`: recompute decoder layers in backward, replaying the experts' outputs
+    (`modeling.enable_activation_checkpointing`).
 
     Training needs no KV cache; without one, a batch with `position_ids` and no `attention_mask`
     (packed rows) gets transformers' per-example attention mask (it only looks when no cache is given)."""
@@ -240,6 +246,8 @@ def build_master(
                                   num_masters=num_masters, row_format=row_format, latency=latency,
                                   condenser=condenser)
     attach_brokers(model, dispatcher)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
     peft_model = get_peft_model(model, backbone_lora_config(full_cfg))
     params = [p for p in peft_model.parameters() if p.requires_grad]
     return MasterModel(peft_model, dispatcher, make_adamw(params, optim), full_cfg)
@@ -252,6 +260,7 @@ def build_local(
     table = torch.as_tensor(expert_to_worker, dtype=torch.long)
     blocks = find_moe_blocks(model)
     weights = expert_weights(blocks)
+    lora = resolve_expert_lora(model, lora)  # each stack's rank/alpha, by peft's rule over module paths
     managers = [
         ExpertManager(ExpertManagerSpec(
             worker=worker, keys=[k for k in weights if table[k] == worker],
@@ -339,6 +348,10 @@ def _load_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], 
     adapter = master.peft_model.active_adapter
     params = {n: p for n, p in master.peft_model.named_parameters() if p.requires_grad}
     by_key = {re.sub(rf"\.(lora_[AB])\.{adapter}\.weight$", r".\1.weight", n): p for n, p in params.items()}
+    # modules_to_save (the router trained in full): peft saves "<module>.<name>" of its trained copy, buffers too
+    # (DeepSeek's e_score_correction_bias)
+    saved = {**by_key, **{n: b for n, b in master.peft_model.named_buffers() if f".modules_to_save.{adapter}." in n}}
+    by_key = {re.sub(rf"\.modules_to_save\.{adapter}\.", ".", k): p for k, p in saved.items()}
     unknown = sorted(set(state) - set(by_key))
     if unknown:
         raise ValueError(f"{adapter_dir}: adapter keys not in this model: {unknown[:5]}")

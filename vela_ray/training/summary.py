@@ -53,6 +53,9 @@ class StepRecord(_Record):
     sequence_moves: dict[str, int] | None = None
     """`masters.sequence_migration`: what the masters' migrations moved in this step, summed over masters
     (`vela_ray.training.sequence_migration.SequenceMoveStats`); None when it is off."""
+    routing_drift: list[float] | None = None
+    """Per MoE layer: the total-variation distance of this step's routing from the profile the placement was
+    solved for (None without a profile). It moves when the router trains (`lora.modules_to_save`)."""
 
 
 class StepBreakdown(_Record):

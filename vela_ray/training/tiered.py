@@ -15,9 +15,11 @@ Stages of one forward request (one MoE layer of one micro-batch):
      plan (`tiers.upload_order`): this layer's device experts, the next layer's predicted device experts,
      historically popular ones; copies start on the upload stream;
   4. the CPU experts computed by the host shard while the copies run (the paper's overlap; the device
-     part comes second because the experts code syncs the host on routing checks);
-  5. the device experts: cached weights stacked into a `LayerExperts` that shares the host's adapters,
-     under `expert_cache.DroppedWeights`, so the graph keeps no device copy of the weights;
+     part comes second, so its uploads have the CPU's time to land);
+  5. the device experts, one by one, each a `LayerExperts` over views of the cache's own tensors that
+     shares the host's adapters (`expert_on_device`): no second device copy of the weights, and under
+     `expert_cache.DroppedWeights` the graph keeps none of them either (backward fetches them again);
+     what a call needs besides the cache is its activations (`working_bytes`, for a device budget);
   6. both tiers' outputs scattered back into request order: one autograd graph, kept by the shard.
 Backward keeps the forward's tiers (the routing is known, §III-C 5): the plan uploads this key's device
 experts, then those of the layer whose backward comes next; autograd runs both tiers.
@@ -46,12 +48,14 @@ import torch
 from torch import nn
 
 from vela_ray.model import wire
-from vela_ray.model.experts import ExpertKey, ExpertParams, ExpertShard, LayerExperts, LoraSpec
-from vela_ray.training.expert_cache import DeviceExpertCache, DroppedWeights, stack_experts
+from vela_ray.model.experts import (
+    ExpertAdapter, ExpertKey, ExpertParams, ExpertShard, LayerExperts, LoraSpec, lora_in_out,
+)
+from vela_ray.training.expert_cache import DeviceExpertCache, DroppedWeights
 from vela_ray.training.popularity import PopularityPredictor, demand_overlap
 from vela_ray.training.tiers import (
-    ExpertTiersConfig, TierCounters, TierSpeeds, affinity_split, historical_order, request_seconds_per_row,
-    upload_order,
+    ExpertTiersConfig, TierCounters, TierSpeeds, affinity_split, device_working_bytes, historical_order,
+    request_seconds_per_row, upload_order,
 )
 
 logger = logging.getLogger(__name__)
@@ -180,24 +184,39 @@ class TieredExperts:
 
     def _device_forward(self, layer: int, experts: list[int], expert_ids_R: torch.Tensor,
                         rows_RD: torch.Tensor) -> torch.Tensor:
-        """`experts`' rows through their cached weights on the device, the host adapters shared."""
-        view = self.device_view(layer, experts)
-        stacks = dict(chain(view.module.named_parameters(recurse=False), view.module.named_buffers(recurse=False)))
-        keys = [(layer, e) for e in view.expert_ids]
-        hooks = DroppedWeights(stacks, lambda: stack_experts([self.cache.fetch(k, protected=keys) for k in keys]))
+        """`experts`' rows through their cached weights on the device, the host adapters shared: each expert
+        computes from the cache's own tensors (`expert_on_device`), so no second device copy of the weights is
+        made; the graph keeps none of them either (`DroppedWeights`: backward fetches them again)."""
+        keys = [(layer, e) for e in experts]
+        cached = {key: self.cache.fetch(key, protected=keys) for key in keys}
+        hooks = DroppedWeights({(key, name): t for key, params in cached.items() for name, t in params.items()},
+                               lambda: {(key, name): t for key in keys
+                                        for name, t in self.cache.fetch(key, protected=keys).items()})
+        host_layer, prototype = self.shard.layers[str(layer)], self.prototype_of(layer)
+        index = {key: (expert_ids_R == key[1]).nonzero().squeeze(1) for key in keys}  # on the host, with the ids
+        busy = [key for key in keys if len(index[key])]
+        order_R = torch.cat([index[key] for key in busy])
+        rows_by_expert = rows_RD[order_R].to(self.device).split([len(index[key]) for key in busy])  # one copy
+        factors = factors_on_device([host_layer.adapters[str(key[1])] for key in busy], self.device)  # one copy
         with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-            out_RD = view(expert_ids_R.to(self.device), rows_RD.to(self.device))
+            pieces = [expert_on_device(layer, prototype, key[1], cached[key], self.lora, adapter)(
+                          expert_ids_R[index[key]], rows_rD)
+                      for key, rows_rD, adapter in zip(busy, rows_by_expert, factors)]
         self.counters.dropped_weights += hooks.dropped
+        out_RD = torch.cat(pieces)[torch.argsort(order_R).to(self.device)]  # back into the rows' order
         return out_RD.to(rows_RD.device)
 
-    def device_view(self, layer: int, experts: list[int]) -> LayerExperts:
-        """A `LayerExperts` of `experts` over their cached device weights (uploaded now if missing), sharing
-        the host shard's adapters, so gradients reach the same LoRA parameters."""
+    def working_bytes(self, layer: int, rows: int, experts: int) -> int:
+        """Device bytes one call of `rows` rows through `experts` of `layer`'s device experts needs besides
+        the cached weights (`tiers.device_working_bytes`): what a device budget must leave the cache."""
         host_layer = self.shard.layers[str(layer)]
-        keys = [(layer, e) for e in experts]
-        weights = {e: self.cache.fetch((layer, e), protected=keys) for e in experts}
-        return LayerExperts(layer, self.prototype_of(layer), weights, self.lora,
-                            adapters={e: host_layer.adapters[str(e)] for e in experts})
+        module = host_layer.module
+        first = getattr(module, host_layer.stacks[0])
+        dtype = self._host_dtypes.get(host_layer.stacks[0], first.dtype)
+        in_out = [lora_in_out(module, stack) for stack in host_layer.stacks]
+        folded = 0 if host_layer.low_rank else experts * sum(  # peft's fold: a folded copy of each expert
+            getattr(module, stack)[0].numel() for stack in host_layer.stacks) * dtype.itemsize
+        return device_working_bytes(rows, in_out, self.lora.r, dtype.itemsize, experts, folded)
 
     def host_params(self, key: ExpertKey) -> ExpertParams:
         """One expert's frozen tensors in host memory: views of its layer's stacks (pinned with CUDA)."""
@@ -282,6 +301,38 @@ def _rows_per_expert(expert_ids_R: torch.Tensor, experts: list[int]) -> list[int
     return counts[experts].tolist()
 
 
+def expert_on_device(layer: int, prototype: nn.Module, expert: int, params: ExpertParams, lora: LoraSpec,
+                     adapter: nn.Module) -> LayerExperts:
+    """A `LayerExperts` of one expert whose frozen weights are views of `params` (the cache's tensors, [1, ...]
+    each), not a copy, and whose LoRA factors are `adapter`'s: the host shard's `ExpertAdapter`, or its copy
+    on the device (`factors_on_device`), so gradients reach the host's factors either way."""
+    view = LayerExperts(layer, prototype, {expert: {name: t.new_empty(0) for name, t in params.items()}}, lora,
+                        adapters={expert: adapter})  # built over empty tensors on the device: no bytes
+    module = view.module
+    for name, tensor in params.items():
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(tensor.unsqueeze(0), requires_grad=False)
+        else:
+            module._buffers[name] = tensor.unsqueeze(0)
+    return view
+
+
+def factors_on_device(adapters: list[ExpertAdapter], device: torch.device) -> list[nn.Module]:
+    """The adapters' LoRA factors on `device` in one host-to-device copy (a copy per expert and factor would
+    each wait for the device), differentiably: gradients flow back to the host's parameters. Each a module
+    with the adapter's factor names as attributes, which is what `LayerExperts` reads of an adapter."""
+    named = [list(adapter.named_parameters()) for adapter in adapters]
+    flat = torch.cat([p.reshape(-1) for params in named for _, p in params]).to(device)
+    pieces = iter(flat.split([p.numel() for params in named for _, p in params]))
+    copies = []
+    for params in named:
+        copy = nn.Module()
+        for name, p in params:
+            copy.__dict__[name] = next(pieces).view(p.shape)  # a plain attribute: not a parameter of its own
+        copies.append(copy)
+    return copies
+
+
 def pin_frozen_weights(shard: ExpertShard) -> None:
     """Move the shard's frozen expert stacks into page-locked host memory, so uploads run asynchronously
     (from pageable memory a copy is staged through a pinned buffer and blocks the host)."""
@@ -308,7 +359,7 @@ def seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, rep
 def _seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, repeats: int) -> float:
     device = layer_experts.local_of.device
     dtype = getattr(layer_experts.module, layer_experts.stacks[0]).dtype
-    ids_R = torch.full((num_rows,), expert, dtype=torch.long, device=device)
+    ids_R = torch.full((num_rows,), expert, dtype=torch.long)  # on the host, as the broker sends them
     rows_RD = torch.randn(num_rows, layer_experts.hidden_size, dtype=dtype, device=device, requires_grad=True)
     timings = []
     for _ in range(repeats + 1):  # the first call warms kernels and the allocator
@@ -341,7 +392,7 @@ def measure_speeds(tiered: TieredExperts, num_rows: int = SPEED_ROWS, repeats: i
         params = tiered.cache.decode(params) if tiered.cache.decode else params
         torch.cuda.synchronize(tiered.device)
         copies.append(time.perf_counter() - start)
-    view = LayerExperts(layer, tiered.prototype_of(layer), {expert: params}, tiered.lora,
-                        adapters={expert: host_layer.adapters[str(expert)]})
+    view = expert_on_device(layer, tiered.prototype_of(layer), expert, params, tiered.lora,
+                            host_layer.adapters[str(expert)])
     return TierSpeeds(cpu_s_per_row=cpu_s, device_s_per_row=seconds_per_row(view, expert, num_rows, repeats),
                       upload_bytes_per_s=expert_bytes / min(copies[1:]), bytes_per_expert=expert_bytes)

@@ -147,6 +147,27 @@ def request_seconds_per_row(speeds: TierSpeeds, num_rows: int, num_experts: int,
     return (critical_path_s(rows_E, resident_E, on_device, speeds) + device_s) / num_rows
 
 
+def device_working_bytes(rows: int, stacks: Sequence[tuple[int, int]], rank: int, element_size: int,
+                         experts: int = 1, folded_bytes: int = 0) -> int:
+    """Device bytes a tiered worker's device call of `rows` rows needs besides the cached weights, which it
+    computes from in place (`tiered.TieredExperts._device_forward`): what a budget of device memory must
+    leave beside the cache (`benchmarks/big_on_one_gpu.py`: the largest call is a whole layer's routed rows).
+
+    `stacks`: (in, out) features of each weight stack one row goes through (Mixtral: (D, 2I), (I, D));
+    `rank`: LoRA r; `element_size`: bytes per element of the weights' dtype. Per row and stack: its input
+    twice (the rows as moved, then their gradient), its output, kept for backward with the LoRA intermediate,
+    and two more outputs' worth of temporaries (the LoRA product, scaled and summed in forward; gradients in
+    backward). Each of the call's `experts` adds its LoRA factors, copied from the host in fp32 and cast to
+    the weights' dtype. On the tiny Mixtral the tensors alive at once peak at 0.73 of this
+    (tests/unit/test_tiers.py); Mixtral-8x7B in bf16 at r=8: 270 KB a row and 2.5 MB an expert, 1.13 GB for
+    a layer's 4 x 512 tokens routed to 2 of its 8 experts each. `folded_bytes`: a family that folds LoRA into
+    the weights (peft's fold, not the low-rank path) makes a folded copy of each of the call's experts
+    (`TieredExperts.working_bytes`)."""
+    per_row = sum(2 * fan_in + 3 * fan_out + 2 * rank for fan_in, fan_out in stacks)
+    factors = experts * rank * sum(fan_in + fan_out for fan_in, fan_out in stacks) * (4 + element_size)
+    return rows * element_size * per_row + factors + folded_bytes
+
+
 def upload_order(queues: Sequence[Sequence[Hashable]], capacity: int) -> list[Hashable]:
     """The experts the device cache should hold, most urgent first: the queues in priority order (the
     paper's inter-expert, inter-layer and inter-stage queues: this layer's device experts, the next

@@ -1,0 +1,138 @@
+"""`vela generate` and the report's Samples section: greedy generations of the base and the fine-tuned model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, run_in_process
+from tests.unit.test_report import CHROMIUM, _chromium, make_run_dir
+from vela_ray.cli import main
+from vela_ray.config import JobConfig
+from vela_ray.data.config import DataConfig
+from vela_ray.data.datasets import build_dataset
+from vela_ray.data.examples import IGNORE_INDEX
+from vela_ray.generate import add_samples, continuation, eval_prompts, generate, load, prompt_ids, run_samples
+from vela_ray.observability.report import write_report
+from vela_ray.observability.samples import Sample, SamplesRecord
+from vela_ray.paths import data_dir
+from vela_ray.training.tiny_model import CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "mixtral")
+
+
+def test_vela_generate_is_greedy_and_bounded(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "To be, or not", "--max-new-tokens", "8"]) == 0
+    first = capsys.readouterr().out
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "To be, or not", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == first  # greedy: the same text every time
+    model, tokenizer = load(checkpoint)
+    assert first.rstrip("\n") == generate(model, tokenizer, "To be, or not", 8)
+    ids = prompt_ids(tokenizer, "To be, or not")
+    short, longer = continuation(model, tokenizer, ids, 8), continuation(model, tokenizer, ids, 16)
+    assert len(short) == 8 and longer[:8] == short  # bounded, and greedy: the longer run extends the shorter
+
+
+def test_a_chat_models_prompt_is_one_user_turn_under_its_template(tmp_path):
+    chat = make_checkpoint(tmp_path / "chat", chat_template=CHAT_TEMPLATE)
+    _, tokenizer = load(chat)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Who goes there?"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert tokenizer.decode(prompt_ids(tokenizer, "Who goes there?")) == rendered
+    assert rendered != "Who goes there?"
+
+
+def test_the_adapter_changes_the_generation_and_samples_show_both(checkpoint, tmp_path):
+    adapter = init_adapter(checkpoint, tmp_path / "adapter")  # random non-zero B: a visible change
+    record = run_samples(checkpoint, adapter, ["To be, or not", "My lord"], max_new_tokens=12)
+    assert [s.prompt for s in record.samples] == ["To be, or not", "My lord"]
+    model, tokenizer = load(checkpoint, adapter)
+    assert record.samples[0].tuned == generate(model, tokenizer, "To be, or not", 12)
+    assert any(s.base != s.tuned for s in record.samples)
+    assert record.max_new_tokens == 12 and record.seconds > 0
+
+
+def test_eval_prompts_stop_before_the_first_supervised_token(checkpoint):
+    _, tokenizer = load(checkpoint)
+    data = build_dataset(DataConfig(kind="instruct", path=data_dir() / "instruct" / "gsm8k_alpaca.json",
+                                    seq_len=512, limit=8), tokenizer, warn=False)
+    prompts = eval_prompts(data, tokenizer, 3)
+    assert len(prompts) == 3
+    for row, prompt in enumerate(prompts):
+        labels = data.labels[row][data.attention_mask[row].bool()]
+        assert (labels[:len(prompt)] == IGNORE_INDEX).all() and labels[len(prompt)] != IGNORE_INDEX
+        assert "Response" in tokenizer.decode(prompt)  # the Alpaca prompt, up to its response header
+
+
+def test_a_missing_model_or_adapter_is_one_line(checkpoint, tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert main(["generate", "--model", str(checkpoint), "--adapter", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "no config.json" in err[0] and "no adapter_config.json" in err[1]
+
+
+# --- the report ----------------------------------------------------------------------------------------
+
+SAMPLES = SamplesRecord([Sample("To be, or <not>", "the base's words", "the tuned model's words"),
+                         Sample("My lord", "base again", "tuned again")], max_new_tokens=32, seconds=1.25)
+
+
+def test_the_report_shows_samples_side_by_side(tmp_path):
+    run_dir = make_run_dir(tmp_path / "run")
+    SAMPLES.write(run_dir)
+    page = write_report(run_dir).read_text()
+    assert '<section id="samples">' in page
+    assert "<th>Prompt</th><th>Base model</th><th>Fine-tuned</th>" in page
+    assert "To be, or &lt;not&gt;" in page and "the tuned model&#x27;s words" in page
+    assert "at most 32 new tokens" in page and "in 1.2 s" in page
+
+
+def test_skipped_samples_say_why_and_a_run_without_them_has_no_section(tmp_path):
+    run_dir = make_run_dir(tmp_path / "run")
+    assert '<section id="samples">' not in write_report(run_dir).read_text()
+    SamplesRecord(skipped="the model has 46.7B parameters, over report.samples_max_params").write(run_dir)
+    page = write_report(run_dir).read_text()
+    assert re.search(r'<section id="samples">.*No samples: the model has 46.7B parameters', page)
+
+
+@pytest.mark.skipif(not CHROMIUM.is_file(),
+                    reason="needs Debian's chromium (/usr/bin/chromium): run scripts/ci_system_deps.sh")
+def test_the_samples_section_renders_in_headless_chromium(tmp_path):
+    run_dir = make_run_dir(tmp_path / "run")
+    SAMPLES.write(run_dir)
+    page = write_report(run_dir)
+    dom = _chromium(tmp_path, "--dump-dom", page.as_uri())
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'id="js-error"' not in dom.stdout and "the tuned model's words" in dom.stdout
+    shot = tmp_path / "report.png"
+    result = _chromium(tmp_path, f"--screenshot={shot}", page.as_uri())
+    assert result.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.job
+def test_a_run_ends_with_samples_from_its_eval_data_in_the_report(checkpoint, tmp_path):
+    torch.set_num_threads(1)
+    config = JobConfig.from_dict(job_dict(checkpoint, tmp_path / "out", steps=2,
+                                          report={"samples": 2, "max_new_tokens": 6}))
+    run_in_process(config)
+    record = add_samples(config)
+    assert len(record.samples) == 2 and record.skipped is None
+    assert json.loads((tmp_path / "out" / "samples.json").read_text())["max_new_tokens"] == 6
+    assert '<section id="samples">' in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_a_model_over_the_size_limit_gets_no_samples_and_the_reason(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    config = JobConfig.from_dict(job_dict(checkpoint, out, report={"samples_max_params": 1000}))
+    record = add_samples(config)
+    assert record.samples == [] and re.match(r"the model has 0\.\dB parameters, over report\.samples_max_params",
+                                             record.skipped)

@@ -1,0 +1,204 @@
+"""`vela export`: serve what you trained, from a finished run or any verified checkpoint.
+
+    export_run("runs/job", "merged", "serve/job-merged")       # or vela export runs/job --format merged --out ...
+
+Formats (`FORMATS`):
+- `peft`: the adapter as training writes it (peft's fused layout: `target_parameters` on the 3-D expert
+  stacks); from a checkpoint, the checkpoint's state, so an interrupted run exports too.
+- `merged`: the base model with every LoRA delta folded in, in the base checkpoint's own layout, names,
+  dtype and shards (`vela_ray.model.merging`); loads with `from_pretrained`.
+- `per-expert`: the adapter with its expert factors under the checkpoint's per-expert module names
+  (`experts.{e}.w1`, `experts.{e}.gate_proj`, ...), as serving engines load MoE LoRA; where the checkpoint
+  stores its experts fused (gpt-oss, Qwen3.5-MoE), the fused adapter, and the note says so.
+
+What is exported (`locate`): a run dir's `adapter/`; a run dir without one (interrupted), its newest
+verified checkpoint; a checkpoint dir (`step-*`), after its checksums pass. Bad input is one ValueError
+line: no adapter, a corrupt checkpoint, a format the family cannot take and why, an output dir that is not
+empty (unless `force`), too little disk for a merged model (checked before writing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from vela_ray.config import LoraSection
+from vela_ray.model.adapters import ADAPTER_FILE, export_adapter, full_lora_config
+from vela_ray.model.loading import moe_layout, register_model_code
+from vela_ray.model.merging import checkpoint_files, merge_checkpoint, per_expert_adapter, plan_merge
+from vela_ray.training import checkpoint
+
+logger = logging.getLogger(__name__)
+
+Format = Literal["peft", "merged", "per-expert"]
+FORMATS: tuple[str, ...] = ("peft", "merged", "per-expert")
+# Families whose serving engine takes MoE LoRA in peft's fused layout (`target_parameters` on the 3-D stacks)
+# whatever the checkpoint stores: `per-expert` writes that layout for them, and says so.
+SERVED_FUSED = {"gpt_oss": "vLLM", "qwen3_5_moe": "vLLM", "qwen3_5_moe_text": "vLLM"}
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a run dir or checkpoint holds to export."""
+
+    model_dir: Path  # the base checkpoint the run trained
+    adapter_dir: Path | None  # its peft adapter; None: build it from `checkpoint`
+    checkpoint: Path | None  # a verified checkpoint (step-*), when there is no adapter
+    lora: dict  # the run's `lora` config section (rank, alpha, targets, ...)
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class Exported:
+    out_dir: Path
+    format: str
+    source: str  # what was exported, in words
+    note: str = ""  # e.g. why per-expert wrote the fused layout
+
+
+def locate(path: str | Path, model_dir: str | Path | None = None) -> Trained:
+    """The adapter (or verified checkpoint) and base model behind a run dir or checkpoint dir."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist; give a run's output.dir or one of its checkpoints (step-*)")
+    if (path / checkpoint.MANIFEST).is_file() or path.name.startswith("step-"):
+        checkpoint.verify(path)  # sizes and sha256: a corrupt checkpoint is refused here, by name
+        config = json.loads((path / "trainer.json").read_text())["config"]
+        return _trained(config, model_dir, None, path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is neither a vela-ray run dir (no config.json) nor a checkpoint (no manifest.json)")
+    config = json.loads((path / "config.json").read_text())
+    if not {"model", "lora"} <= set(config):
+        raise ValueError(f"{path} is not a vela-ray run dir (its config.json is no job config: a model dir?)")
+    if (path / "adapter" / ADAPTER_FILE).is_file():
+        return _trained(config, model_dir, path / "adapter", None)
+    root = Path(config.get("checkpoint", {}).get("dir") or path / "checkpoints")
+    newest = checkpoint.latest(root)
+    if newest is None:
+        raise ValueError(f"{path}: the run has no adapter and no valid checkpoint under {root}; nothing to export")
+    checkpoint.verify(newest)
+    logger.info("%s has no adapter (interrupted run?): exporting its newest checkpoint %s", path, newest)
+    return _trained(config, model_dir, None, newest)
+
+
+def _trained(config: dict, model_dir, adapter_dir: Path | None, ckpt: Path | None) -> Trained:
+    model = Path(model_dir or config["model"]["path"])
+    if not (model / "config.json").is_file():
+        raise ValueError(f"the base model {model} is not a model directory (no config.json); give it with --model")
+    trust_remote_code = bool(config["model"].get("trust_remote_code", False))
+    return Trained(model, adapter_dir, ckpt, dict(config["lora"]), trust_remote_code)
+
+
+@contextmanager
+def adapter_of(trained: Trained) -> Iterator[Path]:
+    """A peft adapter dir of `trained`: its own, or one written from its checkpoint into a temporary dir."""
+    if trained.adapter_dir is not None:
+        yield trained.adapter_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="vela-export-") as tmp:
+        yield _adapter_from_checkpoint(trained, Path(tmp) / "adapter")
+
+
+def _adapter_from_checkpoint(trained: Trained, out: Path) -> Path:
+    """The peft adapter of checkpoint `trained.checkpoint`: its backbone LoRA and every expert's factors."""
+    config = AutoConfig.from_pretrained(str(trained.model_dir))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    lora_config = full_lora_config(skeleton, LoraSection.model_construct(**trained.lora).spec())
+    tensors = checkpoint.read_tensors(trained.checkpoint / "backbone.safetensors")
+    backbone = {name.replace(".default.weight", ".weight"): t for name, t in tensors.items()
+                if ".lora_" in name and name.endswith(".default.weight")}
+    layers, experts = moe_layout(trained.model_dir, trained.trust_remote_code)
+    manifest = checkpoint.verify(trained.checkpoint, checksums=False)
+    keys = [(layer, e) for layer in range(layers) for e in range(experts)]
+    states = checkpoint.read_expert_states(trained.checkpoint, manifest, keys)
+    return export_adapter(out, config, lora_config, backbone, states)
+
+
+def check_out_dir(out: Path, force: bool) -> bool:
+    """Refuse an output dir that exists and is not empty, unless `force`; returns whether it must be emptied
+    (`_clear`, only once everything else has been checked)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ValueError(f"--out {out} exists and is not empty; give another directory or --force to replace it")
+        return True
+    return False
+
+
+def _clear(out: Path, replace: bool) -> None:
+    if replace:
+        shutil.rmtree(out)
+
+
+def check_disk(out: Path, needed: int) -> None:
+    """Refuse before writing when the filesystem of `out` has less than `needed` bytes free."""
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise ValueError(f"--out {out}: a merged model needs {needed / 1e9:.2f} GB but only {free / 1e9:.2f} GB "
+                         "are free there; free some space or write elsewhere")
+
+
+def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | Path | None = None,
+               force: bool = False) -> Exported:
+    """Export the run dir or checkpoint `path` as `fmt` into `out` (see the module docstring)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    out = Path(out)
+    trained = locate(path, model_dir)
+    if trained.trust_remote_code:  # the model's own code, as the run read it
+        register_model_code(str(trained.model_dir.resolve()))
+    source = str(trained.adapter_dir or trained.checkpoint)
+    replace = check_out_dir(out, force)
+    with adapter_of(trained) as adapter_dir:
+        if fmt == "peft":
+            _clear(out, replace)
+            shutil.copytree(adapter_dir, out, dirs_exist_ok=True)
+            return Exported(out, fmt, source)
+        if fmt == "merged":
+            return _export_merged(adapter_dir, trained.model_dir, out, source, replace)
+        return _export_per_expert(adapter_dir, trained.model_dir, out, source, replace)
+
+
+def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str, replace: bool) -> Exported:
+    plan_merge(adapter_dir, model_dir)  # a family the merge cannot take is refused before the disk check
+    needed = sum(f.stat().st_size for f in checkpoint_files(model_dir))
+    check_disk(out, needed - (sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if replace else 0))
+    _clear(out, replace)
+    merge_checkpoint(adapter_dir, model_dir, out, progress=lambda name: logger.info("merged %s", name))
+    return Exported(out, "merged", source)
+
+
+def _export_per_expert(adapter_dir: Path, model_dir: Path, out: Path, source: str, replace: bool) -> Exported:
+    family = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    rewritten = None if family in SERVED_FUSED else per_expert_adapter(adapter_dir, model_dir)
+    _clear(out, replace)
+    if family in SERVED_FUSED:
+        shutil.copytree(adapter_dir, out, dirs_exist_ok=True)
+        return Exported(out, "per-expert", source, note=(
+            f"{family}: {SERVED_FUSED[family]} takes MoE LoRA in peft's fused layout (target_parameters on the "
+            "3-D expert stacks), so the fused adapter was written"))
+    if rewritten is None:
+        shutil.copytree(adapter_dir, out, dirs_exist_ok=True)
+        return Exported(out, "per-expert", source, note=(
+            f"{model_dir} stores its experts fused (3-D stacks), so serving engines take peft's fused layout "
+            "(target_parameters) for it: wrote that"))
+    config, state = rewritten
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    return Exported(out, "per-expert", source, note="experts as per-expert linear modules, the checkpoint's names")
