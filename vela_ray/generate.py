@@ -122,7 +122,8 @@ def run_samples(model_dir: Path, adapter_dir: Path, prompts: list[list[int]] | l
     tuned_out = [generate_ids(tuned, tokenizer, i, max_new_tokens) for i in ids]
     seconds = time.perf_counter() - start
     texts = [p if isinstance(p, str) else tokenizer.decode(i, skip_special_tokens=False) for p, i in zip(prompts, ids)]
-    return SamplesRecord([Sample(t, b, u) for t, b, u in zip(texts, base_out, tuned_out)], max_new_tokens, seconds)
+    return SamplesRecord(samples=[Sample(prompt=t, base=b, tuned=u) for t, b, u in zip(texts, base_out, tuned_out)],
+                         max_new_tokens=max_new_tokens, seconds=seconds)
 
 
 def add_samples(config) -> SamplesRecord | None:

@@ -229,7 +229,8 @@ def check_lora_options(config: JobConfig) -> None:
 
 
 def check_init_adapter(config: JobConfig) -> None:
-    """`lora.init_adapter` must be a peft adapter of this model's experts, with the job's rank and alpha."""
+    """`lora.init_adapter` must be a peft adapter of this model's experts, with the job's LoRA options."""
+    from peft import LoraConfig
     from transformers import AutoConfig
 
     from vela_ray.model.adapters import check_adapter_matches, read_adapter
@@ -240,7 +241,10 @@ def check_init_adapter(config: JobConfig) -> None:
     try:
         model_config = AutoConfig.from_pretrained(str(config.model.path))
         lora_config, _, _ = read_adapter(adapter, model_config)
-        check_adapter_matches(lora_config, config.lora.r, config.lora.alpha, adapter)
+        lora = config.lora
+        job = LoraConfig(r=lora.r, lora_alpha=lora.alpha, use_rslora=lora.use_rslora, rank_pattern=lora.rank_pattern,
+                         alpha_pattern=lora.alpha_pattern, modules_to_save=lora.modules_to_save or None)
+        check_adapter_matches(lora_config, job, adapter)
     except (ValueError, OSError, KeyError) as err:
         raise ValueError(f"lora.init_adapter: {first_line(err)}") from None
 

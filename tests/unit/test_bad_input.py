@@ -208,7 +208,13 @@ CASES: dict[str, tuple[Case, str]] = {
         r"placement\.profile: profile .*p\.json: must be a \[layers\]\[experts\] list.*; write one with `vela profile`"),
     "initial adapter of another rank": (
         lambda t, m: (_job(t, m, lora={"init_adapter": str(init_adapter(m, t / "adapter"))}), None),
-        r"lora\.init_adapter: .*adapter has r=4, alpha=8 but the job trains r=8, alpha=16\.0; set lora\.r"),
+        r"lora\.init_adapter: .*the adapter was trained with r 4 \(lora\.r: 8\), lora_alpha 8 \(lora\.alpha: 16\.0\); "
+        r"set the job's lora options to match"),
+    "initial adapter trained without rsLoRA": (
+        lambda t, m: (_job(t, m, lora={"r": 4, "alpha": 8, "use_rslora": True,
+                                       "init_adapter": str(init_adapter(m, t / "adapter"))}), None),
+        r"lora\.init_adapter: .*the adapter was trained with use_rslora None \(lora\.use_rslora: True\); set the "
+        r"job's lora options to match"),
     "initial adapter of another model": (
         _adapter_of_another_model,
         r"lora\.init_adapter: .*adapter: \S+ has shape \[\d+, 48\] but this model needs \[\d+, 32\]; "

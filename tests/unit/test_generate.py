@@ -80,8 +80,9 @@ def test_a_missing_model_or_adapter_is_one_line(checkpoint, tmp_path, capsys):
 
 # --- the report ----------------------------------------------------------------------------------------
 
-SAMPLES = SamplesRecord([Sample("To be, or <not>", "the base's words", "the tuned model's words"),
-                         Sample("My lord", "base again", "tuned again")], max_new_tokens=32, seconds=1.25)
+SAMPLES = SamplesRecord(samples=[Sample(prompt="To be, or <not>", base="the base's words", tuned="the tuned model's words"),
+                                 Sample(prompt="My lord", base="base again", tuned="tuned again")],
+                        max_new_tokens=32, seconds=1.25)
 
 
 def test_the_report_shows_samples_side_by_side(tmp_path):

@@ -398,11 +398,28 @@ def read_adapter(adapter_dir: str | Path, config: PretrainedConfig):
     return lora_config, state, expert_state
 
 
-def check_adapter_matches(lora_config: LoraConfig, r: int, alpha: float, adapter_dir: str | Path) -> None:
-    """An adapter trained with another rank or alpha cannot continue as this job's: refuse it by name."""
-    if (lora_config.r, lora_config.lora_alpha) != (r, alpha):
-        raise ValueError(f"{adapter_dir}: adapter has r={lora_config.r}, alpha={lora_config.lora_alpha} but the "
-                         f"job trains r={r}, alpha={alpha}; set lora.r/lora.alpha to match")
+# The options an adapter's numbers depend on beyond its tensors' shapes (`check_adapter_matches`), by peft's names
+ADAPTER_OPTIONS = {"r": "r", "lora_alpha": "alpha", "use_rslora": "use_rslora", "rank_pattern": "rank_pattern",
+                   "alpha_pattern": "alpha_pattern", "modules_to_save": "modules_to_save"}
+
+
+def lora_options(config: LoraConfig) -> dict:
+    """`ADAPTER_OPTIONS` of a peft LoraConfig, normalised for comparing (unset or empty: None; lists sorted)."""
+    def normal(value):
+        return (sorted(value) or None) if isinstance(value, (list, tuple, set)) else (value or None)
+
+    return {name: normal(getattr(config, name)) for name in ADAPTER_OPTIONS}
+
+
+def check_adapter_matches(adapter: LoraConfig, job: LoraConfig, adapter_dir: str | Path) -> None:
+    """An adapter trained with other LoRA options (rank, alpha, rsLoRA, patterns, modules trained in full)
+    cannot continue as this job's: refuse it naming each option and the job's field."""
+    have, want = lora_options(adapter), lora_options(job)
+    differ = [f"{name} {have[name]!r} (lora.{ADAPTER_OPTIONS[name]}: {want[name]!r})" for name in ADAPTER_OPTIONS
+              if have[name] != want[name]]
+    if differ:
+        raise ValueError(f"{adapter_dir}: the adapter was trained with {', '.join(differ)}; set the job's lora "
+                         "options to match")
 
 
 def backbone_state_of(peft_model) -> dict[str, torch.Tensor]:

@@ -330,7 +330,7 @@ def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -
 
     config = master.peft_model.base_model.model.config
     lora_config, backbone_state, expert_state = read_adapter(adapter_dir, config)
-    check_adapter_matches(lora_config, master.full_lora_config.r, master.full_lora_config.lora_alpha, adapter_dir)
+    check_adapter_matches(lora_config, master.full_lora_config, adapter_dir)
     _load_backbone_adapter(master, backbone_state, adapter_dir)
     workers.load_lora_state(expert_state)
 
