@@ -26,6 +26,7 @@ from vela_ray.data.datasets import build_dataset
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.observability.report import write_report
 from vela_ray.observability.samples import Sample, SamplesRecord
+from vela_ray.quiet import no_progress_bars
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ def load(model_dir: str | Path, adapter_dir: str | Path | None = None, dtype: to
     if adapter_dir is not None and not (Path(adapter_dir) / "adapter_config.json").is_file():
         raise ValueError(f"--adapter {adapter_dir} is not a peft adapter directory (no adapter_config.json)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     return model.eval(), tokenizer

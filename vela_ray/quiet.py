@@ -15,6 +15,7 @@ nothing heavy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -74,3 +75,18 @@ def silence_known_warnings() -> None:
     # Nothing is wrong and nothing is to be done, so that one notice goes; the same logger's warning
     # that authentication is *disabled* (a security risk) still shows.
     logging.getLogger(RAY_TOKEN_AUTH_LOGGER).addFilter(_not_the_token_auth_notice)
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' progress bars off for a small load or save the user did not ask to watch ("Loading
+    weights", "Writing model shards"), and back on after if they were on."""
+    from transformers.utils import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()

@@ -17,7 +17,7 @@ from vela_ray.data.config import DataConfig
 from vela_ray.data.datasets import build_dataset
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.generate import add_samples, continuation, eval_prompts, generate, load, prompt_ids, run_samples
-from vela_ray.observability.report import write_report
+from vela_ray.observability.report import summary_text, write_report
 from vela_ray.observability.samples import Sample, SamplesRecord
 from vela_ray.paths import data_dir
 from vela_ray.training.tiny_model import CHAT_TEMPLATE
@@ -93,6 +93,7 @@ def test_the_report_shows_samples_side_by_side(tmp_path):
     assert "<th>Prompt</th><th>Base model</th><th>Fine-tuned</th>" in page
     assert "To be, or &lt;not&gt;" in page and "the tuned model&#x27;s words" in page
     assert "at most 32 new tokens" in page and "in 1.2 s" in page
+    assert "samples: 2 prompts, base and fine-tuned side by side in the report (1.2 s)" in summary_text(run_dir)
 
 
 def test_skipped_samples_say_why_and_a_run_without_them_has_no_section(tmp_path):
@@ -101,6 +102,7 @@ def test_skipped_samples_say_why_and_a_run_without_them_has_no_section(tmp_path)
     SamplesRecord(skipped="the model has 46.7B parameters, over report.samples_max_params").write(run_dir)
     page = write_report(run_dir).read_text()
     assert re.search(r'<section id="samples">.*No samples: the model has 46.7B parameters', page)
+    assert "samples: none (the model has 46.7B parameters" in summary_text(run_dir)
 
 
 @pytest.mark.skipif(not CHROMIUM.is_file(),

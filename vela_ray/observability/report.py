@@ -248,9 +248,20 @@ def summary_text(source: RunSummary | str | Path) -> str:
     lines += [f"worker(s) {r.workers} lost in step {r.step}: replaced and rolled back to step {r.checkpoint_step} "
               f"in {r.seconds:.2f} s" for r in s.recoveries]
     lines += [f"resumed after step {r.step} from {r.checkpoint}" for r in s.resumes]
+    lines += samples_lines(SamplesRecord.read(run.dir))
     lines += [f"{name}: {path}" for name, path in
               (("adapter", s.adapter_dir), ("report", s.report), ("checkpoint", s.checkpoint)) if path]
     return "\n".join(lines)
+
+
+def samples_lines(record: SamplesRecord | None) -> list[str]:
+    """The report's Samples in one line: how many, and how long they took; or why there are none."""
+    if record is None:
+        return []
+    if record.skipped:
+        return [f"samples: none ({record.skipped})"]
+    return [f"samples: {len(record.samples)} prompts, base and fine-tuned side by side in the report "
+            f"({record.seconds:.1f} s)"]
 
 
 def data_lines(d: DataRecord | None) -> list[str]:

@@ -33,12 +33,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, MixtralConfig, PreTrainedTokenizerFast
-from transformers.utils import logging as transformers_logging
 
 from vela_ray.data.datasets import TokenizedDataset, iterate_batches, pack_string, pack_text, sequential_batches
 from vela_ray.data.locality import profile_model, skew_per_layer
 from vela_ray.paths import cache_dir, data_dir
 from vela_ray.progress import Progress
+from vela_ray.quiet import no_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +262,8 @@ def report_router_skew(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFas
 
 def _save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    bars = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()  # no "Writing model shards" bar for one 17 MB file
-    try:
+    with no_progress_bars():  # no "Writing model shards" bar for one 17 MB file
         model.save_pretrained(out_dir)
-    finally:
-        if bars:
-            transformers_logging.enable_progress_bar()
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
 
