@@ -28,13 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
 
-import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from vela_ray.config import LoraSection
 from vela_ray.model.adapters import ADAPTER_FILE, export_adapter, full_lora_config
-from vela_ray.model.loading import moe_layout, register_model_code
+from vela_ray.model.loading import meta_model, moe_layout, register_model_code
 from vela_ray.model.merging import checkpoint_files, merge_checkpoint, per_expert_adapter, plan_merge
 from vela_ray.training import checkpoint
 
@@ -111,9 +109,7 @@ def adapter_of(trained: Trained) -> Iterator[Path]:
 
 def _adapter_from_checkpoint(trained: Trained, out: Path) -> Path:
     """The peft adapter of checkpoint `trained.checkpoint`: its backbone LoRA and every expert's factors."""
-    config = AutoConfig.from_pretrained(str(trained.model_dir))
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    skeleton = meta_model(trained.model_dir, trained.trust_remote_code)
     lora_config = full_lora_config(skeleton, LoraSection.model_construct(**trained.lora).spec())
     tensors = checkpoint.read_tensors(trained.checkpoint / "backbone.safetensors")
     backbone = {name.replace(".default.weight", ".weight"): t for name, t in tensors.items()
@@ -122,7 +118,7 @@ def _adapter_from_checkpoint(trained: Trained, out: Path) -> Path:
     manifest = checkpoint.verify(trained.checkpoint, checksums=False)
     keys = [(layer, e) for layer in range(layers) for e in range(experts)]
     states = checkpoint.read_expert_states(trained.checkpoint, manifest, keys)
-    return export_adapter(out, config, lora_config, backbone, states)
+    return export_adapter(out, skeleton.config, lora_config, backbone, states)
 
 
 def check_out_dir(out: Path, force: bool) -> bool:

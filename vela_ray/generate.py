@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vela_ray.data.datasets import build_dataset
 from vela_ray.data.examples import IGNORE_INDEX
+from vela_ray.model.loading import meta_model
 from vela_ray.observability.report import write_report
 from vela_ray.observability.samples import Sample, SamplesRecord
 from vela_ray.quiet import no_progress_bars
@@ -108,9 +109,7 @@ def eval_prompts(data, tokenizer, count: int) -> list[list[int]]:
 
 def model_params(model_dir: str | Path) -> int:
     """Parameters of the model in `model_dir`, counted on the meta device (nothing loaded)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in meta_model(model_dir).parameters())
 
 
 def run_samples(model_dir: Path, adapter_dir: Path, prompts: list[list[int]] | list[str],

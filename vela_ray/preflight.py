@@ -213,17 +213,11 @@ def check_lora_options(config: JobConfig) -> None:
     if config.lora == type(config.lora)(init_adapter=config.lora.init_adapter, r=config.lora.r,
                                         alpha=config.lora.alpha):
         return  # the paper's targets, which every verified family supports
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from vela_ray.model.adapters import check_lora_targets
+    from vela_ray.model.loading import meta_model
 
-    trust = config.model.trust_remote_code
     try:
-        model_config = AutoConfig.from_pretrained(str(config.model.path), trust_remote_code=trust)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust)
-        check_lora_targets(skeleton, config.lora.spec())
+        check_lora_targets(meta_model(config.model.path, config.model.trust_remote_code), config.lora.spec())
     except ValueError as err:  # its messages name the lora field
         raise ValueError(first_line(err)) from None
 

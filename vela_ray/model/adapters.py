@@ -37,7 +37,7 @@ from peft.utils.constants import DUMMY_TARGET_MODULES
 from peft.utils.other import get_pattern_key
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from vela_ray.model.experts import ExpertKey, LoraSpec, slot_name
 from vela_ray.model.modeling import find_moe_blocks
@@ -182,10 +182,9 @@ def resolve_expert_lora(model: nn.Module, lora: LoraSpec) -> LoraSpec:
 
 def resolve_expert_lora_of(model_dir: str | Path, lora: LoraSpec, trust_remote_code: bool = False) -> LoraSpec:
     """`resolve_expert_lora` against a checkpoint's architecture (on the meta device: no weights read)."""
-    model_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-    return resolve_expert_lora(skeleton, lora)
+    from vela_ray.model.loading import meta_model  # loading reads checkpoints; adapters sits below it
+
+    return resolve_expert_lora(meta_model(model_dir, trust_remote_code), lora)
 
 
 def check_lora_targets(model: nn.Module, lora: LoraSpec) -> None:

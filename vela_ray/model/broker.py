@@ -185,10 +185,7 @@ class _RemoteExperts(torch.autograd.Function):
         if replayed is not None:
             return replayed.detach()
         rows_RD = hidden_TD.index_select(0, plan.token_idx_R.to(hidden_TD.device))
-        # In-process workers build their graphs in this thread: keep them out of any saved-tensor hooks of the
-        # master's (an activation checkpoint would drop them, and its recompute never rebuilds them)
-        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-            return dispatcher.forward(plan, rows_RD, key)
+        return dispatcher.forward(plan, rows_RD, key)
 
     @staticmethod
     def backward(ctx, grad_out_RD):
@@ -290,13 +287,20 @@ class ExpertBroker(nn.Module):
             call = checkpointed.replay()
             plan, selection, sent, key, replayed = call.plan, call.selection, call.sent, call.key, call.expert_out_RD
         else:
-            plan, selection, sent, key, replayed = self._dispatch(hidden_TD, top_k_index_TK, token_T, track_grad)
+            plan, selection, sent, key = self._dispatch(hidden_TD, top_k_index_TK, token_T, track_grad)
+            replayed = None
         # The anchor makes the Function's output require grad even when no input does
         # (no backbone adapter upstream), so expert LoRA still gets its backward.
         anchor = torch.zeros((), requires_grad=track_grad)
-        expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, sent, key, replayed)
-        if checkpointed is not None and not checkpointed.replaying:
-            checkpointed.calls.append(_BrokerCall(plan, selection, sent, key, expert_out_RD.detach()))
+        if checkpointed is None:
+            expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, sent, key, replayed)
+        else:
+            # In-process workers build their graphs in this thread: keep them out of the checkpoint's saved-tensor
+            # hooks, which would drop them (its recompute never rebuilds them)
+            with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+                expert_out_RD = _RemoteExperts.apply(hidden_TD, anchor, self.dispatcher, sent, key, replayed)
+            if not checkpointed.replaying:
+                checkpointed.calls.append(_BrokerCall(plan, selection, sent, key, expert_out_RD.detach()))
         if selection is not None:
             expert_out_RD = self.dispatcher.condenser.expand(selection, expert_out_RD)
         token_idx_R = plan.token_idx_R.to(hidden_TD.device)
@@ -313,7 +317,7 @@ class ExpertBroker(nn.Module):
         key = self.dispatcher.new_key(self.layer) if track_grad else None
         selection = self._condense(hidden_TD, plan, token_T) if track_grad and self.training else None
         sent = plan if selection is None else plan.subset(selection.kept_R)
-        return plan, selection, sent, key, None
+        return plan, selection, sent, key
 
     def _condense(self, hidden_TD: torch.Tensor, plan: DispatchPlan, token_T: torch.Tensor | None):
         """Token condensation (LOSSY, opt-in; `vela_ray.model.condensation`): which rows travel, or None

@@ -736,8 +736,12 @@ class CollectiveTransport:
         watchdog. `backward` calls it once no saved forward is left. With gloo every result was waited
         for on the host already: nothing to do."""
         self._check_usable()
+        self._check_arrivals(block=True)
+
+    def _check_arrivals(self, block: bool) -> None:
+        """Drop the NCCL results that arrived (`block`: wait for all); one that is late names its worker lost."""
         try:
-            self._in_flight = _unarrived(self._in_flight, True, self.timeout.total_seconds())
+            self._in_flight = _unarrived(self._in_flight, block, self.timeout.total_seconds())
         except PeerLostError as lost:
             self._lost = lost.worker
             raise
@@ -826,11 +830,7 @@ class CollectiveTransport:
         an allocation that fails posts nothing. A failure of the master's own once posting began (not a
         link's) leaves the data plane out of step: raised as itself, and the plane refused from then on."""
         self._check_usable()
-        try:  # results from earlier layers already late (NCCL): named now, without waiting
-            self._in_flight = _unarrived(self._in_flight, False, self.timeout.total_seconds())
-        except PeerLostError as lost:
-            self._lost = lost.worker
-            raise
+        self._check_arrivals(block=False)  # results from earlier layers already late (NCCL): named now
         pending = [_Pending(o.worker, torch.empty(2, dtype=torch.int64), torch.empty_like(o.payload))
                    for o in outgoing]
         try:

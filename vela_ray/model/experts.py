@@ -378,9 +378,10 @@ class LayerExperts(nn.Module):
         unorder_R[order_R] = np.arange(len(order_R))
         host = np.concatenate([local_R, order_R, local_R[order_R], unorder_R, np.cumsum(counts_n)])
         moved, device = torch.from_numpy(host), self.local_of.device
-        if device.type == "cuda":  # from pinned memory: queued on the stream, not waited for
+        if device.type == "cuda":  # the call's one host-to-device copy, from pinned memory: queued, not waited for
             moved = moved.pin_memory().to(device, non_blocking=True)
-        moved = moved.to(device)  # the call's one host-to-device copy (none on the CPU)
+        else:
+            moved = moved.to(device)  # none on the CPU
         local, order, ordered, unorder, offs = moved.split([len(ids_R)] * 4 + [len(counts_n)])
         return Routing(local, order, ordered, unorder,
                        GroupOffsets(offs.to(torch.int32), tuple(counts_n.tolist())))

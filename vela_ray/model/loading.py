@@ -119,6 +119,14 @@ def _open(model_dir: str | Path, trust_remote_code: bool) -> str:
     return key
 
 
+def meta_model(model_dir: str | Path, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The checkpoint's architecture on the meta device: names, shapes and modules, no weights read, no memory."""
+    key = _open(model_dir, trust_remote_code)
+    config = AutoConfig.from_pretrained(key, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 @lru_cache(maxsize=8)
 def _checkpoint(model_dir: str) -> _Checkpoint:
     """The model's MoE structure (a meta-device skeleton) and where each of its tensors is in the checkpoint."""

@@ -176,10 +176,11 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
     [M, L, E] of replicated experts), read from the model's checkpoint."""
     table = np.asarray(table)
     hosts = hosted(table if table.ndim == 3 else table[None], config.cluster.num_workers)
+    lora = config.lora_spec  # resolved against the model once (rank/alpha patterns), not once per worker
     return [
         ExpertManagerSpec(
             worker=n, keys=[tuple(k) for k in np.argwhere(hosts[n]).tolist()],
-            model_dir=str(config.model.path.resolve()), lora=config.lora_spec,
+            model_dir=str(config.model.path.resolve()), lora=lora,
             optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
             tiers=config.expert_tiers, trust_remote_code=config.model.trust_remote_code,
         )
