@@ -339,6 +339,14 @@ class TrainingSection(_Section):
         False, description="recompute each decoder layer's activations in backward instead of keeping them (long "
         "contexts in less master memory, ~a third more master compute); the experts' outputs are kept, so expert "
         "rows still cross the data plane once per step each way. Unused by method: zo, which keeps no activations")
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list, description="experiment trackers master 0 logs to (per step: loss, lr, gradient norm, "
+        "tokens/s, step time and its parts, bytes per link tier, placement version, eval loss; per run: the config, "
+        "the summary, report.html and placement.json). TensorBoard writes to output.dir/tensorboard; MLflow and "
+        "W&B where their environment says (MLFLOW_TRACKING_URI, WANDB_MODE, ...). Each needs its extra: pip "
+        "install 'vela-ray[tensorboard,mlflow,wandb]'")
+    tracker_project: str = Field("vela-ray", min_length=1, description="the MLflow experiment / W&B project the "
+                                 "run is logged under; the run is named after output.dir and the run id")
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "TrainingSection":

@@ -63,6 +63,7 @@ class Preflight:
 
 def preflight(config: JobConfig) -> Preflight:
     """All checks, cheapest first; the only write (the output dir probe) comes last."""
+    check_trackers(config)
     model = check_model(config)
     check_capacity(config, model)
     check_seq_len(config, model)
@@ -77,6 +78,15 @@ def preflight(config: JobConfig) -> Preflight:
     check_output_dirs(config, resume)
     pinned = (config.with_resume(str(resume)) if resume else config).with_family_check(family)
     return Preflight(config=pinned, model=model, train_rows=train_rows, resume=resume, resume_step=resume_step)
+
+
+def check_trackers(config: JobConfig) -> None:
+    """Every tracker of `training.report_to` is installed, else one line with the extra that installs it."""
+    from vela_ray.observability.trackers import missing_tracker_packages
+
+    problem = missing_tracker_packages(config.training.report_to)
+    if problem:
+        raise ValueError(problem)
 
 
 # --- model ------------------------------------------------------------------------------

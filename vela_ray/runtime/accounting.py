@@ -56,10 +56,12 @@ class StepAccounting:
         self.state = state
         self.metrics = metrics
         self.workers_at_start: tuple[list[int], list[float]] = ([], [])  # received bytes, compute seconds
+        self._compute_mark: list[float] = []  # the workers' compute seconds at the last tracked step
 
     def begin_training(self, live: Live) -> None:
         """The workers' counters now (again after a recovery: new workers count from zero)."""
         self.workers_at_start = _counters(live)
+        self._compute_mark = list(self.workers_at_start[1])
 
     def end_training(self, live: Live) -> None:
         (received, compute), (received_0, compute_0) = _counters(live), self.workers_at_start
@@ -94,6 +96,26 @@ class StepAccounting:
         if record.sequence_moves is not None:
             self.metrics.record_sequence_moves(record.sequence_moves)
         return record
+
+    def tracked(self, live: Live, record: StepRecord, lr: float) -> dict[str, float | None]:
+        """What the trackers log for `record` (`training.report_to`): loss, lr, gradient norm, non-padding
+        tokens per second, the step's time and its parts, bytes per link tier, the placement version and the
+        eval loss when there is one. The workers' compute is read with one round of reports per step, only
+        for the trackers."""
+        compute = _counters(live)[1]
+        mark, self._compute_mark = self._compute_mark or compute, compute
+        worker_s = max((a - b for a, b in zip(compute, mark)), default=0.0)
+        values: dict[str, float | None] = {
+            "train/loss": record.loss, "train/lr": lr, "train/grad_norm": live.master.grad_norm,
+            "train/tokens_per_s": record.tokens / record.step_time_s if record.step_time_s > 0 else None,
+            "time/step_s": record.step_time_s, "time/expert_round_trip_s": record.expert_round_trip_s,
+            "time/master_s": record.step_time_s - record.expert_round_trip_s, "time/worker_compute_max_s": worker_s,
+            "placement/version": self.state.version, "eval/loss": record.eval_loss,
+        }
+        values.update({f"bytes/{tier}": count for tier, count in record.bytes_by_tier.items()})
+        if live.peers.num_masters > 1:
+            values["bytes/allreduce"] = record.allreduce_bytes
+        return values
 
     @staticmethod
     def _sequence_moves(live: Live, peer_steps: list[dict]) -> dict[str, int] | None:

@@ -33,6 +33,7 @@ from vela_ray.config import JobConfig
 from vela_ray.data.datasets import batch_rows, micro_batches, sequential_batches
 from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.observability.metrics import MetricsSink
+from vela_ray.observability.trackers import Trackers, flat_params
 from vela_ray.observability.report import write_report
 from vela_ray.runs import RunIdentity, move_aside
 from vela_ray.runtime.accounting import StepAccounting
@@ -78,6 +79,7 @@ class JobRunner:
         self.features = run_features(config, self.metrics, self.condenser)
         self.recovery = Recovery(config, pool, self.state, self.checkpoints, self.placer, self.features)
         self.live: Live | None = None  # from the master's build to the end of the run
+        self.trackers = Trackers([], self.out_dir)  # `training.report_to`'s, opened once the first step is known
         self.metrics.set_method(config.training.method)
 
     def run(self) -> RunSummary:
@@ -87,6 +89,7 @@ class JobRunner:
             self.config.model_dump(mode="json"))
         table = self.state.tables = self.placer.initial_table(resume)
         self.pool.launch(table)  # the workers load their experts while this process loads the backbone
+        status = "FAILED"  # what the trackers' run ends as
         try:
             live = self.live = self._start(Backbone.load(self.config, self.spec), table, resume)
             self.placer.settle(live, table, resume)
@@ -95,16 +98,32 @@ class JobRunner:
             self.placer.publish(live)
             self.state.start_step = self.checkpoints.start_state(live, resume)
             self.state.timings_s["startup_s"] = time.perf_counter() - started  # until the first step
+            self._open_trackers()
             self._train(live)
             export(live.master, live.workers, self.out_dir / "adapter")
             summary = self.accounting.summary(live, self.pool.master_node, self.out_dir)
             summary.write(self.out_dir)  # the report reads it back
             write_report(self.out_dir)
+            status = "FINISHED"
+            self.trackers.finish(summary.tracked(), [self.out_dir / name for name in
+                                                     ("report.html", "placement.json", "summary.json")], status)
             return summary
+        except RunInterrupted:
+            status = "KILLED"
+            raise
         finally:
+            self.trackers.finish(None, [], status)  # flushed on every way out (a no-op after the one above)
             if self.live is not None:
                 self.live.peers.close()
             self.pool.close()
+
+    def _open_trackers(self) -> None:
+        """`training.report_to`'s trackers, continuing a resumed run's; the resolved config as parameters."""
+        cfg = self.config.training
+        run_name = f"{self.out_dir.name}-{self.state.identity.run_id}"
+        self.trackers = Trackers.open(cfg.report_to, self.out_dir, cfg.tracker_project, run_name,
+                                      first_step=self.state.start_step + 1)
+        self.trackers.params(flat_params(self.config.model_dump(mode="json")))
 
     def _start(self, backbone: Backbone, table, resume: ResumePoint | None) -> Live:
         """The workers up, master 0 built over them, the other masters started; `config.json` written."""
@@ -181,6 +200,8 @@ class JobRunner:
             self.stepper.settle(live)
             record.eval_loss = self._eval(live)  # after the step's record: its routing is not counted
         self.state.history.append(record)
+        if self.trackers.trackers:
+            self.trackers.step(step + 1, self.accounting.tracked(live, record, lr))
         if self.checkpoints.due(step + 1):
             self._checkpoint(live, step + 1)
         if step + 1 == cfg.steps:

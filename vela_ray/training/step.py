@@ -173,6 +173,9 @@ class MasterModel:
     dispatcher: ExpertDispatcher
     optimizer: torch.optim.Optimizer
     full_lora_config: object  # peft LoraConfig of the original model, for export
+    grad_norm: float | None = None
+    """The last first-order step's global gradient norm before clipping (backbone and experts, all masters):
+    the trackers log it; it costs nothing, the clipping computes it anyway."""
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
@@ -302,6 +305,7 @@ def train_step(
     params = master.trainable_parameters()
     replicas.sync_grads(params)
     total_sq = grad_sq_norm(params) + replicas.sum(workers.grad_sq_norm())
+    master.grad_norm = total_sq ** 0.5
     clip_coef = clip_coefficient(total_sq, max_grad_norm)
     apply_step(master.optimizer, lr, clip_coef)
     workers.step(lr, clip_coef)

@@ -340,6 +340,19 @@ class RunSummary(_Record):
     def num_workers(self) -> int:
         return len(self.worker_tiers)
 
+    def tracked(self) -> dict[str, float | str]:
+        """What the experiment trackers keep of the run as its final values (`training.report_to`)."""
+        values: dict[str, float | str] = {"steps": self.steps, "median_step_time_s": self.median_step_time_s,
+                                          "method": self.method}
+        if self.losses:
+            values["loss"] = self.losses[-1]
+        if self.eval_loss is not None:
+            values["eval_loss"] = self.eval_loss
+        values.update({f"bytes/{tier}": count for tier, count in self.traffic_bytes_by_tier.items()})
+        if self.run_id:
+            values["run_id"] = self.run_id
+        return values
+
     def write(self, out_dir: str | Path) -> Path:
         path = Path(out_dir) / SUMMARY_FILE
         path.write_text(self.model_dump_json(indent=1))

@@ -1,0 +1,175 @@
+"""Experiment trackers (`training.report_to`): what each stores, read back with the tracker's own reader.
+
+TensorBoard's event files through TensorBoard's EventAccumulator, an MLflow run through MlflowClient on a
+local file store, a W&B offline run through its own datastore reader; a resumed run appends to the same
+tracker run; the queue never blocks a step; a tracker that fails is dropped, the run goes on; a tracker
+whose package is missing is refused by preflight in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import job_dict, make_checkpoint, run_in_process
+from vela_ray.config import JobConfig
+from vela_ray.observability import trackers as trackers_module
+from vela_ray.observability.trackers import Trackers, flat_params, missing_tracker_packages
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "mixtral")
+
+
+@pytest.fixture
+def tracker_env(tmp_path, monkeypatch) -> Path:
+    """MLflow on a local file store and W&B offline, both under `tmp_path`."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return tmp_path
+
+
+def _job(model_dir: Path, out: Path, steps: int, **sections) -> JobConfig:
+    job = job_dict(model_dir, out, steps=steps, checkpoint={"every": 2},
+                   training={"report_to": ["tensorboard", "mlflow", "wandb"], "eval_every": 2}, **sections)
+    return JobConfig.from_dict(job)
+
+
+def _tensorboard_scalars(log_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
+def _wandb_records(path: Path) -> list[bytes]:
+    """The protobuf records of a W&B offline run file (`run-<id>.wandb`): a 7-byte ":W&B" header, then
+    LevelDB's log format (32 KiB blocks of records: crc32, length, type FULL/FIRST/MIDDLE/LAST, data).
+    wandb 0.31 ships no Python reader of its own files any more, so the test reads the format."""
+    data, records, partial = path.read_bytes(), [], b""
+    assert data[:4] == b":W&B", path
+    position, block = 7, 32768
+    while position + 7 <= len(data):
+        room = block - position % block
+        if room < 7:  # a block's tail too short for a record header is padding
+            position += room
+            continue
+        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
+        if kind == 0 and length == 0:
+            break
+        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        partial = chunk if kind in (1, 2) else partial + chunk
+        if kind in (1, 4):
+            records.append(partial)
+    return records
+
+
+def _wandb_history(out: Path, run_id: str) -> list[dict]:
+    """Every `history` record of the W&B offline runs of `run_id` under `out` (one per process that ran)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(out.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        for data in _wandb_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+@pytest.mark.job
+def test_each_tracker_stores_the_steps_the_summary_and_a_resume_appends(model_dir, tracker_env):
+    from mlflow import MlflowClient
+
+    out = tracker_env / "out"
+    first = _job(model_dir, out, steps=2)
+    first.preflight()
+    run_in_process(first)
+    state = json.loads((out / "trackers.json").read_text())
+    resumed = _job(model_dir, out, steps=4).with_resume("latest")
+    resumed.preflight()
+    summary = run_in_process(resumed)
+    assert json.loads((out / "trackers.json").read_text()) == state  # the same tracker runs continued
+
+    losses = dict(enumerate(summary.losses, start=1))
+    # TensorBoard: one scalar series per metric, steps 1..4 across both processes' event files
+    tb_loss = _tensorboard_scalars(out / "tensorboard", "train/loss")
+    assert sorted(tb_loss) == [1, 2, 3, 4]
+    assert tb_loss == pytest.approx(losses, rel=1e-6)
+    assert set(_tensorboard_scalars(out / "tensorboard", "eval/loss")) == {2, 4}
+    assert all(v > 0 for v in _tensorboard_scalars(out / "tensorboard", "train/tokens_per_s").values())
+
+    # MLflow: one run, its step history, the config as parameters, the summary and the artifacts
+    client = MlflowClient()
+    run = client.get_run(state["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert history == pytest.approx(losses, rel=1e-6)
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "train/grad_norm")} == {1, 2, 3, 4}
+    assert run.data.params["training.report_to"] == json.dumps(["tensorboard", "mlflow", "wandb"])
+    assert float(run.data.params["training.optimizer.lr"]) == resumed.training.optimizer.lr
+    assert run.data.metrics["final/loss"] == pytest.approx(summary.losses[-1])
+    assert {"report.html", "placement.json", "summary.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert any(key.startswith("bytes/") for key in run.data.metrics)
+
+    # W&B offline: the same run id in both processes, steps 1..4 with the losses
+    rows = _wandb_history(out, state["wandb"]["id"])
+    wandb_loss = {row["_step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    assert wandb_loss == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_step_never_waits_for_a_slow_tracker_and_a_failing_one_is_dropped(tmp_path, caplog):
+    release, seen = threading.Event(), []
+
+    class Slow:
+        name = "slow"
+
+        def metrics(self, step, values):
+            release.wait(30)  # a tracker server that hangs until released
+            seen.append(step)
+
+        def finish(self, status):
+            seen.append(status)
+
+    class Failing(Slow):
+        name = "failing"
+
+        def metrics(self, step, values):
+            raise ConnectionError("server gone\nsecond line")
+
+    trackers = Trackers([Slow(), Failing()], tmp_path)
+    for step in (1, 2, 3):
+        trackers.step(step, {"loss": 1.0 / step, "eval": None})
+    assert seen == []  # every step queued while the first is still being sent
+    release.set()
+    assert trackers.flush(30)
+    assert seen == [1, 2, 3] and trackers.names == ["slow"]
+    assert "tracker failing failed (ConnectionError: server gone); the run goes on without it" in caplog.text
+    trackers.finish(None, [], "FINISHED")
+    trackers.finish(None, [], "FAILED")  # idempotent: the runner's finally calls it again
+    assert seen == [1, 2, 3, "FINISHED"]
+
+
+def test_a_missing_tracker_package_is_refused_before_ray_in_one_line(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(trackers_module.PACKAGES, "wandb", ("vela_no_such_module", "wandb"))
+    assert missing_tracker_packages(["tensorboard", "mlflow"]) is None
+    config = _job(model_dir, tmp_path / "out", steps=2)
+    with pytest.raises(ValueError) as err:
+        config.preflight()
+    assert str(err.value) == ("training.report_to names wandb, not installed here: pip install 'vela-ray[wandb]' "
+                              "(or remove it from training.report_to)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_flat_params_name_each_nested_field():
+    assert flat_params({"training": {"optimizer": {"lr": 0.1}, "report_to": ["mlflow"]}, "a": "x"}) == {
+        "training.optimizer.lr": "0.1", "training.report_to": '["mlflow"]', "a": "x"}
