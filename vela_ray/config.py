@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from vela_ray.data.config import DataConfig
 from vela_ray.errors import first_line
-from vela_ray.paths import UserPath
+from vela_ray.paths import StoragePath, UserPath
 from vela_ray.model.traffic import RowFormat
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
@@ -370,7 +370,8 @@ class TrainingSection(_Section):
 class CheckpointSection(_Section):
     every: int = Field(0, ge=0, description="checkpoint every N steps; 0: only at the end")
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints")
-    dir: UserPath | None = Field(None, description="checkpoint root; None: output.dir/checkpoints")
+    dir: StoragePath | None = Field(None, description="checkpoint root, a directory or a URI on object storage "
+                                    "(s3://bucket/ckpt); None: output.dir/checkpoints")
     resume: str | None = Field(None, description="`latest` or a checkpoint directory to continue from")
     asynchronous: bool = Field(
         False, description="copy the state to host memory at a checkpoint step and write it on background "
@@ -382,9 +383,11 @@ def _timestamped_dir() -> Path:
 
 
 class OutputSection(_Section):
-    dir: UserPath = Field(
+    dir: StoragePath = Field(
         default_factory=_timestamped_dir, description="where the adapter, summary, report and checkpoints go; one "
-                                                      "run per dir. Default: runs/<the config file's name>, or "
+                                                      "run per dir: a directory, or a URI on object storage "
+                                                      "(s3://bucket/run, gs://..., credentials from the environment; "
+                                                      "vela_ray.storage). Default: runs/<the config file's name>, or "
                                                       "runs/run-<date-time> for a job built in Python")
     overwrite: bool = Field(
         False, description="when output.dir holds another run, move it aside to <dir>.old-<its run id> (nothing "
@@ -509,8 +512,23 @@ class JobConfig(_Section):
         return self
 
     @property
-    def checkpoint_root(self) -> Path:
-        return self.checkpoint.dir or self.output.dir / "checkpoints"
+    def checkpoint_root(self) -> Path | str:
+        """`checkpoint.dir`, else `output.dir/checkpoints`: a Path, or a URI string on object storage."""
+        if self.checkpoint.dir is not None:
+            return self.checkpoint.dir
+        if isinstance(self.output.dir, str):
+            return f"{self.output.dir}/checkpoints"
+        return self.output.dir / "checkpoints"
+
+    @property
+    def output_local_dir(self) -> Path:
+        """Where this run writes its outputs: `output.dir`, or for a URI its local mirror, uploaded at the end
+        (`vela_ray.storage.local_mirror`)."""
+        if isinstance(self.output.dir, str):
+            from vela_ray.storage import local_mirror
+
+            return local_mirror(self.output.dir)
+        return self.output.dir
 
     # Where config strings become runtime objects, each through the model side's one translation
     # (imported here lazily: a config is read and validated without torch).

@@ -28,6 +28,7 @@ from vela_ray.model.loading import meta_model
 from vela_ray.observability.report import write_report
 from vela_ray.observability.samples import Sample, SamplesRecord
 from vela_ray.quiet import no_progress_bars
+from vela_ray.storage import is_remote, pull_outputs, push_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +131,12 @@ def run_samples(model_dir: Path, adapter_dir: Path, prompts: list[list[int]] | l
 def add_samples(config) -> SamplesRecord | None:
     """The end of a run (a `JobConfig`): write `samples.json` into output.dir and rebuild the report with it.
     None when the config asks for no samples; a record with `skipped` when they cannot be made here."""
-    report, out_dir = config.report, Path(config.output.dir)
+    report, out_dir = config.report, config.output_local_dir
     if report.samples == 0 and not report.prompts:
         return None
+    remote = is_remote(config.output.dir)
+    if remote:  # the run's outputs as uploaded (the master may have run on another node)
+        pull_outputs(config.output.dir, out_dir, fresh=False)
     adapter = out_dir / "adapter"
     try:
         record = _samples_or_reason(config, adapter)
@@ -144,6 +148,8 @@ def add_samples(config) -> SamplesRecord | None:
         logger.info("report samples skipped: %s", record.skipped)
     if (out_dir / "summary.json").is_file():
         write_report(out_dir)
+    if remote:
+        push_outputs(config.output.dir, out_dir)
     return record
 
 

@@ -8,10 +8,11 @@ model are cached under VELA_CACHE_DIR (default: ~/.cache/vela-ray).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, PlainSerializer, PlainValidator
 
 
 def _expand_user(value: object) -> object:
@@ -20,6 +21,19 @@ def _expand_user(value: object) -> object:
 
 UserPath = Annotated[Path, BeforeValidator(_expand_user)]
 """A config path field: `~` and `~user` expand to the home directory, as a shell would have done."""
+
+
+def _storage_path(value: object) -> Path | str:
+    if isinstance(value, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", value) and not value.startswith("file://"):
+        return value.rstrip("/")
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"expected a directory or a URI, got {type(value).__name__}")
+    return Path(_expand_user(value))
+
+
+StoragePath = Annotated[Path | str, PlainValidator(_storage_path), PlainSerializer(str, return_type=str)]
+"""A directory a run writes to: a local path (a `Path`, `~` expanded) or a URI on object storage kept as a
+string (`s3://bucket/run`, `gs://...`; `vela_ray.storage`)."""
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

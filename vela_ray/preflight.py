@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from vela_ray.errors import first_line
 from vela_ray.runs import check_output_dir, check_same_math
+from vela_ray.storage import is_remote
 
 if TYPE_CHECKING:
     from vela_ray.config import JobConfig
@@ -76,7 +77,10 @@ def preflight(config: JobConfig) -> Preflight:
     resume, resume_step = check_resume(config, model)
     family = check_family(config)  # seconds, and only for a family the test suite did not verify
     check_output_dirs(config, resume)
-    pinned = (config.with_resume(str(resume)) if resume else config).with_family_check(family)
+    from vela_ray.training.checkpoint import source_of
+
+    # pinned where every node finds it: a checkpoint on object storage by its URI, not this machine's copy
+    pinned = (config.with_resume(source_of(resume)) if resume else config).with_family_check(family)
     return Preflight(config=pinned, model=model, train_rows=train_rows, resume=resume, resume_step=resume_step)
 
 
@@ -337,11 +341,51 @@ def check_output_dirs(config: JobConfig, resume: Path | None) -> None:
     from vela_ray.training import checkpoint
 
     resumed_run = checkpoint.read_run(resume) if resume else None
-    check_output_dir(config.output.dir, config.output.overwrite, resume is not None,
-                     resumed_run["run_id"] if resumed_run else None)
-    check_writable(config.output.dir, "output.dir")
-    if config.checkpoint.dir is not None:
+    resumed_id = resumed_run["run_id"] if resumed_run else None
+    if is_remote(config.output.dir):
+        check_remote_output(config.output.dir, config.output.overwrite, resume is not None, resumed_id)
+    else:
+        check_output_dir(config.output.dir, config.output.overwrite, resume is not None, resumed_id)
+        check_writable(config.output.dir, "output.dir")
+    if is_remote(config.checkpoint.dir):
+        check_remote_writable(config.checkpoint.dir, "checkpoint.dir")
+    elif config.checkpoint.dir is not None:
         check_writable(config.checkpoint.dir, "checkpoint.dir")
+
+
+def check_remote_output(uri: str, overwrite: bool, resuming: bool, resumed_run: str | None) -> None:
+    """`output.dir` on object storage: writable with the environment's credentials, and holding no other run
+    (as `runs.check_output_dir` for a directory; moving a run aside there is not offered)."""
+    from vela_ray.runs import RUN_ARTEFACTS, RUN_FILE, RunIdentity
+
+    remote = check_remote_writable(uri, "output.dir")
+    names = set(remote.dirs()) | {name.split("/")[0] for name in remote.files()}
+    if not names & set(RUN_ARTEFACTS):
+        return
+    there = RunIdentity.model_validate_json(remote.read_bytes(RUN_FILE)) if remote.exists(RUN_FILE) else None
+    if resuming and (there is None or resumed_run is None or there.run_id == resumed_run):
+        return
+    which = f"run {there.run_id} (started {there.started})" if there else "the output of an earlier run"
+    fix = "; output.overwrite moves local directories only" if overwrite else ""
+    raise ValueError(f"output.dir {uri} holds {which}; this job would mix with it: resume it with `--resume latest` "
+                     f"or choose another output.dir{fix}")
+
+
+def check_remote_writable(uri: str, field: str):
+    """A probe object written and deleted under `uri`: the bucket exists and the environment's credentials may
+    write there, found now rather than at the first checkpoint."""
+    from vela_ray.storage import Remote, check_uri
+
+    check_uri(uri, field)
+    try:
+        remote = Remote(uri)
+        probe = f".vela-preflight-{os.getpid()}"
+        remote.write_bytes(probe, b"")
+        remote.delete(probe)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{field} {uri}: cannot write there ({first_line(err)}); check the bucket and the "
+                         "credentials in the environment (e.g. AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL)") from None
+    return remote
 
 
 def check_writable(directory: Path, field: str) -> None:

@@ -93,7 +93,7 @@ class CheckpointWriter:
         initial ones) in every master and worker; returns the first step to run."""
         if resume:
             self.state.restore_records(resume.trainer.get("records", {}))
-            self.state.resumes.append(ResumeRecord(step=resume.step, checkpoint=str(resume.path),
+            self.state.resumes.append(ResumeRecord(step=resume.step, checkpoint=checkpoint.source_of(resume.path),
                                                    resumed_at=time.time()))
             return self.restore(live, resume.path)
         if self.config.lora.init_adapter:
@@ -101,9 +101,11 @@ class CheckpointWriter:
         live.peers.load_state(master_state(live.master))
         return 0
 
-    def restore(self, live: Live, path: Path) -> int:
-        """Every adapter, AdamW state and the RNG as checkpoint `path` saved them; returns its step."""
-        live.workers.load_checkpoint(str(path))
+    def restore(self, live: Live, ref: Path | str) -> int:
+        """Every adapter, AdamW state and the RNG as checkpoint `ref` (a directory, or a URI on object storage)
+        saved them; returns its step. The workers read their parts where the checkpoint is, on their nodes."""
+        path = checkpoint.local_copy(ref)
+        live.workers.load_checkpoint(checkpoint.source_of(path))
         tensors = checkpoint.read_tensors(path / "backbone.safetensors")
         load_master_state(live.master, tensors)
         live.peers.load_state(master_state(live.master))
@@ -127,13 +129,13 @@ class CheckpointWriter:
         staging = checkpoint.begin(cfg.checkpoint_root, step)
         tensors, trainer = contents(asynchronous)
         routed = self.state.tokens_routed_LE
-        workers.snapshot_checkpoint_parts(str(staging))
+        workers.snapshot_checkpoint_parts(checkpoint.parts_dir(cfg.checkpoint_root, staging, step))
 
         def write() -> Path:
             checkpoint.write_tensors(staging / "backbone.safetensors", tensors)
             checkpoint.write_json(staging / "trainer.json", trainer)
             workers.finish_checkpoint_parts(poll_s=CHECKPOINT_POLL_S if asynchronous else None)
-            return checkpoint.finalize(staging, step, meta, keep=cfg.checkpoint.keep)
+            return checkpoint.finalize(staging, step, meta, keep=cfg.checkpoint.keep, root=cfg.checkpoint_root)
 
         pending = PendingCheckpoint(step, None if routed is None else routed.copy(), 0.0)
         if asynchronous:
@@ -180,7 +182,7 @@ class CheckpointWriter:
             return "no checkpoint was written yet; set checkpoint.every to bound lost work"
         return f"resume from checkpoint {last} with `vela train --config ... --resume {last}`"
 
-    def _publish(self, pending: PendingCheckpoint, final: Path) -> None:
+    def _publish(self, pending: PendingCheckpoint, final: Path | str) -> None:
         self.state.last_checkpoint, self.state.routed_at_checkpoint = final, pending.routed_LE
         self.state.timings_s.setdefault("checkpoint_stall_s", []).append(pending.stall_s)
         logger.info("checkpoint %s published (training stood still %.3f s for it)", final, pending.stall_s)

@@ -45,6 +45,7 @@ from vela_ray.runtime.placer import Placer
 from vela_ray.runtime.pool import WorkerPool, master_spec
 from vela_ray.runtime.recovery import Recovery
 from vela_ray.runtime.state import Backbone, Live, ResumePoint, RunState
+from vela_ray.storage import is_remote, pull_outputs, push_outputs
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import lr_at
 from vela_ray.training.step import LossFn, build_master_replica, eval_loss, export, model_loss
@@ -69,7 +70,7 @@ class JobRunner:
         self.metrics = metrics or MetricsSink()
         self.spec = master_spec(config)  # the device check happens here, before any worker starts
         self.should_stop = should_stop
-        self.out_dir = Path(config.output.dir)
+        self.out_dir = config.output_local_dir  # output.dir, or its local mirror when that is on object storage
         self.state = RunState()
         self.checkpoints = CheckpointWriter(config, self.state, pool)
         self.placer = Placer(config, pool, self.state, self.metrics, self.out_dir)
@@ -113,6 +114,8 @@ class JobRunner:
             raise
         finally:
             self.trackers.finish(None, [], status)  # flushed on every way out (a no-op after the one above)
+            if is_remote(self.config.output.dir) and self.out_dir.is_dir():
+                push_outputs(self.config.output.dir, self.out_dir)  # whatever the run got to write
             if self.live is not None:
                 self.live.peers.close()
             self.pool.close()
@@ -129,7 +132,9 @@ class JobRunner:
         """The workers up, master 0 built over them, the other masters started; `config.json` written."""
         if resume:
             checkpoint.check_compatible(resume.manifest, backbone.checkpoint_meta(self.config), resume.path)
-        if self.config.output.overwrite and not resume:
+        if is_remote(self.config.output.dir):
+            pull_outputs(self.config.output.dir, self.out_dir, fresh=resume is None)
+        elif self.config.output.overwrite and not resume:
             move_aside(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.state.identity.write(self.out_dir)

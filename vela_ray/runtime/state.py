@@ -25,6 +25,7 @@ from vela_ray.training import checkpoint
 from vela_ray.training.sequence_migration import SequenceMigration
 from vela_ray.training.step import ExpertWorkers, MasterModel, MasterSpec, seeded_backbone
 from vela_ray.runs import RunIdentity, check_same_math
+from vela_ray.storage import name_of
 from vela_ray.training.summary import (
     LinkRecord, MigrationRecord, RecoveryRecord, ReplanRecord, ResumeRecord, StepRecord,
 )
@@ -150,7 +151,7 @@ class RunState:
     shared_links: list[SharedLink] = field(default_factory=list)  # NICs the links share, measured with them
     start_step: int = 0
     history: list[StepRecord] = field(default_factory=list)
-    last_checkpoint: Path | None = None  # the newest published checkpoint of this run (or before it)
+    last_checkpoint: Path | str | None = None  # the newest published checkpoint of this run (a URI on storage)
     tokens_routed_LE: np.ndarray | None = None
     routed_at_checkpoint: np.ndarray | None = None  # tokens_routed_LE when last_checkpoint was written
     timings_s: dict[str, float | list[float]] = field(default_factory=dict)
@@ -166,7 +167,7 @@ class RunState:
     def checkpointed(self, step: int) -> bool:
         """Whether the newest published checkpoint is of `step`."""
         last = self.last_checkpoint
-        return last is not None and last.name == f"step-{step:06d}"
+        return last is not None and name_of(last) == f"step-{step:06d}"
 
     def add_routed(self, counts_LE: np.ndarray) -> None:
         """Tokens routed to each expert in a training step (not in eval or profiling)."""

@@ -21,6 +21,13 @@ directories a crash left behind are deleted by the next `prune`. Workers write
 their own parts in parallel into the staging directory; the master never holds
 expert state.
 
+On object storage (a checkpoint root such as `s3://bucket/run/checkpoints`, `vela_ray.storage`) there is no
+rename: every process writes its files straight into `<root>/step-000120/` (a worker uploads its own part
+with its sha256 beside it, from its own node), and the manifest, written last, is what publishes the
+checkpoint. A directory without a manifest is a checkpoint in progress or a crash's leftover: never
+"latest", deleted by the next `prune`. Reading one (`local_copy`) downloads it into a local cache and
+verifies it there like a local checkpoint.
+
 Asynchronous (`checkpoint.asynchronous`): between two steps the master and each worker
 only copy their state to host memory; a `Background` thread writes the copy while
 training goes on, and the master publishes (manifest, rename, prune) once its files and
@@ -45,7 +52,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from vela_ray import storage
 from vela_ray.model.experts import ExpertKey
+from vela_ray.storage import Remote, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +68,54 @@ T = TypeVar("T")
 
 
 def begin(root: str | Path, step: int) -> Path:
-    """A fresh staging directory for the checkpoint of `step`."""
+    """A fresh staging directory for the checkpoint of `step`: this process's files go there (and, on a local
+    root, the workers' parts: `parts_dir`). On object storage it is a local directory, uploaded by `finalize`,
+    and whatever an earlier attempt left of `<root>/step-N` is deleted first (its manifest before the rest)."""
+    if is_remote(root):
+        from vela_ray.paths import cache_dir
+
+        target = Remote(str(root)).child(_step_name(step))
+        if target.exists(MANIFEST):
+            target.delete(MANIFEST)  # no longer a checkpoint before anything of it changes
+        target.delete_tree()
+        staging = cache_dir() / "staging" / f".{_step_name(step)}.tmp-{uuid.uuid4().hex[:8]}"
+        (staging / "experts").mkdir(parents=True)
+        return staging
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".step-{step:06d}.tmp-{uuid.uuid4().hex[:8]}"
     (staging / "experts").mkdir(parents=True)
     return staging
+
+
+def parts_dir(root: str | Path, staging: Path, step: int) -> str:
+    """Where the workers write their parts of the checkpoint `begin` staged: the staging directory itself on
+    a local root, the checkpoint's own directory on object storage (uploaded from each worker's node)."""
+    return storage.join(str(root), _step_name(step)) if is_remote(root) else str(staging)
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def write_part(parts: str, worker: int, tensors: dict[str, torch.Tensor]) -> str:
+    """Worker `worker`'s part into `parts` (`parts_dir`): a local file, or an upload with its sha256 beside it
+    (the manifest's writer cannot hash a file it never reads). Returns where it went."""
+    name = f"experts/part-{worker}.safetensors"
+    if not is_remote(parts):
+        path = Path(parts) / name
+        write_tensors(path, tensors)
+        return str(path)
+    from vela_ray.paths import cache_dir
+
+    local = cache_dir() / "staging" / f"part-{worker}-{uuid.uuid4().hex[:8]}.safetensors"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_tensors(local, tensors)
+        Remote(parts).upload(local, name, with_checksum=True)
+    finally:
+        local.unlink(missing_ok=True)
+    return storage.join(parts, name)
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -124,8 +175,13 @@ def expert_part_tensors(states: dict[ExpertKey, dict[str, torch.Tensor]]) -> dic
             for (layer, expert), state in states.items() for name, value in state.items()}
 
 
-def finalize(staging: Path, step: int, meta: dict, keep: int | None = None) -> Path:
-    """Checksum every file, write the manifest last, rename into place; prune to the last `keep`."""
+def finalize(staging: Path, step: int, meta: dict, keep: int | None = None, root: str | Path | None = None
+             ) -> Path | str:
+    """Checksum every file, write the manifest last, rename into place; prune to the last `keep`. On object
+    storage (`root` a URI) upload the staged files beside the workers' parts, then the manifest; returns
+    the checkpoint's URI."""
+    if root is not None and is_remote(root):
+        return _finalize_remote(staging, str(root), step, meta, keep)
     files = sorted(p for p in staging.rglob("*") if p.is_file())
     entries = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     write_json(staging / MANIFEST, {"step": step, "files": entries, "experts": _expert_index(staging),
@@ -141,6 +197,32 @@ def finalize(staging: Path, step: int, meta: dict, keep: int | None = None) -> P
     return final
 
 
+def _finalize_remote(staging: Path, root: str, step: int, meta: dict, keep: int | None) -> str:
+    target = Remote(root).child(_step_name(step))
+    entries = {}
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        rel = path.relative_to(staging).as_posix()
+        entries[rel] = {"bytes": path.stat().st_size, "sha256": target.upload(path, rel)}
+    for rel, size in target.files().items():  # the workers' parts, each with its sha256 beside it
+        if rel not in entries and rel != MANIFEST and not rel.endswith(storage.SHA256_SUFFIX):
+            entries[rel] = {"bytes": size, "sha256": target.read_bytes(rel + storage.SHA256_SUFFIX).decode()}
+    experts = {f"{name.split('.')[0][1:]}.{name.split('.')[1][1:]}": rel for rel in sorted(entries)
+               if rel.startswith("experts/") for name in _remote_tensor_names(target, rel)}
+    manifest = {"step": step, "files": dict(sorted(entries.items())), "experts": experts, "meta": meta}
+    target.write_bytes(MANIFEST, json.dumps(manifest, indent=1).encode())
+    shutil.rmtree(staging, ignore_errors=True)
+    if keep:
+        prune(root, keep, run_id=meta.get("run_id"))
+    return target.uri
+
+
+def _remote_tensor_names(target: Remote, rel: str) -> list[str]:
+    """Tensor names of a safetensors file on storage, from its header alone (8-byte length, then JSON)."""
+    length = int.from_bytes(target.read_range(rel, 0, 8), "little")
+    header = json.loads(target.read_range(rel, 8, length))
+    return [name for name in header if name != "__metadata__"]
+
+
 def prune(root: str | Path, keep: int, run_id: str | None = None) -> list[Path]:
     """Delete all but the newest `keep` valid checkpoints (of run `run_id` only, when given: another run's
     checkpoints in the same root are never touched), and the staging directories crashes left.
@@ -151,6 +233,14 @@ def prune(root: str | Path, keep: int, run_id: str | None = None) -> list[Path]:
     """
     ours = [p for p in valid_checkpoints(root)
             if run_id is None or verify(p, checksums=False).get("meta", {}).get("run_id") == run_id]
+    if is_remote(root):  # a step directory without a manifest is a crash's leftover (none is in progress now)
+        unfinished = [p for p in step_dirs(root) if not Remote(str(p)).exists(MANIFEST)]
+        for old in unfinished + ours[:-keep]:
+            remote = Remote(str(old))
+            if remote.exists(MANIFEST):
+                remote.delete(MANIFEST)  # no longer a checkpoint before its files go
+            remote.delete_tree()
+        return unfinished + ours[:-keep]
     removed = staging_dirs(root) + ours[:-keep]
     for old in removed:
         _delete(old)
@@ -172,6 +262,8 @@ def _delete(path: Path) -> None:
 
 def staging_dirs(root: str | Path) -> list[Path]:
     """`.step-*.tmp-*` directories under `root`: checkpoints being written, or left by a crash."""
+    if is_remote(root):
+        return []  # on storage those are step directories without a manifest
     root = Path(root)
     if not root.is_dir():
         return []
@@ -226,7 +318,10 @@ class Background(Generic[T]):
 
 
 def step_dirs(root: str | Path) -> list[Path]:
-    """`step-*` directories under `root`, valid or not, oldest first."""
+    """`step-*` directories under `root`, valid or not, oldest first (URIs on object storage)."""
+    if is_remote(root):
+        names = [name for name in Remote(str(root)).dirs() if _STEP_DIR.match(name)]
+        return [storage.join(str(root), name) for name in sorted(names, key=lambda n: int(n[5:]))]
     root = Path(root)
     if not root.is_dir():
         return []
@@ -260,7 +355,13 @@ def resolve(spec: str | Path, root: str | Path) -> Path:
     whether it does not exist, is a checkpoint root, or is damaged.
     """
     if str(spec) == "latest":
-        return _newest_verified(Path(root))
+        return local_copy(_newest_verified(root))
+    if is_remote(spec):
+        try:
+            return local_copy(str(spec))
+        except ValueError as err:
+            raise ValueError(f"checkpoint.resume (--resume) {err}; resume from another checkpoint, "
+                             "e.g. `latest`") from None
     path = Path(spec)
     if not path.exists():
         newest = step_dirs(root)
@@ -278,7 +379,7 @@ def resolve(spec: str | Path, root: str | Path) -> Path:
     return path
 
 
-def _newest_verified(root: Path) -> Path:
+def _newest_verified(root: str | Path) -> Path | str:
     """The newest checkpoint under `root` that passes `verify`, warning about each newer one skipped."""
     skipped = []
     for path in reversed(step_dirs(root)):
@@ -286,7 +387,7 @@ def _newest_verified(root: Path) -> Path:
             verify(path)
         except ValueError as err:
             logger.warning("skipping corrupt checkpoint %s (%s); trying the one before it", path, err)
-            skipped.append(path.name)
+            skipped.append(storage.name_of(path))
             continue
         if skipped:
             logger.warning("resuming from %s, the newest valid checkpoint (skipped corrupt %s)",
@@ -298,7 +399,12 @@ def _newest_verified(root: Path) -> Path:
 
 
 def verify(path: str | Path, checksums: bool = True) -> dict:
-    """The manifest, after checking every file's size (and sha256); ValueError saying what is wrong."""
+    """The manifest, after checking every file's size (and sha256); ValueError saying what is wrong. On object
+    storage the sha256s are checked on the local copy (`local_copy`), the sizes where the files are."""
+    if is_remote(path):
+        if checksums:
+            return verify(local_copy(str(path)), checksums=False)  # local_copy checked the checksums
+        return _verify_sizes_remote(Remote(str(path)))
     path = Path(path)
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
@@ -319,6 +425,88 @@ def verify(path: str | Path, checksums: bool = True) -> dict:
         if checksums and _sha256(file) != entry["sha256"]:
             raise ValueError(f"{path}: {name} fails its sha256 checksum (corrupted)")
     return manifest
+
+
+SOURCE_FILE = ".vela-source"  # in a local copy of a checkpoint on storage: the URI it was copied from
+
+
+def _remote_manifest(remote: Remote) -> tuple[dict, bytes]:
+    try:
+        raw = remote.read_bytes(MANIFEST)
+    except (FileNotFoundError, OSError):
+        raise ValueError(f"{remote.uri}: no {MANIFEST}; the checkpoint was never finished (crash while "
+                         "writing?)") from None
+    try:
+        manifest = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{remote.uri}: {MANIFEST} is not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or "step" not in manifest or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{remote.uri}: {MANIFEST} lacks 'step' or 'files' (not written by vela-ray?)")
+    return manifest, raw
+
+
+def _verify_sizes_remote(remote: Remote) -> dict:
+    manifest, _ = _remote_manifest(remote)
+    sizes = remote.files()
+    for name, entry in manifest["files"].items():
+        if name not in sizes:
+            raise ValueError(f"{remote.uri}: file {name} listed in the manifest is missing")
+        if sizes[name] != entry["bytes"]:
+            raise ValueError(f"{remote.uri}: {name} has {sizes[name]} bytes, the manifest says {entry['bytes']} "
+                             "(truncated?)")
+    return manifest
+
+
+def local_copy(ref: str | Path) -> Path:
+    """A checkpoint as a local directory: `ref` itself when local; a checkpoint on object storage downloaded
+    into the cache (`vela_ray.storage.cached_copy`) and verified there in full, sizes and sha256 (a copy
+    already there whose manifest equals the checkpoint's and that verifies is used as it is)."""
+    if not is_remote(ref):
+        return Path(ref)
+    remote, copy = Remote(str(ref)), storage.cached_copy(str(ref))
+    manifest, raw = _remote_manifest(remote)
+    if (copy / MANIFEST).is_file() and (copy / MANIFEST).read_bytes() == raw:
+        try:
+            verify(copy)
+            return copy
+        except ValueError:
+            pass  # downloaded again below
+    shutil.rmtree(copy, ignore_errors=True)
+    for name in manifest["files"]:
+        try:
+            remote.download(name, copy / name)
+        except (FileNotFoundError, OSError):
+            raise ValueError(f"{remote.uri}: file {name} listed in the manifest is missing") from None
+    (copy / MANIFEST).write_bytes(raw)
+    (copy / SOURCE_FILE).write_text(remote.uri)
+    verify(copy)
+    return copy
+
+
+def source_of(path: str | Path) -> str:
+    """Where checkpoint `path` is for another process, on any node: the URI a local copy came from, else
+    the path."""
+    source = Path(path) / SOURCE_FILE
+    return source.read_text() if not is_remote(path) and source.is_file() else str(path)
+
+
+def read_expert_states_at(ref: str | Path, keys: list[ExpertKey]) -> dict[ExpertKey, dict[str, torch.Tensor]]:
+    """`read_expert_states` of a checkpoint anywhere: on object storage only the parts holding `keys` are
+    downloaded (into a directory of this process's own, deleted after), and checked against the manifest."""
+    if not is_remote(ref):
+        return read_expert_states(Path(ref), verify(ref, checksums=False), keys)
+    import tempfile
+
+    remote = Remote(str(ref))
+    manifest, _ = _remote_manifest(remote)
+    index = manifest["experts"]
+    needed = sorted({index[f"{k[0]}.{k[1]}"] for k in keys if f"{k[0]}.{k[1]}" in index})
+    with tempfile.TemporaryDirectory(prefix="vela-parts-") as tmp:
+        for name in needed:
+            local = remote.download(name, Path(tmp) / name)
+            if _sha256(local) != manifest["files"][name]["sha256"]:
+                raise ValueError(f"{remote.uri}: {name} fails its sha256 checksum (corrupted)")
+        return read_expert_states(Path(tmp), manifest, keys)
 
 
 def read_run(path: str | Path) -> dict | None:

@@ -4,14 +4,13 @@ Every worker writes its own part in parallel with the others (`vela_ray.training
 files and finalizes the checkpoint). The ExpertManager holds one `ExpertCheckpointParts`:
 
     parts = ExpertCheckpointParts(worker=2)
-    parts.snapshot(staging_dir, states)        # copies now, writes experts/part-2.safetensors on a thread
+    parts.snapshot(parts_dir, states)          # copies now, writes experts/part-2.safetensors on a thread
+                                               # (uploads it, on object storage: checkpoint.parts_dir)
     path = parts.finish(timeout_s=0.0)         # None while still writing (the master polls)
     states = read_part_states(checkpoint_dir, keys)   # whichever worker wrote them
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from vela_ray.errors import ExpertWorkerError
 from vela_ray.model.experts import ExpertKey
@@ -32,12 +31,10 @@ class ExpertCheckpointParts:
         previous = self._write
         if previous is not None:
             previous.join()
-        path = Path(staging_dir) / "experts" / f"part-{self.worker}.safetensors"
         tensors = checkpoint.expert_part_tensors(states)
 
         def write() -> str:
-            checkpoint.write_tensors(path, tensors)
-            return str(path)
+            return checkpoint.write_part(staging_dir, self.worker, tensors)
 
         self._write = checkpoint.Background(write, name=f"vela-checkpoint-part-{self.worker}")
 
@@ -59,6 +56,6 @@ class ExpertCheckpointParts:
 
 
 def read_part_states(checkpoint_dir: str, keys: list[ExpertKey]) -> ExpertStates:
-    """LoRA and AdamW state of `keys` from a finalized checkpoint, whichever worker wrote them."""
-    path = Path(checkpoint_dir)
-    return checkpoint.read_expert_states(path, checkpoint.verify(path, checksums=False), keys)
+    """LoRA and AdamW state of `keys` from a finalized checkpoint (a directory, or a URI on object storage),
+    whichever worker wrote them."""
+    return checkpoint.read_expert_states_at(checkpoint_dir, keys)
