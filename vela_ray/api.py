@@ -59,8 +59,11 @@ MASTER_SCHEDULE_TIMEOUT_S = 120.0
 
 
 class VelaJob:
-    def __init__(self, config: JobConfig | Preflight):
-        """Checks `config` against its files now, unless it is already a `Preflight` result."""
+    def __init__(self, config: JobConfig | Preflight, dataset: object | None = None):
+        """Checks `config` against its files now, unless it is already a `Preflight` result. `dataset`: a
+        `ray.data.Dataset` of records to train on instead of `data.path` (`JobConfig.with_dataset`)."""
+        if dataset is not None:
+            config = (config.config if isinstance(config, Preflight) else config).with_dataset(dataset)
         checked = config if isinstance(config, Preflight) else config.preflight()
         self.config = checked.config  # resume pinned to the checkpoint preflight verified
 

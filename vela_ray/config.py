@@ -551,6 +551,12 @@ class JobConfig(_Section):
 
         return torch_dtype(self.model.dtype)
 
+    def with_dataset(self, dataset: object) -> "JobConfig":
+        """This job reading its records from `dataset`, a `ray.data.Dataset` of text, instruct or chat records
+        (as `data.kind` says) instead of `data.path`: streamed to the master from the cluster, never gathered
+        on the driver (preflight checks a sample of it)."""
+        return self.model_copy(update={"data": self.data.with_records(dataset)})
+
     def with_resume(self, spec: str | None) -> "JobConfig":
         """This config resuming from `spec` (`latest` or a directory); None leaves it unchanged."""
         if spec is None:

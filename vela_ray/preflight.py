@@ -272,6 +272,9 @@ def check_packing(config: JobConfig) -> None:
     probe(AutoConfig.from_pretrained(str(config.model.path)), f"model.path {config.model.path}")
 
 
+PREFLIGHT_SAMPLE_RECORDS = 256  # records of a ray.data.Dataset the driver reads to check their format
+
+
 def check_data(config: JobConfig) -> int:
     """Build the data set exactly as the master does (tokenizer, build, split) and return the
     training rows; refuse data that is empty, malformed, or too short for one batch."""
@@ -284,15 +287,18 @@ def check_data(config: JobConfig) -> int:
     except (ValueError, OSError) as err:
         raise ValueError(f"model.path {config.model.path}: no usable tokenizer ({first_line(err)}); save it "
                          "next to the model with tokenizer.save_pretrained") from None
-    training = config.training
+    training, data = config.training, config.data
+    sampled = data.records is not None  # a ray.data.Dataset: checked on a sample, the master reads it all
+    if sampled:
+        data = data.with_records(data.records.limit(PREFLIGHT_SAMPLE_RECORDS))
     try:
-        train, _ = build_dataset(config.data, tokenizer).split(training.eval_fraction, training.seed)
+        train, _ = build_dataset(data, tokenizer).split(training.eval_fraction, training.seed)
     except UnicodeDecodeError as err:
         raise ValueError(f"data.path {config.data.path}: not UTF-8 text ({err.reason} at byte {err.start})") \
             from None
     except ValueError as err:
         raise ValueError(f"data: {first_line(err)}") from None
-    if len(train) < training.batch_size:
+    if len(train) < training.batch_size and not sampled:
         raise ValueError(
             f"training.batch_size {training.batch_size} exceeds the {len(train)} training rows of data.path "
             f"{config.data.path} (seq_len {config.data.seq_len}, eval_fraction {training.eval_fraction} held "

@@ -69,6 +69,13 @@ def silence_known_warnings() -> None:
         "ignore", message=r"The given NumPy array is not writable", category=UserWarning,
         module=r"ray\._private\.tensor_serialization_utils",
     )
+    # Ray Data (a job's shards or ray.data.Dataset: `vela_ray.data.records.ray_records`): ray 2.60's
+    # DataContext assigns its own deprecated fields when it is created, and warns about those defaults
+    # in every process that reads a dataset. Nothing the user set; limited to that module.
+    warnings.filterwarnings(
+        "ignore", message=r"`(use_push_based_shuffle|use_polars|use_arrow_tensor_v2)` is deprecated",
+        category=DeprecationWarning, module=r"ray\.data\.context",
+    )
     # `vela train`/`vela demo` without `cluster.address` start a local Ray cluster, and Ray turns token
     # authentication on for it by default (as it should) and says so in a WARNING at every start
     # ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out").

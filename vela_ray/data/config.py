@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from vela_ray.data.dataset_info import (FORMATTING_KINDS, TAG_NAMES, dataset_info_file, is_llama_factory_dir,
                                        read_entry)
@@ -28,10 +29,12 @@ class DataConfig(BaseModel):
     """``text``: packed LM corpus; ``instruct``: Alpaca-style instruction records; ``chat``: conversations
     (``messages`` of role/content, or ShareGPT ``conversations`` of from/value) rendered with the chat template.
     Given `dataset_info`, it defaults to what the entry's formatting reads as."""
-    path: UserPath
+    path: UserPath | None = None
     """A text file or directory of ``.txt`` files (text), or for any kind a ``.json``, ``.jsonl``, ``.parquet``
-    or ``.csv`` file of records (text: a ``text`` column) or a directory written by ``Dataset.save_to_disk``.
-    Filled in from `dataset_info` when that is given."""
+    or ``.csv`` file of records (text: a ``text`` column), a directory written by ``Dataset.save_to_disk``, or
+    a directory or glob (``shards/*.jsonl``) of JSONL/Parquet shards, read through Ray Data when a Ray cluster
+    is attached. Filled in from `dataset_info` when that is given. None only for a job given a
+    ``ray.data.Dataset`` in Python (`with_records`)."""
     seq_len: int = Field(default=256, ge=2)
     """Tokens per row."""
     limit: int | None = Field(default=None, ge=1)
@@ -93,12 +96,37 @@ class DataConfig(BaseModel):
                                  f"gives ({filled[key]!r}); set it in the dataset_info.json entry, not in data")
         return {**data, **filled}
 
+    _records: object = PrivateAttr(None)  # a ray.data.Dataset the Python API gave (`with_records`)
+
     @field_validator("path")
     @classmethod
-    def _path_exists(cls, path: Path) -> Path:
-        if not path.exists():
+    def _path_exists(cls, path: Path | None) -> Path | None:
+        if path is None:
+            return None
+        if any(c in str(path) for c in "*?["):
+            if not glob.glob(str(path)):
+                raise ValueError(f"data path {path} matches no file")
+        elif not path.exists():
             raise ValueError(f"data path {path} does not exist")
         return path
+
+    def with_records(self, dataset: object) -> "DataConfig":
+        """This data config reading its records from `dataset`, a `ray.data.Dataset` (text, instruct or chat
+        records as `kind` says) instead of `path`. The dataset travels with the config to the master, which
+        streams it from the cluster: the driver never holds the records."""
+        copy = self.model_copy()
+        copy._records = dataset
+        return copy
+
+    @property
+    def records(self) -> object:
+        """The `ray.data.Dataset` of `with_records`, else None."""
+        return self._records
+
+    @property
+    def source(self) -> str:
+        """What the records come from, for messages: the path, or the Ray dataset."""
+        return "the ray.data.Dataset given to the job" if self._records is not None else str(self.path)
 
     @model_validator(mode="after")
     def _options_fit_the_kind(self) -> "DataConfig":

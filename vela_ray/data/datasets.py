@@ -55,8 +55,8 @@ from transformers import PreTrainedTokenizerBase
 from vela_ray.data.chat import AlpacaExample, Message, alpaca_to_messages, conversation_of, encode_chat, tools_of
 from vela_ray.data.config import DataConfig
 from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample, Truncation, packed_rows, padded_rows
-from vela_ray.data.records import (RECORD_FORMATS, SAVED_DATASET_FILES, RecordCount, as_object, load_records,
-                                   parse_each, refuse_unreadable_fields, warn_placeholders)
+from vela_ray.data.records import (RECORD_FORMATS, SAVED_DATASET_FILES, SHARD_SUFFIXES, RecordCount, as_object,
+                                   load_records, parse_each, refuse_unreadable_fields, warn_placeholders)
 from vela_ray.data.tokenized import Batch, TokenizedDataset
 
 log = logging.getLogger(__name__)
@@ -394,14 +394,14 @@ def build_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: 
     build of the same data (the master's, after the driver's preflight warned): a warning about dropped or
     truncated examples is then logged at INFO, and the blocks a text corpus packed into at DEBUG."""
     if config.kind == "text":
-        if not is_records_path(config.path):
+        if config.records is None and not is_records_path(config.path):
             files = text_files(config.path)
             return BuiltData(pack_text(tokenizer, config.path, config.seq_len, max_blocks=config.limit,
                                        announce=warn), RecordCount(len(files)))
         return _text_records(config, tokenizer, warn)
     if config.kind == "instruct":
-        parsed, count = read_instruct_examples(config.path, config.limit, config.columns, config.on_bad_record,
-                                               warn)
+        parsed, count = read_instruct_examples(_source(config), config.limit, config.columns,
+                                               config.on_bad_record, warn)
         examples = instruct_examples(tokenizer, parsed)
     else:
         examples, count = _chat_examples(config, tokenizer, warn)
@@ -416,17 +416,30 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, war
     return build_data(config, tokenizer, warn=warn).dataset
 
 
+def _source(config: DataConfig):
+    """Where the records are read from: the job's `ray.data.Dataset`, else `data.path`."""
+    if config.records is not None:
+        return config.records
+    if config.path is None:
+        raise ValueError("data.path is missing; give a data file, directory or glob (or, in Python, a "
+                         "ray.data.Dataset: JobConfig.with_dataset)")
+    return config.path
+
+
 def is_records_path(path: Path) -> bool:
-    """A file or directory of records (`vela_ray.data.records`) rather than plain text."""
+    """A file, directory or glob of records (`vela_ray.data.records`) rather than plain text."""
+    if any(c in str(path) for c in "*?["):
+        return Path(str(path)).suffix.lower() in SHARD_SUFFIXES
     if path.is_dir():
-        return any((path / name).is_file() for name in SAVED_DATASET_FILES)
+        return any((path / name).is_file() for name in SAVED_DATASET_FILES) or \
+            any(p.suffix.lower() in SHARD_SUFFIXES for p in path.iterdir())
     return path.suffix.lower() in RECORD_FORMATS
 
 
 def _text_records(config: DataConfig, tokenizer: PreTrainedTokenizerBase, warn: bool) -> BuiltData:
     """kind text from records: each record's `text` (data.columns.text maps another column), EOS between
     records, packed into blocks."""
-    records = load_records(config.path, config.columns)
+    records = load_records(_source(config), config.columns)
 
     def text_of(record: dict, where: str) -> str:
         if record.get("text") is None:
@@ -462,7 +475,7 @@ def _conversation(record: dict, where: str, tags: dict[str, str]) -> list[tuple[
 
 def _chat_examples(config: DataConfig, tokenizer: PreTrainedTokenizerBase,
                    warn: bool) -> tuple[list[Example], RecordCount]:
-    records = load_records(config.path, config.columns, config.limit)
+    records = load_records(_source(config), config.columns, config.limit)
     if not records:
         raise ValueError(f"{config.path}: holds no chat records; add records with 'messages' or 'conversations'")
     refuse_unreadable_fields(records, config.path)

@@ -25,6 +25,7 @@ None in the others.
 from __future__ import annotations
 
 import csv
+import glob
 import io
 import json
 import logging
@@ -68,7 +69,15 @@ def load_records(path: Path, columns: Mapping[str, str] | None = None, limit: in
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    if hasattr(path, "iter_batches"):  # a ray.data.Dataset (`DataConfig.with_records`)
+        return ray_records(path, columns, limit)
     path = Path(path)
+    shards = shard_files(path)
+    if shards is not None:
+        if _ray_attached():
+            return ray_records(read_shards(shards), columns, limit)
+        records = [r for shard in shards for r in load_records(shard, columns, None, cache_dir)]
+        return records if limit is None else records[:limit]
     _quiet_datasets()
     dataset = _load_saved(path) if path.is_dir() else _load_file(path, cache_dir)
     if dataset is None:  # a file that holds no records: datasets cannot build an empty split from it
@@ -77,6 +86,61 @@ def load_records(path: Path, columns: Mapping[str, str] | None = None, limit: in
         dataset = dataset.select(range(limit))  # an index over the memory-mapped table: nothing else is read
     records = _renamed(dataset, columns or {}, path).to_list()
     log.debug("%s: %d records", path, len(records))
+    return records
+
+
+SHARD_SUFFIXES = (".jsonl", ".parquet")  # what a directory or glob of shards may hold, one kind per data set
+
+
+def shard_files(path: Path) -> list[Path] | None:
+    """The shards a glob (`shards/*.jsonl`) or a directory (not a `save_to_disk` one) names, in name order;
+    None for a single file or a saved dataset."""
+    if any(c in str(path) for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+    elif path.is_dir() and not any((path / name).is_file() for name in SAVED_DATASET_FILES):
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        if not any(p.suffix.lower() in SHARD_SUFFIXES for p in files):
+            return None  # not shards: read (and refused) as a saved dataset
+    else:
+        return None
+    suffixes = sorted({p.suffix.lower() for p in files})
+    if not files or len(suffixes) != 1 or suffixes[0] not in SHARD_SUFFIXES:
+        raise ValueError(f"{path}: expected shards of one kind ({' or '.join(SHARD_SUFFIXES)}), found "
+                         f"{suffixes or 'no files'}; or give {ACCEPTED}")
+    return files
+
+
+def _ray_attached() -> bool:
+    """Whether this process is connected to a Ray cluster (then shards are read by Ray Data, on the cluster)."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def read_shards(files: list[Path]):
+    """The shards as one `ray.data.Dataset`, in file order."""
+    import ray.data
+
+    paths = [str(f) for f in files]
+    return ray.data.read_parquet(paths) if files[0].suffix.lower() == ".parquet" else ray.data.read_json(paths)
+
+
+def ray_records(dataset, columns: Mapping[str, str] | None, limit: int | None) -> list[dict]:
+    """The records of a `ray.data.Dataset`, in its order, as plain dicts (Arrow's own conversion, as `datasets`
+    gives them for a file), renamed by `columns` like a file's. Read batch by batch from the cluster."""
+    # records in the dataset's order, as from a file (the dataset runs under the context it was made with)
+    dataset.context.execution_options.preserve_order = True
+    if limit is not None:
+        dataset = dataset.limit(limit)
+    records: list[dict] = []
+    for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=4096):
+        records.extend(batch.to_pylist())
+    for canonical, own in (columns or {}).items():
+        for record in records:
+            if own in record:
+                record[canonical] = record.pop(own)
     return records
 
 
