@@ -193,6 +193,7 @@ class Trackers:
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._finished = False
+        self.busy_s: dict[str, float] = {t.name: 0.0 for t in trackers}  # each tracker's time, on the thread
         if trackers:
             self._thread = threading.Thread(target=self._serve, name="vela-trackers", daemon=True)
             self._thread.start()
@@ -268,8 +269,10 @@ class Trackers:
     def _call(self, tracker, method: str, *args) -> None:
         if tracker not in self.trackers:
             return
+        start = time.perf_counter()
         try:
             getattr(tracker, method)(*args)
+            self.busy_s[tracker.name] += time.perf_counter() - start
         except Exception as err:
             logger.warning("tracker %s failed (%s: %s); the run goes on without it", tracker.name,
                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")

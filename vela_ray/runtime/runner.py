@@ -102,6 +102,9 @@ class JobRunner:
             self._open_trackers()
             self._train(live)
             export(live.master, live.workers, self.out_dir / "adapter")
+            self.trackers.flush()  # the steps' metrics sent: their background time goes into the summary
+            for name, seconds in self.trackers.busy_s.items():
+                self.state.timings_s[f"tracker_{name}_busy_s"] = seconds
             summary = self.accounting.summary(live, self.pool.master_node, self.out_dir)
             summary.write(self.out_dir)  # the report reads it back
             write_report(self.out_dir)
@@ -205,8 +208,10 @@ class JobRunner:
             self.stepper.settle(live)
             record.eval_loss = self._eval(live)  # after the step's record: its routing is not counted
         self.state.history.append(record)
-        if self.trackers.trackers:
+        if self.trackers.trackers:  # the training thread's share: the workers' report and a queued dict
+            start = time.perf_counter()
             self.trackers.step(step + 1, self.accounting.tracked(live, record, lr))
+            self.state.timings_s.setdefault("trackers_step_s", []).append(time.perf_counter() - start)
         if self.checkpoints.due(step + 1):
             self._checkpoint(live, step + 1)
         if step + 1 == cfg.steps:
