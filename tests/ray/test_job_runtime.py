@@ -35,6 +35,8 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
                    **SECTIONS[transport],
                    placement={"cost_model": "communication+compute"},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    if transport == "one_on_master":  # a tracker fed by the MasterActor, from its workers' reports
+        job["training"]["report_to"] = ["tensorboard"]
     config = JobConfig.from_dict(job)
     summary = VelaJob(config).run()
 
@@ -59,6 +61,12 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     if transport == "one_on_master":  # worker 2 in the master's process, the others over the collective plane
         assert written["worker_tiers"] == ["same_node", "same_node", "same_process"] and len(used_tiers) == 2
         assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["pids"])) == 3
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+        events.Reload()
+        assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(summary.losses, rel=1e-6)
+        assert all(e.value > 0 for e in events.Scalars("time/worker_compute_max_s"))
     assert (tmp_path / "out" / "placement.json").is_file() and (tmp_path / "out" / "profile.npy").is_file()
     placed = written["placement"]  # the compute-aware cost model measured every worker's compute per row
     assert placed["cost_model"] == "communication+compute"
