@@ -62,8 +62,8 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
-def _job(model_dir: Path, uri: str, steps: int) -> dict:
-    return job_dict(model_dir, uri, steps=steps, checkpoint={"every": 2, "keep": 2},
+def _job(model_dir: Path, uri: str, steps: int, asynchronous: bool = False) -> dict:
+    return job_dict(model_dir, uri, steps=steps, checkpoint={"every": 2, "keep": 2, "asynchronous": asynchronous},
                     training={"optimizer": {"lr": 5e-3}})
 
 
@@ -71,9 +71,10 @@ def _checked(job: dict) -> JobConfig:
     return JobConfig.from_dict(job).preflight().config
 
 
-def test_a_job_writes_its_outputs_and_checkpoints_to_the_bucket(s3, model_dir, cache):
-    uri = "s3://bucket/whole"
-    summary = run_in_process(_checked(_job(model_dir, uri, steps=6)))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_job_writes_its_outputs_and_checkpoints_to_the_bucket(s3, model_dir, cache, asynchronous):
+    uri = f"s3://bucket/whole-{asynchronous}"
+    summary = run_in_process(_checked(_job(model_dir, uri, steps=6, asynchronous=asynchronous)))
     remote = Remote(uri)
     files = remote.files()
     for name in ("run.json", "config.json", "summary.json", "report.html", "placement.json",

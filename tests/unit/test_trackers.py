@@ -173,3 +173,22 @@ def test_a_missing_tracker_package_is_refused_before_ray_in_one_line(model_dir, 
 def test_flat_params_name_each_nested_field():
     assert flat_params({"training": {"optimizer": {"lr": 0.1}, "report_to": ["mlflow"]}, "a": "x"}) == {
         "training.optimizer.lr": "0.1", "training.report_to": '["mlflow"]', "a": "x"}
+
+
+@pytest.mark.job
+def test_an_interrupted_run_flushes_its_steps_and_ends_the_tracker_run_as_killed(model_dir, tracker_env):
+    from mlflow import MlflowClient
+
+    from vela_ray.errors import RunInterrupted
+
+    out = tracker_env / "out"
+    config = JobConfig.from_dict(job_dict(model_dir, out, steps=6,
+                                          training={"report_to": ["tensorboard", "mlflow"]}))
+    config.preflight()
+    asked = iter([None, "Ctrl-C"])  # a stop asked after the second step
+    with pytest.raises(RunInterrupted):
+        run_in_process(config, should_stop=lambda: next(asked, "Ctrl-C"))
+    run = MlflowClient().get_run(json.loads((out / "trackers.json").read_text())["mlflow"]["run_id"])
+    assert run.info.status == "KILLED"
+    assert {m.step for m in MlflowClient().get_metric_history(run.info.run_id, "train/loss")} == {1, 2}
+    assert sorted(_tensorboard_scalars(out / "tensorboard", "train/loss")) == [1, 2]
