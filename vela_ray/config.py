@@ -317,6 +317,24 @@ class ZoSection(_Section):
                                 "difference to rounding (fp32), much larger biases it")
 
 
+TRACKER_PACKAGES: dict[str, tuple[str, str]] = {  # training.report_to: each tracker's module and its extra
+    "tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb"),
+}
+
+
+def missing_tracker_packages(names: list[str]) -> str | None:
+    """One line naming each tracker in `names` whose package is not installed and the extra that installs it;
+    None when all are there. Preflight calls it before Ray starts."""
+    import importlib.util
+
+    missing = [name for name in names if importlib.util.find_spec(TRACKER_PACKAGES[name][0]) is None]
+    if not missing:
+        return None
+    extras = ",".join(TRACKER_PACKAGES[name][1] for name in missing)
+    return (f"training.report_to names {', '.join(missing)}, not installed here: pip install 'vela-ray[{extras}]' "
+            "(or remove it from training.report_to)")
+
+
 class TrainingSection(_Section):
     steps: int = Field(ge=1, description="optimizer steps")
     batch_size: int = Field(8, ge=1, description="rows per optimizer step (the paper: 8)")

@@ -86,7 +86,7 @@ def preflight(config: JobConfig) -> Preflight:
 
 def check_trackers(config: JobConfig) -> None:
     """Every tracker of `training.report_to` is installed, else one line with the extra that installs it."""
-    from vela_ray.observability.trackers import missing_tracker_packages
+    from vela_ray.config import missing_tracker_packages
 
     problem = missing_tracker_packages(config.training.report_to)
     if problem:

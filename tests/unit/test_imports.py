@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Each package may import from the layers below it (and itself), never from above.
 LAYERS: list[list[str]] = [
     ["placement"],
-    ["vela_ray.errors", "vela_ray.paths", "vela_ray.progress", "vela_ray.quiet", "vela_ray.runs"],
+    ["vela_ray.errors", "vela_ray.paths", "vela_ray.progress", "vela_ray.quiet", "vela_ray.runs", "vela_ray.storage"],
     ["vela_ray.model"],
     ["vela_ray.data"],
     ["vela_ray.training"],

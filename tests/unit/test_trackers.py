@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import job_dict, make_checkpoint, run_in_process
-from vela_ray.config import JobConfig
-from vela_ray.observability import trackers as trackers_module
-from vela_ray.observability.trackers import Trackers, flat_params, missing_tracker_packages
+from vela_ray import config as config_module
+from vela_ray.config import JobConfig, missing_tracker_packages
+from vela_ray.observability.trackers import Trackers, flat_params
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_a_step_never_waits_for_a_slow_tracker_and_a_failing_one_is_dropped(tmp_
 
 
 def test_a_missing_tracker_package_is_refused_before_ray_in_one_line(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(trackers_module.PACKAGES, "wandb", ("vela_no_such_module", "wandb"))
+    monkeypatch.setitem(config_module.TRACKER_PACKAGES, "wandb", ("vela_no_such_module", "wandb"))
     assert missing_tracker_packages(["tensorboard", "mlflow"]) is None
     config = _job(model_dir, tmp_path / "out", steps=2)
     with pytest.raises(ValueError) as err:

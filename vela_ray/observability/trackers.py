@@ -22,7 +22,6 @@ Which server or directory each tracker writes to comes from its own environment,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import queue
@@ -30,28 +29,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterable, Literal
+from typing import Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
-TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 STATE_FILE = "trackers.json"
-# each tracker's importable module and the extra that installs it
-PACKAGES: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb"),
-}
 FLUSH_TIMEOUT_S = 120.0  # the longest `finish` waits for the queue (a tracker server that hangs)
-
-
-def missing_tracker_packages(names: Iterable[str]) -> str | None:
-    """One line naming each tracker in `names` whose package is not installed and the extra that installs
-    it; None when all are there. Preflight calls it before Ray starts."""
-    missing = [name for name in names if importlib.util.find_spec(PACKAGES[name][0]) is None]
-    if not missing:
-        return None
-    extras = ",".join(PACKAGES[name][1] for name in missing)
-    return (f"training.report_to names {', '.join(missing)}, not installed here: pip install 'vela-ray[{extras}]' "
-            "(or remove it from training.report_to)")
 
 
 def flat_params(value: object, prefix: str = "") -> dict[str, str]:
