@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch

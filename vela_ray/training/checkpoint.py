@@ -37,7 +37,6 @@ so a crash mid-write still leaves only a staging directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -54,7 +53,7 @@ from safetensors.torch import save_file
 
 from vela_ray import storage
 from vela_ray.model.experts import ExpertKey
-from vela_ray.storage import Remote, is_remote
+from vela_ray.storage import Remote, is_remote, sha256_of
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +182,7 @@ def finalize(staging: Path, step: int, meta: dict, keep: int | None = None, root
     if root is not None and is_remote(root):
         return _finalize_remote(staging, str(root), step, meta, keep)
     files = sorted(p for p in staging.rglob("*") if p.is_file())
-    entries = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
     write_json(staging / MANIFEST, {"step": step, "files": entries, "experts": _expert_index(staging),
                                     "meta": meta})
     _fsync_dir(staging)
@@ -409,12 +408,7 @@ def verify(path: str | Path, checksums: bool = True) -> dict:
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         raise ValueError(f"{path}: no {MANIFEST}; the checkpoint was never finished (crash while writing?)")
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: {MANIFEST} is not valid JSON ({err})") from None
-    if not isinstance(manifest, dict) or "step" not in manifest or not isinstance(manifest.get("files"), dict):
-        raise ValueError(f"{path}: {MANIFEST} lacks 'step' or 'files' (not written by vela-ray?)")
+    manifest = _parsed_manifest(manifest_file.read_bytes(), path)
     for name, entry in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -422,7 +416,7 @@ def verify(path: str | Path, checksums: bool = True) -> dict:
         size = file.stat().st_size
         if size != entry["bytes"]:
             raise ValueError(f"{path}: {name} has {size} bytes, the manifest says {entry['bytes']} (truncated?)")
-        if checksums and _sha256(file) != entry["sha256"]:
+        if checksums and sha256_of(file) != entry["sha256"]:
             raise ValueError(f"{path}: {name} fails its sha256 checksum (corrupted)")
     return manifest
 
@@ -430,19 +424,25 @@ def verify(path: str | Path, checksums: bool = True) -> dict:
 SOURCE_FILE = ".vela-source"  # in a local copy of a checkpoint on storage: the URI it was copied from
 
 
-def _remote_manifest(remote: Remote) -> tuple[dict, bytes]:
-    try:
-        raw = remote.read_bytes(MANIFEST)
-    except (FileNotFoundError, OSError):
-        raise ValueError(f"{remote.uri}: no {MANIFEST}; the checkpoint was never finished (crash while "
-                         "writing?)") from None
+def _parsed_manifest(raw: bytes, where: str | Path) -> dict:
     try:
         manifest = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{remote.uri}: {MANIFEST} is not valid JSON ({err})") from None
+        raise ValueError(f"{where}: {MANIFEST} is not valid JSON ({err})") from None
     if not isinstance(manifest, dict) or "step" not in manifest or not isinstance(manifest.get("files"), dict):
-        raise ValueError(f"{remote.uri}: {MANIFEST} lacks 'step' or 'files' (not written by vela-ray?)")
-    return manifest, raw
+        raise ValueError(f"{where}: {MANIFEST} lacks 'step' or 'files' (not written by vela-ray?)")
+    return manifest
+
+
+def _remote_manifest(remote: Remote) -> tuple[dict, bytes]:
+    """The manifest of the checkpoint on storage `remote`, and its bytes (a local copy is current while they
+    are equal)."""
+    try:
+        raw = remote.read_bytes(MANIFEST)
+    except OSError:  # FileNotFoundError included
+        raise ValueError(f"{remote.uri}: no {MANIFEST}; the checkpoint was never finished (crash while "
+                         "writing?)") from None
+    return _parsed_manifest(raw, remote.uri), raw
 
 
 def _verify_sizes_remote(remote: Remote) -> dict:
@@ -504,7 +504,7 @@ def read_expert_states_at(ref: str | Path, keys: list[ExpertKey]) -> dict[Expert
     with tempfile.TemporaryDirectory(prefix="vela-parts-") as tmp:
         for name in needed:
             local = remote.download(name, Path(tmp) / name)
-            if _sha256(local) != manifest["files"][name]["sha256"]:
+            if sha256_of(local) != manifest["files"][name]["sha256"]:
                 raise ValueError(f"{remote.uri}: {name} fails its sha256 checksum (corrupted)")
         return read_expert_states(Path(tmp), manifest, keys)
 
@@ -551,14 +551,6 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
