@@ -1,0 +1,282 @@
+"""Harness of tests/unit/test_tensor_parallel.py: gloo process groups on 127.0.0.1 spawned with
+torch.multiprocessing, each rank running `vela_ray.model.tensor_parallel` on the same debug model, against
+single-process transformers + peft run here.
+
+One spawn per TP size runs every family (starting processes and importing transformers costs more than the
+debug models' steps on a 2-core machine); rank 0 writes what the tests compare to a file.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vela_ray.model.adapters import full_lora_config
+from vela_ray.model.families import debug_model
+from vela_ray.model.tensor_parallel import (TensorParallelPlan, clip_grad_norm_, gather_lora_state_dict,
+                                            load_lora_state_dict, parallelize_backbone)
+from vela_ray.training.equivalence import LORA, OPTIM, micro_batches
+from vela_ray.training.optim import make_adamw
+from vela_ray.training.schedule import OptimizerConfig, lr_at
+
+logger = logging.getLogger(__name__)
+
+# Debug models with heads (and KV heads) divisible by 4. Qwen3-MoE's first layer is a dense MLP so that a
+# LoRA-adapted colwise/rowwise dense MLP is exercised too (DeepSeek's dense MLP and shared experts are not adapted:
+# `linear_targets` leaves their names to peft's expert rewriting).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "mixtral": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4),
+    "qwen3_moe": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, mlp_only_layers=[0]),
+    "deepseek_v3": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=8),
+    # beyond the issue's three: q/k/v biases (sharded with their columns) and a LoRA-adapted shared expert
+    "qwen2_moe": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4),
+}
+FAMILIES = sorted(OVERRIDES)
+
+
+def build_peft(family: str, lora: bool = True) -> nn.Module:
+    """`family`'s seeded debug model with the random-B adapter every rank and the reference share (or none)."""
+    model = debug_model(family, seed=0, **OVERRIDES[family])
+    if not lora:
+        return model
+    cfg = full_lora_config(model, LORA)
+    cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
+    torch.manual_seed(1)
+    return get_peft_model(model, cfg)
+
+
+# AdamW's first step moves every element by lr * g / (|g| + eps): with the default eps (1e-8) that is ~lr * sign(g)
+# for all but the tiniest gradients, so an element whose gradient is ~1e-5 of its tensor's largest (rounding-level
+# in a sum over 10^2 terms) lands up to ~lr * 1e-2 away in any two runs that sum in another order -- TP or not.
+# The adapter is compared element by element after a step with a larger eps, where the update is a smooth function
+# of the gradient (error <= lr * |grad error| / eps); the default optimizer is held to losses and gradients, and
+# its adapter to reproducing peft's held-out loss.
+SMOOTH_OPTIM = OPTIM.model_copy(update={"eps": 1e-3})
+
+
+def one_step(model: nn.Module, clip: Callable[[], Any], optim: OptimizerConfig = OPTIM) -> dict[str, Any]:
+    """The equivalence harness's reference step (loss over two micro-batches, global-norm clip, AdamW at
+    step 0's lr), then the loss of step 1's batches: {"loss0", "loss1", "grads" (by parameter name), "norm" (the
+    global grad norm `clip` returned)}."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(params, optim)
+    batches = micro_batches(0)
+    loss0 = 0.0
+    for batch in batches:
+        loss = model(**batch).loss / len(batches)
+        loss.backward()
+        loss0 += float(loss.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    norm = float(clip())
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(optim, 0, 2)
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        loss1 = sum(float(model(**b).loss) for b in micro_batches(1)) / 2
+    return {"loss0": loss0, "loss1": loss1, "grads": grads, "norm": norm}
+
+
+def held_out_loss(model: nn.Module) -> float:
+    """The eval-mode loss on a batch no step saw."""
+    with torch.no_grad():
+        return float(model.eval()(**micro_batches(99)[0]).loss)
+
+
+def reference(family: str) -> dict[str, Any]:
+    """Single-process transformers + peft: `one_step` with the default optimizer (and peft's held-out loss
+    after it), and the adapter after `one_step` with `SMOOTH_OPTIM`."""
+    model = build_peft(family)
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = one_step(model, lambda: torch.nn.utils.clip_grad_norm_(params, OPTIM.max_grad_norm))
+    out["held_out"] = held_out_loss(model)
+    smooth = build_peft(family)
+    params = [p for p in smooth.parameters() if p.requires_grad]
+    one_step(smooth, lambda: torch.nn.utils.clip_grad_norm_(params, SMOOTH_OPTIM.max_grad_norm), SMOOTH_OPTIM)
+    out["adapter"] = {k: v.detach().clone() for k, v in get_peft_model_state_dict(smooth).items()}
+    return out
+
+
+def reloaded_held_out_loss(family: str, adapter: dict[str, torch.Tensor]) -> float:
+    """peft's held-out loss with `adapter` (a gathered TP adapter) loaded into the plain model."""
+    model = build_peft(family)
+    result = set_peft_model_state_dict(model, adapter)
+    assert not result.unexpected_keys, result.unexpected_keys
+    return held_out_loss(model)
+
+
+def _gathered_grads(grads: dict[str, torch.Tensor], plan: TensorParallelPlan) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in sorted(grads):
+        g = grads[name]
+        if name in plan.sharded:
+            parts = [torch.empty_like(g) for _ in range(plan.size)]
+            dist.all_gather(parts, g.contiguous(), group=plan.group)
+            g = torch.cat(parts, plan.sharded[name])
+        out[name] = g
+    return out
+
+
+def _replica_spread(model: nn.Module, grads: dict[str, torch.Tensor], plan: TensorParallelPlan) -> float:
+    """Largest |difference| between ranks of any replicated trainable parameter or its step-0 gradient."""
+    spread = 0.0
+    tensors = [p.detach() for n, p in model.named_parameters() if p.requires_grad and n not in plan.sharded]
+    tensors += [g for n, g in sorted(grads.items()) if n not in plan.sharded]
+    for t in tensors:
+        parts = [torch.empty_like(t) for _ in range(plan.size)]
+        dist.all_gather(parts, t.contiguous(), group=plan.group)
+        spread = max(spread, max(float((p - parts[0]).abs().max()) for p in parts))
+    return spread
+
+
+def tp_run(family: str, group: dist.ProcessGroup) -> dict[str, Any]:
+    """`one_step` of `family` sharded over `group` with the default optimizer (gathered grads and adapter,
+    replica spread), the adapter gathered after a `SMOOTH_OPTIM` step, and that adapter loaded into a fresh
+    sharded model and gathered again ("roundtrip")."""
+    model = build_peft(family)
+    plan = parallelize_backbone(model, group)
+    out = one_step(model, lambda: clip_grad_norm_(model, plan, OPTIM.max_grad_norm))
+    out["grads"] = _gathered_grads(out["grads"], plan)
+    out["default_adapter"] = gather_lora_state_dict(model, plan)
+    out["spread"] = _replica_spread(model, out["grads"], plan)
+    out["styles"] = dict(plan.styles)
+
+    smooth = build_peft(family)
+    plan = parallelize_backbone(smooth, group)
+    one_step(smooth, lambda: clip_grad_norm_(smooth, plan, SMOOTH_OPTIM.max_grad_norm), SMOOTH_OPTIM)
+    out["adapter"] = gather_lora_state_dict(smooth, plan)
+
+    fresh = build_peft(family)
+    plan = parallelize_backbone(fresh, group)
+    load_lora_state_dict(fresh, out["adapter"], plan)
+    out["roundtrip"] = gather_lora_state_dict(fresh, plan)
+    return out
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives dispatched while active (plain `torch.distributed` ops, which `_EnterRegion`/
+    `_ExitRegion` call, and the functional ones DTensor's redistributes call), by op and by `where`: the decoder
+    layer whose forward or backward is running ("layers.<i>"), else "outside" (embedding, LM head, loss).
+
+    CommDebugMode counts the same ops, but its module tracker fails on transformers' decoder layers (an
+    IndexError in its forward hook), and it cannot say which layer's backward a collective belongs to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops, funcol_native, funcol_py
+
+        self.ops = {*c10d_collective_ops, funcol_native.all_reduce, funcol_native.all_gather_into_tensor,
+                    funcol_native.reduce_scatter_tensor, funcol_native.all_to_all_single, funcol_py.all_reduce,
+                    funcol_py.all_gather_into_tensor, funcol_py.reduce_scatter_tensor}
+        self.where = "outside"
+        self.counts: dict[tuple[str, str], int] = {}
+        self.elements = 0  # numel of every collective's input, summed
+
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = getattr(func, "_overloadpacket", func)
+        if packet in self.ops:
+            key = (self.where, packet.__name__.rstrip("_").lstrip("_"))
+            self.counts[key] = self.counts.get(key, 0) + 1
+            first = args[0] if args else None
+            self.elements += sum(t.numel() for t in (first if isinstance(first, (list, tuple)) else [first])
+                                 if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+    def track(self, layers: nn.ModuleList) -> list:
+        """Hooks setting `where` around each decoder layer's forward and backward; returns their handles."""
+        handles = []
+        for i, layer in enumerate(layers):
+            inside = functools.partial(setattr, self, "where", f"layers.{i}")
+            outside = functools.partial(setattr, self, "where", "outside")
+            handles += [layer.register_forward_pre_hook(lambda *_, f=inside: f()),
+                        layer.register_forward_hook(lambda *_, f=outside: f()),
+                        layer.register_full_backward_pre_hook(lambda *_, f=inside: f()),
+                        layer.register_full_backward_hook(lambda *_, f=outside: f())]
+        return handles
+
+
+def comm_counts(family: str, group: dist.ProcessGroup, lora: bool) -> dict[str, Any]:
+    """Collectives of one forward and one backward of `family` sharded over `group`, with or without its
+    adapter: {"forward"/"backward": {(where, op): count}}. The input embeddings require grad so that backward
+    crosses every layer either way (without LoRA nothing else would)."""
+    model = build_peft(family, lora=lora)
+    if not lora:
+        model.requires_grad_(False)  # the frozen backbone LoRA trains on: base TP alone
+    plan = parallelize_backbone(model, group)
+    batch = micro_batches(0)[0]
+    base = model.get_base_model() if lora else model
+    with torch.no_grad():
+        embeds = base.get_input_embeddings()(batch["input_ids"])
+    embeds = embeds.detach().requires_grad_()
+    model.train()
+    fwd, bwd = CollectiveCounter(), CollectiveCounter()
+    for counter in (fwd, bwd):
+        counter.track(base.model.layers)
+    with fwd:
+        loss = model(inputs_embeds=embeds, labels=batch["labels"]).loss
+    with bwd:
+        loss.backward()
+    replicated = sum(model.get_submodule(path).get_parameter(name).numel()
+                     for path, names in plan.replicated.items() for name in names)
+    return {"forward": fwd.counts, "backward": bwd.counts, "forward_elements": fwd.elements,
+            "backward_elements": bwd.elements, "replicated_elements": replicated}
+
+
+def _worker(rank: int, world: int, port: int, job: str, families: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        results: dict[str, Any] = {}
+        for family in families:
+            if job == "step":
+                results[family] = tp_run(family, group)
+            else:
+                results[family] = {"lora": comm_counts(family, group, True),
+                                   "plain": comm_counts(family, group, False)}
+        if rank == 0:
+            torch.save(results, out)
+    except Exception:
+        Path(f"{out}.error{rank}").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
+    """Run `job` ("step": `tp_run`, "comm": `comm_counts`) on `size` gloo ranks; rank 0's results by family."""
+    families = families or FAMILIES
+    # a forked rank would inherit the parent's default group and fail to create its own
+    assert not dist.is_initialized(), "a test left a torch.distributed process group initialized in this process"
+    out = os.path.join(tempfile.mkdtemp(prefix="vela-tp-"), "results.pt")
+    try:
+        # fork: the children inherit the imported torch/transformers/peft (a spawned child re-imports them, ~6 s
+        # of CPU each, which dominated on 2 cores); no process group exists in the parent to be copied.
+        mp.start_processes(_worker, args=(size, _free_port(), job, families, out), nprocs=size, join=True,
+                           start_method="fork")
+    except Exception as exc:
+        errors = sorted(Path(out).parent.glob("results.pt.error*"))
+        raise RuntimeError(errors[0].read_text() if errors else str(exc)) from exc
+    return torch.load(out, weights_only=False)

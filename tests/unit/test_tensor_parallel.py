@@ -1,0 +1,147 @@
+"""`vela_ray.model.tensor_parallel` on gloo process groups against single-process transformers + peft (fp32).
+
+For Mixtral, Qwen3-MoE (with a dense first layer), DeepSeek-V3 (MLA attention, dense first layer, shared
+experts) and Qwen2-MoE (q/k/v biases, LoRA on the shared expert) debug models with 8 heads and T in {1, 2, 4}: one training step's losses, gradients and adapter equal
+peft's at rel 1e-5, replicated LoRA factors stay bitwise equal on every rank, and LoRA adds no collective to the
+base TP's per layer. One fork of T processes runs every family (tests/tp_harness.py); its results are cached for
+the module, so the first test of each T pays for it (a few seconds at T=4 on 2 cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import tp_harness
+from tests.tp_harness import FAMILIES, LORA, OVERRIDES
+from vela_ray.model.families import debug_model
+from vela_ray.model.tensor_parallel import TensorParallelConfig, check_tensor_parallel
+
+RTOL = 1e-5
+SIZES = [1, 2, 4]
+
+_runs: dict[tuple[int, str], dict] = {}
+_references: dict[str, dict] = {}
+
+
+def _run(size: int, job: str = "step") -> dict:
+    if (size, job) not in _runs:
+        _runs[size, job] = tp_harness.spawn(size, job)
+    return _runs[size, job]
+
+
+def _reference(family: str) -> dict:
+    if family not in _references:
+        _references[family] = tp_harness.reference(family)
+    return _references[family]
+
+
+def _assert_close_to_scale(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """Each tensor within RTOL of the reference tensor's scale (its largest |element|): sums over ranks add in
+    another order, so an element that is ~0 by cancellation cannot be held to its own magnitude."""
+    assert got.keys() == want.keys(), (sorted(set(got) ^ set(want)))[:4]
+    for key, ref in want.items():
+        assert got[key].shape == ref.shape, (what, key, got[key].shape, ref.shape)
+        torch.testing.assert_close(got[key], ref, rtol=RTOL, atol=RTOL * float(ref.abs().max()), msg=f"{what} {key}")
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step_matches_peft(family, size):
+    """Loss, gradients, one AdamW step (default optimizer, TP-aware clipping) and the next loss."""
+    got, want = _run(size)[family], _reference(family)
+    torch.testing.assert_close(torch.tensor(got["loss0"]), torch.tensor(want["loss0"]), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(got["loss1"]), torch.tensor(want["loss1"]), rtol=RTOL, atol=0)
+    assert want["loss1"] != want["loss0"]  # the step changed the adapter
+    torch.testing.assert_close(torch.tensor(got["norm"]), torch.tensor(want["norm"]), rtol=RTOL, atol=0)
+    assert want["norm"] > tp_harness.OPTIM.max_grad_norm  # so the clip coefficient mattered
+    _assert_close_to_scale(got["grads"], want["grads"], "grad")
+    # replicated factors (colwise lora_A, rowwise lora_B, MLA's a-projections, experts): the same bits everywhere
+    assert got["spread"] == 0.0
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gathered_adapter_is_peft_adapter_after_the_step(family, size):
+    got, want = _run(size)[family], _reference(family)
+    _assert_close_to_scale(got["adapter"], want["adapter"], "adapter")
+    # the default optimizer's adapter, gathered and loaded into plain peft, computes what peft's computes
+    reloaded = tp_harness.reloaded_held_out_loss(family, got["default_adapter"])
+    torch.testing.assert_close(torch.tensor(reloaded), torch.tensor(want["held_out"]), rtol=RTOL, atol=0)
+    # loading a full adapter into a sharded model and gathering it back is lossless (resharding-agnostic)
+    for key, value in got["adapter"].items():
+        assert torch.equal(got["roundtrip"][key], value), key
+
+
+def test_sharding_follows_the_thesis_rule():
+    """Q/K/V (MLA: q_b/kv_b) colwise, O rowwise, dense/shared MLPs gate/up colwise and down rowwise; MLA's
+    a-projections, routers and experts are not sharded."""
+    styles = {family: _run(2)[family]["styles"] for family in FAMILIES}
+    short = {family: {k.split("layers.")[1]: v for k, v in s.items()} for family, s in styles.items()}
+    assert short["mixtral"] == {f"{i}.self_attn.{p}": ("rowwise" if p == "o_proj" else "colwise")
+                                for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    qwen = short["qwen3_moe"]
+    assert qwen["0.mlp.gate_proj"] == qwen["0.mlp.up_proj"] == "colwise" and qwen["0.mlp.down_proj"] == "rowwise"
+    assert not any(k.startswith("1.mlp") for k in qwen)  # layer 1 is MoE: replicated
+    deepseek = short["deepseek_v3"]
+    for i in range(3):
+        assert deepseek[f"{i}.self_attn.q_b_proj"] == deepseek[f"{i}.self_attn.kv_b_proj"] == "colwise"
+        assert deepseek[f"{i}.self_attn.o_proj"] == "rowwise"
+        assert f"{i}.self_attn.q_a_proj" not in deepseek and f"{i}.self_attn.kv_a_proj_with_mqa" not in deepseek
+    assert deepseek["1.mlp.shared_experts.down_proj"] == "rowwise" and deepseek["0.mlp.up_proj"] == "colwise"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_lora_adds_no_collective_per_layer(size):
+    """Per decoder layer, forward and backward: one all-reduce per TP region (attention; dense or shared-expert
+    MLP), the same with and without LoRA. Outside the layers: the LM head's logits all-gather and its input-grad
+    all-reduce (the embedding's all-reduce is not run: the counted forward starts from input embeddings)."""
+    counts = _run(size, "comm")
+    regions_per_layer = {"mixtral": [1, 1], "qwen3_moe": [2, 1], "deepseek_v3": [2, 2, 2], "qwen2_moe": [2, 2]}
+    for family in FAMILIES:
+        lora, plain = counts[family]["lora"], counts[family]["plain"]
+        assert lora["forward"] == plain["forward"] and lora["backward"] == plain["backward"], (family, lora, plain)
+        # the payload: forward unchanged (x_i A_i B joins the partial output), backward grown by exactly the
+        # replicated factors whose partial gradients join the regions' all-reduces
+        assert lora["forward_elements"] == plain["forward_elements"]
+        assert plain["replicated_elements"] == 0 and lora["replicated_elements"] > 0
+        assert lora["backward_elements"] - plain["backward_elements"] == lora["replicated_elements"], family
+        for phase in ("forward", "backward"):
+            per_layer = {k: n for k, n in lora[phase].items() if k[0] != "outside"}
+            assert per_layer == {(f"layers.{i}", "allreduce"): n
+                                 for i, n in enumerate(regions_per_layer[family])}, (family, phase, per_layer)
+        assert {k: n for k, n in lora["forward"].items() if k[0] == "outside"} == {
+            ("outside", "all_gather_into_tensor"): 1}
+        assert {k: n for k, n in lora["backward"].items() if k[0] == "outside"} == {("outside", "all_reduce"): 1}
+
+
+def test_refuses_attention_norms_over_all_heads():
+    """OLMoE's q_norm/k_norm normalize over every head's features at once: not computable on a head shard."""
+    with pytest.raises(ValueError, match=r"q_norm normalizes over 32 features \(all heads at once"):
+        check_tensor_parallel(debug_model("olmoe"), 2)
+
+
+def test_refuses_heads_not_divisible_by_the_tp_size():
+    model = debug_model("mixtral", **OVERRIDES["mixtral"])  # 8 heads, 4 KV heads
+    check_tensor_parallel(model, 4)
+    with pytest.raises(ValueError, match="8 attention heads and 4 KV heads must both be divisible by the TP size 8"):
+        check_tensor_parallel(model, 8)
+
+
+def test_refuses_lora_dropout():
+    from peft import get_peft_model
+
+    from vela_ray.model.adapters import full_lora_config
+
+    model = debug_model("mixtral", **OVERRIDES["mixtral"])
+    cfg = full_lora_config(model, LORA)
+    cfg.lora_dropout = 0.1
+    cfg.target_parameters = None  # peft itself refuses dropout on the experts' ParamWrapper
+    with pytest.raises(ValueError, match="lora_dropout=0.1 is not supported under tensor parallelism"):
+        check_tensor_parallel(get_peft_model(model, cfg), 2)
+
+
+def test_config_is_strict():
+    assert TensorParallelConfig().shard_vocab is True
+    with pytest.raises(ValueError):
+        TensorParallelConfig(shard_vocb=False)

@@ -1,0 +1,512 @@
+"""Tensor parallelism of the master's backbone (issue 37): attention by heads, dense MLPs by columns, with LoRA.
+
+`parallelize_backbone(model, mesh)` shards a (peft-wrapped) transformers causal LM over a TP group in place, in
+the Megatron layout (thesis §3.1.1): in each attention block Q/K/V are column-parallel (a rank keeps whole
+heads) and O is row-parallel; in each dense or shared-expert MLP gate/up are column-parallel and down is
+row-parallel. Everything else (norms, routers, the routed experts, MoE blocks' own code) runs replicated:
+identical inputs, identical computation, identical outputs on every rank.
+
+LoRA follows the thesis's rule (§3.2): on a column-parallel W, `lora_A` is replicated and `lora_B` sharded on
+its output dim; on a row-parallel W, `lora_A` is sharded on its input dim and `lora_B` replicated, and
+`x_i A_i B` is added to the partial `x_i W_i` before the block's all-reduce. peft's own `LoraLayer`s are what
+is sharded (their parameters become the local shards, their forward is peft's): the adapter stays peft's, and
+`gather_lora_state_dict` gives back peft's full adapter whatever the TP size.
+
+Why regions instead of per-module collectives (and instead of DTensor for the linear layers)
+--------------------------------------------------------------------------------------------
+Each sharded block (attention; dense or shared-expert MLP) is a *TP region*: it is entered through an operator
+that is the identity forward and one all-reduce backward (Megatron's `f`), and left through one that is one
+all-reduce forward and the identity backward (`g`). Between the two, rank i computes a partial y_i = F_i(x) with
+sum_i y_i the block's output, so the gradient of *anything replicated that the region uses* is the sum over
+ranks of what each rank's backward computes: the block input's gradient, but equally the gradient of a
+replicated LoRA factor (colwise lora_A: grad = x^T sum_i g_i B_i; rowwise lora_B: grad = sum_i u_i^T g) and of
+the replicated low-rank projections of MLA. `f` takes those factors as inputs too (the region computes with
+aliases `f` returns), so its single backward all-reduce carries [grad x, grad of every replicated trainable
+factor] in one buffer: per layer, LoRA adds *no* collective to the base TP's two forward and two backward
+all-reduces, only r*(d_in or d_out) elements per factor to the backward one, and every replicated factor ends
+with the same, exact gradient on every rank (no per-parameter reduction afterwards).
+
+torch's `ColwiseParallel`/`RowwiseParallel` cannot express this: each styled module owns its redistributes, so
+a LoRA-wrapped colwise module all-reduces its input gradient itself (once for the base, once more for lora_B's
+input, or a Partial gradient left on lora_A that needs its own all-reduce), and a rowwise one either all-reduces
+lora_A's output or leaves lora_B's gradient Partial. Hence the small explicit `_EnterRegion`/`_ExitRegion`
+operators (plain `torch.distributed` collectives, which `CommDebugMode` counts like DTensor's). The embedding
+and LM head, which LoRA does not adapt, are sharded with torch's own plans (vocab-parallel `RowwiseParallel` and
+`ColwiseParallel` gathering the logits: both exact, a sum with zeros and a concatenation), so transformers'
+loss sees the full logits.
+
+Multi-head Latent Attention (DeepSeek-V3)
+-----------------------------------------
+Sharded by heads: `q_b_proj` (or `q_proj` without a q LoRA rank) and `kv_b_proj` colwise (their outputs are
+head-major: heads x (nope + rope) and heads x (nope + v)), `o_proj` rowwise. Replicated inside the region:
+`q_a_proj` and `kv_a_proj_with_mqa` with their layernorms, because their outputs are latents every head reads
+(the q/kv compression and the single rope key shared by all heads, MQA-style); splitting them would need a
+collective before the b-projections. They run on the full x on every rank; their (and their LoRA factors')
+gradients are partial per rank and summed by `f` like any replicated factor's.
+
+Refused (ValueError, one line naming the reason): head counts, KV head counts, MLP widths or the vocabulary
+not divisible by the TP size; an attention whose norms span several heads (OLMoE's q_norm/k_norm normalize
+over all heads' features at once, which a head shard cannot compute without another collective); DoRA, LoRA
+biases, lora_dropout > 0 (each rank would draw its own mask); tied embeddings with vocab sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+Style = Literal["colwise", "rowwise"]
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_MLA_COLWISE = ("q_proj", "q_b_proj", "kv_b_proj")
+_MLA_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "kv_a_layernorm")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class TensorParallelConfig(BaseModel):
+    """How the backbone is split over one TP group (`cluster.master_tp`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_vocab: bool = Field(True, description="vocab-parallel embedding and LM head (torch's plans); "
+                                                "False keeps both replicated")
+
+
+@dataclass
+class TensorParallelPlan:
+    """What `parallelize_backbone` did, for gathering, clipping and tests."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    # model parameter name -> the dim it is sharded on (only trainable parameters: what gathering needs)
+    sharded: dict[str, int] = field(default_factory=dict)
+    # module path -> style, every linear sharded (peft LoraLayers and plain linears)
+    styles: dict[str, Style] = field(default_factory=dict)
+    regions: list[str] = field(default_factory=list)  # module paths of the TP regions, in model order
+    # region path -> its replicated trainable parameters (relative names), whose partial gradients ride on the
+    # region's backward all-reduce
+    replicated: dict[str, list[str]] = field(default_factory=dict)
+    vocab_parallel: list[str] = field(default_factory=list)  # embedding / LM head paths sharded by torch's plans
+
+
+# --------------------------------------------------------------------------------------------------
+# The region operators
+# --------------------------------------------------------------------------------------------------
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Sum `tensors` over `group` with one all-reduce per dtype (one in an fp32 or uniformly cast model)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        dist.all_reduce(flat, group=group)
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = piece.view(tensors[i].shape)
+    return out  # type: ignore[return-value]
+
+
+class _EnterRegion(torch.autograd.Function):
+    """Megatron's `f`: identity forward on the region's input and replicated trainable factors; backward sums
+    all their gradients (each rank's is its heads'/columns' share) over the group in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, x: torch.Tensor, *params: torch.Tensor):  # type: ignore[override]
+        ctx.group = group
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in (x, *params)]
+        return (x.view_as(x), *(p.view_as(p) for p in params))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        wanted = [i for i, g in enumerate(grads) if ctx.needs_input_grad[i + 1]]
+        dense = [grads[i] if grads[i] is not None else torch.zeros(ctx.shapes[i][0], dtype=ctx.shapes[i][1],
+                                                                    device=ctx.shapes[i][2]) for i in wanted]
+        summed = _all_reduce_flat([g.contiguous() for g in dense], ctx.group) if dense else []
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for i, g in zip(wanted, summed):
+            out[i] = g
+        return (None, *out)
+
+
+class _ExitRegion(torch.autograd.Function):
+    """Megatron's `g`: sums the ranks' partial outputs forward (one all-reduce); identity backward (the full
+    output gradient is what every rank's partial output receives)."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, y: torch.Tensor):  # type: ignore[override]
+        out = y.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return None, grad
+
+
+@contextlib.contextmanager
+def _aliased(module: nn.Module, names: list[str], tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Within the block, `module`'s parameters `names` read as `tensors` (the aliases `_EnterRegion` returned,
+    so their gradients pass through its all-reduce); the parameters are put back afterwards, whatever happens."""
+    saved = []
+    try:
+        for name, tensor in zip(names, tensors):
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            saved.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = tensor  # type: ignore[assignment]  # a non-leaf alias, for this call only
+        yield
+    finally:
+        for owner, leaf, param in reversed(saved):
+            owner._parameters[leaf] = param
+
+
+class _Region:
+    """The forward of one TP region: `f` on the hidden states and replicated factors, the block's own forward
+    on local shards, `g` on its (first) output."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, replicated: list[str]):
+        self.module = module
+        self.group = group
+        self.inner = module.forward  # the block's own (bound) forward
+        self.input_name = list(inspect.signature(type(module).forward).parameters)[1]  # after self
+        self.replicated = replicated  # the block's replicated trainable parameters (names relative to it)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args_l = list(args)
+        if args_l:
+            hidden = args_l[0]
+        else:
+            hidden = kwargs[self.input_name]
+        params = [self.module.get_parameter(n) for n in self.replicated]
+        hidden, *aliases = _EnterRegion.apply(self.group, hidden, *params)
+        if args_l:
+            args_l[0] = hidden
+        else:
+            kwargs[self.input_name] = hidden
+        with _aliased(self.module, self.replicated, aliases):
+            out = self.inner(*args_l, **kwargs)
+        if isinstance(out, tuple):
+            return (_ExitRegion.apply(self.group, out[0]), *out[1:])
+        return _ExitRegion.apply(self.group, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sharding
+# --------------------------------------------------------------------------------------------------
+
+def _lora_layer_cls():
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
+def _base_linear(module: nn.Module) -> nn.Linear | None:
+    """The nn.Linear a (peft-wrapped) projection computes with, or None if it is something else."""
+    if isinstance(module, _lora_layer_cls()):
+        module = module.get_base_layer()
+    return module if isinstance(module, nn.Linear) else None
+
+
+def _check_lora(module: nn.Module, owner: str) -> None:
+    """Refuse the LoRA variants whose sharded math is not the plain one (one line, naming the reason)."""
+    if not isinstance(module, _lora_layer_cls()):
+        return
+    for adapter in module.lora_A:
+        if module.use_dora.get(adapter, False):
+            raise ValueError(f"{owner}: DoRA is not supported under tensor parallelism (its magnitude needs the "
+                             "norm of whole weight rows, which a row-parallel shard does not hold)")
+        if getattr(module, "lora_bias", {}).get(adapter, False):
+            raise ValueError(f"{owner}: LoRA biases are not supported under tensor parallelism (a replicated "
+                             "lora_B bias of a row-parallel layer would be added once per rank)")
+        dropout = module.lora_dropout[adapter]
+        if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            raise ValueError(f"{owner}: lora_dropout={dropout.p} is not supported under tensor parallelism (each "
+                             "rank would draw its own dropout mask for a replicated input)")
+
+
+def _shard(module: nn.Module, name: str, dim: int, rank: int, size: int) -> None:
+    """Replace `module.<name>` by its `rank`-th of `size` equal chunks along `dim` (a new Parameter)."""
+    param = getattr(module, name)
+    if param is None:
+        return
+    chunk = param.detach().chunk(size, dim)[rank].clone()
+    setattr(module, name, nn.Parameter(chunk, requires_grad=param.requires_grad))
+
+
+def _shard_linear(path: str, module: nn.Module, style: Style, plan: TensorParallelPlan, prefix: str) -> None:
+    """Shard one projection (a peft LoraLayer or a plain nn.Linear) in `style`, its LoRA by the thesis's rule."""
+    base = _base_linear(module)
+    assert base is not None, path
+    _check_lora(module, path)
+    rank, size = plan.rank, plan.size
+    dim = base.out_features if style == "colwise" else base.in_features
+    if dim % size:
+        raise ValueError(f"{path}: {style} sharding needs {'out' if style == 'colwise' else 'in'}_features={dim} "
+                         f"divisible by the TP size {size}")
+    base_path = f"{prefix}{path}" + (".base_layer" if base is not module else "")
+    if style == "colwise":
+        _shard(base, "weight", 0, rank, size)
+        _shard(base, "bias", 0, rank, size)
+        base.out_features //= size
+    else:
+        _shard(base, "weight", 1, rank, size)
+        if base.bias is not None and base.bias.requires_grad:
+            raise ValueError(f"{base_path}: a trainable bias of a row-parallel layer is not supported (it is added "
+                             "on one rank only, so its gradient would be summed over ranks it is not used on)")
+        if base.bias is not None and rank != 0:  # added once: rank 0's partial carries it into the all-reduce
+            with torch.no_grad():
+                base.bias.zero_()
+        base.in_features //= size
+    for pname, p in base.named_parameters(recurse=False):
+        if p.requires_grad and (pname == "weight" or style == "colwise"):
+            plan.sharded[f"{base_path}.{pname}"] = 0 if style == "colwise" else 1
+    if base is not module:  # peft's LoraLayer: its factors follow the thesis's rule
+        factors = module.lora_B if style == "colwise" else module.lora_A
+        tag = "lora_B" if style == "colwise" else "lora_A"
+        for adapter, lin in factors.items():
+            _shard(lin, "weight", 0 if style == "colwise" else 1, rank, size)
+            if style == "colwise":
+                lin.out_features //= size
+            else:
+                lin.in_features //= size
+            if lin.weight.requires_grad:
+                plan.sharded[f"{prefix}{path}.{tag}.{adapter}.weight"] = 0 if style == "colwise" else 1
+        if style == "colwise":
+            module.out_features //= size
+        else:
+            module.in_features //= size
+    plan.styles[f"{prefix}{path}"] = style
+
+
+def _attention_plan(path: str, attn: nn.Module, size: int) -> tuple[dict[str, Style], dict[str, int]]:
+    """({child: style}, {head-count attribute: local value}) for an attention block, or ValueError."""
+    owner = f"{type(attn).__name__} at {path}"
+    children = dict(attn.named_children())
+    linears = {n for n, m in children.items() if _base_linear(m) is not None}
+    if "kv_b_proj" in children:  # MLA
+        heads_from = "q_b_proj" if "q_b_proj" in children else "q_proj"
+        head_dim = int(getattr(attn, "qk_head_dim"))
+        heads = _base_linear(children[heads_from]).out_features // head_dim  # type: ignore[union-attr]
+        kv_heads = heads
+        styles: dict[str, Style] = {n: "colwise" for n in _MLA_COLWISE if n in linears}
+        replicated = {n for n in _MLA_REPLICATED if n in children}
+    elif set(_QKV) <= linears:
+        head_dim = int(getattr(attn, "head_dim"))
+        heads = _base_linear(children["q_proj"]).out_features // head_dim  # type: ignore[union-attr]
+        kv_heads = _base_linear(children["k_proj"]).out_features // head_dim  # type: ignore[union-attr]
+        styles = {n: "colwise" for n in _QKV}
+        replicated = set()
+        for name in ("q_norm", "k_norm"):  # per-head norms (Qwen3) are fine; norms over all heads are not
+            norm = children.get(name)
+            if norm is not None and sum(p.numel() for p in norm.parameters()) not in (0, head_dim):
+                width = sum(p.numel() for p in norm.parameters())
+                raise ValueError(f"{owner}: {name} normalizes over {width} features (all heads at once, not one "
+                                 f"head's {head_dim}), which a head shard cannot compute without another collective")
+            if norm is not None:
+                replicated.add(name)
+    else:
+        raise ValueError(f"{owner}: neither q/k/v/o projections nor MLA (q_b/kv_b/o) projections; "
+                         "vela-ray does not know how to shard it by heads")
+    if "o_proj" not in linears:
+        raise ValueError(f"{owner}: no o_proj linear to make row-parallel")
+    styles["o_proj"] = "rowwise"
+    unknown = [n for n, m in children.items() if n not in styles and n not in replicated
+               and any(True for _ in m.parameters())]
+    if unknown:
+        raise ValueError(f"{owner}: parameterized children {unknown} that vela-ray does not know how to shard")
+    if heads % size or kv_heads % size:
+        raise ValueError(f"{owner}: {heads} attention heads and {kv_heads} KV heads must both be divisible by the "
+                         f"TP size {size} (a rank keeps whole heads)")
+    counts = {"num_heads": heads // size, "num_attention_heads": heads // size,
+              "num_key_value_heads": kv_heads // size}
+    return styles, {k: v for k, v in counts.items() if isinstance(getattr(attn, k, None), int)}
+
+
+def _is_attention(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    return "o_proj" in children and any(n in children for n in ("q_proj", "q_b_proj", "q_a_proj"))
+
+
+def _is_dense_mlp(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    return all(n in children and _base_linear(children[n]) is not None for n in _MLP) and "experts" not in children
+
+
+def check_tensor_parallel(model: nn.Module, size: int) -> None:
+    """Raise ValueError (one line, naming the reason) if `model` cannot be split exactly over `size` ranks."""
+    for path, module in model.named_modules():
+        if _is_attention(module):
+            styles, _ = _attention_plan(path, module, size)
+            for child in styles:
+                _check_lora(getattr(module, child), f"{path}.{child}")
+                base = _base_linear(getattr(module, child))
+                width = base.out_features if styles[child] == "colwise" else base.in_features  # type: ignore[union-attr]
+                if width % size:
+                    raise ValueError(f"{path}.{child}: width {width} not divisible by the TP size {size}")
+        elif _is_dense_mlp(module):
+            for child in _MLP:
+                _check_lora(getattr(module, child), f"{path}.{child}")
+            width = _base_linear(module.down_proj).in_features  # type: ignore[union-attr]
+            if width % size:
+                raise ValueError(f"{type(module).__name__} at {path}: intermediate size {width} not divisible by "
+                                 f"the TP size {size}")
+        elif _base_linear(module) is not None and isinstance(module, _lora_layer_cls()):
+            _check_lora(module, path)
+
+
+def _group_of(mesh_or_group: Any) -> tuple[dist.ProcessGroup, Any]:
+    """(process group, device mesh or None) from a 1-D DeviceMesh or a ProcessGroup."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise ValueError(f"tensor parallelism takes a 1-D device mesh, got {mesh_or_group.ndim}-D")
+        return mesh_or_group.get_group(), mesh_or_group
+    return mesh_or_group, None
+
+
+def parallelize_backbone(model: nn.Module, mesh_or_group: Any,
+                         config: TensorParallelConfig | None = None) -> TensorParallelPlan:
+    """Shard `model` (a transformers causal LM, plain or peft-wrapped, every rank holding the same full weights)
+    in place over the TP group `mesh_or_group` (1-D DeviceMesh or ProcessGroup); returns the plan.
+
+    Build the peft adapter *before* calling this: peft must see the full-size layers. After it, an optimizer
+    over `model.parameters()` steps local shards; use `clip_grad_norm_` and `gather_lora_state_dict` from here.
+    """
+    config = config or TensorParallelConfig()
+    if getattr(model, "_vela_tp_plan", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already tensor-parallel")
+    group, mesh = _group_of(mesh_or_group)
+    plan = TensorParallelPlan(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+    check_tensor_parallel(model, plan.size)
+    regions: list[tuple[str, nn.Module]] = []
+    for path, module in list(model.named_modules()):
+        if _is_attention(module):
+            styles, counts = _attention_plan(path, module, plan.size)
+            for child, style in styles.items():
+                _shard_linear(child, getattr(module, child), style, plan, f"{path}.")
+            for attr, value in counts.items():
+                setattr(module, attr, value)
+            regions.append((path, module))
+        elif _is_dense_mlp(module):
+            for child in _MLP:
+                _shard_linear(child, getattr(module, child), "rowwise" if child == "down_proj" else "colwise",
+                              plan, f"{path}.")
+            regions.append((path, module))
+    if not regions:
+        raise ValueError(f"{type(model).__name__}: no attention or dense MLP block to shard")
+    sharded = set(plan.sharded)
+    for path, module in regions:
+        region = _Region(module, group, [n for n, p in module.named_parameters()
+                                         if p.requires_grad and f"{path}.{n}" not in sharded])
+        module.forward = region  # type: ignore[method-assign]
+        plan.regions.append(path)
+        plan.replicated[path] = list(region.replicated)
+    if plan.size > 1 and config.shard_vocab:
+        _shard_vocab(model, mesh, group, plan)
+    model._vela_tp_plan = plan  # type: ignore[assignment]
+    logger.info("tensor parallel over %d ranks: %d regions, %d sharded linears, vocab-parallel %s",
+                plan.size, len(plan.regions), len(plan.styles), plan.vocab_parallel or "no")
+    return plan
+
+
+def _shard_vocab(model: nn.Module, mesh: Any, group: dist.ProcessGroup, plan: TensorParallelPlan) -> None:
+    """Embedding vocab-parallel and LM head colwise with gathered logits: torch's plans (exact: the embedding's
+    all-reduce adds zeros, the LM head's all-gather concatenates)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if head is not None and embed is not None and head.weight is embed.weight:
+        raise ValueError(f"{type(model).__name__}: tied embeddings cannot be vocab-parallel here (torch's plans shard "
+                         "the embedding and LM head separately); set shard_vocab: false")
+    paths = {id(m): p for p, m in model.named_modules()}
+    plans = {}
+    for module, style in ((embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
+                          (head, ColwiseParallel(output_layouts=Replicate()))):
+        if module is None or isinstance(module, _lora_layer_cls()) or not isinstance(module, (nn.Embedding, nn.Linear)):
+            logger.info("not sharding %s (%s): not a plain embedding / linear", type(module).__name__,
+                        paths.get(id(module)))
+            continue
+        vocab = module.weight.shape[0]
+        if vocab % plan.size:
+            raise ValueError(f"{paths[id(module)]}: vocabulary {vocab} not divisible by the TP size {plan.size}; "
+                             "set shard_vocab: false")
+        plans[paths[id(module)]] = style
+    if mesh is None:
+        mesh = DeviceMesh.from_group(group, "cpu" if not torch.cuda.is_available() else "cuda")
+    parallelize_module(model, mesh, plans)
+    plan.vocab_parallel = list(plans)
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer support and export
+# --------------------------------------------------------------------------------------------------
+
+def clip_grad_norm_(model: nn.Module, plan: TensorParallelPlan, max_norm: float | None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over the whole (unsharded) set of trainable parameters: sharded ones'
+    squares summed over the group (one all-reduce per step), replicated ones' counted once. Returns the norm."""
+    sharded_sq, replicated_sq = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.grad is not None:
+            (sharded_sq if name in plan.sharded else replicated_sq).append(p.grad.detach().float().pow(2).sum())
+    zero = torch.zeros(())
+    part = torch.stack(sharded_sq).sum() if sharded_sq else zero.clone()
+    dist.all_reduce(part, group=plan.group)
+    total = (part + (torch.stack(replicated_sq).sum() if replicated_sq else zero)).sqrt()
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in model.parameters():
+            if p.requires_grad and p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def _gather(tensor: torch.Tensor, dim: int, plan: TensorParallelPlan) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(plan.size)]
+    dist.all_gather(parts, tensor.contiguous(), group=plan.group)
+    return torch.cat(parts, dim=dim)
+
+
+def gather_lora_state_dict(model: nn.Module, plan: TensorParallelPlan | None = None,
+                           adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """peft's `get_peft_model_state_dict(model)` of the *unsharded* model, on every rank: sharded LoRA factors
+    all-gathered along their dim (one all-gather each), so the result is independent of the TP size and loads
+    into plain peft (or `load_lora_state_dict` at another TP size)."""
+    from peft import get_peft_model_state_dict
+
+    plan = plan or model._vela_tp_plan  # type: ignore[assignment]
+    state = model.state_dict()
+    for name in sorted(plan.sharded):  # same order on every rank
+        if ".lora_" in name:
+            state[name] = _gather(state[name].detach(), plan.sharded[name], plan)
+    return {k: v.detach().clone() for k, v in
+            get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter_name).items()}
+
+
+def load_lora_state_dict(model: nn.Module, full: dict[str, torch.Tensor], plan: TensorParallelPlan | None = None,
+                         adapter_name: str = "default") -> None:
+    """Load peft's full adapter `full` (keys as `get_peft_model_state_dict`) into the sharded `model`: each
+    sharded factor takes its rank's chunk. KeyError if a LoRA factor of the model has no entry in `full`."""
+    plan = plan or model._vela_tp_plan  # type: ignore[assignment]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" not in name:
+                continue
+            key = name.replace(f".{adapter_name}", "", 1)
+            value = full[key]
+            if name in plan.sharded:
+                value = value.chunk(plan.size, plan.sharded[name])[plan.rank]
+            param.copy_(value)
