@@ -15,6 +15,13 @@ the routing). The model is the briefly pre-trained tiny Mixtral (4 layers, 8 exp
 128; `vela build-tiny-model`), trained on WikiText-2 in rows of 128 tokens, so the routing is a real
 router's. Migration is exact, so the losses must agree; the script checks it.
 
+Also reported: cross-node bytes per step, the median step time (one process on 2 cores: compute, not
+network), and for q=1 "LUFFY bound": the expert rows' bytes had every sequence's combine happened on the
+node that served most of its rows, moves free and no capacity (LUFFY's own accounting, from the
+migration's `combine_*` row counts, on the layers where a decision is taken: all MoE layers but the last).
+This runtime's sequences move after the combine, so it cannot reach the bound; the bound says what
+gathering straight to the new master could at most save on this routing.
+
     python benchmarks/sequence_migration_job.py            # 4 steps of 12 sequences (~1 min on 2 cores)
 
 Results: a table, and benchmarks/results/sequence_migration_job.json.
@@ -23,6 +30,7 @@ Results: a table, and benchmarks/results/sequence_migration_job.json.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -65,11 +73,21 @@ def run_setting(args: argparse.Namespace, name: str, out: Path) -> dict:
     config = job(args, out / name.replace("=", ""), SETTINGS[name])
     start = time.perf_counter()
     summary = JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run()
+    seconds = time.perf_counter() - start
     moves = summary.sequence_moves or {}
     expert = summary.traffic_bytes_by_tier.get("cross_node", 0)
     hidden = moves.get("cross_node_bytes", 0)
-    return {"losses": summary.losses, "expert_cross_node_bytes": expert, "hidden_cross_node_bytes": hidden,
-            "cross_node_bytes": expert + hidden, "sequence_moves": moves, "seconds": time.perf_counter() - start}
+    step_times = sorted(record.step_time_s for record in summary.history)
+    result = {"losses": summary.losses, "expert_cross_node_bytes": expert, "hidden_cross_node_bytes": hidden,
+              "cross_node_bytes": expert + hidden, "cross_node_bytes_per_step": (expert + hidden) / args.steps,
+              "step_time_s_median": step_times[len(step_times) // 2], "sequence_moves": moves, "seconds": seconds}
+    if moves.get("combine_rows"):
+        # LUFFY's combine "where the experts ran" with free moves, no capacity (q = 1, its own accounting): the
+        # gathered rows (and, backward, their gradients) that would no longer cross, on the decided layers
+        row_bytes = 4 * json.loads((Path(config.model.path) / "config.json").read_text())["hidden_size"]
+        kept = moves["combine_cross_node_rows"] - moves["combine_cross_node_rows_best_node"]
+        result["luffy_bound_cross_node_bytes"] = expert - 2 * kept * row_bytes
+    return result
 
 
 def main() -> None:
@@ -82,11 +100,18 @@ def main() -> None:
         if max(abs(a - b) for a, b in zip(r["losses"], off["losses"])) > 1e-5 * max(map(abs, off["losses"])):
             raise SystemExit(f"{name}: losses {r['losses']} differ from migration off's {off['losses']}")
         r["vs_off"] = r["cross_node_bytes"] / off["cross_node_bytes"]
-    lines = ["| migration | expert rows MB | hidden states MB | cross-node MB | vs off | sequences moved |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| migration | expert rows MB | hidden states MB | cross-node MB | per step MB | vs off | sequences moved"
+             " | median step s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['expert_cross_node_bytes'] / 1e6:.2f} | {r['hidden_cross_node_bytes'] / 1e6:.2f}"
-                     f" | {r['cross_node_bytes'] / 1e6:.2f} | {r['vs_off']:.3f} | {r['sequence_moves'].get('moves', 0)} |")
+                     f" | {r['cross_node_bytes'] / 1e6:.2f} | {r['cross_node_bytes_per_step'] / 1e6:.2f}"
+                     f" | {r['vs_off']:.3f} | {r['sequence_moves'].get('moves', 0)} | {r['step_time_s_median']:.3f} |")
+    bound = results["q=1"].get("luffy_bound_cross_node_bytes")
+    if bound is not None:
+        results["q=1"]["luffy_bound_vs_off"] = bound / off["cross_node_bytes"]
+        lines.append(f"| LUFFY bound (combine where most rows ran, free moves) | {bound / 1e6:.2f} | 0 |"
+                     f" {bound / 1e6:.2f} | {bound / args.steps / 1e6:.2f}"
+                     f" | {bound / off['cross_node_bytes']:.3f} | | |")
     print("\n".join(lines))
     write_results(args.out, {"command": command(__file__), "args": {k: str(v) for k, v in vars(args).items()},
                              "nodes": NODES, "results": results, "table": lines})

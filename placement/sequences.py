@@ -81,6 +81,7 @@ def migrate_sequences(
     residual_rows_per_token: float = 1.0,
     hidden_size: int = 4096,
     capacity_tokens: int | Sequence[int] | None = None,
+    capacity_sequences: Sequence[int] | None = None,
 ) -> np.ndarray:
     """[S] the master of each sequence for the next layer (LUFFY's Algorithm 1; module docstring).
 
@@ -90,6 +91,8 @@ def migrate_sequences(
     `residual_rows_per_token` rows per token (None: moves are free). hidden_size: d of eq. 1.
     capacity_tokens: the most tokens a master takes (None: `default_capacity`), or [M] one per master (a
     runtime whose masters keep their batch sizes gives each exactly its share: `SequenceMigration`).
+    capacity_sequences: [M] the most sequences each master takes (None: no limit). A runtime whose masters
+    keep their batch shapes passes its slot counts, so sequences of unequal lengths still fill every slot.
     """
     tokens_S = np.asarray(tokens_S, dtype=np.int64)
     served_SN = np.asarray(served_SN, dtype=np.float64)
@@ -109,7 +112,11 @@ def migrate_sequences(
     index_SM = np.broadcast_to(np.arange(num_masters), (num_sequences, num_masters))
     order_SM = np.lexsort((index_SM, ~stay_SM, traffic_SM), axis=-1)
     # 3. place sequences longest first where the attention time grows least, within capacity
-    return _assign(tokens_S, order_SM, q, hidden_size, capacity_M)
+    slots_M = [num_sequences] * num_masters if capacity_sequences is None else [int(c) for c in capacity_sequences]
+    if len(slots_M) != num_masters or sum(slots_M) < num_sequences:
+        raise ValueError(f"capacity_sequences {list(slots_M)} must give each of the {num_masters} masters a count, "
+                         f"{num_sequences} in all at least")
+    return _assign(tokens_S, order_SM, q, hidden_size, capacity_M, slots_M)
 
 
 def _capacities(tokens_S: np.ndarray, num_masters: int, capacity_tokens: int | Sequence[int] | None) -> list[int]:
@@ -123,14 +130,16 @@ def _capacities(tokens_S: np.ndarray, num_masters: int, capacity_tokens: int | S
     return capacity_M
 
 
-def _assign(tokens_S: np.ndarray, order_SM: np.ndarray, q: int, hidden_size: int, capacity_M: list[int]) -> np.ndarray:
+def _assign(tokens_S: np.ndarray, order_SM: np.ndarray, q: int, hidden_size: int, capacity_M: list[int],
+            slots_M: list[int] | None = None) -> np.ndarray:
     """Algorithm 1, lines 3-7: [S] masters, given each sequence's masters in order of traffic."""
     num_sequences, num_masters = order_SM.shape
     count_M, longest_M, load_M = [0] * num_masters, [0] * num_masters, [0] * num_masters
+    slots_M = slots_M or [num_sequences] * num_masters
     master_S = np.empty(num_sequences, dtype=np.int64)
     for s in np.argsort(-tokens_S, kind="stable"):
         length = int(tokens_S[s])
-        room = [int(m) for m in order_SM[s] if load_M[m] + length <= capacity_M[m]]
+        room = [int(m) for m in order_SM[s] if load_M[m] + length <= capacity_M[m] and count_M[m] < slots_M[m]]
         if not room:
             capacity = capacity_M[0] if len(set(capacity_M)) == 1 else capacity_M
             raise ValueError(f"sequence {s} ({length} tokens) fits no master under capacity_tokens={capacity} "

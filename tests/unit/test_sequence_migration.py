@@ -84,7 +84,7 @@ def test_reslot_keeps_staying_sequences_in_place_and_fills_freed_slots_in_order(
     assert reslot(slots, np.array([0, 0, 1, 1, 2, 2])) == slots
 
 
-def test_only_micro_batches_whose_sequences_share_one_mask_move():
+def test_one_mask_tells_when_every_slot_gets_the_same_layer_inputs():
     ids = torch.ones(2, 4, dtype=torch.long)
     assert one_mask({"input_ids": ids}) and one_mask({"input_ids": ids, "attention_mask": torch.ones(2, 4)})
     assert not one_mask({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
@@ -119,21 +119,32 @@ def test_other_families_decoder_layers_migrate_exactly(family, tmp_path):
 
 
 @pytest.mark.job
-def test_micro_batches_with_padding_stay_where_they_are(tmp_path):
-    """Instruction examples padded to the longest in the micro-batch: their masks differ, so no sequence moves
-    (the model built its attention mask before the layers), and the summary says how many stayed."""
+@pytest.mark.parametrize("family, checkpointing", [("mixtral", False), ("gpt_oss", False), ("jamba", False),
+                                                   ("mixtral", True)])
+def test_padded_micro_batches_of_unequal_lengths_migrate_exactly(family, checkpointing, tmp_path):
+    """Instruction examples padded to the longest in the micro-batch (unequal lengths, so Eq. 1's attention
+    cost takes part): sequences move with their own attention masks, and the losses and LoRA weights are
+    those without migration (also when the migrating run recomputes its layers in the backward)."""
     import json
 
     records = [{"instruction": "Say it" + " again" * n, "input": "", "output": "so" + " it is" * n} for n in range(12)]
     (tmp_path / "data.json").write_text(json.dumps(records))
     data = {"kind": "instruct", "path": str(tmp_path / "data.json"), "seq_len": 192}
-    model_dir = make_checkpoint(tmp_path / "model", vocab=1024, max_position_embeddings=256)
-    config = JobConfig.from_dict(job_dict(model_dir, tmp_path, steps=2, data=data,
-                                          training={"batch_size": 6, "micro_batch_size": 6},
-                                          masters={"count": 3, "sequence_migration": True,
-                                                   "sequence_migration_candidates": 2}))
-    moves = run_in_process(config, master_node=NODES[0], worker_nodes=NODES).sequence_moves
-    assert moves == {"micro_batches": 6, "skipped": 6, "moves": 0, "sent_bytes": 0, "cross_node_bytes": 0}
+    model_dir = make_checkpoint(tmp_path / "model", family=family, vocab=1024, max_position_embeddings=256)
+    summaries = {}
+    for migration in (False, True):
+        training = {"batch_size": 6, "micro_batch_size": 6, "activation_checkpointing": checkpointing and migration}
+        config = JobConfig.from_dict(job_dict(model_dir, tmp_path / f"out-{migration}", steps=2, data=data,
+                                              training=training,
+                                              masters={"count": 3, "sequence_migration": migration,
+                                                       "sequence_migration_candidates": 2}))
+        summaries[migration] = run_in_process(config, master_node=NODES[0], worker_nodes=NODES)
+    moves = summaries[True].sequence_moves
+    assert moves["micro_batches"] == 6 and moves["skipped"] == 0 and moves["moves"] > 0
+    torch.testing.assert_close(torch.tensor(summaries[True].losses), torch.tensor(summaries[False].losses),
+                               rtol=1e-5, atol=0)
+    for name, value in _adapter(summaries[False]).items():  # the LoRA weights after two steps: same gradients
+        torch.testing.assert_close(_adapter(summaries[True])[name], value, rtol=1e-4, atol=1e-6)
 
 
 def test_a_watched_gloo_group_exchanges_uneven_tensors_among_masters():
@@ -183,3 +194,30 @@ def test_a_watched_gloo_group_exchanges_uneven_tensors_among_masters():
     assert got[0].keys() == {1} and torch.equal(got[0][1], rows(10.0, 2))
     assert got[1].keys() == {0} and torch.equal(got[1][0], rows(1.0, 1))
     assert got[2].keys() == {1} and torch.equal(got[2][1], rows(12.0, 3))
+
+
+def test_attention_cost_of_unequal_lengths_changes_the_decision():
+    """Eq. 1 decides between candidates (q = 2): the same routing, as the runtime asks (current masters, a
+    master keeps its number of slots), placed differently when the lengths differ: the two short sequences
+    gather on one master instead of each sitting beside a long one; with equal lengths the cost is the same
+    either way and traffic decides. With q = 1 (traffic only) every sequence stays."""
+    from placement import migrate_sequences
+
+    served = [[16, 0], [75, 53], [4, 12], [9, 7]]
+    kwargs = dict(current_S=[0, 0, 1, 1], hidden_size=64, capacity_tokens=[10**6] * 2, capacity_sequences=[2, 2])
+    assert migrate_sequences([8, 64, 8, 8], served, [0, 1], q=1, **kwargs).tolist() == [0, 0, 1, 1]
+    unequal = migrate_sequences([8, 64, 8, 8], served, [0, 1], q=2, **kwargs).tolist()
+    equal = migrate_sequences([64, 64, 64, 64], served, [0, 1], q=2, **kwargs).tolist()
+    assert unequal == [1, 0, 1, 0] and equal == [0, 1, 1, 0]
+
+
+def test_slot_counts_bound_how_many_sequences_a_master_takes():
+    """Masters keep their batch shapes: however short the sequences, none takes more than its slots."""
+    from placement import migrate_sequences
+
+    served = [[10, 0], [10, 0], [10, 0], [0, 10]]
+    master = migrate_sequences([5, 5, 5, 5], served, [0, 1], q=1, current_S=[0, 0, 1, 1],
+                               capacity_tokens=[100, 100], capacity_sequences=[2, 2])
+    assert np.bincount(master, minlength=2).tolist() == [2, 2]
+    with pytest.raises(ValueError, match="capacity_sequences"):
+        migrate_sequences([5, 5, 5], served[:3], [0, 1], capacity_sequences=[1, 1])

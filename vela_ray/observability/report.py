@@ -293,7 +293,7 @@ def masters_text(s: RunSummary) -> str:
     migration = ("; sequence migration off" if moves is None else
                  f"; sequence migration moved {moves['moves']} sequences ({moves['cross_node_bytes'] / 1e6:.2f} MB of "
                  f"hidden states across nodes, forward and backward; {moves['skipped']} of {moves['micro_batches']} "
-                 "masters' micro-batches stayed: padded or packed rows)")
+                 "masters' micro-batches stayed: packed rows)")
     return (f"{len(s.master_nodes)} data-parallel masters on {nodes} node(s); "
             + (f"{copies} expert copies (replicas), each master using its nearest" if copies else "no expert copies")
             + migration)
