@@ -59,7 +59,7 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
 
 
 @dataclass(frozen=True)
-class _Source:
+class TensorSource:
     """Where a model tensor comes from: checkpoint tensors (in order) and the converter that combines them."""
 
     names: tuple[str, ...]
@@ -77,11 +77,11 @@ class _Source:
 
 
 @dataclass(frozen=True)
-class _Checkpoint:
+class CheckpointLayout:
     decoder_layers: tuple[int, ...]  # decoder layer of each MoE layer
     prototypes: dict  # {MoE layer: experts module on meta}
     experts_paths: tuple[str, ...]  # model path of each MoE layer's experts
-    sources: dict  # {model tensor name: _Source}; every target of a one-to-many converter shares its _Source
+    sources: dict  # {model tensor name: TensorSource}; every target of a one-to-many converter shares its TensorSource
     skeleton: torch.nn.Module  # the model on the meta device: what conversions read shapes and dtypes from
     shapes: dict  # {model tensor name: torch.Size}
 
@@ -111,7 +111,7 @@ def register_model_code(model_dir: str) -> str:
     return config.model_type
 
 
-def _open(model_dir: str | Path, trust_remote_code: bool) -> str:
+def model_key(model_dir: str | Path, trust_remote_code: bool) -> str:
     """`model_dir` as the key of the caches here, with its own code registered if the user trusts it."""
     key = str(Path(model_dir).resolve()) if trust_remote_code else str(model_dir)
     if trust_remote_code:
@@ -121,14 +121,14 @@ def _open(model_dir: str | Path, trust_remote_code: bool) -> str:
 
 def meta_model(model_dir: str | Path, trust_remote_code: bool = False) -> torch.nn.Module:
     """The checkpoint's architecture on the meta device: names, shapes and modules, no weights read, no memory."""
-    key = _open(model_dir, trust_remote_code)
+    key = model_key(model_dir, trust_remote_code)
     config = AutoConfig.from_pretrained(key, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 @lru_cache(maxsize=8)
-def _checkpoint(model_dir: str) -> _Checkpoint:
+def checkpoint_layout(model_dir: str) -> CheckpointLayout:
     """The model's MoE structure (a meta-device skeleton) and where each of its tensors is in the checkpoint."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, dot_natural_key, rename_source_key
@@ -157,11 +157,11 @@ def _checkpoint(model_dir: str) -> _Checkpoint:
     for target, parts in grouped.items():
         parts.sort(key=lambda p: (p[1], p[0]))  # by expert, then the converter's source order
         converter = converters[parts[0][4]] if parts[0][4] else None
-        source = _Source(tuple(p[2] for p in parts), tuple(p[3] for p in parts), tuple(p[4] for p in parts),
+        source = TensorSource(tuple(p[2] for p in parts), tuple(p[3] for p in parts), tuple(p[4] for p in parts),
                          converter, target)
         for name in _targets_of(target, converter):
             sources[name] = source
-    return _Checkpoint(tuple(b.decoder_layer for b in blocks), {b.index: b.block.experts for b in blocks},
+    return CheckpointLayout(tuple(b.decoder_layer for b in blocks), {b.index: b.block.experts for b in blocks},
                        tuple(b.experts_path for b in blocks), sources, skeleton,
                        {name: t.shape for name, t in meta_state.items()})
 
@@ -181,13 +181,13 @@ def _expert_of(name: str) -> int:
 
 def moe_layout(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[int, int]:
     """(MoE layers, experts per layer) of a checkpoint, without loading weights."""
-    ckpt = _checkpoint(_open(model_dir, trust_remote_code))
+    ckpt = checkpoint_layout(model_key(model_dir, trust_remote_code))
     return len(ckpt.decoder_layers), _leading_dim(ckpt.prototypes[0])
 
 
 def checkpoint_prototypes(model_dir: str | Path, trust_remote_code: bool = False) -> dict:
     """{MoE layer: experts module on the meta device} of a checkpoint (see `modeling.experts_prototypes`)."""
-    return _checkpoint(_open(model_dir, trust_remote_code)).prototypes
+    return checkpoint_layout(model_key(model_dir, trust_remote_code)).prototypes
 
 
 def _leading_dim(experts) -> int:
@@ -201,9 +201,9 @@ def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torc
     The names are the experts class's own parameters (and buffers), read as transformers
     would load them (see the module docstring), one expert's rows at a time.
     """
-    ckpt = _checkpoint(_open(model_dir, trust_remote_code))
+    ckpt = checkpoint_layout(model_key(model_dir, trust_remote_code))
     out: ExpertWeights = {}
-    with _OpenFiles() as files:
+    with OpenFiles() as files:
         for layer, expert in keys:
             if not 0 <= layer < len(ckpt.decoder_layers):
                 raise ValueError(f"MoE layer {layer} out of range: {model_dir} has {len(ckpt.decoder_layers)} MoE layers")
@@ -216,7 +216,7 @@ def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torc
     return out
 
 
-def _read_expert_tensor(files, ckpt: _Checkpoint, target: str, expert: int, model_dir) -> torch.Tensor:
+def _read_expert_tensor(files, ckpt: CheckpointLayout, target: str, expert: int, model_dir) -> torch.Tensor:
     """One expert's rows of model tensor `target` [E, ...]."""
     source = ckpt.sources.get(target)
     if source is None:
@@ -233,7 +233,7 @@ def _read_expert_tensor(files, ckpt: _Checkpoint, target: str, expert: int, mode
     return _convert_one_expert(files, ckpt, source, target, expert, model_dir)
 
 
-def _convert_one_expert(files, ckpt: _Checkpoint, source: _Source, target: str, expert: int,
+def _convert_one_expert(files, ckpt: CheckpointLayout, source: TensorSource, target: str, expert: int,
                         model_dir) -> torch.Tensor:
     """One expert's rows of `target`, by transformers' own converter run on that expert's part of each source
     (rows `expert:expert+1` of a fused [E, ...] tensor, or the expert's own tensor), so only its rows are read.
@@ -258,7 +258,7 @@ def _convert_one_expert(files, ckpt: _Checkpoint, source: _Source, target: str, 
     return rows[0]
 
 
-class _OpenFiles(contextlib.ExitStack):
+class OpenFiles(contextlib.ExitStack):
     """safe_open handles, opened once per file."""
 
     def __init__(self):
@@ -300,7 +300,7 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None,
 
     Call `modeling.attach_brokers` on the result before running it.
     """
-    model_dir = _open(model_dir, trust_remote_code)
+    model_dir = model_key(model_dir, trust_remote_code)
     config = AutoConfig.from_pretrained(str(model_dir))
     dtype = torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
     with _experts_on_meta(config):
@@ -310,7 +310,7 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None,
     if result.unexpected_keys:
         raise ValueError(f"{model_dir}: checkpoint tensors unknown to {type(model).__name__}: "
                          f"{result.unexpected_keys[:5]}")
-    experts = tuple(f"{path}." for path in _checkpoint(str(model_dir)).experts_paths)
+    experts = tuple(f"{path}." for path in checkpoint_layout(str(model_dir)).experts_paths)
     missing = [k for k in result.missing_keys if not k.startswith(experts) and not _tied(model, k)]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks backbone tensors {missing[:5]} ({len(missing)} in all)")
@@ -322,21 +322,21 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None,
 def _read_backbone_tensors(model_dir, model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every model tensor outside the experts of `model` (the backbone being loaded), under the model's names
     (see the module docstring)."""
-    ckpt = _checkpoint(str(model_dir))
+    ckpt = checkpoint_layout(str(model_dir))
     experts = tuple(f"{path}." for path in ckpt.experts_paths)
     state = {}
-    with _OpenFiles() as files:
+    with OpenFiles() as files:
         for target, source in ckpt.sources.items():
             if target.startswith(experts) or target != source.first_target:  # a Split's others come with the first
                 continue
             if source.converter is None:
                 state[target] = files.get(source.files[0]).get_tensor(source.names[0]).to(dtype)
             else:
-                state.update({name: t.to(dtype) for name, t in _convert_whole(files, source, model).items()})
+                state.update({name: t.to(dtype) for name, t in convert_whole(files, source, model).items()})
     return state
 
 
-def _convert_whole(files, source: _Source, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def convert_whole(files, source: TensorSource, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{model tensor name: tensor} that transformers' converter makes of `source`'s checkpoint tensors, run as
     `convert_and_load_state_dict_in_model` runs it: the tensors gathered under their source patterns in key
     order, then every operation with the model and its config at hand (Split reads its targets' sizes there)."""

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from vela_ray.model.adapters import ADAPTER_FILE
-from vela_ray.model.loading import _checkpoint, checkpoint_index
+from vela_ray.model.loading import checkpoint_index, checkpoint_layout
 
 INDEX_FILE = "model.safetensors.index.json"
 _PER_EXPERT_OPS = (("MergeModulelist",), ("MergeModulelist", "Concatenate"))
@@ -137,7 +137,7 @@ def adapter_deltas(adapter_dir: str | Path, model_dir: str | Path) -> dict[str, 
 def _on_disk_updates(deltas: dict[str, _Delta], model_dir: str | Path) -> dict[str, _Update]:
     """{checkpoint tensor name: its update}: each adapted model parameter traced back to the checkpoint
     tensors it loads from (see the module docstring); ValueError naming a conversion with no inverse."""
-    ckpt = _checkpoint(str(model_dir))
+    ckpt = checkpoint_layout(str(model_dir))
     shapes = _shapes(model_dir)
     updates: dict[str, _Update] = {}
     for target, delta in deltas.items():

@@ -35,7 +35,7 @@ Backbone names come from `vela_ray.model.loading`: its checkpoint index and its 
 names to model names through transformers' key converters (renames are free: the slice is read under
 the checkpoint name). A backbone tensor that transformers *converts* (lara_mini's fused in_proj split
 in four, inkling2's padded lm_head) needs the whole source tensors: its reader reads them whole,
-converts them with `loading._convert_whole` and keeps its shard; this is counted (and logged) as a
+converts them with `loading.convert_whole` and keeps its shard; this is counted (and logged) as a
 full-tensor read. Experts are never read here: the master does not hold them (ExpertManagers do).
 
 Resume: `load_sharded_files` takes any safetensors files of unsharded tensors (a peft
@@ -304,8 +304,8 @@ def backbone_specs(model_dir: str | Path, plan: ShardPlan = DEFAULT_PLAN, dtype:
     from vela_ray.model import loading
     from vela_ray.model.dtypes import torch_dtype
 
-    key = loading._open(model_dir, trust_remote_code)
-    ckpt = loading._checkpoint(key)
+    key = loading.model_key(model_dir, trust_remote_code)
+    ckpt = loading.checkpoint_layout(key)
     config = AutoConfig.from_pretrained(key)
     dtype = torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
     experts = tuple(f"{path}." for path in ckpt.experts_paths)
@@ -336,11 +336,11 @@ class _Converted:
         from vela_ray.model import loading
 
         if spec.name not in self._done:
-            ckpt = loading._checkpoint(self.model_dir)
+            ckpt = loading.checkpoint_layout(self.model_dir)
             source = ckpt.sources[spec.name]
-            with loading._OpenFiles() as files:
-                out = loading._convert_whole(files, source, ckpt.skeleton)
-            for n in source.names:  # what _convert_whole read, whole
+            with loading.OpenFiles() as files:
+                out = loading.convert_whole(files, source, ckpt.skeleton)
+            for n in source.names:  # what convert_whole read, whole
                 self.stats.bytes_read += _nbytes_of(reader, str(source.files[source.names.index(n)]), n)
                 self.stats.tensors_read += 1
             self.stats.full_tensor_reads += 1
@@ -495,7 +495,7 @@ def load_backbone_shards(model_dir: str | Path, layout: Layout, plan: ShardPlan 
     specs = backbone_specs(model_dir, plan, dtype, trust_remote_code) if dist.get_rank() == 0 else None
     from vela_ray.model import loading
 
-    key = loading._open(model_dir, trust_remote_code) if specs is not None and any(s.convert for s in specs) \
+    key = loading.model_key(model_dir, trust_remote_code) if specs is not None and any(s.convert for s in specs) \
         else str(model_dir)
     return load_sharded(specs, layout, replica_groups, device, model_dir=key, **deliver)
 
