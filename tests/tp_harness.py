@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -24,6 +23,7 @@ from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.ray.head import free_port
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.families import debug_model
 from vela_ray.model.tensor_parallel import (TensorParallelPlan, clip_grad_norm_, gather_lora_state_dict,
@@ -259,12 +259,6 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
     """Run `job` ("step": `tp_run`, "comm": `comm_counts`) on `size` gloo ranks; rank 0's results by family."""
     families = families or FAMILIES
@@ -274,7 +268,7 @@ def spawn(size: int, job: str = "step", families: list[str] | None = None) -> di
     try:
         # fork: the children inherit the imported torch/transformers/peft (a spawned child re-imports them, ~6 s
         # of CPU each, which dominated on 2 cores); no process group exists in the parent to be copied.
-        mp.start_processes(_worker, args=(size, _free_port(), job, families, out), nprocs=size, join=True,
+        mp.start_processes(_worker, args=(size, free_port(), job, families, out), nprocs=size, join=True,
                            start_method="fork")
     except Exception as exc:
         errors = sorted(Path(out).parent.glob("results.pt.error*"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 # only light imports at module level: the spawned ranks import this module (transformers takes seconds)
+from tests.ray.head import free_port
 from vela_ray.model.sharded_loading import (DEFAULT_PLAN, Layout, ShardReader, backbone_specs,
                                             broadcast_from_replica_root, load_backbone_shards, load_sharded,
                                             load_sharded_files, make_replica_groups, shard_range)
@@ -115,12 +115,6 @@ def _worker(rank: int, world: int, port: int, specs: list, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_by_two_group_load(checkpoint, tmp_path):
     """dp=2 × tp=2: every rank ends with exactly its TP shard; only dp_rank-0 ranks read; the bytes read
     over all ranks are one model's (backbone) bytes, and the same for a LoRA state on resume."""
@@ -132,7 +126,7 @@ def test_two_by_two_group_load(checkpoint, tmp_path):
     layout = Layout(dp=2, tp=2)
     specs = backbone_specs(checkpoint)
     # fork: the ranks inherit the imported modules (a spawn re-imports torch in each, seconds apiece)
-    mp.start_processes(_worker, args=(layout.world_size, _free_port(), specs, str(tmp_path)),
+    mp.start_processes(_worker, args=(layout.world_size, free_port(), specs, str(tmp_path)),
                        nprocs=layout.world_size, join=True, start_method="fork")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(layout.world_size)]
     model_bytes = sum(_full(s.file, s.source).numel() * 4 for s in specs)
@@ -165,7 +159,7 @@ def test_backbone_shards_single_process(checkpoint):
     under the model's names (renamed router included), exactly one model's bytes read."""
     from vela_ray.model.loading import load_backbone
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         shards, stats = load_backbone_shards(checkpoint, Layout(dp=1, tp=1))
     finally:
@@ -185,7 +179,7 @@ def test_converted_backbone_tensors_match_load_backbone(tmp_path):
 
     debug_model("lara_mini", seed=2).save_pretrained(tmp_path)
     assert any(s.convert for s in backbone_specs(tmp_path))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         shards, stats = load_backbone_shards(tmp_path, Layout(dp=1, tp=1))
     finally:
