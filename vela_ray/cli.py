@@ -283,26 +283,44 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_location(arg: str) -> Path:
+    """A run directory or checkpoint named on the command line, as a local directory: a URI on object storage
+    is downloaded first (a checkpoint verified in full, a run's outputs without its checkpoints)."""
+    from vela_ray.storage import is_remote, local_mirror, name_of, pull_outputs
+
+    if not is_remote(arg):
+        return Path(arg)
+    from vela_ray.training.checkpoint import local_copy
+
+    if name_of(arg).startswith("step-"):
+        return local_copy(arg.rstrip("/"))
+    return pull_outputs(arg.rstrip("/"), local_mirror(arg.rstrip("/")), fresh=False)
+
+
 @_subcommand
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="summarise a finished run and write its self-contained HTML report")
-    p.add_argument("run_dir", type=Path, help="the run's output.dir (holds summary.json)")
-    p.add_argument("--out", type=Path, help="HTML file to write (default: RUN_DIR/report.html)")
+    p.add_argument("run_dir", help="the run's output.dir (holds summary.json), a directory or "
+                   "a URI on object storage (s3://..., read into a local copy)")
+    p.add_argument("--out", type=Path, help="HTML file to write (default: RUN_DIR/report.html, for a URI its "
+                   "local copy's)")
     p.set_defaults(handler=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from vela_ray.observability.report import summary_text, write_report
 
-    print(summary_text(args.run_dir))
-    print(f"report: {write_report(args.run_dir, args.out)}")
+    run_dir = _run_location(args.run_dir)
+    print(summary_text(run_dir))
+    print(f"report: {write_report(run_dir, args.out)}")
     return 0
 
 
 @_subcommand
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="export a run or checkpoint for serving: peft adapter, merged model, per-expert")
-    p.add_argument("run", type=Path, help="a run's output.dir, or one of its checkpoints (step-*)")
+    p.add_argument("run", help="a run's output.dir, or one of its checkpoints (step-*): a "
+                   "directory or a URI on object storage (s3://..., read into a local copy)")
     p.add_argument("--format", required=True, choices=["peft", "merged", "per-expert"],
                    help="peft: the adapter as trained; merged: base model with the LoRA folded in, in the base "
                         "checkpoint's layout; per-expert: the adapter under per-expert module names")
@@ -315,7 +333,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from vela_ray.export import export_run
 
-    exported = export_run(args.run, args.format, args.out, model_dir=args.model, force=args.force)
+    exported = export_run(_run_location(args.run), args.format, args.out, model_dir=args.model, force=args.force)
     print(f"{exported.format} export of {exported.source} -> {exported.out_dir}"
           + (f"\n{exported.note}" if exported.note else ""))
     return 0

@@ -151,3 +151,22 @@ def test_a_new_job_into_a_bucket_path_that_holds_a_run_is_refused(s3, model_dir,
     with pytest.raises(ValueError, match=r"^output.dir s3://bucket/taken holds run .*resume it with `--resume "
                                          r"latest` or choose another output.dir"):
         _checked(_job(model_dir, uri, steps=2))
+
+
+def test_vela_report_and_export_read_a_run_and_a_checkpoint_on_the_bucket(s3, model_dir, cache, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from vela_ray.cli import main
+
+    uri = "s3://bucket/served"
+    run_in_process(_checked(_job(model_dir, uri, steps=2)))
+    assert main(["report", uri]) == 0
+    assert f"report: {local_mirror(uri) / 'report.html'}" in capsys.readouterr().out
+    assert main(["export", f"{uri}/checkpoints/step-000002", "--format", "peft", "--out", str(tmp_path / "ckpt")]) == 0
+    assert main(["export", uri, "--format", "peft", "--out", str(tmp_path / "run")]) == 0
+    from_checkpoint = load_file(tmp_path / "ckpt" / "adapter_model.safetensors")
+    from_run = load_file(tmp_path / "run" / "adapter_model.safetensors")
+    assert from_checkpoint.keys() == from_run.keys()
+    assert all(bool((from_checkpoint[k] == from_run[k]).all()) for k in from_run)
+    assert main(["export", f"{uri}/checkpoints/step-000009", "--format", "peft", "--out", str(tmp_path / "x")]) == 2
+    assert "step-000009: no manifest.json" in capsys.readouterr().err
