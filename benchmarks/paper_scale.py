@@ -49,6 +49,19 @@ The table's last column is each row's shared-NIC seconds over EP's.
 
 Run: python benchmarks/paper_scale.py   (under a minute on 2 cores, mostly `replicate`, at
      most 10 s per case; also called by benchmarks/vela_vs_ep.py)
+
+Real routing instead of 2.'s tiling (issue 38, item 2), `--routing`:
+  * `untiled`: the tiny model's own per-layer statistics, no permutation: Mixtral layer l
+    takes tiny layer floor(l * 4 / 32) with its expert ids as measured (each measured layer
+    stands for 8 consecutive blocks, and its hot expert keeps its id);
+  * `real32`: a 32-layer, 8-expert, top-2 Mixtral of the tiny model's debug width
+    (`TinyModelConfig(num_layers=32)`), pre-trained the way the tiny model is (same corpus,
+    tokenizer, recipe; `--pretrain-steps`, default the tiny model's 500), then profiled on
+    WikiText-2 and the Alpaca-format data (seed tasks + GSM8K, as vela_vs_ep.py --paper;
+    `--profile-batches` batches of 16 x 128 tokens each). Its [32, 8] profiles are used as
+    they are: every Mixtral layer's routing is a real layer's. Profiles are saved beside the
+    results (P_<data set>_32L.npy).
+  Results: benchmarks/results/paper_scale_real/<routing>.json and .md.
 """
 
 from __future__ import annotations
@@ -90,6 +103,7 @@ NIC_AWARE = "improved (NIC-aware)"
 MASTERS = ["node0", "node1", "node2"]
 PER_NODE, REPLICAS, EPLB = "master per node", "master per node + replicas", "EPLB replicas"
 RESULTS = ROOT / "benchmarks" / "results" / "vela_vs_ep" / "paper_scale.json"
+REAL_RESULTS = ROOT / "benchmarks" / "results" / "paper_scale_real"
 LEGEND = ("ep: expert parallelism, 6 ranks. sequential to improved: one master on node0, placed for the paper's model; "
           "improved (NIC-aware): placed for the shared-NIC model. master per node: 3 data-parallel masters (node0-2), "
           "one copy per expert; + replicas: copies in spare capacity (`placement.replicate`); EPLB replicas: "
@@ -101,14 +115,61 @@ LEGEND = ("ep: expert parallelism, 6 ranks. sequential to improved: one master o
 def parse_args() -> argparse.Namespace:
     p = parser(__doc__, RESULTS, what="where to save the numbers (JSON)")
     p.add_argument("--seed", type=int, default=0, help="seed of the expert-id permutations and the solvers")
-    return p.parse_args()
+    p.add_argument("--routing", choices=["tiled", "untiled", "real32"], default="tiled",
+                   help="tiled: tiny profiles tiled to 32 layers with random expert-id permutations (the "
+                        "default, as before); untiled: the tiny profiles without permutation; real32: profiles "
+                        "of a 32-layer tiny-width Mixtral pre-trained and profiled here")
+    p.add_argument("--pretrain-steps", type=int, default=500, help="real32: pre-training steps (tiny model: 500)")
+    p.add_argument("--profile-batches", type=int, default=32, help="real32: batches of 16 rows profiled per data set")
+    p.add_argument("--threads", type=int, default=None, help="real32: torch threads (default: all cores)")
+    args = p.parse_args()
+    if args.routing != "tiled" and args.out == RESULTS:
+        args.out = REAL_RESULTS / f"{args.routing}.json"
+    return args
 
 
-def mixtral_probs(tiny_probs: np.ndarray, seed: int = 0) -> np.ndarray:
-    """[32, 8]: tiny layer floor(l * L_tiny / 32) for Mixtral layer l, expert ids permuted per layer."""
+def mixtral_probs(tiny_probs: np.ndarray, seed: int = 0, permute: bool = True) -> np.ndarray:
+    """[32, 8]: tiny layer floor(l * L_tiny / 32) for Mixtral layer l, expert ids permuted per layer
+    (`permute`; without, as measured). A profile that already has 32 layers is returned as it is."""
+    if tiny_probs.shape[0] == LAYERS:
+        return np.asarray(tiny_probs, dtype=float)
     rng = np.random.default_rng(seed)
     rows = [tiny_probs[l * tiny_probs.shape[0] // LAYERS] for l in range(LAYERS)]
-    return np.stack([row[rng.permutation(EXPERTS)] for row in rows])
+    return np.stack([row[rng.permutation(EXPERTS)] if permute else row for row in rows])
+
+
+def real32_profiles(out: Path, pretrain_steps: int = 500, profile_batches: int = 32,
+                    threads: int | None = None) -> dict[str, Path]:
+    """Pre-train (cached) a 32-layer tiny-width Mixtral and profile WikiText-2 and the Alpaca-format mix
+    with it; {data set: saved [32, 8] profile}. Module docstring, `real32`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks._harness import WIKITEXT
+    from benchmarks.vela_vs_ep import alpaca_mix
+    from vela_ray.data.config import DataConfig
+    from vela_ray.data.datasets import build_dataset, sequential_batches
+    from vela_ray.data.locality import profile_model
+    from vela_ray.model.modeling import find_moe_blocks
+    from vela_ray.training.tiny_model import TinyModelConfig, cpu_threads, tiny_model_path
+
+    config = TinyModelConfig(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K, steps=pretrain_steps)
+    model_dir = tiny_model_path(config, num_threads=threads)
+    torch.set_num_threads(threads or cpu_threads())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    blocks = find_moe_blocks(model)
+    data = {"wikitext": DataConfig(kind="text", path=WIKITEXT, seq_len=128),
+            "alpaca": DataConfig(kind="instruct", path=alpaca_mix(), seq_len=128, limit=1500)}
+    out.mkdir(parents=True, exist_ok=True)
+    saved = {}
+    for name, data_config in data.items():
+        dataset = build_dataset(data_config, tokenizer)
+        profile = profile_model(model, sequential_batches(dataset, 16, max_batches=profile_batches), blocks=blocks,
+                                source=f"{name}, 32-layer tiny Mixtral ({config.digest()})")
+        saved[name] = out / f"P_{name}_32L.npy"
+        profile.save(out / f"profile_{name}_32L.json", saved[name])
+    return saved
 
 
 def problem_for(probs: np.ndarray, capacity: int, *, shared_nic: bool = False) -> PlacementProblem:
@@ -169,15 +230,17 @@ def ep_traffic(problem: PlacementProblem) -> dict:
             "cross_bytes_per_node": (total + allreduce) / len(nodes), "nic_comm_s": nic_time + allreduce_s}
 
 
-def simulate(seed: int = 0) -> dict:
-    """{"<data set> / <capacity>": {method: numbers}} for every measured profile and capacity."""
+def simulate(seed: int = 0, profiles: dict[str, Path] | None = None, permute: bool = True) -> dict:
+    """{"<data set> / <capacity>": {method: numbers}} for every measured profile and capacity.
+
+    `profiles`: {data set: .npy} (default: the tiny model's, DATASETS under PROFILES); a 32-layer
+    profile is used as it is, a shorter one tiled (`mixtral_probs`, `permute`)."""
     results = {}
-    for name, filename in DATASETS.items():
-        path = PROFILES / filename
+    for name, path in (profiles or {n: PROFILES / f for n, f in DATASETS.items()}).items():
         if not path.is_file():
             continue
         for cap_name, capacity in CAPACITIES.items():
-            probs = mixtral_probs(np.load(path), seed)
+            probs = mixtral_probs(np.load(path), seed, permute=permute)
             problems = (problem_for(probs, capacity), problem_for(probs, capacity, shared_nic=True))
             masters = (masters_problem_for(probs, capacity), masters_problem_for(probs, capacity, shared_nic=True))
             results[f"{name} / C={capacity} ({cap_name})"] = {**_rows(*problems, seed), **_master_rows(*masters, seed)}
@@ -233,11 +296,32 @@ def markdown(results: dict) -> str:
     return "\n".join([*lines, "", LEGEND])
 
 
+ROUTING_NOTE = {
+    "tiled": "Routing: the tiny model's 4-layer profiles tiled to 32 layers with seeded random expert-id "
+             "permutations (synthetic).",
+    "untiled": "Routing: the tiny model's own per-layer statistics (4 layers, measured), each standing for 8 "
+               "consecutive Mixtral blocks with expert ids as measured (no permutation).",
+    "real32": "Routing: real, every one of the 32 layers: a 32-layer, 8-expert, top-2 Mixtral of the tiny "
+              "model's debug width pre-trained the tiny model's way, profiled on each data set.",
+}
+
+
 def main() -> None:
     args = parse_args()
-    sim = simulate(args.seed)
-    print(markdown(sim))
-    write_results(args.out, sim)
+    profiles, info = None, {"routing": args.routing}
+    if args.routing == "real32":
+        profiles = real32_profiles(args.out.parent, args.pretrain_steps, args.profile_batches, args.threads)
+        info.update(pretrain_steps=args.pretrain_steps, profile_batches=args.profile_batches,
+                    profiles={n: str(p) for n, p in profiles.items()})
+    elif args.routing == "untiled":
+        profiles = {n: PROFILES / DATASETS[n] for n in ("wikitext", "alpaca", "gsm8k_alpaca")}
+    sim = simulate(args.seed, profiles, permute=args.routing == "tiled")
+    text = "\n\n".join([ROUTING_NOTE[args.routing], markdown(sim)])
+    print(text)
+    if args.routing == "tiled":
+        write_results(args.out, sim)
+    else:
+        write_results(args.out, {"info": info, "results": sim}, markdown=text)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ Reads top to bottom:
      and step_time.png to benchmarks/results/vela_vs_ep/.
 
 Run (as root, ~15 minutes on 2 cores):  python benchmarks/vela_vs_ep.py
+
+`--paper` (issue 38): the paper's Sec. V conditions as far as one machine allows: BOTH tiers
+shaped (each node's loopback at `--intra-mbit`, 1600 by default, and its veth at 1/15.6 of
+that, so the measured TCP ratio is the paper's 15.6 rather than loopback-vs-veth), 500 steps
+(`--steps`), WikiText-2 and `alpaca` (the 175 Alpaca seed tasks + GSM8K in Alpaca format),
+methods EP, sequential, random, the paper's VELA (`paper_placement`: solver vela,
+shared_links none, the whole data set profiled) and vela-ray's defaults (`improved`), no
+unshaped reruns; also writes paper.md / paper.json / fig5_traffic.png / fig6_step_time.png
+(`vela_vs_ep_report.write_paper`: our bars and the paper's ranges side by side) to
+benchmarks/results/vela_paper/. Ray's same-node object store is shared memory and not
+shaped; the collective plane (gloo, TCP) and EP's all-to-all are.
 Without network namespaces: `--no-emulate` runs on an unshaped ray.cluster_utils
 cluster (3 Ray nodes on one loopback; cross-node bytes are still counted, but
 cross-node links are not slower, which the table says).
@@ -54,23 +65,60 @@ from vela_ray.paths import data_dir  # noqa: E402
 
 logger = logging.getLogger("vela_vs_ep")
 RESULTS = ROOT / "benchmarks" / "results" / "vela_vs_ep"
+PAPER_RESULTS = ROOT / "benchmarks" / "results" / "vela_paper"
 METHODS = ("ep", "sequential", "random", "vela", "improved", "per_node")
+PAPER_METHODS = ("ep", "sequential", "random", "vela", "improved")
+PAPER_INTRA_MBIT = 1600.0  # --paper's intra-node rate: 200 MB/s, what 2 cores carry with room to spare
+ALPACA_MIX = Path(tempfile.gettempdir()) / "vela-paper-alpaca-seed-gsm8k.json"
 DATASETS = {
     "wikitext": {"kind": "text", "path": WIKITEXT},
     "gsm8k_alpaca": {"kind": "instruct", "path": data_dir() / "instruct" / "gsm8k_alpaca.json"},
+    # --paper's Alpaca: the 175 Alpaca seed tasks (first instance each) + GSM8K in Alpaca format, shuffled
+    "alpaca": {"kind": "instruct", "path": ALPACA_MIX},
 }
+
+
+def alpaca_mix(path: Path = ALPACA_MIX, limit: int = 1500, seed: int = 0) -> Path:
+    """Write the Alpaca-format mix --paper fine-tunes on (idempotent): every Alpaca seed task (its first
+    instance as input/output) and GSM8K's Alpaca records up to `limit` in all, shuffled with `seed`."""
+    instruct = data_dir() / "instruct"
+    seeds = []
+    for line in (instruct / "alpaca_seed_tasks.jsonl").read_text().splitlines():
+        if line.strip():
+            task = json.loads(line)
+            first = task["instances"][0]
+            seeds.append({"instruction": task["instruction"], "input": first.get("input", ""),
+                          "output": first["output"]})
+    gsm8k = json.loads((instruct / "gsm8k_alpaca.json").read_text())
+    records = seeds + gsm8k[:max(0, limit - len(seeds))]
+    np.random.default_rng(seed).shuffle(records)
+    text = json.dumps(records)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser(__doc__, RESULTS, what="output directory")
-    p.add_argument("--steps", type=int, default=16, help="fine-tuning steps per method and data set")
+    p.add_argument("--paper", action="store_true",
+                   help="the paper's conditions (Sec. V): both tiers shaped (intra-node --intra-mbit, cross-node "
+                        "1/15.6 of it), 500 steps, WikiText-2 and Alpaca (seed tasks + GSM8K), methods EP, "
+                        "sequential, random, the paper's VELA (solver vela, shared_links none, the whole data "
+                        "set profiled) and vela-ray's defaults; writes Figs. 5-6 and the table beside the "
+                        "paper's numbers to benchmarks/results/vela_paper/")
+    p.add_argument("--intra-mbit", type=float, default=None,
+                   help="shape intra-node links (each node's loopback) to this Mbit/s (--paper: 1600)")
+    p.add_argument("--steps", type=int, default=None, help="fine-tuning steps per method and data set "
+                                                           "(default 16; --paper: 500)")
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of step-time medians")
     p.add_argument("--unshaped-steps", type=int, default=8,
                    help="steps run again with the links unshaped to measure communication time (0: skip)")
     p.add_argument("--unshaped-methods", nargs="+", default=list(METHODS), choices=METHODS,
                    help="methods run again unshaped (on the first data set only, to stay under 20 minutes)")
-    p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="data sets")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="methods to compare")
+    p.add_argument("--datasets", nargs="+", default=None, choices=list(DATASETS),
+                   help="data sets (default wikitext gsm8k_alpaca; --paper: wikitext alpaca)")
+    p.add_argument("--methods", nargs="+", default=None, choices=METHODS,
+                   help="methods to compare (default all; --paper: ep sequential random vela improved)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per step, global (the paper: 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row")
     p.add_argument("--limit", type=int, default=1500, help="rows / examples read from each data set")
@@ -97,7 +145,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver inside node 0
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)  # where the inner driver writes
-    return p.parse_args(argv)
+    return paper_defaults(p.parse_args(argv), argv)
+
+
+def paper_defaults(args: argparse.Namespace, argv=None) -> argparse.Namespace:
+    """Fill what was left unset: the paper's conditions with --paper, the usual defaults without."""
+    given = set(sys.argv[1:] if argv is None else argv)
+    if args.paper:
+        args.steps = 500 if args.steps is None else args.steps
+        args.datasets = args.datasets or ["wikitext", "alpaca"]
+        args.methods = args.methods or list(PAPER_METHODS)
+        args.intra_mbit = args.intra_mbit or PAPER_INTRA_MBIT
+        if "--unshaped-steps" not in given:
+            args.unshaped_steps = 0  # the paper measures no unshaped reference
+        if "--max-wait-s" not in given:
+            args.max_wait_s = 5.0
+        if "--out" not in given and args.out == RESULTS:
+            args.out = PAPER_RESULTS
+    else:
+        args.steps = 16 if args.steps is None else args.steps
+        args.datasets = args.datasets or ["wikitext", "gsm8k_alpaca"]
+        args.methods = args.methods or list(METHODS)
+    return args
 
 
 # --- 2. one run --------------------------------------------------------------------------------------
@@ -107,8 +176,15 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
     from vela_ray.training.tiny_model import tiny_model_path
 
     data = DATASETS[dataset]
+    if dataset == "alpaca":
+        alpaca_mix(limit=args.limit)
     solver = {"ep": "sequential", "per_node": "improved"}.get(method, method)
     per_node = method == "per_node"  # issue 15: a data-parallel master on every node, hot experts copied
+    placement = {"solver": solver, "profile": "measure", "profile_batches": 4, "capacity": args.capacity,
+                 "cost_model": "communication+compute" if solver == "improved" else "communication",
+                 "replicas": per_node}
+    if getattr(args, "paper", False):
+        placement = paper_placement(method, args)
     return tiny_job(
         out_dir, tiny_model_path(build=False),
         data={"kind": data["kind"], "path": str(data["path"]), "seq_len": args.seq_len, "limit": args.limit},
@@ -118,10 +194,27 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
         masters={"count": args.nodes if per_node else 1},
         # The paper's LP minimises communication only; `improved` is vela-ray's best: it also weighs
         # each worker's measured expert compute (sequential and random ignore the cost model).
-        placement={"solver": solver, "profile": "measure", "profile_batches": 4, "capacity": args.capacity,
-                   "cost_model": "communication+compute" if solver == "improved" else "communication",
-                   "replicas": per_node},
+        placement=placement,
         training={"steps": steps, "batch_size": args.batch_size, "eval_batches": 1, "optimizer": {"lr": args.lr}})
+
+
+def paper_placement(method: str, args) -> dict:
+    """--paper's placement section of each method.
+
+    `vela` is the paper's method: its LP (solver vela), independent master-worker links
+    (shared_links none), communication only, the profile taken as the paper takes it ("we pass
+    the dataset through the model": every training batch of the --limit rows, not 4).
+    `improved` is vela-ray as a user gets it: PlacementSection's defaults (improved solver,
+    shared_links measure, a 4-batch profile, communication cost model) and the benchmark's capacity.
+    `ep`, `sequential`, `random` take no profile-based decision (EP runs its own sequential layout).
+    """
+    if method == "vela":
+        return {"solver": "vela", "profile": "measure", "profile_batches": max(1, args.limit // args.batch_size),
+                "shared_links": "none", "cost_model": "communication", "capacity": args.capacity}
+    if method == "improved":
+        return {"solver": "improved", "profile": "measure", "capacity": args.capacity}  # the rest: defaults
+    return {"solver": "sequential" if method == "ep" else method, "profile": "measure", "profile_batches": 4,
+            "shared_links": "none", "capacity": args.capacity}
 
 
 def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
@@ -185,7 +278,7 @@ def serial_compute(args, dataset: str) -> dict:
         table = sequential_table(4, 8, args.nodes * args.workers_per_node)
         master, workers = build_local(model, table, LoraSpec(), config.training.optimizer)
         times = []
-        for step in range(args.steps):
+        for step in range(min(args.steps, 16)):  # a reference only: 16 steps are enough for a median
             start = time.perf_counter()
             train_step(master, workers, [batch_at(train_set, step, args.batch_size, 0)], args.lr, 1.0)
             times.append(time.perf_counter() - start)
@@ -256,11 +349,14 @@ def run_unshaped_cluster(args, work: Work) -> dict:
 def emulated(args, script: Path) -> tuple[dict, dict]:
     """Bring the cluster up, run `script --inner` (its `inner_main`) inside node 0, return (raw results,
     link probes). The script's own arguments are passed on."""
+    intra = getattr(args, "intra_mbit", None)
     spec = ClusterSpec(num_nodes=args.nodes, cpus_per_node=args.workers_per_node, ratio=args.ratio,
-                       cross_mbit=args.cross_mbit, calibrate=args.calibrate)
+                       cross_mbit=args.cross_mbit or (intra / args.ratio if intra else None),
+                       intra_mbit=intra, calibrate=args.calibrate)
     with EmulatedCluster(spec) as cluster:
         links = {"tcp": cluster.probe_links(), "ray": cluster.probe_ray_links(),
-                 "cross_mbit": cluster.cross_bytes_per_s * 8 / 1e6, "calibrate": args.calibrate}
+                 "cross_mbit": cluster.cross_bytes_per_s * 8 / 1e6, "calibrate": args.calibrate,
+                "intra_mbit": intra}
         logger.info("links: %s", json.dumps(links))
         raw = Path(tempfile.mkdtemp(prefix=f"{script.stem}-")) / "raw_runs.json"
         argv = [sys.executable, str(script.resolve()), "--inner", "--spec", spec.model_dump_json(),
@@ -291,6 +387,8 @@ def main(argv=None) -> None:
     results["benchmark_wall_s"] = time.perf_counter() - start
     report.write_all(results, args.out)
     print(report.markdown(results))
+    if args.paper:
+        report.write_paper(results, args.out)
 
 
 def render(out: Path) -> None:
@@ -301,6 +399,8 @@ def render(out: Path) -> None:
     results["benchmark_wall_s"] = saved.get("benchmark_wall_s")
     report.write_all(results, out)
     print(report.markdown(results))
+    if settings.get("paper"):
+        report.write_paper(results, out)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ the root namespace, `<prefix>-c<i>` inside the node), with a private address
 root namespace gets no route into the subnet). Every node
 runs its own `ray start` bound to its address (`--node-ip-address`), the head in
 node 0. Traffic between two processes of one node stays on that namespace's
-loopback (unshaped); traffic between nodes crosses the node's veth, where a
+loopback (unshaped by default; `intra_mbit` shapes it with tbf too, so both tiers are
+set and their ratio is the paper's rather than loopback-vs-veth); traffic between nodes crosses the node's veth, where a
 token-bucket filter (`tc ... tbf`, with a peak rate so that bursts are paced too)
 on both ends caps it at the cross-node rate (each node's veth acts like its NIC:
 egress and ingress each at that rate).
@@ -59,6 +60,7 @@ logger = logging.getLogger("emulated_cluster")
 
 PAPER_INTRA_GBPS, PAPER_CROSS_GBPS = 18.3, 1.17  # GB/s measured in the paper's cluster (Sec. V-A)
 PROBE_PORT = 45_600
+LO_MTU = 65_536  # a namespace's loopback MTU
 HOST_NETNS_ENV = "VELA_HOST_NETNS"  # the namespace holding the bridge, for drivers inside a node
 
 
@@ -77,6 +79,9 @@ class ClusterSpec(BaseModel):
     prefix: str = Field("velaemu", pattern=r"^[a-z][a-z0-9]{1,9}$", description="name prefix of all we create")
     subnet: str = Field("10.200.0", pattern=r"^\d+\.\d+\.\d+$", description="private /24 inside our namespaces")
     cross_mbit: float | None = Field(None, gt=0, description="cross-node rate, Mbit/s; None: loopback / ratio")
+    intra_mbit: float | None = Field(
+        None, gt=0, description="intra-node rate, Mbit/s: tbf on each node's loopback (TCP between two processes "
+        "of a node: gloo, Ray's gRPC; not Ray's shared-memory object store); None: unshaped (the default)")
     ratio: float = Field(PAPER_INTRA_GBPS / PAPER_CROSS_GBPS, gt=1, description="intra:cross bandwidth ratio")
     calibrate: Literal["loopback", "ray"] = Field(
         "loopback", description="intra rate the ratio divides: raw TCP loopback, or what Ray moves inside a node")
@@ -239,6 +244,7 @@ class EmulatedCluster:
         self.spec = spec or ClusterSpec()
         self.cross_bytes_per_s: float | None = None
         self.loopback_bytes_per_s: float | None = None
+        self.intra_bytes_per_s: float | None = None  # shaped intra-node rate, if any
         self.ray_links: dict | None = None
         self._up = False
 
@@ -263,13 +269,15 @@ class EmulatedCluster:
         self._up = True
         try:
             self.loopback_bytes_per_s = measure_loopback()
-            mbit = spec.cross_mbit or self.loopback_bytes_per_s * 8 / 1e6 / spec.ratio
+            base = spec.intra_mbit or self.loopback_bytes_per_s * 8 / 1e6
+            mbit = spec.cross_mbit or base / spec.ratio
             self.cross_bytes_per_s = mbit * 1e6 / 8
             self._create_network()
             self._shape(mbit)
+            self._shape_intra(spec.intra_mbit)
             if start_ray:
                 self._start_ray()
-            if start_ray and spec.calibrate == "ray":
+            if start_ray and spec.calibrate == "ray" and not spec.intra_mbit:
                 self.ray_links = self.probe_ray_links()
                 mbit = spec.cross_mbit or self.ray_links["same_node_bytes_per_s"] * 8 / 1e6 / spec.ratio
                 self.set_cross_rate(mbit)
@@ -331,6 +339,25 @@ class EmulatedCluster:
                     _sh(*prefix, "del", "dev", dev, "root", check=False)
         self.cross_bytes_per_s = mbit * 1e6 / 8 if mbit else None
 
+    def _shape_intra(self, mbit: float | None) -> None:
+        """tbf at `mbit` on every node's loopback, so both tiers are shaped (`ClusterSpec.intra_mbit`).
+
+        Traffic between two processes of one node, to the node's own address, goes over its
+        namespace's `lo`; cross-node traffic never does. Same peak rate as the veths; the peak
+        bucket (tbf's `mtu`) is twice lo's MTU, since a loopback packet is lo's MTU plus its
+        link header and tbf drops any packet larger than that bucket. None removes it.
+        """
+        spec = self.spec
+        rate = max(1, int(mbit)) if mbit else 0
+        for node in range(spec.num_nodes):
+            if mbit:
+                _sh("tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate}mbit", "burst",
+                    str(max(spec.burst_bytes, 2 * LO_MTU)), "latency", "50ms", "peakrate",
+                    f"{int(rate * 1.05) + 1}mbit", "mtu", str(2 * LO_MTU), netns=spec.netns(node))
+            else:
+                _sh("tc", "qdisc", "del", "dev", "lo", "root", netns=spec.netns(node), check=False)
+        self.intra_bytes_per_s = mbit * 1e6 / 8 if mbit else None
+
     def set_cross_rate(self, mbit: float | None) -> None:
         """Change the cross-node rate of the running cluster; None lifts the shaping."""
         self._shape(mbit)
@@ -364,13 +391,14 @@ class EmulatedCluster:
         Each stream carries about `seconds` worth of data at the configured rates.
         """
         spec = self.spec
-        intra_bytes = int(seconds * (self.loopback_bytes_per_s or 2e9))
+        intra_bytes = int(seconds * (self.intra_bytes_per_s or self.loopback_bytes_per_s or 2e9))
         cross_bytes = int(seconds * (self.cross_bytes_per_s or 1e8))
         intra = statistics.median(tcp_throughput(spec.node_ip(0), intra_bytes, spec.netns(0), spec.netns(0))
                                   for _ in range(3))
         cross = tcp_throughput(spec.node_ip(1), cross_bytes, spec.netns(1), spec.netns(0))
         return {"intra_bytes_per_s": intra, "cross_bytes_per_s": cross, "ratio": intra / cross,
                 "configured_cross_bytes_per_s": self.cross_bytes_per_s,
+                "configured_intra_bytes_per_s": self.intra_bytes_per_s,
                 "loopback_bytes_per_s": self.loopback_bytes_per_s}
 
     def probe_ray_links(self) -> dict:
@@ -415,6 +443,8 @@ def _ray_probe() -> None:
         def echo(self, payload) -> int:
             return payload.numel()
 
+        ping = echo  # what PlacementService.probe calls now
+
     ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["VELA_NODE_IP"], log_to_driver=False)
     by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
     nodes = [by_ip[os.environ["VELA_NODE_IP"]], by_ip[_neighbour_ip(os.environ["VELA_NODE_IP"])]]
@@ -445,7 +475,7 @@ def ray_env() -> dict[str, str]:
 
 def _spec_from(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(num_nodes=args.nodes, cpus_per_node=args.cpus_per_node, cross_mbit=args.cross_mbit,
-                       prefix=args.prefix)
+                       intra_mbit=args.intra_mbit, prefix=args.prefix)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -458,7 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd.add_argument("--nodes", type=int, default=3, help="number of emulated nodes")
         cmd.add_argument("--cpus-per-node", type=int, default=2, help="logical CPUs per Ray node")
         cmd.add_argument("--cross-mbit", type=float, default=None,
-                         help="cross-node Mbit/s (default: loopback throughput / 15.6, the paper's ratio)")
+                         help="cross-node Mbit/s (default: intra rate / 15.6, the paper's ratio)")
+        cmd.add_argument("--intra-mbit", type=float, default=None,
+                         help="shape each node's loopback (intra-node) to this Mbit/s too (default: unshaped)")
         if name == "run":
             cmd.add_argument("cmd", nargs=argparse.REMAINDER, help="command to run in node 0 (after --)")
     sub.add_parser("_ray_probe")

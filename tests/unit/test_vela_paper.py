@@ -1,0 +1,147 @@
+"""benchmarks/vela_vs_ep.py --paper and benchmarks/paper_scale.py's real-routing helpers (issue 38).
+
+Fast: no training, no Ray. One test brings up a 2-node emulated network (no Ray) to check that
+`intra_mbit` puts a tbf on each node's loopback; it is skipped without root and netns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import paper_scale, vela_vs_ep  # noqa: E402
+from benchmarks import vela_vs_ep_report as report  # noqa: E402
+from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, ShapingUnavailable, check_can_shape  # noqa: E402
+
+
+def test_paper_flag_sets_the_papers_conditions_and_keeps_explicit_choices():
+    args = vela_vs_ep.parse_args(["--paper"])
+    assert args.steps == 500
+    assert args.datasets == ["wikitext", "alpaca"]
+    assert args.methods == ["ep", "sequential", "random", "vela", "improved"]
+    assert args.intra_mbit == vela_vs_ep.PAPER_INTRA_MBIT
+    assert args.unshaped_steps == 0
+    assert args.out == vela_vs_ep.PAPER_RESULTS
+    args = vela_vs_ep.parse_args(["--paper", "--steps", "40", "--datasets", "wikitext"])
+    assert (args.steps, args.datasets) == (40, ["wikitext"])
+
+
+def test_without_paper_the_defaults_are_unchanged():
+    args = vela_vs_ep.parse_args([])
+    assert args.steps == 16
+    assert args.datasets == ["wikitext", "gsm8k_alpaca"]
+    assert args.methods == list(vela_vs_ep.METHODS)
+    assert args.intra_mbit is None and not args.paper
+    assert args.out == vela_vs_ep.RESULTS
+
+
+def test_paper_placements_name_the_papers_method_and_vela_rays_defaults():
+    args = Namespace(limit=1500, batch_size=8, capacity=8)
+    vela = vela_vs_ep.paper_placement("vela", args)
+    assert vela["solver"] == "vela" and vela["shared_links"] == "none"
+    assert vela["cost_model"] == "communication" and vela["profile_batches"] == 187  # the whole training set
+    improved = vela_vs_ep.paper_placement("improved", args)
+    assert improved == {"solver": "improved", "profile": "measure", "capacity": 8}  # the rest: defaults
+
+
+def test_job_dict_with_paper_uses_the_paper_placement(tmp_path, monkeypatch):
+    monkeypatch.setattr(vela_vs_ep, "ALPACA_MIX", tmp_path / "mix.json")
+    monkeypatch.setitem(vela_vs_ep.DATASETS, "alpaca", {"kind": "instruct", "path": tmp_path / "mix.json"})
+    monkeypatch.setattr(vela_vs_ep, "alpaca_mix", lambda limit: tmp_path / "mix.json")
+    import vela_ray.training.tiny_model as tiny
+
+    monkeypatch.setattr(tiny, "tiny_model_path", lambda build=False: tmp_path)
+    args = vela_vs_ep.parse_args(["--paper"])
+    job = vela_vs_ep.job_dict(args, "alpaca", "vela", 3, tmp_path)
+    assert job["placement"]["solver"] == "vela" and job["placement"]["shared_links"] == "none"
+    assert job["data"]["path"] == str(tmp_path / "mix.json")
+
+
+def test_alpaca_mix_holds_every_seed_task_then_gsm8k(tmp_path):
+    path = vela_vs_ep.alpaca_mix(tmp_path / "mix.json", limit=300)
+    records = json.loads(path.read_text())
+    assert len(records) == 300
+    assert all({"instruction", "input", "output"} <= set(r) for r in records)
+    seeds = sum(1 for r in records if "####" not in r["output"])  # GSM8K answers end in "#### <n>"
+    assert seeds >= 170
+    assert vela_vs_ep.alpaca_mix(tmp_path / "mix.json", limit=300).read_text() == path.read_text()  # idempotent
+
+
+def _fake_results() -> dict:
+    def row(mb, step):
+        return {"cross_bytes_per_node_per_step": mb * 1e6, "median_step_time_s": step, "step_times_s": [step] * 5,
+                "final_loss": 1.0}
+    rows = {"ep": row(4.0, 1.0), "sequential": row(3.0, 1.2), "vela": row(1.0, 0.6), "improved": row(1.0, 0.5)}
+    for r in rows.values():
+        r["bytes_vs_ep"] = r["cross_bytes_per_node_per_step"] / 4e6 - 1
+        r["step_time_vs_ep"] = r["median_step_time_s"] / 1.0
+    return {"datasets": {"wikitext": rows, "alpaca": rows},
+            "links": {"tcp": {"intra_bytes_per_s": 2e8, "cross_bytes_per_s": 1.25e7, "ratio": 16.0},
+                      "cross_mbit": 102.0},
+            "settings": {"intra_mbit": 1600.0, "ratio": 15.6, "batch_size": 8, "seq_len": 128, "lr": 3e-5,
+                         "warmup_steps": 2, "limit": 1500}}
+
+
+def test_paper_rows_put_the_papers_ranges_beside_vela_only():
+    rows = {(r["dataset"], r["method"]): r for r in report.paper_rows(_fake_results())}
+    assert rows[("wikitext", "vela")]["paper_bytes_vs_ep"] == report.PAPER_TRAFFIC_VS_EP["wikitext"]
+    assert rows[("alpaca", "improved")]["paper_bytes_vs_ep"] == report.PAPER_TRAFFIC_VS_EP["alpaca"]
+    assert rows[("alpaca", "sequential")]["paper_bytes_vs_ep"] is None
+    assert rows[("wikitext", "vela")]["bytes_vs_ep"] == pytest.approx(-0.75)
+    assert rows[("wikitext", "vela")]["step_vs_ep"] == pytest.approx(-0.4)
+
+
+def test_write_paper_writes_table_json_and_both_figures(tmp_path):
+    report.write_paper(_fake_results(), tmp_path)
+    text = (tmp_path / "paper.md").read_text()
+    assert "-25.3% … -18.1%" in text and "-28.2% … -20.6%" in text and "ratio 16.0" in text
+    assert {"paper.md", "paper.json", "fig5_traffic.png", "fig6_step_time.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_mixtral_probs_keeps_real_32_layer_profiles_and_can_skip_the_permutation():
+    rng = np.random.default_rng(0)
+    real = rng.dirichlet(np.ones(8), size=32) * 2
+    assert np.array_equal(paper_scale.mixtral_probs(real), real)
+    tiny = rng.dirichlet(np.ones(8), size=4) * 2
+    untiled = paper_scale.mixtral_probs(tiny, permute=False)
+    assert untiled.shape == (32, 8)
+    assert all(np.array_equal(untiled[l], tiny[l // 8]) for l in range(32))
+    tiled = paper_scale.mixtral_probs(tiny, seed=0)
+    assert not np.array_equal(tiled, untiled)
+    assert np.allclose(np.sort(tiled, axis=1), np.sort(untiled, axis=1))  # the same rows, ids permuted
+
+
+def test_cluster_spec_leaves_intra_node_links_unshaped_by_default():
+    assert ClusterSpec().intra_mbit is None
+    assert ClusterSpec(intra_mbit=1600).intra_mbit == 1600
+
+
+def _can_shape() -> bool:
+    try:
+        check_can_shape("velatsp")
+        return True
+    except ShapingUnavailable:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not _can_shape(), reason="needs root and netns + tbf")
+def test_intra_mbit_puts_a_tbf_on_every_nodes_loopback():
+    spec = ClusterSpec(num_nodes=2, prefix="velatsp", subnet="10.201.9", cross_mbit=100, intra_mbit=1600)
+    cluster = EmulatedCluster(spec)
+    try:
+        cluster.up(start_ray=False)
+        for node in range(2):
+            qdisc = subprocess.run(["ip", "netns", "exec", spec.netns(node), "tc", "qdisc", "show", "dev", "lo"],
+                                   capture_output=True, text=True, check=True).stdout
+            assert "tbf" in qdisc
+    finally:
+        cluster.down()
