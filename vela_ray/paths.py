@@ -23,8 +23,17 @@ UserPath = Annotated[Path, BeforeValidator(_expand_user)]
 """A config path field: `~` and `~user` expand to the home directory, as a shell would have done."""
 
 
+_URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_remote(path: object) -> bool:
+    """Whether `path` names object storage (a URI other than file://, `vela_ray.storage`) rather than a local
+    directory."""
+    return bool(_URI.match(str(path))) and not str(path).startswith("file://")
+
+
 def _storage_path(value: object) -> Path | str:
-    if isinstance(value, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", value) and not value.startswith("file://"):
+    if isinstance(value, str) and is_remote(value):
         return value.rstrip("/")
     if not isinstance(value, (str, Path)):
         raise ValueError(f"expected a directory or a URI, got {type(value).__name__}")

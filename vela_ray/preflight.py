@@ -362,16 +362,16 @@ def check_output_dirs(config: JobConfig, resume: Path | None) -> None:
 def check_remote_output(uri: str, overwrite: bool, resuming: bool, resumed_run: str | None) -> None:
     """`output.dir` on object storage: writable with the environment's credentials, and holding no other run
     (as `runs.check_output_dir` for a directory; moving a run aside there is not offered)."""
-    from vela_ray.runs import RUN_ARTEFACTS, RUN_FILE, RunIdentity
+    from vela_ray.runs import RUN_ARTEFACTS, RUN_FILE, RunIdentity, other_run
 
     remote = check_remote_writable(uri, "output.dir")
     names = set(remote.dirs()) | {name.split("/")[0] for name in remote.files()}
     if not names & set(RUN_ARTEFACTS):
         return
     there = RunIdentity.model_validate_json(remote.read_bytes(RUN_FILE)) if remote.exists(RUN_FILE) else None
-    if resuming and (there is None or resumed_run is None or there.run_id == resumed_run):
+    which = other_run(there, resuming, resumed_run)
+    if which is None:
         return
-    which = f"run {there.run_id} (started {there.started})" if there else "the output of an earlier run"
     fix = "; output.overwrite moves local directories only" if overwrite else ""
     raise ValueError(f"output.dir {uri} holds {which}; this job would mix with it: resume it with `--resume latest` "
                      f"or choose another output.dir{fix}")

@@ -107,12 +107,20 @@ def check_output_dir(out: Path, overwrite: bool, resuming: bool, resumed_run: st
     if overwrite or not holds_a_run(out):
         return
     there = read_identity(out)
-    if resuming and (there is None or resumed_run is None or there.run_id == resumed_run):
+    which = other_run(there, resuming, resumed_run)
+    if which is None:
         return
-    which = f"run {there.run_id} (started {there.started})" if there else "the output of an earlier run"
     raise ValueError(f"output.dir {out} holds {which}; this job would mix with it: resume it with "
                      f"`--resume latest`, choose another output.dir, or pass --overwrite (output.overwrite) to "
                      f"move it aside to {aside_path(out, there)}")
+
+
+def other_run(there: RunIdentity | None, resuming: bool, resumed_run: str | None) -> str | None:
+    """What an output dir that holds a run's files holds, when that is not the run being resumed (`there`: its
+    `run.json`, if any); None when this job may go on there."""
+    if resuming and (there is None or resumed_run is None or there.run_id == resumed_run):
+        return None
+    return f"run {there.run_id} (started {there.started})" if there else "the output of an earlier run"
 
 
 def aside_path(out_dir: Path, there: RunIdentity | None) -> Path:

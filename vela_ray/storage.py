@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import shutil
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
+from vela_ray.paths import cache_dir, is_remote
+
+__all__ = ["Remote", "is_remote", "check_uri", "join", "name_of", "sha256_of", "local_mirror", "cached_copy",
+           "pull_outputs", "push_outputs"]  # is_remote: defined with the config's path types (vela_ray.paths)
+
 logger = logging.getLogger(__name__)
 
-_URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 SHA256_SUFFIX = ".sha256"  # beside a file uploaded by another process: its checksum, for the manifest
-
-
-def is_remote(path: object) -> bool:
-    """Whether `path` names object storage (a URI other than file://) rather than a local directory."""
-    return bool(_URI.match(str(path))) and not str(path).startswith("file://")
 
 
 def check_uri(uri: str, field: str) -> None:
@@ -164,16 +162,12 @@ def sha256_of(path: Path) -> str:
 
 def local_mirror(uri: str) -> Path:
     """The local directory a run writes its outputs into before they are uploaded to `uri`."""
-    from vela_ray.paths import cache_dir
-
     scheme, rest = uri.split("://", 1)
     return cache_dir() / "outputs" / scheme / rest.split("?")[0].strip("/")
 
 
 def cached_copy(uri: str) -> Path:
     """The local cache directory a remote checkpoint `uri` is downloaded into."""
-    from vela_ray.paths import cache_dir
-
     scheme, rest = uri.split("://", 1)
     return cache_dir() / "checkpoints" / scheme / rest.split("?")[0].strip("/")
 

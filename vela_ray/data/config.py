@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from vela_ray.data.dataset_info import (FORMATTING_KINDS, TAG_NAMES, dataset_info_file, is_llama_factory_dir,
                                        read_entry)
+from vela_ray.data.records import is_glob
 from vela_ray.paths import UserPath
 
 COLUMNS = {  # data.kind -> the fields `data.columns` may map onto a file's own column names
@@ -103,7 +104,7 @@ class DataConfig(BaseModel):
     def _path_exists(cls, path: Path | None) -> Path | None:
         if path is None:
             return None
-        if any(c in str(path) for c in "*?["):
+        if is_glob(path):
             if not glob.glob(str(path)):
                 raise ValueError(f"data path {path} matches no file")
         elif not path.exists():

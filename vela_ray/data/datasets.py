@@ -55,8 +55,8 @@ from transformers import PreTrainedTokenizerBase
 from vela_ray.data.chat import AlpacaExample, Message, alpaca_to_messages, conversation_of, encode_chat, tools_of
 from vela_ray.data.config import DataConfig
 from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample, Truncation, packed_rows, padded_rows
-from vela_ray.data.records import (RECORD_FORMATS, SAVED_DATASET_FILES, SHARD_SUFFIXES, RecordCount, as_object,
-                                   load_records, parse_each, refuse_unreadable_fields, warn_placeholders)
+from vela_ray.data.records import (RECORD_FORMATS, SAVED_DATASET_FILES, RecordCount, as_object, is_glob,
+                                   load_records, shard_files, parse_each, refuse_unreadable_fields, warn_placeholders)
 from vela_ray.data.tokenized import Batch, TokenizedDataset
 
 log = logging.getLogger(__name__)
@@ -428,11 +428,10 @@ def _source(config: DataConfig):
 
 def is_records_path(path: Path) -> bool:
     """A file, directory or glob of records (`vela_ray.data.records`) rather than plain text."""
-    if any(c in str(path) for c in "*?["):
-        return Path(str(path)).suffix.lower() in SHARD_SUFFIXES
-    if path.is_dir():
-        return any((path / name).is_file() for name in SAVED_DATASET_FILES) or \
-            any(p.suffix.lower() in SHARD_SUFFIXES for p in path.iterdir())
+    if path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET_FILES):
+        return True
+    if is_glob(path) or path.is_dir():
+        return shard_files(path) is not None  # a directory of .txt files is text
     return path.suffix.lower() in RECORD_FORMATS
 
 

@@ -92,10 +92,15 @@ def load_records(path: Path, columns: Mapping[str, str] | None = None, limit: in
 SHARD_SUFFIXES = (".jsonl", ".parquet")  # what a directory or glob of shards may hold, one kind per data set
 
 
+def is_glob(path: Path | str) -> bool:
+    """Whether a data path is a glob pattern (`shards/*.jsonl`) rather than one file or directory."""
+    return any(c in str(path) for c in "*?[")
+
+
 def shard_files(path: Path) -> list[Path] | None:
     """The shards a glob (`shards/*.jsonl`) or a directory (not a `save_to_disk` one) names, in name order;
     None for a single file or a saved dataset."""
-    if any(c in str(path) for c in "*?["):
+    if is_glob(path):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
     elif path.is_dir() and not any((path / name).is_file() for name in SAVED_DATASET_FILES):
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))

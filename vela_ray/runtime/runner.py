@@ -117,10 +117,21 @@ class JobRunner:
         finally:
             self.trackers.finish(None, [], status)  # flushed on every way out (a no-op after the one above)
             if is_remote(self.config.output.dir) and self.out_dir.is_dir():
-                push_outputs(self.config.output.dir, self.out_dir)  # whatever the run got to write
+                self._upload_outputs(failing=status != "FINISHED")
             if self.live is not None:
                 self.live.peers.close()
             self.pool.close()
+
+    def _upload_outputs(self, failing: bool) -> None:
+        """What the run got to write, to `output.dir` on object storage. When the run is failing already its own
+        error is the one to see: an upload error is then logged, not raised over it."""
+        try:
+            push_outputs(self.config.output.dir, self.out_dir)
+        except OSError as err:
+            if not failing:
+                raise
+            logger.warning("uploading the outputs to %s failed (%s); they are in %s", self.config.output.dir,
+                           err, self.out_dir)
 
     def _open_trackers(self) -> None:
         """`training.report_to`'s trackers, continuing a resumed run's; the resolved config as parameters."""
