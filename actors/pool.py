@@ -20,7 +20,7 @@ import numpy as np
 import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
-from actors.masters import RayPeers
+from actors.masters import RayPeers, RayTensorParallel
 from actors.placement_service import spawn_placement_service
 from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
 from actors.workers import actor_workers
@@ -34,6 +34,7 @@ from vela_ray.runtime.pool import (
 )
 from vela_ray.runtime.local import IN_PROCESS_LINK
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec, MigrationStats
+from vela_ray.training.step import MasterModel
 from vela_ray.training.summary import LinkRecord
 from vela_ray.training.worker_report import hosted_bytes_per_expert
 
@@ -102,7 +103,10 @@ class RayWorkerPool:
             return collective_transport(self.cluster.handles, tiers, device=self.local_device)
         return RayObjectRefTransport(self.cluster.handles, tiers, zero_copy=self.config.data_plane.zero_copy_tensors)
 
-    def start_peers(self, table: np.ndarray) -> PeerMasters:
+    def start_peers(self, table: np.ndarray, leader: MasterModel) -> PeerMasters:
+        if self.config.cluster.master_tp > 1:
+            return RayTensorParallel(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table,
+                                     leader)
         if self.config.masters.count == 1:
             return SoloMaster(self.master_node)
         return RayPeers(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table)

@@ -127,6 +127,11 @@ class ClusterSection(_Section):
     master_threads: int | None = Field(
         None, ge=1, description="torch threads of the master's CPU work; None: Ray's default (1). More threads "
                                 "speed up the backbone but their idle spinning slows workers that share the cores")
+    master_tp: int = Field(
+        1, ge=1, description="the master's tensor-parallel degree: its backbone sharded over this many processes (GPUs "
+                             "of the master's node with master_gpus: 1), attention by heads and dense MLPs by "
+                             "columns with LoRA split as the TP-LoRA thesis does, each rank sending its share of every "
+                             "MoE layer's rows (exact: losses equal one master's)")
     workers_on_master: int = Field(
         0, ge=0, description="the last K of the num_workers ExpertManagers live in the master's own process, on its "
                              "device (its GPU with master_gpus: 1): rows to them move by direct call (the "
@@ -469,6 +474,35 @@ class JobConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _tensor_parallel_where_it_runs(self) -> "JobConfig":
+        """What `cluster.master_tp` > 1 does not support (yet), each refused with the reason and its fix."""
+        tp = self.cluster.master_tp
+        if tp == 1:
+            return self
+        refused = [
+            (self.mode != "vela", f"mode: {self.mode} (the master's ranks split its backbone): use mode: vela"),
+            (self.masters.count > 1, f"masters.count: {self.masters.count} (data-parallel masters of "
+                                     "tensor-parallel ranks, the 2-D mesh, are not in the runtime yet): use 1"),
+            (self.training.method != "first_order", f"training.method: {self.training.method} (one master draws "
+                                                    "the backbone's perturbation): use first_order"),
+            (self.training.condensation.enabled, "training.condensation.enabled (it groups a layer's rows, which "
+                                                 "the ranks split): turn it off"),
+            (self.fault_tolerance.on_worker_loss == "recover", "fault_tolerance.on_worker_loss: recover (its ranks "
+                                                               "would have to re-form mid-run): use stop and resume "
+                                                               "from the checkpoint it names"),
+            (self.cluster.workers_on_master > 0, f"cluster.workers_on_master: {self.cluster.workers_on_master} (the "
+                                                 "other ranks cannot reach ExpertManagers in rank 0's process): use 0"),
+            (self.data_plane.transport != "object_ref", f"data_plane.transport: {self.data_plane.transport} (its "
+                                                        "group has one master process): use object_ref"),
+            (self.lora.lora_dropout > 0, f"lora.lora_dropout: {self.lora.lora_dropout} (each rank would draw its own mask for a "
+                                    "replicated input): use 0"),
+        ]
+        for unsupported, what in refused:
+            if unsupported:
+                raise ValueError(f"cluster.master_tp: {tp} does not support {what}, or use cluster.master_tp: 1")
+        return self
+
+    @model_validator(mode="after")
     def _zo_where_it_runs(self) -> "JobConfig":
         """What `training.method: zo` does not support (yet), each refused with its fix."""
         if self.training.method != "zo":
@@ -680,10 +714,12 @@ def _section_copy(data: dict, path: tuple[str, ...], create: bool = False) -> di
 
 
 def _transport_for_masters(data: dict) -> dict:
-    """The collective plane has one master in its group: several masters default to object refs."""
-    masters, plane = data.get("masters"), data.get("data_plane", {})
+    """The collective plane has one master process in its group: several masters, or a tensor-parallel master's
+    ranks, default to object refs."""
+    masters, plane, cluster = data.get("masters"), data.get("data_plane", {}), data.get("cluster")
     count = masters.get("count", 1) if isinstance(masters, dict) else getattr(masters, "count", 1)
-    if str(count) == "1" or not isinstance(plane, dict) or "transport" in plane:
+    tp = cluster.get("master_tp", 1) if isinstance(cluster, dict) else getattr(cluster, "master_tp", 1)
+    if (str(count) == "1" and str(tp) == "1") or not isinstance(plane, dict) or "transport" in plane:
         return data
     return {**data, "data_plane": {**plane, "transport": "object_ref"}}
 

@@ -71,6 +71,7 @@ def preflight(config: JobConfig) -> Preflight:
     check_placement_file(config, model)
     check_profile_file(config, model)
     check_lora_options(config)
+    check_master_tp(config)
     check_init_adapter(config)
     check_packing(config)
     train_rows = check_data(config)
@@ -234,6 +235,32 @@ def check_lora_options(config: JobConfig) -> None:
         check_lora_targets(meta_model(config.model.path, config.model.trust_remote_code), config.lora.spec())
     except ValueError as err:  # its messages name the lora field
         raise ValueError(first_line(err)) from None
+
+
+def check_master_tp(config: JobConfig) -> None:
+    """With `cluster.master_tp` > 1, the master's model (a meta-device skeleton with the job's backbone LoRA) must
+    split exactly over that many ranks: head counts and MLP widths divisible, no cross-head norm (OLMoE), no
+    LoRA variant whose sharded math differs, experts called on routed rows (`tensor_parallel.check_tensor_parallel`)."""
+    tp = config.cluster.master_tp
+    if tp == 1:
+        return
+    from peft import get_peft_model
+
+    from vela_ray.model.adapters import backbone_lora_config, full_lora_config
+    from vela_ray.model.loading import meta_model
+    from vela_ray.model.modeling import find_moe_blocks
+    from vela_ray.model.tensor_parallel import check_tensor_parallel
+
+    model = meta_model(config.model.path, config.model.trust_remote_code)
+    grouped = [b for b in find_moe_blocks(model) if b.layout.call != "routed"]
+    if grouped:
+        raise ValueError(f"cluster.master_tp: {tp} needs experts called on routed rows; {model.config.model_type}'s "
+                         f"{grouped[0].layout.experts_class} is called on rows grouped by expert: use master_tp: 1")
+    try:
+        check_tensor_parallel(get_peft_model(model, backbone_lora_config(full_lora_config(model, config.lora_spec))),
+                              tp)
+    except ValueError as err:
+        raise ValueError(f"cluster.master_tp: {tp} cannot split this model: {first_line(err)}") from None
 
 
 def check_init_adapter(config: JobConfig) -> None:
@@ -450,18 +477,20 @@ def master_gpus(config: JobConfig, available: dict[str, float], node: dict[str, 
     fit. Pure: no Ray.
     """
     cluster = config.cluster
+    ranks = cluster.master_tp  # a tensor-parallel master: a GPU per rank, all on the master's node
     worker_gpus = cluster.num_worker_actors * cluster.num_gpus_per_worker
     spare = float(available.get("GPU", 0.0)) - worker_gpus
     node_gpus = float(node.get("GPU", 0.0)) if node is not None else spare
     if cluster.master_gpus is None:
-        return 1 if min(spare, node_gpus) >= 1 else 0
-    if cluster.master_gpus > spare:
-        raise ValueError(f"cluster.master_gpus {cluster.master_gpus} needs a GPU beyond the workers' "
+        return 1 if min(spare, node_gpus) >= ranks else 0
+    wanted = cluster.master_gpus * ranks
+    asks = f"cluster.master_gpus {cluster.master_gpus}" + (f" x cluster.master_tp {ranks}" if ranks > 1 else "")
+    if wanted > spare:
+        raise ValueError(f"{asks} needs {f'{wanted} GPUs' if wanted > 1 else 'a GPU'} beyond the workers' "
                          f"{worker_gpus}, but the Ray cluster has {float(available.get('GPU', 0.0)):g}; "
                          "set cluster.master_gpus: 0 or free a GPU")
-    if cluster.master_gpus > node_gpus:
-        raise ValueError(f"cluster.master_gpus {cluster.master_gpus}: the MasterActor "
-                         + master_unschedulable(node_name, node or {}, cluster.master_gpus))
+    if wanted > node_gpus:
+        raise ValueError(f"{asks}: the MasterActor " + master_unschedulable(node_name, node or {}, wanted))
     return cluster.master_gpus
 
 

@@ -212,6 +212,15 @@ def test_the_master_gets_a_gpu_the_workers_leave_free(tmp_path):
     with pytest.raises(ValueError, match=r"cluster\.master_gpus 1 needs a GPU beyond the workers' 2, but the Ray "
                                          r"cluster has 2; set cluster\.master_gpus: 0"):
         master_gpus(job(num_gpus_per_worker=1, master_gpus=1), {"CPU": 8, "GPU": 2})
+    # a tensor-parallel master: a GPU for each of its ranks, on the driver's node
+    assert master_gpus(job(master_tp=2), {"CPU": 8, "GPU": 1}) == 0
+    assert master_gpus(job(master_tp=2), {"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2}) == 1
+    with pytest.raises(ValueError, match=r"cluster\.master_gpus 1 x cluster\.master_tp 4 needs 4 GPUs beyond the "
+                                         r"workers' 0, but the Ray cluster has 2"):
+        master_gpus(job(master_tp=4, master_gpus=1), {"CPU": 8, "GPU": 2})
+    with pytest.raises(ValueError, match=r"master_tp 2: the MasterActor is pinned to the driver's node n0, which has "
+                                         r"1 GPUs and 8 CPUs, and asks for 2 GPU"):
+        master_gpus(job(master_tp=2, master_gpus=1), {"CPU": 16, "GPU": 2}, {"CPU": 8, "GPU": 1}, "n0")
 
 
 def test_rows_travel_the_collective_plane_by_default_and_over_object_refs_with_several_masters(tmp_path):

@@ -145,3 +145,54 @@ def test_config_is_strict():
     assert TensorParallelConfig().shard_vocab is True
     with pytest.raises(ValueError):
         TensorParallelConfig(shard_vocb=False)
+
+
+# --- the runtime's pieces (`cluster.master_tp`): rows split among ranks, checkpoints in full tensors ---------------
+
+@pytest.mark.parametrize("rows,size", [(10, 4), (3, 4), (8, 2), (7, 1)])
+def test_row_shares_tile_the_rows_in_rank_order(rows, size):
+    from vela_ray.model.tensor_parallel import row_bounds
+
+    bounds = [row_bounds(rows, rank, size) for rank in range(size)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == rows
+    assert all(hi == lo for (_, hi), (lo, _) in zip(bounds, bounds[1:]))  # contiguous, disjoint
+    assert max(hi - lo for lo, hi in bounds) - min(hi - lo for lo, hi in bounds) <= 1
+
+
+def test_a_state_merged_from_shards_reshards_to_any_size():
+    """`merge_shards` / `shard_of` on `step.master_state`'s layout: a sharded parameter and its AdamW moments are
+    split along the parameter's dim, its scalar `step` and replicated tensors are not."""
+    from vela_ray.model.tensor_parallel import TensorParallelPlan, merge_shards, shard_of
+
+    g = torch.Generator().manual_seed(0)
+    full = {"a.lora_B.default.weight": torch.randn(8, 2, generator=g), "a.lora_B.default.weight.exp_avg":
+            torch.randn(8, 2, generator=g), "a.lora_B.default.weight.step": torch.tensor(3.0),
+            "o.lora_A.default.weight": torch.randn(2, 8, generator=g), "q.lora_A.default.weight": torch.randn(2, 4)}
+    sharded = {"a.lora_B.default.weight": 0, "o.lora_A.default.weight": 1}
+    for size in (1, 2, 4):
+        plans = [TensorParallelPlan(group=None, rank=r, size=size, sharded=sharded) for r in range(size)]
+        shards = [shard_of(full, plan) for plan in plans]
+        assert shards[-1]["a.lora_B.default.weight.exp_avg"].shape == (8 // size, 2)
+        assert shards[-1]["o.lora_A.default.weight"].shape == (2, 8 // size)
+        assert shards[-1]["q.lora_A.default.weight"] is full["q.lora_A.default.weight"]
+        merged = merge_shards(shards, plans[0])
+        assert merged.keys() == full.keys() and all(torch.equal(merged[k], full[k]) for k in full)
+
+
+@pytest.mark.parametrize("family,size,refusal", [
+    ("mixtral", 2, None),
+    ("olmoe", 2, "q_norm normalizes over 32 features"),
+    ("qwen3_moe", 4, "4 attention heads and 2 KV heads must both be divisible by the TP size 4"),
+])
+def test_preflight_refuses_a_model_that_cannot_split_over_master_tp(tmp_path, family, size, refusal):
+    from tests.fixtures import job_dict, make_checkpoint
+    from vela_ray.config import JobConfig
+    from vela_ray.preflight import check_master_tp
+
+    config = JobConfig.from_dict(job_dict(make_checkpoint(tmp_path / "model", family), tmp_path / "out",
+                                          cluster={"master_tp": size}))
+    if refusal is None:
+        check_master_tp(config)
+        return
+    with pytest.raises(ValueError, match=f"^cluster.master_tp: {size} cannot split this model: .*{refusal}"):
+        check_master_tp(config)

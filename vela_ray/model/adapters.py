@@ -421,7 +421,9 @@ def check_adapter_matches(adapter: LoraConfig, job: LoraConfig, adapter_dir: str
                          "options to match")
 
 
-def backbone_state_of(peft_model) -> dict[str, torch.Tensor]:
-    return get_peft_model_state_dict(peft_model)
+def backbone_state_of(peft_model, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """peft's adapter state of the master's model; from `state` (parameters by name) instead of the model's own
+    tensors when given (a tensor-parallel master's, gathered whole)."""
+    return get_peft_model_state_dict(peft_model, state_dict=state)
 
 

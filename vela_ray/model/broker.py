@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from vela_ray.model import wire
+from vela_ray.model.tensor_parallel import routed_share
 from vela_ray.model.traffic import TrafficCounter
 from vela_ray.model.transport import ForwardRequest, Transport
 
@@ -90,10 +91,18 @@ class ExpertDispatcher:
         # optional: called with (plan, token_T) for every plan a broker makes (sequence migration reads where
         # each token's rows go); token_T as in `ExpertBroker._routed`
         self.plan_observer = None
+        # a `tensor_parallel.TensorParallelPlan` when this master is one rank of a TP group (`cluster.master_tp`):
+        # each broker then sends only this rank's share of its layer's rows (`tensor_parallel.routed_share`)
+        self.tp = None
         # Seconds the master spent waiting on the transport, per phase: communication plus the
         # workers' expert compute, i.e. the part of a step that the placement can change.
         self.round_trip_s = {"forward": 0.0, "backward": 0.0}
         self._keys = itertools.count(master, num_masters)
+
+    def share_rows(self, plan) -> None:
+        """From now on every broker sends only this TP rank's share of its layer's rows (`plan`: this master's
+        `tensor_parallel.TensorParallelPlan`) and gathers the group's combined outputs."""
+        self.tp = plan
 
     def rebind(self, expert_to_worker, transport: Transport | None = None) -> None:
         """Point every broker at a new placement table (after a migration), and at a new transport if
@@ -266,6 +275,8 @@ class ExpertBroker(nn.Module):
         if self.layout is not None and self.layout.call == "grouped":
             return self._grouped(hidden_TD)
         top_k_index_TK, top_k_weights_TK = [*index_and_weights, *by_name.values()]
+        if self.dispatcher.tp is not None:
+            return routed_share(self._routed, hidden_TD, top_k_index_TK, top_k_weights_TK, self.dispatcher.tp)
         return self._routed(hidden_TD, top_k_index_TK, top_k_weights_TK)
 
     def _grouped(self, grouped_XD: torch.Tensor) -> torch.Tensor:

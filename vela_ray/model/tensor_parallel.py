@@ -420,6 +420,31 @@ def parallelize_backbone(model: nn.Module, mesh_or_group: Any,
     return plan
 
 
+def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+    """Join a master's TP group of `size` ranks through `store` (NCCL on GPUs, gloo on the host) and return its
+    1-D DeviceMesh. The group becomes the process's default group, which torch's DTensor plans (the vocab-parallel
+    embedding and LM head) need; a master rank's other groups (the collective data plane, the data-parallel
+    masters') are groups of their own, so nothing else in the process uses the default one."""
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a default process group: one TP group per master process")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return init_device_mesh(device.type, (size,))
+
+
+def vocab_shardable(model: nn.Module, size: int) -> bool:
+    """Whether `_shard_vocab` can split `model`'s embedding and LM head over `size` ranks: untied, and a
+    vocabulary divisible by `size`. Otherwise both stay replicated (exact too; only their memory is not split)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is not None and head is not None and head.weight is embed.weight:
+        return False
+    return all(m is None or m.weight.shape[0] % size == 0 for m in (embed, head))
+
+
 def _shard_vocab(model: nn.Module, mesh: Any, group: dist.ProcessGroup, plan: TensorParallelPlan) -> None:
     """Embedding vocab-parallel and LM head colwise with gathered logits: torch's plans (exact: the embedding's
     all-reduce adds zeros, the LM head's all-gather concatenates)."""
@@ -455,17 +480,37 @@ def _shard_vocab(model: nn.Module, mesh: Any, group: dist.ProcessGroup, plan: Te
 # Optimizer support and export
 # --------------------------------------------------------------------------------------------------
 
-def clip_grad_norm_(model: nn.Module, plan: TensorParallelPlan, max_norm: float | None) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` over the whole (unsharded) set of trainable parameters: sharded ones'
-    squares summed over the group (one all-reduce per step), replicated ones' counted once. Returns the norm."""
-    sharded_sq, replicated_sq = [], []
+def grad_sq_norm(model: nn.Module, plan: TensorParallelPlan) -> float:
+    """The squared gradient norm of the whole (unsharded) set of `model`'s trainable parameters, on every rank:
+    sharded ones' squares summed over the group (one all-reduce), replicated ones' counted once. Also a barrier:
+    it returns only when every rank's backward has (so their brokers' backward calls have) ended."""
+    sharded, replicated = [], []
     for name, p in model.named_parameters():
         if p.requires_grad and p.grad is not None:
-            (sharded_sq if name in plan.sharded else replicated_sq).append(p.grad.detach().float().pow(2).sum())
-    zero = torch.zeros(())
-    part = torch.stack(sharded_sq).sum() if sharded_sq else zero.clone()
-    dist.all_reduce(part, group=plan.group)
-    total = (part + (torch.stack(replicated_sq).sum() if replicated_sq else zero)).sqrt()
+            (sharded if name in plan.sharded else replicated).append(p.grad.detach().double().pow(2).sum())
+    sharded_sq = float(torch.stack(sharded).sum()) if sharded else 0.0  # one host sync per kind
+    replicated_sq = float(torch.stack(replicated).sum()) if replicated else 0.0
+    return all_sum(sharded_sq, plan) + replicated_sq
+
+
+def all_sum(value: float, plan: TensorParallelPlan) -> float:
+    """`value` summed over the TP group (every rank gets the sum): e.g. the experts' squared gradient norm, which
+    only the group's first rank reads from the workers, the others adding 0."""
+    buf = torch.tensor([value], dtype=torch.float64, device=_device_of(plan))
+    dist.all_reduce(buf, group=plan.group)
+    return float(buf.item())
+
+
+def _device_of(plan: TensorParallelPlan) -> torch.device:
+    """Where the group's collectives run: NCCL's on this rank's GPU, gloo's on the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(plan.group) == "nccl" \
+        else torch.device("cpu")
+
+
+def clip_grad_norm_(model: nn.Module, plan: TensorParallelPlan, max_norm: float | None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over the whole (unsharded) set of trainable parameters (`grad_sq_norm`).
+    Returns the norm."""
+    total = torch.tensor(grad_sq_norm(model, plan)).sqrt()
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in model.parameters():
@@ -510,3 +555,111 @@ def load_lora_state_dict(model: nn.Module, full: dict[str, torch.Tensor], plan: 
             if name in plan.sharded:
                 value = value.chunk(plan.size, plan.sharded[name])[plan.rank]
             param.copy_(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# The routed experts over a TP group: each rank sends a disjoint share of a layer's rows
+# --------------------------------------------------------------------------------------------------
+
+def row_bounds(num_rows: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank `rank`'s contiguous share [lo, hi) of `num_rows` rows: sizes differ by at most one, the first
+    `num_rows % size` ranks taking one more."""
+    base, extra = divmod(num_rows, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def _all_gather_rows(part: torch.Tensor, num_rows: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """The ranks' row shares (`row_bounds`) of a [num_rows, ...] tensor, concatenated in rank order: one all-gather,
+    of shares padded to the largest."""
+    longest = -(-num_rows // size)
+    padded = part.new_zeros((longest, *part.shape[1:]))
+    padded[: len(part)] = part
+    pieces = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([piece[: hi - lo] for piece, (lo, hi) in
+                      zip(pieces, (row_bounds(num_rows, r, size) for r in range(size)))])
+
+
+class _ShareRows(torch.autograd.Function):
+    """This rank's rows of a replicated tensor; backward all-gathers the shares' gradients, so the replicated
+    tensor's gradient is whole, and equal, on every rank."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, rank: int, size: int, x: torch.Tensor):  # type: ignore[override]
+        ctx.group, ctx.size, ctx.num_rows = group, size, x.shape[0]
+        lo, hi = row_bounds(x.shape[0], rank, size)
+        return x[lo:hi]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return None, None, None, _all_gather_rows(grad.contiguous(), ctx.num_rows, ctx.group, ctx.size)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's share of the rows, concatenated (one all-gather); backward keeps this rank's rows of the
+    (replicated, equal on every rank) gradient."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, rank: int, size: int, num_rows: int,  # type: ignore[override]
+                part: torch.Tensor):
+        ctx.bounds = row_bounds(num_rows, rank, size)
+        return _all_gather_rows(part.contiguous(), num_rows, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        lo, hi = ctx.bounds
+        return None, None, None, None, grad[lo:hi]
+
+
+def routed_share(experts: Any, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
+                 top_k_weights_TK: torch.Tensor, plan: TensorParallelPlan) -> torch.Tensor:
+    """`experts(hidden, index, weights)` of a MoE block whose inputs are replicated over the TP group: this rank
+    runs it on its share of the tokens (`row_bounds`), so the group's rows leave through all its ranks, each row
+    once, and the combined outputs are gathered (one all-gather forward; one for the hidden states' and routing
+    weights' gradients backward). Exact: every token's output is computed once, by one rank, as it would be
+    whole; the experts' LoRA gradients reach the workers once."""
+    if plan.size == 1:
+        return experts(hidden_TD, top_k_index_TK, top_k_weights_TK)
+    group, rank, size = plan.group, plan.rank, plan.size
+    lo, hi = row_bounds(hidden_TD.shape[0], rank, size)
+    share_TD = _ShareRows.apply(group, rank, size, hidden_TD)
+    weights_TK = _ShareRows.apply(group, rank, size, top_k_weights_TK)
+    out_TD = experts(share_TD, top_k_index_TK[lo:hi], weights_TK)
+    return _GatherRows.apply(group, rank, size, hidden_TD.shape[0], out_TD)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoint state: full tensors whatever the TP size
+# --------------------------------------------------------------------------------------------------
+
+def _sharded_dim(key: str, value: torch.Tensor, plan: TensorParallelPlan) -> int | None:
+    """The dim `key` (a parameter name, or "<parameter>.<optimizer slot>") is sharded on, None if replicated."""
+    if key in plan.sharded:
+        return plan.sharded[key]
+    owner, _, slot = key.rpartition(".")
+    if owner in plan.sharded and value.dim() > 0:  # AdamW's moments shard with their parameter; `step` is a scalar
+        return plan.sharded[owner]
+    return None
+
+
+def merge_shards(states: list[dict[str, torch.Tensor]], plan: TensorParallelPlan) -> dict[str, torch.Tensor]:
+    """One state (parameters and optimizer slots by name, e.g. `step.master_state`) of the unsharded model from
+    every rank's, in rank order: sharded tensors concatenated along their dim, replicated ones taken from rank 0.
+    What a checkpoint holds, so it resumes at any TP size (`shard_of`)."""
+    if len(states) != plan.size:
+        raise ValueError(f"merging {len(states)} states of a TP group of {plan.size}")
+    full = {}
+    for key, value in states[0].items():
+        dim = _sharded_dim(key, value, plan)
+        full[key] = value if dim is None else torch.cat([state[key] for state in states], dim)
+    return full
+
+
+def shard_of(full: dict[str, torch.Tensor], plan: TensorParallelPlan) -> dict[str, torch.Tensor]:
+    """This rank's share of a full state (`merge_shards`'s, or one written at another TP size)."""
+    out = {}
+    for key, value in full.items():
+        dim = _sharded_dim(key, value, plan)
+        out[key] = value if dim is None else value.chunk(plan.size, dim)[plan.rank]
+    return out

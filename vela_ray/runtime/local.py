@@ -25,7 +25,7 @@ from vela_ray.runtime.pool import (
     HostedExperts, PeerMasters, SoloMaster, capacity_from_memory, fill_unmeasured, manager_specs,
 )
 from vela_ray.training.expert_manager import ExpertManager, MigrationStats
-from vela_ray.training.step import ExpertWorkers
+from vela_ray.training.step import ExpertWorkers, MasterModel
 from vela_ray.training.summary import LinkRecord
 from vela_ray.training.worker_report import hosted_bytes_per_expert
 
@@ -68,7 +68,11 @@ class InProcessPool:
         transport = InProcessTransport(self.managers, self.lock, link_tiers(self.master_node, self._nodes()))
         return HostedExperts(ExpertWorkers.in_process(self.managers), transport, self._nodes())
 
-    def start_peers(self, table: np.ndarray) -> PeerMasters:
+    def start_peers(self, table: np.ndarray, leader: MasterModel) -> PeerMasters:
+        if self.config.cluster.master_tp > 1:
+            raise ValueError(f"cluster.master_tp: {self.config.cluster.master_tp} runs the master's ranks as Ray "
+                             "actors beside ExpertManager actors; this runtime has neither: run it through "
+                             "VelaJob or `vela train`")
         if self.config.masters.count == 1:
             return SoloMaster(self.master_node)
         return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock, self._nodes())

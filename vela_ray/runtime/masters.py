@@ -132,6 +132,10 @@ class ThreadPeers:
     def traffic(self) -> list:
         return [m.dispatcher.counter.snapshot() for m in self.masters]
 
+    def reset_traffic(self) -> None:
+        for master in self.masters:
+            master.dispatcher.counter.reset()
+
     def pids(self) -> list[int]:
         return [os.getpid()] * len(self.masters)
 
@@ -145,7 +149,7 @@ class ThreadPeers:
 def start_peers(config: JobConfig, pool: WorkerPool, table: np.ndarray, master: MasterModel,
                 worker_nodes: list[str]) -> tuple[PeerMasters, SequenceMigration | None]:
     """Masters 1..M-1 over `table` (none for one master), and master 0's sequence migration among them."""
-    peers = pool.start_peers(table)
+    peers = pool.start_peers(table, master)
     migration = None if peers.num_masters == 1 else sequence_migration(
         config, 0, master, NodeMap.of(peers.nodes, worker_nodes))
     return peers, migration

@@ -29,7 +29,7 @@ from vela_ray.model.traffic import LinkTier, TrafficSnapshot
 from vela_ray.model.transport import Transport
 from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
 from vela_ray.training.replicas import SINGLE, Replicas
-from vela_ray.training.step import Batch, ExpertWorkers, MasterSpec, master_device
+from vela_ray.training.step import Batch, ExpertWorkers, MasterModel, MasterSpec, master_device
 from vela_ray.training.summary import LinkRecord
 
 
@@ -74,7 +74,11 @@ class PeerMasters(Protocol):
         ...
 
     def traffic(self) -> list[TrafficSnapshot]:
-        """Each peer's traffic counts since it started."""
+        """Each peer's traffic counts since it started, or since `reset_traffic`."""
+        ...
+
+    def reset_traffic(self) -> None:
+        """Zero every peer's traffic counts (as master 0's are when training starts)."""
         ...
 
     def pids(self) -> list[int]:
@@ -109,6 +113,9 @@ class SoloMaster:
     def traffic(self) -> list[TrafficSnapshot]:
         return []
 
+    def reset_traffic(self) -> None:
+        pass
+
     def pids(self) -> list[int]:
         return []
 
@@ -128,9 +135,10 @@ class WorkerPool(Protocol):
         """(Re)start the workers so that worker n hosts the experts `table` gives n."""
         ...
 
-    def start_peers(self, table: np.ndarray) -> PeerMasters:
+    def start_peers(self, table: np.ndarray, leader: MasterModel) -> PeerMasters:
         """Masters 1..M-1 of `masters.count`, with brokers over `table` to the started workers
-        (`vela_ray.runtime.masters`); `SoloMaster` when there is one."""
+        (`vela_ray.runtime.masters`), or with `cluster.master_tp` the other ranks of master 0 (`leader`, which
+        is sharded with them); `SoloMaster` when there is one."""
         ...
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
@@ -193,7 +201,7 @@ def master_spec(config: JobConfig) -> MasterSpec:
     return MasterSpec(
         model_dir=config.model.path, dtype=config.torch_dtype, lora=config.lora_spec, optim=config.training.optimizer,
         seed=config.training.seed, trust_remote_code=config.model.trust_remote_code,
-        num_masters=config.masters.count, row_format=config.data_plane.row_format,
+        num_masters=config.masters.count * config.cluster.master_tp, row_format=config.data_plane.row_format,
         device=master_device(bool(config.cluster.master_gpus)),
         activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
     )

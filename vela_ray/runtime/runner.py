@@ -166,6 +166,7 @@ class JobRunner:
         """The training loop, from `state.start_step` to `training.steps`."""
         steps = self.config.training.steps
         live.master.dispatcher.counter.reset()
+        live.peers.reset_traffic()  # what the training moves: a tensor-parallel master's ranks profiled too
         self.state.last_checkpoint = checkpoint.latest(self.config.checkpoint_root)
         step = self.state.start_step
         if self.recovery.enabled and (step == 0 or not self.state.checkpointed(step)):

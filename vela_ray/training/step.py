@@ -13,6 +13,7 @@ brokers and in-process ExpertManagers: the single-process form of vela-ray.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -30,12 +31,16 @@ from vela_ray.model.broker import ExpertDispatcher
 from vela_ray.model.loading import load_backbone
 from vela_ray.model.experts import ExpertKey, LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
+from vela_ray.model import tensor_parallel
+from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm, make_adamw
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.replicas import SINGLE, Replicas
 from vela_ray.model.transport import InProcessTransport, Transport
 from vela_ray.model.traffic import RowFormat
+
+logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
@@ -176,6 +181,11 @@ class MasterModel:
     grad_norm: float | None = None
     """The last first-order step's global gradient norm before clipping (backbone and experts, all masters):
     the trackers log it; it costs nothing, the clipping computes it anyway."""
+    tp: TensorParallelPlan | None = None
+    """This master's place in its tensor-parallel group (`cluster.master_tp`, `shard_master`), None without one."""
+    tp_states: Callable[[bool], list[dict[str, torch.Tensor]]] | None = None
+    """On the group's first rank: the other ranks' `shard_state`s (copied or not), in rank order, so that
+    `master_state` gives the full tensors (set by the runtime that started the ranks)."""
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
@@ -226,6 +236,33 @@ def build_master_replica(spec: MasterSpec, expert_to_worker, transport: Transpor
                           condenser=condenser, activation_checkpointing=spec.activation_checkpointing)
     master.peft_model.to(spec.device)  # after the brokers replaced the (unallocated) experts
     return master
+
+
+def shard_master(master: MasterModel, group, config: TensorParallelConfig | None = None) -> TensorParallelPlan:
+    """Make `master` (built whole, before any step) one rank of the tensor-parallel group `group`
+    (`cluster.master_tp`): its backbone and LoRA sharded in place (`tensor_parallel.parallelize_backbone`), a
+    fresh optimizer over the shards, and its brokers sending only this rank's share of each layer's rows. Every
+    rank built the same seeded master, so the group starts from the single master's exact state."""
+    from vela_ray.model.broker import ExpertBroker
+
+    grouped = {type(m).__name__ for m in master.peft_model.modules()
+               if isinstance(m, ExpertBroker) and m.layout is not None and m.layout.call == "grouped"}
+    if grouped:
+        raise ValueError("cluster.master_tp > 1 needs experts called on routed rows (experts(rows, index, "
+                         f"weights)); this model's experts are called on rows grouped by expert ({grouped.pop()})")
+    if config is None:
+        size = group.size()  # a DeviceMesh's or a ProcessGroup's
+        config = TensorParallelConfig(shard_vocab=tensor_parallel.vocab_shardable(master.peft_model, size))
+        if not config.shard_vocab:
+            logger.info("embedding and LM head replicated over the %d TP ranks: tied, or a vocabulary not divisible "
+                        "by %d", size, size)
+    plan = tensor_parallel.parallelize_backbone(master.peft_model, group, config)
+    if master.optimizer.state or len(master.optimizer.param_groups) != 1:
+        raise RuntimeError("shard_master takes a master before its first step (one param group, no state)")
+    master.optimizer.param_groups[0]["params"] = master.trainable_parameters()  # the shards are new Parameters
+    master.dispatcher.share_rows(plan)
+    master.tp = plan
+    return plan
 
 
 def build_master(
@@ -304,7 +341,11 @@ def train_step(
         total_loss += float(loss.detach())
     params = master.trainable_parameters()
     replicas.sync_grads(params)
-    total_sq = grad_sq_norm(params) + replicas.sum(workers.grad_sq_norm())
+    if master.tp is None:
+        total_sq = grad_sq_norm(params) + replicas.sum(workers.grad_sq_norm())
+    else:  # the group's backward has ended (a barrier) before its first rank reads the workers' norm
+        own_sq = tensor_parallel.grad_sq_norm(model, master.tp)
+        total_sq = own_sq + tensor_parallel.all_sum(replicas.sum(workers.grad_sq_norm()), master.tp)
     master.grad_norm = total_sq ** 0.5
     clip_coef = clip_coefficient(total_sq, max_grad_norm)
     apply_step(master.optimizer, lr, clip_coef)
@@ -323,24 +364,33 @@ def eval_loss(master: MasterModel, batches: Sequence[Batch], *, loss_fn: LossFn 
 
 
 def export(master: MasterModel, workers: ExpertWorkers, out_dir) -> None:
-    """Write the standard peft adapter of the original model (see vela_ray.model.adapters)."""
+    """Write the standard peft adapter of the original model (see vela_ray.model.adapters); a tensor-parallel
+    master's LoRA gathered whole."""
+    full = None
+    if master.tp is not None:
+        names = {n for n, p in master.peft_model.named_parameters() if p.requires_grad}
+        full = {k: v for k, v in master_state(master).items() if k in names}
     export_adapter(out_dir, master.peft_model.base_model.model.config, master.full_lora_config,
-                   backbone_state_of(master.peft_model), workers.lora_state())
+                   backbone_state_of(master.peft_model, full), workers.lora_state())
 
 
-def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -> None:
-    """Load a peft adapter directory of the original model into master and workers (any placement)."""
+def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -> dict[str, torch.Tensor]:
+    """Load a peft adapter directory of the original model into master and workers (any placement). Returns the
+    master's state after it (`master_state`: full tensors), for the other masters or ranks to load."""
     from vela_ray.model.adapters import check_adapter_matches, read_adapter
 
     config = master.peft_model.base_model.model.config
     lora_config, backbone_state, expert_state = read_adapter(adapter_dir, config)
     check_adapter_matches(lora_config, master.full_lora_config, adapter_dir)
-    _load_backbone_adapter(master, backbone_state, adapter_dir)
+    state = _with_backbone_adapter(master, backbone_state, adapter_dir)
+    load_master_state(master, state)
     workers.load_lora_state(expert_state)
+    return state
 
 
-def _load_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], adapter_dir) -> None:
-    """Copy a saved adapter's backbone factors into the master's LoRA parameters, by name.
+def _with_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], adapter_dir) -> dict[str, torch.Tensor]:
+    """The master's state (`master_state`) with a saved adapter's backbone factors in place of its LoRA parameters,
+    by name.
 
     Not `peft.set_peft_model_state_dict`: peft 0.21 applies transformers' checkpoint renames to
     adapter keys at load time, and some rules are regexes that also match adapted names (laguna's
@@ -350,12 +400,13 @@ def _load_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], 
     "<module>.lora_A.<adapter>.weight": no conversion is needed.
     """
     adapter = master.peft_model.active_adapter
-    params = {n: p for n, p in master.peft_model.named_parameters() if p.requires_grad}
-    by_key = {re.sub(rf"\.(lora_[AB])\.{adapter}\.weight$", r".\1.weight", n): p for n, p in params.items()}
+    names = [n for n, p in master.peft_model.named_parameters() if p.requires_grad]
+    by_key = {re.sub(rf"\.(lora_[AB])\.{adapter}\.weight$", r".\1.weight", n): n for n in names}
     # modules_to_save (the router trained in full): peft saves "<module>.<name>" of its trained copy, buffers too
     # (DeepSeek's e_score_correction_bias)
-    saved = {**by_key, **{n: b for n, b in master.peft_model.named_buffers() if f".modules_to_save.{adapter}." in n}}
-    by_key = {re.sub(rf"\.modules_to_save\.{adapter}\.", ".", k): p for k, p in saved.items()}
+    buffers = {n: b for n, b in master.peft_model.named_buffers() if f".modules_to_save.{adapter}." in n}
+    saved = {**by_key, **{n: n for n in buffers}}
+    by_key = {re.sub(rf"\.modules_to_save\.{adapter}\.", ".", k): n for k, n in saved.items()}
     unknown = sorted(set(state) - set(by_key))
     if unknown:
         raise ValueError(f"{adapter_dir}: adapter keys not in this model: {unknown[:5]}")
@@ -363,14 +414,32 @@ def _load_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], 
     if missing:
         raise ValueError(f"{adapter_dir}: adapter lacks {missing[:3]} ({len(missing)} in all) of this model's "
                          "backbone LoRA layers")
+    full = master_state(master)
     with torch.no_grad():
         for key, value in state.items():
-            by_key[key].copy_(value)
+            name = by_key[key]
+            if name in buffers:  # not trained, so not in the state: copied in place (never sharded)
+                buffers[name].copy_(value)
+            else:
+                full[name] = value.to(full[name].dtype).clone()
+    return full
 
 
 def master_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Tensor]:
     """Backbone LoRA values and AdamW state by parameter name, for checkpoints. `copy`: always fresh host
-    tensors (on the CPU the others share the live ones): a snapshot the next step cannot change."""
+    tensors (on the CPU the others share the live ones): a snapshot the next step cannot change.
+    A tensor-parallel master's are the full tensors, merged from its group's shards (what a single master
+    holds), so a checkpoint resumes at any `cluster.master_tp`."""
+    local = shard_state(master, copy)
+    if master.tp is None or master.tp.size == 1:
+        return local
+    if master.tp_states is None:
+        raise RuntimeError("master_state of a tensor-parallel rank is its group's first rank's to take")
+    return tensor_parallel.merge_shards([local, *master.tp_states(copy)], master.tp)
+
+
+def shard_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Tensor]:
+    """`master_state` of this process's parameters only: a tensor-parallel rank's shards."""
     tensors = {}
     for name, param in master.peft_model.named_parameters():
         if not param.requires_grad:
@@ -382,8 +451,11 @@ def master_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Ten
 
 
 def load_master_state(master: MasterModel, tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of `master_state`; ValueError if the checkpoint lacks a trainable parameter."""
+    """Inverse of `master_state` (a tensor-parallel rank takes its share); ValueError if the checkpoint lacks a
+    trainable parameter."""
     params = {n: p for n, p in master.peft_model.named_parameters() if p.requires_grad}
+    if master.tp is not None and set(params) <= set(tensors):
+        tensors = tensor_parallel.shard_of(tensors, master.tp)
     missing = [n for n in params if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint lacks backbone adapter tensors {missing[:4]} ({len(missing)} in all): "
