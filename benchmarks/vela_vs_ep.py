@@ -10,7 +10,8 @@ Reads top to bottom:
      expert parallelism (6 ranks, 2 per node, all-to-all over gloo) and with
      vela-ray (master on node 0, 6 ExpertManagers, 2 per node) under the
      sequential, random, `vela` (the paper's LP) and `improved` placements, and with a master on
-     every node (`per_node`: `masters.count` = nodes, improved placement with replicas);
+     every node (`per_node`: `masters.count` = nodes, improved placement with replicas), and with a
+     tensor-parallel master (`tp2`: `cluster.master_tp: 2` on node 0, improved placement);
   3. per method: cross-node bytes per node per step (the broker's counters, as
      the paper's Fig. 5; EP adds its backbone all-reduce, estimated as a ring),
      median step time and its ratio to EP (Fig. 6), the cost model's predicted
@@ -66,7 +67,7 @@ from vela_ray.paths import data_dir  # noqa: E402
 logger = logging.getLogger("vela_vs_ep")
 RESULTS = ROOT / "benchmarks" / "results" / "vela_vs_ep"
 PAPER_RESULTS = ROOT / "benchmarks" / "results" / "vela_paper"
-METHODS = ("ep", "sequential", "random", "vela", "improved", "per_node")
+METHODS = ("ep", "sequential", "random", "vela", "improved", "per_node", "tp2")
 PAPER_METHODS = ("ep", "sequential", "random", "vela", "improved")
 PAPER_INTRA_MBIT = 1600.0  # --paper's intra-node rate: 200 MB/s, what 2 cores carry with room to spare
 ALPACA_MIX = Path(tempfile.gettempdir()) / "vela-paper-alpaca-seed-gsm8k.json"
@@ -178,8 +179,9 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
     data = DATASETS[dataset]
     if dataset == "alpaca":
         alpaca_mix(limit=args.limit)
-    solver = {"ep": "sequential", "per_node": "improved"}.get(method, method)
+    solver = {"ep": "sequential", "per_node": "improved", "tp2": "improved"}.get(method, method)
     per_node = method == "per_node"  # issue 15: a data-parallel master on every node, hot experts copied
+    tp = 2 if method == "tp2" else 1  # issue 37: master 0's backbone over two ranks of node 0
     placement = {"solver": solver, "profile": "measure", "profile_batches": 4, "capacity": args.capacity,
                  "cost_model": "communication+compute" if solver == "improved" else "communication",
                  "replicas": per_node}
@@ -189,8 +191,8 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
         out_dir, tiny_model_path(build=False),
         data={"kind": data["kind"], "path": str(data["path"]), "seq_len": args.seq_len, "limit": args.limit},
         cluster={"num_workers": args.nodes * args.workers_per_node, "workers_per_node": args.workers_per_node,
-                 "num_cpus_per_worker": 1.0},
-        data_plane={"transport": "object_ref" if per_node else args.transport},
+                 "num_cpus_per_worker": 1.0, "master_tp": tp},
+        data_plane={"transport": "object_ref" if per_node or tp > 1 else args.transport},
         masters={"count": args.nodes if per_node else 1},
         # The paper's LP minimises communication only; `improved` is vela-ray's best: it also weighs
         # each worker's measured expert compute (sequential and random ignore the cost model).

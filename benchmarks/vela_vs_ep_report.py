@@ -27,7 +27,7 @@ from vela_ray.training.summary import RunSummary  # noqa: E402
 
 LABELS = {"ep": "EP", "sequential": "vela-ray + sequential", "random": "vela-ray + random",
           "vela": "vela-ray + LP (paper)", "improved": "vela-ray + improved",
-          "per_node": "vela-ray, a master per node + replicas"}
+          "per_node": "vela-ray, a master per node + replicas", "tp2": "vela-ray + improved, TP-2 master"}
 
 
 def allreduce_cross_bytes(summary: RunSummary) -> float:

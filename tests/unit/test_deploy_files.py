@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 JOBS = sorted((DEPLOY / "jobs").glob("*.yaml"))
 MIXTRAL_JOB = DEPLOY / "jobs" / "mixtral-8x7b-3x2.yaml"
+MIXTRAL_TP_JOB = DEPLOY / "jobs" / "mixtral-8x7b-tp2.yaml"  # the master over both GPUs of the head node
 # The models the deploy jobs name on the cluster's volume, by architecture: each config class's defaults are
 # that model's (MixtralConfig() is Mixtral-8x7B's), which `make_stand_in` keeps the counts of.
 CLUSTER_MODELS = {Path("/mnt/vela/models/Mixtral-8x7B-v0.1"): MixtralConfig}
@@ -130,7 +131,7 @@ def _assert_nodes_hold(job: JobConfig, nodes: list[Node]) -> None:
     check_cluster_resources(job, totals)
     cluster = job.cluster
     free = [dict(n) for n in nodes]
-    free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(job, totals)
+    free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(job, totals) * cluster.master_tp  # a GPU per rank
     per_node = cluster.workers_per_node or cluster.num_workers
     placed = [0] * len(nodes)
     for worker in range(cluster.num_worker_actors):  # the others live in the master's process
@@ -153,6 +154,8 @@ def test_cluster_launcher_config_passes_rays_schema_and_holds_the_gpu_job(tmp_pa
     schema_path = Path(importlib.util.find_spec("ray").origin).parent / "autoscaler" / "ray-schema.json"
     jsonschema.validate(cluster, json.loads(schema_path.read_text()))
     _assert_nodes_hold(_mixtral_job(tmp_path), _launcher_nodes(cluster))
+    tp_job = JobConfig.from_dict(_stand_in_missing_paths(_load(MIXTRAL_TP_JOB), tmp_path), source=str(MIXTRAL_TP_JOB))
+    _assert_nodes_hold(tp_job, _launcher_nodes(cluster))
 
 
 def test_rayjob_trains_a_job_its_pods_hold_and_can_read(tmp_path):
