@@ -20,7 +20,7 @@ import numpy as np
 import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
-from actors.masters import RayPeers, RayTensorParallel
+from actors.masters import RayPeers
 from actors.placement_service import spawn_placement_service
 from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
 from actors.workers import actor_workers
@@ -104,12 +104,9 @@ class RayWorkerPool:
         return RayObjectRefTransport(self.cluster.handles, tiers, zero_copy=self.config.data_plane.zero_copy_tensors)
 
     def start_peers(self, table: np.ndarray, leader: MasterModel) -> PeerMasters:
-        if self.config.cluster.master_tp > 1:
-            return RayTensorParallel(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table,
-                                     leader)
-        if self.config.masters.count == 1:
+        if self.config.masters.count == 1 and self.config.cluster.master_tp == 1:
             return SoloMaster(self.master_node)
-        return RayPeers(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table)
+        return RayPeers(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table, leader)
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         """Worker-to-worker: each receiver gets its senders' object refs, so the state travels from the

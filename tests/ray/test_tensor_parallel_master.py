@@ -71,6 +71,23 @@ def test_a_tensor_parallel_master_trains_equal_to_peft_and_to_one_master(runs):
     assert len(set(pids["master_pids"])) == 2  # master 0 and its second rank, each a process
 
 
+def test_two_data_parallel_masters_of_two_ranks_each_train_equal_to_peft(runs, tmp_path):
+    """The 2-D mesh: masters.count 2 x master_tp 2, four master processes; each master's ranks split its half of
+    every micro-batch's rows, the backbone gradients are summed between the masters' ranks of one TP index."""
+    one = runs["summaries"][1]
+    job = json.loads(json.dumps(runs["jobs"][2]))
+    job["masters"] = {"count": 2}
+    job["output"]["dir"] = str(tmp_path / "out")
+    summary = VelaJob(JobConfig.from_dict(job)).run()
+    ref_losses, ref_state = reference_losses(JobConfig.from_dict(job))
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    evals = [[h.eval_loss for h in s.history if h.eval_loss is not None] for s in (one, summary)]
+    torch.testing.assert_close(torch.tensor(evals[1]), torch.tensor(evals[0]), rtol=1e-5, atol=0)
+    _assert_close_to_scale(_adapter(summary), ref_state)
+    assert summary.tokens_routed == one.tokens_routed  # every row sent once, by one of the four ranks
+    assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["master_pids"])) == 4
+
+
 def test_a_checkpoint_holds_full_tensors_whatever_the_tp_degree(runs):
     saved = {tp: load_file(runs["root"] / f"tp{tp}" / "checkpoints" / f"step-{EVERY:06d}" / "backbone.safetensors")
              for tp in (1, 2)}
@@ -94,7 +111,8 @@ def test_a_run_saved_at_one_tp_degree_resumes_at_another(runs, tmp_path, saved_t
 
 def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_path):
     base = job_dict(tmp_path / "model", tmp_path / "out", cluster={"master_tp": 2})
-    for section, values, named in [("masters", {"count": 2}, "masters.count: 2"),
+    for section, values, named in [("masters", {"count": 2, "sequence_migration": True},
+                                    "masters.sequence_migration"),
                                    ("training", {"method": "zo"}, "training.method: zo"),
                                    ("data_plane", {"transport": "collective"}, "data_plane.transport: collective")]:
         job = json.loads(json.dumps(base))
