@@ -48,6 +48,9 @@ Rendezvous = tuple[str, int]  # a group's TCPStore (host, port), master 0's proc
 
 GROUP_TIMEOUT_S = 300.0  # a master that never reaches the gradient sum (it failed) is given up after this
 GROUP_BREAK_GRACE_S = 20.0  # after the group broke, how long master 0 waits for Ray to say which master failed
+# after master 0's step failed with tensor-parallel ranks: how long it waits for Ray to say whether one of its
+# ranks died (a dead rank breaks master 0's own collectives at once; live ones wait in theirs for master 0)
+RANK_LOSS_GRACE_S = 5.0
 
 
 class MasterReplica:
@@ -175,6 +178,7 @@ class RayPeers:
         ]
         self.followers = [a for a, (m, _) in zip(self.actors, self.ranks) if m == 0]  # master 0's other TP ranks
         self._pending: list = []  # the followers' mirrored forwards, checked at the next call
+        self._steps: list = []  # the ranks' train_step calls of the step in flight
         self._hook = None
         try:
             self.replicas = self._form_groups(handles, worker_nodes, table, leader)
@@ -224,15 +228,21 @@ class RayPeers:
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         self._settle()
         host = [{k: v.cpu() for k, v in m.items()} for m in micro_batches]
-        refs = [a.train_step.remote(host, lr, max_grad_norm) for a in self.actors]
+        refs = self._steps = [a.train_step.remote(host, lr, max_grad_norm) for a in self.actors]
         if self.replicas is not SINGLE:  # master 0 must not wait for a failed master, and must name it when the
             # group breaks
             self.replicas.watch = lambda failed: _raise_if_failed(refs, GROUP_BREAK_GRACE_S if failed else 0)
         return lambda: ray.get(refs)
 
     def abort(self) -> None:
-        """The peers may wait in the gradient sum master 0 left: end them (a recovery starts new ones)."""
-        self.close()
+        """The peers may wait in the gradient sum (or a TP collective) master 0 left: end them (a recovery starts
+        new ones). When master 0 has TP ranks, a rank that died is named first (its RayActorError raised): its
+        death is what broke master 0's step, as a gloo or NCCL error that does not say which process it was."""
+        try:
+            if self.followers and self._steps:
+                _raise_if_failed(self._steps, RANK_LOSS_GRACE_S)
+        finally:
+            self.close()
 
     def load_state(self, tensors) -> None:
         self._settle()
@@ -258,7 +268,7 @@ class RayPeers:
             self._hook = None
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors, self.followers, self._pending = [], [], []
+        self.actors, self.followers, self._pending, self._steps = [], [], [], []
 
 
 def leader_device(master: MasterModel) -> torch.device:

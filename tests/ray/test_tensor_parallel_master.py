@@ -10,15 +10,18 @@ TP degree resumes at another.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from benchmarks._harness import kill_when
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
 from vela_ray.api import VelaJob
 from vela_ray.config import JobConfig
+from vela_ray.errors import WorkerLostError
 
 STEPS, EVERY = 4, 2
 
@@ -121,6 +124,21 @@ def test_a_run_saved_at_one_tp_degree_resumes_at_another(runs, tmp_path, saved_t
     assert [r.step for r in summary.resumes] == [EVERY]
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(runs["summaries"][saved_tp].losses),
                                rtol=1e-5, atol=0)
+
+
+def test_a_killed_tensor_parallel_rank_stops_the_run_naming_it_and_the_checkpoint(runs, tmp_path):
+    """Master 0's second rank SIGKILLed mid-run: master 0's collectives break at once (gloo), and the run stops
+    in one line naming a master process and the checkpoint to resume from, not after the group's timeout."""
+    job = json.loads(json.dumps(runs["jobs"][2]))
+    out = tmp_path / "out"
+    job["output"]["dir"], job["training"]["steps"] = str(out), 40
+    killer, killed = kill_when(out, (out / "checkpoints" / "step-000002").is_dir, delay_s=0.2, victim="master_pids")
+    with pytest.raises(WorkerLostError, match=r"^another master process \(MasterReplica: a data-parallel master or a "
+                                              r"tensor-parallel rank\) died during step \d+; .*--resume"):
+        VelaJob(JobConfig.from_dict(job)).run()
+    killer.join(timeout=10)
+    assert killed, "master 0's second rank was never killed"
+    assert time.monotonic() - killed["at"] < 60  # named well before the group's 300 s timeout
 
 
 def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_path):

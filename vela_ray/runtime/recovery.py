@@ -45,8 +45,9 @@ class Recovery:
             if dead is None:
                 raise
             self.checkpoints.settle(failing=True)  # the hint names the newest checkpoint that got published
-            # every worker answers: the actor that died was one of the other data-parallel masters
-            who = f"ExpertManager worker(s) {dead}" if dead else "a data-parallel master (MasterReplica)"
+            # every worker answers: the actor that died was another master process
+            who = f"ExpertManager worker(s) {dead}" if dead else ("another master process (MasterReplica: a "
+                                                                  "data-parallel master or a tensor-parallel rank)")
             raise WorkerLostError(dead, f"{who} died during step {step + 1}; training "
                                         f"stopped and its in-memory state since the last checkpoint is discarded; "
                                         f"{self.checkpoints.resume_hint()}. Cause: {err}") from None
