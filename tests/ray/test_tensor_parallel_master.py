@@ -22,6 +22,7 @@ from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_lo
 from vela_ray.api import VelaJob
 from vela_ray.config import JobConfig
 from vela_ray.errors import WorkerLostError
+from vela_ray.observability.report import summary_text
 
 STEPS, EVERY = 4, 2
 
@@ -72,6 +73,9 @@ def test_a_tensor_parallel_master_trains_equal_to_peft_and_to_one_master(runs):
     assert two.tokens_routed == one.tokens_routed
     pids = json.loads((runs["root"] / "tp2" / "workers.json").read_text())
     assert len(set(pids["master_pids"])) == 2  # master 0 and its second rank, each a process
+    assert two.master_tp == 2
+    assert "1 data-parallel master on 1 node(s), each over 2 tensor-parallel ranks of its node" in summary_text(
+        runs["root"] / "tp2")
 
 
 def test_two_data_parallel_masters_of_two_ranks_each_train_equal_to_peft(runs, tmp_path):

@@ -234,7 +234,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         condensation_text(s),
         *([row_format_text(s)] if s.row_format != "exact" else []),
         *([tiers_text(s)] if s.expert_tiers else []),
-        *([masters_text(s)] if len(s.master_nodes) > 1 else []),
+        *([masters_text(s)] if len(s.master_nodes) > 1 or s.master_tp > 1 else []),
         *([f"family {s.family_check}"] if s.family_check else []),
         *data_lines(s.data),
     ]
@@ -283,8 +283,9 @@ def data_lines(d: DataRecord | None) -> list[str]:
 
 
 def masters_text(s: RunSummary) -> str:
-    """One line on data-parallel masters and the expert copies they use."""
+    """One line on data-parallel masters (and each one's tensor-parallel ranks) and the expert copies they use."""
     nodes = len(set(s.master_nodes))
+    ranks = f", each over {s.master_tp} tensor-parallel ranks of its node" if s.master_tp > 1 else ""
     copies = 0
     if s.placement.routes is not None:
         copies = int(experts_per_worker(len(s.worker_nodes), np.asarray(s.placement.routes)).sum()
@@ -294,7 +295,8 @@ def masters_text(s: RunSummary) -> str:
                  f"; sequence migration moved {moves['moves']} sequences ({moves['cross_node_bytes'] / 1e6:.2f} MB of "
                  f"hidden states across nodes, forward and backward; {moves['skipped']} of {moves['micro_batches']} "
                  "masters' micro-batches stayed: packed rows)")
-    return (f"{len(s.master_nodes)} data-parallel masters on {nodes} node(s); "
+    count = len(s.master_nodes)
+    return (f"{count} data-parallel master{'s' if count > 1 else ''} on {nodes} node(s){ranks}; "
             + (f"{copies} expert copies (replicas), each master using its nearest" if copies else "no expert copies")
             + migration)
 
@@ -504,7 +506,8 @@ def overview(run: Run) -> str:
     facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'
                     for k, v in facts.items())
-    masters = f'<p class="masters">{html.escape(masters_text(s))}</p>' if len(s.master_nodes) > 1 else ""
+    masters = (f'<p class="masters">{html.escape(masters_text(s))}</p>' if len(s.master_nodes) > 1 or s.master_tp > 1
+               else "")
     tiers = f'<p class="tiers">{html.escape(tiers_text(s))}</p>' if s.expert_tiers else ""
     rows = f'<p class="condensation">{html.escape(row_format_text(s))}</p>' if s.row_format != "exact" else ""
     return (f'<div class="cards">{cards}</div><p class="condensation">{html.escape(condensation_text(s))}</p>'

@@ -142,7 +142,7 @@ class StepAccounting:
             worker_received_bytes=state.received_bytes,
             tokens_routed=[] if routed is None else routed.astype(int).tolist(),
             worker_tiers=list(traffics[0].worker_tiers), worker_nodes=live.hosted.node_ids, master_node=master_node,
-            master_nodes=live.peers.nodes,
+            master_nodes=live.peers.nodes, master_tp=config.cluster.master_tp,
             allreduce_bytes_per_step=history[-1].allreduce_bytes if live.peers.num_masters > 1 and history else None,
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),

@@ -301,6 +301,8 @@ class RunSummary(_Record):
     master_nodes: list[str] = Field(default_factory=list)
     """Node of each data-parallel master (`masters.count`), master 0's first; traffic counts are
     every master's, each binned by its own link tier to the worker."""
+    master_tp: int = 1
+    """Tensor-parallel ranks of each master (`cluster.master_tp`), all on its node."""
     placement: PlacementRecord
     links: list[LinkRecord] = Field(default_factory=list)
     # startup_s (from the run's start to its first step), placement_s, train_s, checkpoint_stall_s (per
