@@ -38,7 +38,8 @@ from vela_ray.runtime.pool import Wait, master_spec
 from vela_ray.training.replicas import SINGLE, ProcessGroupReplicas, Replicas
 from vela_ray.training.sequence_migration import NodeMap
 from vela_ray.training.step import (
-    STEPPED_ELSEWHERE, MasterModel, build_master_replica, load_master_state, shard_master, shard_state, train_step,
+    STEPPED_ELSEWHERE, MasterModel, build_master_replica, build_master_shard, load_master_state, read_own_shards,
+    shard_master, shard_state, train_step,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,11 +85,12 @@ class MasterReplica:
         if tensor_parallel is not None:
             store = make_store(*tensor_parallel, cfg.cluster.master_tp, is_master=False, timeout_s=GROUP_TIMEOUT_S)
             mesh = join_group(store, self.tp_rank, cfg.cluster.master_tp, self.spec.device, GROUP_TIMEOUT_S)
-        self.master = build_master_replica(self.spec, master_table(table, self.rank),
-                                           self._transport(handles, worker_nodes),
-                                           rank=self.rank * cfg.cluster.master_tp + self.tp_rank)
-        if mesh is not None:
-            shard_master(self.master, mesh)
+        table, transport = master_table(table, self.rank), self._transport(handles, worker_nodes)
+        rank = self.rank * cfg.cluster.master_tp + self.tp_rank  # its place among the workers' masters
+        if mesh is None:
+            self.master = build_master_replica(self.spec, table, transport, rank=rank)
+        else:  # reads only its shards
+            self.master, _ = build_master_shard(self.spec, table, transport, mesh, rank=rank)
         self.migration = sequence_migration(cfg, self.rank, self.master, NodeMap.of(master_nodes, worker_nodes))
         self.loss_fn = master_loss(cfg, self.rank, self.master, self.migration, self.replicas, self.spec.device)
 
@@ -204,8 +206,9 @@ class RayPeers:
         replicas: Replicas = SINGLE
         if dp:
             replicas = ProcessGroupReplicas(make_group(dp[0], 0, self.num_masters, GROUP_TIMEOUT_S, address))
-        if tp:
+        if tp:  # master 0 was built on the backbone's unread skeleton (`runtime.state.Backbone.load`)
             shard_master(leader, join_group(tp[0], 0, self.tp, leader_device(leader), GROUP_TIMEOUT_S))
+            read_own_shards(leader, master_spec(self.config))
         ray.get(joins)
         return replicas
 

@@ -237,6 +237,30 @@ def comm_counts(family: str, group: dist.ProcessGroup, lora: bool) -> dict[str, 
             "backward_elements": bwd.elements, "replicated_elements": replicated}
 
 
+def shard_loading(model_dir: str, group: dist.ProcessGroup) -> dict[str, Any]:
+    """A runtime rank built two ways from the checkpoint in `model_dir`: whole then sharded (`build_master_replica`
+    + `shard_master`) and reading only its shards (`build_master_shard`). {"mismatched": names whose tensors
+    differ, "read": bytes the second read, "backbone": bytes of the whole backbone}."""
+    from vela_ray.model.loading import meta_model
+    from vela_ray.model.modeling import find_moe_blocks
+    from vela_ray.model.sharded_loading import backbone_specs
+    from vela_ray.model.transport import InProcessTransport
+    from vela_ray.training.step import MasterSpec, build_master_replica, build_master_shard, shard_master
+
+    spec = MasterSpec(model_dir=Path(model_dir), dtype=torch.float32, lora=LORA, optim=OPTIM, seed=3)
+    blocks = find_moe_blocks(meta_model(model_dir))
+    table = torch.zeros(len(blocks), blocks[0].layout.num_experts, dtype=torch.long)
+    whole = build_master_replica(spec, table, InProcessTransport([object()]))
+    shard_master(whole, group)
+    lean, read = build_master_shard(spec, table, InProcessTransport([object()]), group)
+    want = whole.peft_model.state_dict()
+    got = lean.peft_model.state_dict()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    mismatched = [k for k in want if want[k].device.type != "meta" and not torch.equal(local(want[k]), local(got[k]))]
+    backbone = sum(int(torch.Size(s.shape).numel()) * 4 for s in backbone_specs(model_dir))
+    return {"mismatched": mismatched, "read": read.bytes_read, "backbone": backbone}
+
+
 def _worker(rank: int, world: int, port: int, job: str, families: list[str], out: str) -> None:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -247,10 +271,14 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
         for family in families:
             if job == "step":
                 results[family] = tp_run(family, group)
+            elif job == "load":  # `family` is a checkpoint directory
+                results[family] = {rank: shard_loading(family, group)}
             else:
                 results[family] = {"lora": comm_counts(family, group, True),
                                    "plain": comm_counts(family, group, False)}
-        if rank == 0:
+        if job == "load":  # every rank's own figures
+            torch.save(results, f"{out}.{rank}")
+        elif rank == 0:
             torch.save(results, out)
     except Exception:
         Path(f"{out}.error{rank}").write_text(traceback.format_exc())
@@ -260,7 +288,8 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
 
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
-    """Run `job` ("step": `tp_run`, "comm": `comm_counts`) on `size` gloo ranks; rank 0's results by family."""
+    """Run `job` ("step": `tp_run`, "comm": `comm_counts`; "load": `shard_loading`, `families` then being checkpoint
+    directories, and every rank's results) on `size` gloo ranks; rank 0's results by family."""
     families = families or FAMILIES
     # a forked rank would inherit the parent's default group and fail to create its own
     assert not dist.is_initialized(), "a test left a torch.distributed process group initialized in this process"
@@ -273,4 +302,6 @@ def spawn(size: int, job: str = "step", families: list[str] | None = None) -> di
     except Exception as exc:
         errors = sorted(Path(out).parent.glob("results.pt.error*"))
         raise RuntimeError(errors[0].read_text() if errors else str(exc)) from exc
+    if job == "load":
+        return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(size)]
     return torch.load(out, weights_only=False)

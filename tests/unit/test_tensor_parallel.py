@@ -196,3 +196,22 @@ def test_preflight_refuses_a_model_that_cannot_split_over_master_tp(tmp_path, fa
         return
     with pytest.raises(ValueError, match=f"^cluster.master_tp: {size} cannot split this model: .*{refusal}"):
         check_master_tp(config)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_rank_reading_only_its_shards_holds_what_a_whole_load_then_sharded_holds(tmp_path, size):
+    """`step.build_master_shard` (the runtime's TP ranks): every tensor equals the whole-load-then-shard rank's,
+    LoRA draws included, and a rank reads its shards, not the whole backbone (thesis §3.3)."""
+    from tests.fixtures import make_checkpoint
+
+    # a vocabulary of 264 splits over 4 ranks: embedding and LM head vocab-parallel, as a real model's are
+    dirs = [str(make_checkpoint(tmp_path / family, family, vocab=264, **OVERRIDES[family]))
+            for family in ("mixtral", "deepseek_v3")]
+    ranks = tp_harness.spawn(size, "load", dirs)
+    for model_dir in dirs:
+        figures = [ranks[r][model_dir][r] for r in range(size)]
+        assert all(f["mismatched"] == [] for f in figures), (model_dir, [f["mismatched"][:3] for f in figures])
+        backbone = figures[0]["backbone"]
+        # each rank reads its 1/size of the sharded tensors and the small replicated ones (norms, routers, MLA's
+        # low-rank projections) whole: nowhere near the backbone
+        assert max(f["read"] for f in figures) < (1 / size + 0.25) * backbone, (figures, backbone)

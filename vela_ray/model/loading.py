@@ -294,6 +294,23 @@ def _experts_on_meta(config: PretrainedConfig):
             cls.__init__ = original
 
 
+def backbone_skeleton(model_dir: str | Path, dtype: torch.dtype | None = None,
+                      trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model with its backbone tensors allocated but neither initialised nor read (transformers'
+    `no_init_weights`: no random draws, so torch's generator is where it was, as after `from_pretrained`; untouched
+    memory costs no host pages) and its experts unallocated (meta): what `load_backbone` fills, or a tensor-parallel
+    rank shards and then fills with its shards only (`sharded_loading.read_tp_shards`)."""
+    config = AutoConfig.from_pretrained(str(model_key(model_dir, trust_remote_code)))
+    return _skeleton(config, torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32))
+
+
+def _skeleton(config: PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.initialization import no_init_weights
+
+    with _experts_on_meta(config), no_init_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None,
                   trust_remote_code: bool = False) -> torch.nn.Module:
     """The model with all non-expert weights loaded and experts left unallocated (meta).
@@ -303,8 +320,7 @@ def load_backbone(model_dir: str | Path, dtype: torch.dtype | None = None,
     model_dir = model_key(model_dir, trust_remote_code)
     config = AutoConfig.from_pretrained(str(model_dir))
     dtype = torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32)
-    with _experts_on_meta(config):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = _skeleton(config, dtype)  # every backbone tensor is then read: none needs an initial value
     state = _read_backbone_tensors(model_dir, model, dtype)
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:

@@ -533,3 +533,64 @@ def broadcast_from_replica_root(state: Mapping[str, torch.Tensor] | None, layout
         dist.broadcast(buffer, src=root, group=group)
         out[name] = buffer.to(device)
     return out
+
+
+# --- a runtime rank of a tensor-parallel master (`cluster.master_tp`) --------------------------------------------
+
+def _tp_dims(plan, prefix: str) -> dict[str, int]:
+    """Checkpoint (model) tensor name -> the dim this rank's shard splits, from what `parallelize_backbone` did:
+    column-parallel weights and biases on dim 0, row-parallel weights on dim 1, vocab-parallel embedding and LM head
+    on dim 0. `prefix`: the module paths' prefix before the model's own names (peft's "base_model.model.")."""
+    dims: dict[str, int] = {}
+    for path, style in plan.styles.items():
+        name = path[len(prefix):] if path.startswith(prefix) else path
+        dims[f"{name}.weight"] = 0 if style == "colwise" else 1
+        if style == "colwise":
+            dims[f"{name}.bias"] = 0
+    for path in plan.vocab_parallel:
+        dims[f"{path[len(prefix):] if path.startswith(prefix) else path}.weight"] = 0
+    return dims
+
+
+def read_tp_shards(model: torch.nn.Module, plan, model_dir: str | Path, dtype: torch.dtype | None = None,
+                   trust_remote_code: bool = False) -> ReadStats:
+    """Fill a tensor-parallel rank's backbone (a `loading.backbone_skeleton`, peft-wrapped and sharded by
+    `tensor_parallel.parallelize_backbone` with `plan`) from the checkpoint: each sharded tensor's own shard read by
+    slice, each replicated one whole; nothing else is read and no full copy of a sharded tensor is made. What a
+    rank holds is then what `load_backbone` + `parallelize_backbone` give it, read at 1/T of the sharded bytes.
+    A row-parallel bias stays on rank 0 only (zero elsewhere), as `parallelize_backbone` leaves it."""
+    from vela_ray.model import loading
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prefix = "base_model.model." if inner is not model else ""
+    dims = _tp_dims(plan, prefix)
+    key = loading.model_key(model_dir, trust_remote_code)
+    specs = backbone_specs(key, dims.get, dtype, trust_remote_code)
+    targets: dict[str, list[torch.Tensor]] = {}  # checkpoint name -> the model's tensors holding it
+    for name, tensor in [*inner.named_parameters(), *inner.named_buffers()]:
+        if tensor.device.type != "meta" and ".lora_" not in name:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a vocab-parallel DTensor
+            # peft's wrappers: a LoRA layer's base, a module trained in full (its frozen original and its copy)
+            targets.setdefault(re.sub(r"\.(base_layer|original_module|modules_to_save\.[^.]+)\.", ".", name),
+                               []).append(local)
+    stats, start = ReadStats(), time.perf_counter()
+    converted = _Converted(key, stats)
+    with ShardReader(stats) as reader, torch.no_grad():
+        for spec in specs:
+            if spec.name not in targets:  # tied to a tensor read under another name
+                continue
+            value = _read_spec(reader, converted, spec, plan.size, plan.rank)
+            for target in targets[spec.name]:
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"{spec.name}: this rank's shard is {tuple(value.shape)} but the sharded model "
+                                     f"holds {tuple(target.shape)}")
+                target.copy_(value)
+        for path, style in plan.styles.items():
+            bias = model.get_submodule(path)
+            bias = getattr(bias.get_base_layer() if hasattr(bias, "get_base_layer") else bias, "bias", None)
+            if style == "rowwise" and bias is not None and plan.rank != 0:
+                bias.zero_()  # added once, by rank 0's partial sum
+    if getattr(inner.config, "tie_word_embeddings", False):
+        inner.tie_weights()
+    stats.seconds = time.perf_counter() - start
+    return stats

@@ -459,8 +459,11 @@ def _shard_vocab(model: nn.Module, mesh: Any, group: dist.ProcessGroup, plan: Te
                          "the embedding and LM head separately); set shard_vocab: false")
     paths = {id(m): p for p, m in model.named_modules()}
     plans = {}
-    for module, style in ((embed, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
-                          (head, ColwiseParallel(output_layouts=Replicate()))):
+    styles = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+              ColwiseParallel(output_layouts=Replicate()))
+    for style in styles:  # every rank holds the same full tensor (or a skeleton it fills afterwards): each keeps its
+        style.src_data_rank = None  # own chunk, with no scatter from rank 0
+    for module, style in zip((embed, head), styles):
         if module is None or isinstance(module, _lora_layer_cls()) or not isinstance(module, (nn.Embedding, nn.Linear)):
             logger.info("not sharding %s (%s): not a plain embedding / linear", type(module).__name__,
                         paths.get(id(module)))

@@ -49,7 +49,8 @@ class Backbone:
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         data = build_dataset(config.data, tokenizer, warn=False)  # the driver's preflight warned already
         train_set, eval_set = data.split(config.training.eval_fraction, config.training.seed)
-        model = seeded_backbone(spec or master_spec(config))
+        # a tensor-parallel master 0 reads only its shards, once its group exists (`actors.masters.RayPeers`)
+        model = seeded_backbone(spec or master_spec(config), read=config.cluster.master_tp == 1)
         return cls(tokenizer, train_set, eval_set, model, find_moe_blocks(model))
 
     @property

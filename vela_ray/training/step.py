@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from peft import PeftModel, get_peft_model
@@ -33,6 +33,9 @@ from vela_ray.model.experts import ExpertKey, LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
 from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
+
+if TYPE_CHECKING:
+    from vela_ray.model.sharded_loading import ReadStats
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm, make_adamw
 from vela_ray.training.schedule import OptimizerConfig
@@ -219,11 +222,16 @@ class MasterSpec:
     activation_checkpointing: bool = False
 
 
-def seeded_backbone(spec: MasterSpec) -> nn.Module:
-    """The model, read after seeding torch: the LoRA that `build_master` then draws is the same in every
-    replica and in peft's reference, which seeds and builds in this order."""
+def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
+    """The model, read after seeding torch (reading draws nothing): the LoRA that `build_master` then draws is
+    the same in every replica and in peft's reference, which seeds and builds in this order. Without `read`, its
+    unread skeleton (`loading.backbone_skeleton`), which a tensor-parallel rank fills with its shards only
+    (`read_own_shards`)."""
+    from vela_ray.model.loading import backbone_skeleton
+
     torch.manual_seed(spec.seed)
-    return load_backbone(spec.model_dir, spec.dtype, spec.trust_remote_code)
+    load = load_backbone if read else backbone_skeleton
+    return load(spec.model_dir, spec.dtype, spec.trust_remote_code)
 
 
 def build_master_replica(spec: MasterSpec, expert_to_worker, transport: Transport, *, rank: int = 0,
@@ -263,6 +271,33 @@ def shard_master(master: MasterModel, group, config: TensorParallelConfig | None
     master.dispatcher.share_rows(plan)
     master.tp = plan
     return plan
+
+
+def build_master_shard(spec: MasterSpec, expert_to_worker, transport: Transport, mesh, *, rank: int = 0
+                       ) -> tuple[MasterModel, "ReadStats"]:
+    """A tensor-parallel rank's master that reads only its shards (the thesis's zero-redundancy loading): the
+    backbone's unread skeleton built into a master as `build_master_replica` builds one (same seed, so the same
+    LoRA draws), sharded over `mesh` (`shard_master`), filled with its shards (`read_own_shards`) and moved to
+    `spec.device`. Returns it and what it read."""
+    model = seeded_backbone(spec, read=False)
+    master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
+                          num_masters=spec.num_masters, row_format=spec.row_format,
+                          activation_checkpointing=spec.activation_checkpointing)
+    shard_master(master, mesh)
+    stats = read_own_shards(master, spec)
+    master.peft_model.to(spec.device)
+    return master, stats
+
+
+def read_own_shards(master: MasterModel, spec: MasterSpec) -> "ReadStats":
+    """Fill a sharded master built on the unread skeleton (`seeded_backbone(read=False)`) with its TP rank's shard
+    of each backbone tensor, read by slice from `spec.model_dir` (`sharded_loading.read_tp_shards`)."""
+    from vela_ray.model.sharded_loading import read_tp_shards
+
+    stats = read_tp_shards(master.peft_model, master.tp, spec.model_dir, spec.dtype, spec.trust_remote_code)
+    logger.info("tensor-parallel rank %d of %d read %.1f MB of the backbone (its shards) in %.2f s", master.tp.rank,
+                master.tp.size, stats.bytes_read / 1e6, stats.seconds)
+    return stats
 
 
 def build_master(
