@@ -24,12 +24,13 @@ import os
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.transports import RayObjectRefTransport, data_plane_env
 from vela_ray.config import JobConfig
 from vela_ray.model.collective import make_group, make_store
-from vela_ray.model.tensor_parallel import join_group
+from vela_ray.model.tensor_parallel import join_mesh, shard_frozen
 from vela_ray.model.traffic import TrafficSnapshot, link_tiers
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.runtime.masters import master_loss, peer_nodes, peer_step, sequence_migration
@@ -71,26 +72,23 @@ class MasterReplica:
     def pid(self) -> int:
         return os.getpid()
 
-    def join(self, data_parallel: Rendezvous | None, tensor_parallel: Rendezvous | None, handles: list,
-             worker_nodes: list[str], master_nodes: list[str], table: list) -> None:
-        """Join the data-parallel group of its TP index and its master's TP group (each None when it has one
-        member), load the backbone, build brokers over `table` to `handles`, and keep its shards."""
-        cfg, address = self.config, ray.util.get_node_ip_address()
-        self.replicas: Replicas = SINGLE
-        if data_parallel is not None:
-            store = make_store(*data_parallel, self.num_masters, is_master=False, timeout_s=GROUP_TIMEOUT_S)
-            self.replicas = ProcessGroupReplicas(make_group(store, self.rank, self.num_masters, GROUP_TIMEOUT_S,
-                                                            address))
-        mesh = None
-        if tensor_parallel is not None:
-            store = make_store(*tensor_parallel, cfg.cluster.master_tp, is_master=False, timeout_s=GROUP_TIMEOUT_S)
-            mesh = join_group(store, self.tp_rank, cfg.cluster.master_tp, self.spec.device, GROUP_TIMEOUT_S)
+    def join(self, rendezvous: dict[str, Rendezvous], handles: list, worker_nodes: list[str],
+             master_nodes: list[str], table: list) -> None:
+        """Join its groups (`join_groups`; `rendezvous`: each one's store), load the backbone (only its shards
+        under tensor parallelism), build brokers over `table` to `handles`, and shard the frozen backbone over the
+        data-parallel masters with `masters.shard_frozen_backbone`."""
+        cfg = self.config
+        stores = {kind: make_store(host, port, group_size(cfg, kind), is_master=False, timeout_s=GROUP_TIMEOUT_S)
+                  for kind, (host, port) in rendezvous.items()}
+        self.replicas, tp_mesh, dp_mesh = join_groups(cfg, self.rank, self.tp_rank, stores, self.spec.device)
         table, transport = master_table(table, self.rank), self._transport(handles, worker_nodes)
         rank = self.rank * cfg.cluster.master_tp + self.tp_rank  # its place among the workers' masters
-        if mesh is None:
+        if tp_mesh is None:
             self.master = build_master_replica(self.spec, table, transport, rank=rank)
         else:  # reads only its shards
-            self.master, _ = build_master_shard(self.spec, table, transport, mesh, rank=rank)
+            self.master, _ = build_master_shard(self.spec, table, transport, tp_mesh, rank=rank)
+        if dp_mesh is not None:
+            shard_frozen(self.master.peft_model, dp_mesh)
         self.migration = sequence_migration(cfg, self.rank, self.master, NodeMap.of(master_nodes, worker_nodes))
         self.loss_fn = master_loss(cfg, self.rank, self.master, self.migration, self.replicas, self.spec.device)
 
@@ -133,6 +131,32 @@ class MasterReplica:
 
     def reset_traffic(self) -> None:
         self.master.dispatcher.counter.reset()
+
+
+def group_size(config: JobConfig, kind: str) -> int:
+    """Ranks of a group `kind`: "world" (every master process, the (dp, tp) mesh), "dp" (the data-parallel masters'
+    ranks of one TP index) or "tp" (one master's ranks)."""
+    return {"world": config.masters.count * config.cluster.master_tp, "dp": config.masters.count,
+            "tp": config.cluster.master_tp}[kind]
+
+
+def join_groups(config: JobConfig, rank: int, tp_rank: int, stores: dict[str, dist.Store], device: torch.device
+                ) -> tuple[Replicas, object | None, object | None]:
+    """Rank (`rank`, `tp_rank`)'s groups: (its data-parallel `Replicas`, its master's TP mesh or None, the
+    data-parallel mesh FSDP2 shards the frozen backbone over or None), from `stores` by kind (`group_size`).
+    With "world" (`masters.shard_frozen_backbone`) one (dp, tp) mesh of every master process gives all three;
+    otherwise a "dp" store makes a gloo group of its own (the data-parallel masters' gradient sum, watched for a
+    failed master) and a "tp" store this master's TP mesh."""
+    address = ray.util.get_node_ip_address()
+    masters, ranks = config.masters.count, config.cluster.master_tp
+    if "world" in stores:
+        mesh = join_mesh(stores["world"], rank * ranks + tp_rank, masters, ranks, device, GROUP_TIMEOUT_S, address)
+        return ProcessGroupReplicas(mesh["dp"].get_group()), mesh["tp"] if ranks > 1 else None, mesh["dp"]
+    replicas: Replicas = SINGLE
+    if "dp" in stores:
+        replicas = ProcessGroupReplicas(make_group(stores["dp"], rank, masters, GROUP_TIMEOUT_S, address))
+    tp_mesh = join_mesh(stores["tp"], tp_rank, 1, ranks, device, GROUP_TIMEOUT_S)["tp"] if "tp" in stores else None
+    return replicas, tp_mesh, None
 
 
 def _to(value, device):
@@ -179,6 +203,9 @@ class RayPeers:
             for m, t in self.ranks
         ]
         self.followers = [a for a, (m, _) in zip(self.actors, self.ranks) if m == 0]  # master 0's other TP ranks
+        # who runs master 0's forwards without gradients with it: its TP ranks, or every master when the frozen
+        # backbone is sharded among them (each layer is all-gathered from all)
+        self.mirrors = self.actors if config.masters.shard_frozen_backbone else self.followers
         self._pending: list = []  # the followers' mirrored forwards, checked at the next call
         self._steps: list = []  # the ranks' train_step calls of the step in flight
         self._hook = None
@@ -189,36 +216,48 @@ class RayPeers:
             raise
         if self.followers:
             leader.tp_states = self._states
+        if self.mirrors:
             self._hook = leader.peft_model.register_forward_pre_hook(self._mirror, with_kwargs=True)
         logger.info("%d data-parallel masters of %d tensor-parallel ranks on nodes %s", self.num_masters, self.tp,
                     self.nodes)
 
     def _form_groups(self, handles: list, worker_nodes: list[str], table: np.ndarray, leader: MasterModel) -> Replicas:
-        """Every group's rendezvous listens here; the ranks join theirs while master 0 joins its own two."""
-        address = ray.util.get_node_ip_address()
-        listen = lambda size: make_store(address, 0, size, is_master=True, timeout_s=GROUP_TIMEOUT_S)  # noqa: E731
-        dp = [listen(self.num_masters) for _ in range(self.tp)] if self.num_masters > 1 else []
-        tp = [listen(self.tp) for _ in range(self.num_masters)] if self.tp > 1 else []
+        """Every group's rendezvous listens here; the ranks join theirs while master 0 joins its own."""
+        cfg, address = self.config, ray.util.get_node_ip_address()
+        listen = lambda kind: make_store(address, 0, group_size(cfg, kind), is_master=True,  # noqa: E731
+                                         timeout_s=GROUP_TIMEOUT_S)
+        if cfg.masters.shard_frozen_backbone:
+            world = listen("world")
+            dp, tp = [world] * self.tp, [world] * self.num_masters
+            kinds = ("world",)
+        else:
+            dp = [listen("dp") for _ in range(self.tp)] if self.num_masters > 1 else []
+            tp = [listen("tp") for _ in range(self.num_masters)] if self.tp > 1 else []
+            kinds = tuple(kind for kind, stores in (("dp", dp), ("tp", tp)) if stores)
         self._stores = dp + tp  # the rendezvous must outlive the joins
-        joins = [a.join.remote((dp[t].host, dp[t].port) if dp else None, (tp[m].host, tp[m].port) if tp else None,
-                               handles, worker_nodes, self.nodes, np.asarray(table).tolist())
+
+        def stores_of(m: int, t: int) -> dict[str, dist.Store]:
+            return {kind: (dp[t] if kind == "dp" else tp[m]) for kind in kinds}
+
+        joins = [a.join.remote({k: (s.host, s.port) for k, s in stores_of(m, t).items()}, handles, worker_nodes,
+                               self.nodes, np.asarray(table).tolist())
                  for a, (m, t) in zip(self.actors, self.ranks)]
-        replicas: Replicas = SINGLE
-        if dp:
-            replicas = ProcessGroupReplicas(make_group(dp[0], 0, self.num_masters, GROUP_TIMEOUT_S, address))
-        if tp:  # master 0 was built on the backbone's unread skeleton (`runtime.state.Backbone.load`)
-            shard_master(leader, join_group(tp[0], 0, self.tp, leader_device(leader), GROUP_TIMEOUT_S))
-            read_own_shards(leader, master_spec(self.config))
+        replicas, tp_mesh, dp_mesh = join_groups(cfg, 0, 0, stores_of(0, 0), leader_device(leader))
+        if tp_mesh is not None:  # master 0 was built on the backbone's unread skeleton (`runtime.state.Backbone.load`)
+            shard_master(leader, tp_mesh)
+            read_own_shards(leader, master_spec(cfg))
+        if dp_mesh is not None:
+            shard_frozen(leader.peft_model, dp_mesh)
         ray.get(joins)
         return replicas
 
     def _mirror(self, module, args, kwargs) -> None:
         """Master 0's forward pre-hook: a forward without gradients (eval, the routing profile) runs on its
-        other TP ranks too, with the same inputs; a training forward is every rank's own `train_step`."""
+        `mirrors` too, with the same inputs; a training forward is every rank's own `train_step`."""
         if torch.is_grad_enabled():
             return
         host_args, host_kwargs = tuple(_host(a) for a in args), {k: _host(v) for k, v in kwargs.items()}
-        self._pending += [a.mirror.remote(host_args, host_kwargs, module.training) for a in self.followers]
+        self._pending += [a.mirror.remote(host_args, host_kwargs, module.training) for a in self.mirrors]
 
     def _settle(self) -> None:
         pending, self._pending = self._pending, []
@@ -242,7 +281,7 @@ class RayPeers:
         new ones). When master 0 has TP ranks, a rank that died is named first (its RayActorError raised): its
         death is what broke master 0's step, as a gloo or NCCL error that does not say which process it was."""
         try:
-            if self.followers and self._steps:
+            if self.mirrors and self._steps:
                 _raise_if_failed(self._steps, RANK_LOSS_GRACE_S)
         finally:
             self.close()
@@ -271,7 +310,7 @@ class RayPeers:
             self._hook = None
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors, self.followers, self._pending, self._steps = [], [], [], []
+        self.actors, self.followers, self.mirrors, self._pending, self._steps = [], [], [], [], []
 
 
 def leader_device(master: MasterModel) -> torch.device:

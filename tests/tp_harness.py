@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.ray.head import free_port
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.families import debug_model
-from vela_ray.model.tensor_parallel import (TensorParallelPlan, clip_grad_norm_, gather_lora_state_dict,
+from vela_ray.model.tensor_parallel import (TensorParallelPlan, clip_grad_norm_, decoder_layers, gather_lora_state_dict,
                                             load_lora_state_dict, parallelize_backbone)
 from vela_ray.training.equivalence import LORA, OPTIM, micro_batches
 from vela_ray.training.optim import make_adamw
@@ -167,6 +167,37 @@ def tp_run(family: str, group: dist.ProcessGroup) -> dict[str, Any]:
     return out
 
 
+def mesh_run(family: str, mesh) -> dict[str, Any]:
+    """Step 0 of `family` on a (dp, tp) mesh of masters: TP over "tp", the frozen backbone FSDP2-sharded over "dp"
+    (`shard_frozen`), each data-parallel master taking its share of every micro-batch (`ReplicaShare`) and the
+    LoRA gradients summed over "dp" (`ProcessGroupReplicas`), as the runtime's masters do. {"loss0": the summed
+    loss, "grads": gathered over "tp", "frozen_fraction": what FSDP2 left of this TP rank's frozen weights of a
+    decoder layer}."""
+    from vela_ray.model.tensor_parallel import shard_frozen
+    from vela_ray.training.replicas import ProcessGroupReplicas, ReplicaShare
+
+    model = build_peft(family)
+    layer = decoder_layers(model)[-1]
+    plan = parallelize_backbone(model, mesh["tp"])
+    frozen = sum(p.numel() for p in layer.parameters() if not p.requires_grad)  # this TP rank's
+    shard_frozen(model, mesh["dp"])
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in layer.parameters()
+                if not p.requires_grad)
+    dp = ProcessGroupReplicas(mesh["dp"].get_group())
+    share = ReplicaShare(mesh["dp"].get_local_rank(), mesh["dp"].size())
+    model.train()
+    batches = micro_batches(0)
+    loss0 = 0.0
+    for batch in batches:
+        loss = share.loss(model, batch) / len(batches)
+        loss.backward()
+        loss0 += float(loss.detach())
+    params = [p for p in model.parameters() if p.requires_grad]
+    dp.sync_grads(params)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"loss0": dp.sum(loss0), "grads": _gathered_grads(grads, plan), "frozen_fraction": local / frozen}
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts the collectives dispatched while active (plain `torch.distributed` ops, which `_EnterRegion`/
     `_ExitRegion` call, and the functional ones DTensor's redistributes call), by op and by `where`: the decoder
@@ -271,6 +302,10 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
         for family in families:
             if job == "step":
                 results[family] = tp_run(family, group)
+            elif job == "mesh":  # 4 ranks: 2 data-parallel masters of 2 TP ranks
+                from torch.distributed.device_mesh import init_device_mesh
+
+                results[family] = mesh_run(family, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
             elif job == "load":  # `family` is a checkpoint directory
                 results[family] = {rank: shard_loading(family, group)}
             else:
@@ -288,7 +323,7 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
 
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
-    """Run `job` ("step": `tp_run`, "comm": `comm_counts`; "load": `shard_loading`, `families` then being checkpoint
+    """Run `job` ("step": `tp_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load": `shard_loading`, `families` then being checkpoint
     directories, and every rank's results) on `size` gloo ranks; rank 0's results by family."""
     families = families or FAMILIES
     # a forked rank would inherit the parent's default group and fail to create its own

@@ -215,11 +215,24 @@ class MastersSection(_Section):
         1, ge=1, description="LUFFY's q: a sequence may continue on any of the q masters that would draw the "
                              "least traffic, the one whose attention load grows least")
 
+    shard_frozen_backbone: bool = Field(
+        False, description="FSDP2 over the data-parallel masters: each keeps 1/count of every decoder layer's frozen "
+                           "weights and all-gathers a layer from the others as it runs it (forward and backward), so a "
+                           "master's memory for them drops by (count-1)/count at the price of moving the backbone "
+                           "over the masters' links every step; LoRA stays whole on every master. Exact. Worth it "
+                           "where the masters share fast links (one node's GPUs), not across nodes")
+
     @model_validator(mode="after")
     def _migration_needs_masters(self) -> "MastersSection":
         if self.sequence_migration and self.count == 1:
             raise ValueError("masters.sequence_migration moves sequences between masters: set masters.count "
                              "above 1, or turn it off")
+        if self.shard_frozen_backbone and self.count == 1:
+            raise ValueError("masters.shard_frozen_backbone shards the backbone over data-parallel masters: set "
+                             "masters.count above 1, or turn it off")
+        if self.shard_frozen_backbone and self.sequence_migration:
+            raise ValueError("masters.shard_frozen_backbone with masters.sequence_migration is not supported (both "
+                             "talk among the masters inside every layer's forward): turn one off")
         return self
 
 

@@ -78,12 +78,15 @@ def test_a_tensor_parallel_master_trains_equal_to_peft_and_to_one_master(runs):
         runs["root"] / "tp2")
 
 
-def test_two_data_parallel_masters_of_two_ranks_each_train_equal_to_peft(runs, tmp_path):
+@pytest.mark.parametrize("shard_frozen", [False, True], ids=["replicated", "fsdp2"])
+def test_two_data_parallel_masters_of_two_ranks_each_train_equal_to_peft(runs, tmp_path, shard_frozen):
     """The 2-D mesh: masters.count 2 x master_tp 2, four master processes; each master's ranks split its half of
-    every micro-batch's rows, the backbone gradients are summed between the masters' ranks of one TP index."""
+    every micro-batch's rows, the backbone gradients are summed between the masters' ranks of one TP index; with
+    `masters.shard_frozen_backbone` each master also keeps half of every decoder layer's frozen TP shard (FSDP2)
+    and all-gathers it from the other as it runs the layer, eval and the routing profile included."""
     one = runs["summaries"][1]
     job = json.loads(json.dumps(runs["jobs"][2]))
-    job["masters"] = {"count": 2}
+    job["masters"] = {"count": 2, "shard_frozen_backbone": shard_frozen}
     job["output"]["dir"] = str(tmp_path / "out")
     summary = VelaJob(JobConfig.from_dict(job)).run()
     ref_losses, ref_state = reference_losses(JobConfig.from_dict(job))

@@ -215,3 +215,15 @@ def test_a_rank_reading_only_its_shards_holds_what_a_whole_load_then_sharded_hol
         # each rank reads its 1/size of the sharded tensors and the small replicated ones (norms, routers, MLA's
         # low-rank projections) whole: nowhere near the backbone
         assert max(f["read"] for f in figures) < (1 / size + 0.25) * backbone, (figures, backbone)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_two_data_parallel_masters_of_two_tp_ranks_with_the_frozen_backbone_sharded_match_peft(family):
+    """The 2-D mesh (data-parallel 2 x TP 2) with FSDP2 over the data-parallel masters: the step's loss and every
+    LoRA gradient equal peft's, and each rank holds half of its TP shard of a decoder layer's frozen weights (the
+    routed experts, which the runtime's masters do not hold, are replicated by TP and halved too)."""
+    out = _run(4, "mesh")[family]
+    ref = _reference(family)
+    assert out["loss0"] == pytest.approx(ref["loss0"], rel=RTOL)
+    _assert_close_to_scale(out["grads"], ref["grads"], f"{family} mesh grads")
+    assert out["frozen_fraction"] == pytest.approx(0.5, abs=0.01)

@@ -338,7 +338,9 @@ def profile_model(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], 
     was_training = model.training
     model.eval()
     try:
-        with recorder, torch.inference_mode():
+        # no_grad, not inference_mode: FSDP2 (`masters.shard_frozen_backbone`) all-gathers into buffers it updates
+        # in place later, which a tensor made under inference mode refuses
+        with recorder, torch.no_grad():
             for batch in tqdm(batches, desc="profile", unit="batch", disable=not progress):
                 attention_mask, positions = batch.get("attention_mask"), batch.get("position_ids")
                 recorder.set_attention_mask(attention_mask)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
@@ -420,20 +421,35 @@ def parallelize_backbone(model: nn.Module, mesh_or_group: Any,
     return plan
 
 
-def join_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
-    """Join a master's TP group of `size` ranks through `store` (NCCL on GPUs, gloo on the host) and return its
-    1-D DeviceMesh. The group becomes the process's default group, which torch's DTensor plans (the vocab-parallel
-    embedding and LM head) need; a master rank's other groups (the collective data plane, the data-parallel
-    masters') are groups of their own, so nothing else in the process uses the default one."""
+def join_mesh(store: dist.Store, rank: int, dp: int, tp: int, device: torch.device, timeout_s: float,
+              address: str | None = None) -> Any:
+    """Join a mesh of `dp` x `tp` master processes through `store` (rank = dp_rank * tp + tp_rank) and return its
+    2-D DeviceMesh, dims ("dp", "tp"). Its group becomes the process's default group, which torch's DTensor plans
+    (the vocab-parallel embedding and LM head) and FSDP2 need; a master's other groups (the collective data plane,
+    the data-parallel masters' own) are groups of their own, so nothing else in the process uses the default one.
+    On GPUs it is NCCL for device tensors and gloo for host ones. `address`: this process's address as the others
+    reach it (gloo binds the interface that holds it; its default, the hostname's, is the loopback on many hosts)."""
     import datetime
 
     from torch.distributed.device_mesh import init_device_mesh
 
     if dist.is_initialized():
-        raise RuntimeError("this process already has a default process group: one TP group per master process")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
+        raise RuntimeError("this process already has a default process group: one mesh per master process")
+    if address and not address.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = _interface_of(address)
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=dp * tp,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return init_device_mesh(device.type, (size,))
+    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _interface_of(address: str) -> str | None:
+    import psutil
+
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs)),
+                None)
 
 
 def vocab_shardable(model: nn.Module, size: int) -> bool:
@@ -666,3 +682,33 @@ def shard_of(full: dict[str, torch.Tensor], plan: TensorParallelPlan) -> dict[st
         dim = _sharded_dim(key, value, plan)
         out[key] = value if dim is None else value.chunk(plan.size, dim)[plan.rank]
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The frozen backbone sharded over data-parallel masters (FSDP2; `masters.shard_frozen_backbone`)
+# --------------------------------------------------------------------------------------------------
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: its first ModuleList named `layers` (every transformers causal LM's)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            return module
+    raise ValueError(f"{type(model).__name__}: no decoder `layers` to shard")
+
+
+def shard_frozen(model: nn.Module, dp_mesh: Any) -> int:
+    """FSDP2 (`fully_shard`) on every decoder layer over the data-parallel mesh `dp_mesh`, its trainable (LoRA)
+    parameters left out: each rank keeps 1/dp of the layer's frozen weights (of its TP shard, under tensor
+    parallelism) and all-gathers the layer to run it, forward and again backward. LoRA stays whole on every rank,
+    its gradients summed as the masters sum them (`Replicas.sync_grads`), so nothing else changes. The embedding
+    and LM head stay as they are (under TP, DTensors of the TP mesh). Exact: an all-gather concatenates.
+    Returns the layers sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        trainable = {p for p in layer.parameters() if p.requires_grad}
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True, ignored_params=trainable)
+    logger.info("frozen weights of %d decoder layers sharded over %d data-parallel ranks", len(layers),
+                dp_mesh.size())
+    return len(layers)

@@ -69,10 +69,10 @@ class InProcessPool:
         return HostedExperts(ExpertWorkers.in_process(self.managers), transport, self._nodes())
 
     def start_peers(self, table: np.ndarray, leader: MasterModel) -> PeerMasters:
-        if self.config.cluster.master_tp > 1:
-            raise ValueError(f"cluster.master_tp: {self.config.cluster.master_tp} runs the master's ranks as Ray "
-                             "actors beside ExpertManager actors; this runtime has neither: run it through "
-                             "VelaJob or `vela train`")
+        if self.config.cluster.master_tp > 1 or self.config.masters.shard_frozen_backbone:
+            raise ValueError("cluster.master_tp > 1 and masters.shard_frozen_backbone run every master rank as a "
+                             "process (Ray actors beside ExpertManager actors); this runtime has neither: run the "
+                             "job through VelaJob or `vela train`")
         if self.config.masters.count == 1:
             return SoloMaster(self.master_node)
         return ThreadPeers(self.config, self.managers, table, self.master_node, self.lock, self._nodes())
