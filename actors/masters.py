@@ -9,7 +9,10 @@ MasterActor. Every rank loads the backbone and sends rows to the same ExpertMana
   - tensor-parallel: the T ranks of master m form its TP group (each process's default group, gloo or NCCL;
     `vela_ray.model.tensor_parallel`), hold shards of its backbone and send disjoint shares of its rows; master
     0's other ranks also run the forwards master 0 runs without gradients (eval, the routing profile), sent to
-    them as they start, and give it their shards to checkpoint and export.
+    them as they start, and give it their shards to checkpoint and export;
+  - with `masters.shard_frozen_backbone`, every master process joins one (dp, tp) mesh instead (its default
+    group; DP gradient sums over its "dp" groups) and FSDP2 shards each decoder layer's frozen weights over "dp"
+    (`tensor_parallel.shard_frozen`): every master then runs master 0's no-grad forwards with it.
 
     peers = RayPeers(config, cluster.handles, cluster.node_ids, master_node, table, master)
     done = peers.start_step(micro_batches, lr, max_grad_norm)   # then master 0's own train_step
@@ -206,7 +209,7 @@ class RayPeers:
         # who runs master 0's forwards without gradients with it: its TP ranks, or every master when the frozen
         # backbone is sharded among them (each layer is all-gathered from all)
         self.mirrors = self.actors if config.masters.shard_frozen_backbone else self.followers
-        self._pending: list = []  # the followers' mirrored forwards, checked at the next call
+        self._pending: list = []  # the mirrored forwards, checked at the next call
         self._steps: list = []  # the ranks' train_step calls of the step in flight
         self._hook = None
         try:
@@ -226,18 +229,15 @@ class RayPeers:
         cfg, address = self.config, ray.util.get_node_ip_address()
         listen = lambda kind: make_store(address, 0, group_size(cfg, kind), is_master=True,  # noqa: E731
                                          timeout_s=GROUP_TIMEOUT_S)
-        if cfg.masters.shard_frozen_backbone:
-            world = listen("world")
-            dp, tp = [world] * self.tp, [world] * self.num_masters
-            kinds = ("world",)
-        else:
-            dp = [listen("dp") for _ in range(self.tp)] if self.num_masters > 1 else []
-            tp = [listen("tp") for _ in range(self.num_masters)] if self.tp > 1 else []
-            kinds = tuple(kind for kind, stores in (("dp", dp), ("tp", tp)) if stores)
-        self._stores = dp + tp  # the rendezvous must outlive the joins
+        world = listen("world") if cfg.masters.shard_frozen_backbone else None  # one (dp, tp) mesh of all
+        dp = [listen("dp") for _ in range(self.tp)] if world is None and self.num_masters > 1 else []
+        tp = [listen("tp") for _ in range(self.num_masters)] if world is None and self.tp > 1 else []
+        self._stores = [world] if world is not None else dp + tp  # the rendezvous must outlive the joins
 
         def stores_of(m: int, t: int) -> dict[str, dist.Store]:
-            return {kind: (dp[t] if kind == "dp" else tp[m]) for kind in kinds}
+            if world is not None:
+                return {"world": world}
+            return {**({"dp": dp[t]} if dp else {}), **({"tp": tp[m]} if tp else {})}
 
         joins = [a.join.remote({k: (s.host, s.port) for k, s in stores_of(m, t).items()}, handles, worker_nodes,
                                self.nodes, np.asarray(table).tolist())

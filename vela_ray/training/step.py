@@ -33,15 +33,15 @@ from vela_ray.model.experts import ExpertKey, LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
 from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
-
-if TYPE_CHECKING:
-    from vela_ray.model.sharded_loading import ReadStats
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm, make_adamw
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.replicas import SINGLE, Replicas
 from vela_ray.model.transport import InProcessTransport, Transport
 from vela_ray.model.traffic import RowFormat
+
+if TYPE_CHECKING:
+    from vela_ray.model.sharded_loading import ReadStats
 
 logger = logging.getLogger(__name__)
 
