@@ -232,7 +232,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--sinks", nargs="+", default=["device", "host"], choices=["device", "host"])
     parser.add_argument("--max-shard-size", default="50MB")
-    parser.add_argument("--chunk-mib", type=int, default=4, help="thesis, device sink: broadcast piece size")
+    parser.add_argument("--chunk-mib", type=float, default=1,
+                        help="thesis, device sink: broadcast piece size (MiB; smaller pieces: less host memory, slower)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "master_loading.json")
     parser.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,7 +257,7 @@ def main() -> None:
                 for dp in args.dp:
                     for method in ("thesis", "full"):
                         run = run_one(dp, tp, method, sink, specs_file, model_bytes,
-                                      [ckpt / f for f in files], args.chunk_mib << 20)
+                                      [ckpt / f for f in files], int(args.chunk_mib * 2**20))
                         runs.append(run)
                         r = run["node_over_model"]
                         print(f"sink={sink:6} tp={tp} dp={dp} {method:6} requested {r['bytes_requested']:5.2f}x  "
@@ -276,7 +277,7 @@ def main() -> None:
         methods=dict(thesis="dp_rank-0 ranks read their TP shard by slice (replicated tensors once per node, "
                             "round-robin) and broadcast to their replicas (vela_ray.model.sharded_loading)",
                      full="every rank reads the whole backbone into host memory, then keeps its TP shard"),
-        chunk_bytes=args.chunk_mib << 20,
+        chunk_bytes=int(args.chunk_mib * 2**20),
         sinks=dict(device="each shard is read in full (a checksum, standing in for the copy to the rank's GPU) "
                           "and dropped; thesis: delivered through load_sharded(on_chunk=...) in pieces of "
                           "chunk_bytes (gloo feeding a GPU: receivers stage one piece on the host, not a tensor); "
