@@ -44,6 +44,15 @@ head-major: heads x (nope + rope) and heads x (nope + v)), `o_proj` rowwise. Rep
 collective before the b-projections. They run on the full x on every rank; their (and their LoRA factors')
 gradients are partial per rank and summed by `f` like any replicated factor's.
 
+In the runtime (`cluster.master_tp`, `actors.masters.RayPeers`)
+-------------------------------------------------------------
+A master's ranks join one mesh (`join_mesh`: dims "dp" x "tp", the process's default group). The routed experts
+are the ExpertManagers', reached through brokers: on a TP rank each broker sends only its share of the layer's
+tokens (`routed_share`: `_ShareRows` in, `_GatherRows` out, an all-gather each way), so the group's rows leave
+once. Checkpoints hold full tensors (`merge_shards` on rank 0, `shard_of` on load), so a run resumes at any TP
+size. With several data-parallel masters, `shard_frozen` (FSDP2, `masters.shard_frozen_backbone`) also shards
+every decoder layer's frozen weights over "dp", LoRA left whole.
+
 Refused (ValueError, one line naming the reason): head counts, KV head counts, MLP widths or the vocabulary
 not divisible by the TP size; an attention whose norms span several heads (OLMoE's q_norm/k_norm normalize
 over all heads' features at once, which a head shard cannot compute without another collective); DoRA, LoRA
