@@ -19,6 +19,10 @@ and every row takes its representative's output (`ExpertBroker._condense`); with
 `row_format` (`vela_ray.model.wire`) rows, results and gradients travel in bf16 or fp8.
 Traffic is counted here, once, for every transport, in the bytes that travel.
 
+On a rank of a tensor-parallel master (`ExpertDispatcher.share_rows`) a broker runs these stages on its share of
+the layer's tokens only and gathers the group's combined outputs (`tensor_parallel.routed_share`), so each row
+leaves the group once.
+
 Activation checkpointing (`recompute_contexts`, torch's non-reentrant checkpoint around decoder
 layers): a checkpointed layer runs its forward twice, once in the forward pass and again in backward
 to rebuild what it saved. The first broker call records its plan, key and the experts' output; the
