@@ -233,7 +233,7 @@ def main() -> None:
     parser.add_argument("--sinks", nargs="+", default=["device", "host"], choices=["device", "host"])
     parser.add_argument("--max-shard-size", default="50MB")
     parser.add_argument("--chunk-mib", type=float, default=1,
-                        help="thesis, device sink: broadcast piece size (MiB; smaller pieces: less host memory, slower)")
+                        help="thesis, device sink: broadcast piece size (MiB; smaller: less host memory, slower)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "master_loading.json")
     parser.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
