@@ -769,8 +769,9 @@ ALIASES: dict[tuple[str, ...], str] = {
 def _readable(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
-        where = ".".join(str(x) for x in e["loc"]) or "config"
-        parts.append(f"{where}: {_unknown_field(e['loc']) if e['type'] == 'extra_forbidden' else _message(e)}")
+        what = _unknown_field(e["loc"]) if e["type"] == "extra_forbidden" else _message(e)
+        # a whole-job validator's error names its own fields (and the caller names the file): no "config: " before it
+        parts.append(f"{'.'.join(str(x) for x in e['loc'])}: {what}" if e["loc"] else what)
     return "; ".join(parts)
 
 
