@@ -249,13 +249,10 @@ def check_master_tp(config: JobConfig) -> None:
     from vela_ray.model.adapters import backbone_lora_config, full_lora_config
     from vela_ray.model.loading import meta_model
     from vela_ray.model.modeling import find_moe_blocks
-    from vela_ray.model.tensor_parallel import check_tensor_parallel
+    from vela_ray.model.tensor_parallel import check_tensor_parallel, refuse_grouped_experts
 
     model = meta_model(config.model.path, config.model.trust_remote_code)
-    grouped = [b for b in find_moe_blocks(model) if b.layout.call != "routed"]
-    if grouped:
-        raise ValueError(f"cluster.master_tp: {tp} needs experts called on routed rows; {model.config.model_type}'s "
-                         f"{grouped[0].layout.experts_class} is called on rows grouped by expert: use master_tp: 1")
+    refuse_grouped_experts([b.layout for b in find_moe_blocks(model)], tp)
     try:
         check_tensor_parallel(get_peft_model(model, backbone_lora_config(full_lora_config(model, config.lora_spec))),
                               tp)

@@ -510,15 +510,27 @@ def _shard_vocab(model: nn.Module, mesh: Any, group: dist.ProcessGroup, plan: Te
 
 def grad_sq_norm(model: nn.Module, plan: TensorParallelPlan) -> float:
     """The squared gradient norm of the whole (unsharded) set of `model`'s trainable parameters, on every rank:
-    sharded ones' squares summed over the group (one all-reduce), replicated ones' counted once. Also a barrier:
-    it returns only when every rank's backward has (so their brokers' backward calls have) ended."""
+    sharded ones' squares summed over the group (one all-reduce), replicated ones' counted once, each part in
+    torch's fused kernels (`get_total_norm`, as a single master's `optim.grad_sq_norm`) with one host sync. Also a
+    barrier: it returns only when every rank's backward has (so their brokers' backward calls have) ended."""
+    from torch.nn.utils import get_total_norm
+
     sharded, replicated = [], []
     for name, p in model.named_parameters():
         if p.requires_grad and p.grad is not None:
-            (sharded if name in plan.sharded else replicated).append(p.grad.detach().double().pow(2).sum())
-    sharded_sq = float(torch.stack(sharded).sum()) if sharded else 0.0  # one host sync per kind
-    replicated_sq = float(torch.stack(replicated).sum()) if replicated else 0.0
-    return all_sum(sharded_sq, plan) + replicated_sq
+            (sharded if name in plan.sharded else replicated).append(p.grad.detach())
+    sq = [float(get_total_norm(grads, 2.0)) ** 2 if grads else 0.0 for grads in (sharded, replicated)]
+    return all_sum(sq[0], plan) + sq[1]
+
+
+def refuse_grouped_experts(layouts: list, size: int) -> None:
+    """A master split over `size` ranks shares each MoE layer's rows among them (`routed_share`), which needs
+    experts called on routed rows: ValueError (one line) for a model whose experts are called on rows grouped by
+    expert (`modeling.ExpertsLayout.call`, e.g. Llama 4)."""
+    grouped = [layout for layout in layouts if layout.call != "routed"]
+    if grouped:
+        raise ValueError(f"cluster.master_tp: {size} needs experts called on routed rows; "
+                         f"{grouped[0].experts_class} is called on rows grouped by expert: use master_tp: 1")
 
 
 def all_sum(value: float, plan: TensorParallelPlan) -> float:

@@ -253,13 +253,10 @@ def shard_master(master: MasterModel, group, config: TensorParallelConfig | None
     rank built the same seeded master, so the group starts from the single master's exact state."""
     from vela_ray.model.broker import ExpertBroker
 
-    grouped = {type(m).__name__ for m in master.peft_model.modules()
-               if isinstance(m, ExpertBroker) and m.layout is not None and m.layout.call == "grouped"}
-    if grouped:
-        raise ValueError("cluster.master_tp > 1 needs experts called on routed rows (experts(rows, index, "
-                         f"weights)); this model's experts are called on rows grouped by expert ({grouped.pop()})")
+    size = group.size()  # a DeviceMesh's or a ProcessGroup's
+    tensor_parallel.refuse_grouped_experts([m.layout for m in master.peft_model.modules()
+                                            if isinstance(m, ExpertBroker) and m.layout is not None], size)
     if config is None:
-        size = group.size()  # a DeviceMesh's or a ProcessGroup's
         config = TensorParallelConfig(shard_vocab=tensor_parallel.vocab_shardable(master.peft_model, size))
         if not config.shard_vocab:
             logger.info("embedding and LM head replicated over the %d TP ranks: tied, or a vocabulary not divisible "
