@@ -10,7 +10,7 @@ conformance suite (tests/ray/test_transport_conformance.py):
   a GPU of their own. Its ranks need TCP to each other, beyond Ray's ports.
 - `RayObjectRefTransport`: one `.remote` call per worker with rows, then one
   `ray.get` for all; tensors travel as Ray objects, so it works wherever Ray does, and
-  with several masters.
+  with several masters, whose sequence migration it relays rows for (`transport.RowRelay`).
 
 A Ray compiled-graph transport lived here until the collective plane beat it on the
 same fan-out (0.58x its round trip, `benchmarks/data_plane.py`, results of commit
@@ -31,7 +31,7 @@ import torch
 from vela_ray.errors import ClusterError, first_line
 from vela_ray.model.collective import Backend, CollectiveTransport, form_data_plane, make_group, make_store
 from vela_ray.model.traffic import LinkTier
-from vela_ray.model.transport import ForwardRequest
+from vela_ray.model.transport import ForwardRequest, relay_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class RayObjectRefTransport:
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         refs = {
             w: self.handles[w].forward_rows.remote(
-                req.layer, self._compact(req.expert_ids), self._compact(req.rows), req.key)
+                req.layer, self._compact(req.expert_ids), self._compact(req.rows), req.key,
+                **{k: self._compact(v) for k, v in relay_kwargs(req).items()})
             for w, req in requests.items()
         }
         return self._get(refs)
@@ -94,6 +95,15 @@ class RayObjectRefTransport:
     def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         refs = {w: self.handles[w].backward_rows.remote(key, self._compact(grad)) for w, grad in grads.items()}
         return self._get(refs)
+
+    def collect(self, key: Hashable, master: int, workers: list[int]) -> dict[int, torch.Tensor]:
+        """`RowRelay`: the held rows travel from each worker straight to this process."""
+        return self._get({w: self.handles[w].collect_rows.remote(key, master) for w in workers})
+
+    def deposit(self, key: Hashable, master: int, grads: dict[int, torch.Tensor]) -> None:
+        """`RowRelay`: waits until every worker has them, so the sender's backward (another process's call,
+        which Ray does not order after this one) finds them."""
+        self._get({w: self.handles[w].deposit_grads.remote(key, master, self._compact(g)) for w, g in grads.items()})
 
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers

@@ -208,12 +208,18 @@ class MastersSection(_Section):
                              "cross nodes; it spreads the backbone's compute, not the traffic")
     sequence_migration: bool = Field(
         False, description="with several masters: after every MoE decoder layer each sequence continues on the "
-                           "master whose node served most of its rows (LUFFY's sequence migration; exact: only "
-                           "hidden states and their gradients move). Micro-batches with padding or packed rows "
-                           "stay where they are")
+                           "master whose node served most of its rows (LUFFY's sequence migration; exact: the math "
+                           "does not change, only where rows go). Micro-batches with packed rows stay where they are")
     sequence_migration_candidates: int = Field(
         1, ge=1, description="LUFFY's q: a sequence may continue on any of the q masters that would draw the "
                              "least traffic, the one whose attention load grows least")
+    sequence_migration_combine: Literal["new_master", "home"] = Field(
+        "new_master", description="where a moving sequence's expert outputs are combined: 'new_master' (LUFFY's: "
+                                  "decided before the combine, the workers answer its rows to the master it moves "
+                                  "to, which adds them in; its hidden state moves without them), or 'home' (they "
+                                  "return to the old master, which moves the combined hidden state). 'new_master' "
+                                  "falls back to 'home', with a log line, for a layer that does not add its experts' "
+                                  "output as it is or experts called on grouped rows")
 
     shard_frozen_backbone: bool = Field(
         False, description="FSDP2 over the data-parallel masters: each keeps 1/count of every decoder layer's frozen "

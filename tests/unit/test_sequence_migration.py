@@ -27,12 +27,13 @@ def model_dir(tmp_path_factory) -> Path:
     return model
 
 
-def _run(model_dir: Path, out: Path, migration: bool, backend: MemoryMetricsBackend | None = None):
+def _run(model_dir: Path, out: Path, migration: bool, backend: MemoryMetricsBackend | None = None,
+         combine: str = "new_master"):
     training = {"optimizer": {"lr": 5e-3, "warmup_steps": 1}, "batch_size": 6, "micro_batch_size": 6}
     config = JobConfig.from_dict(job_dict(
         model_dir, out, steps=3, training=training,
         lora={"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")},
-        masters={"count": 3, "sequence_migration": migration}))
+        masters={"count": 3, "sequence_migration": migration, "sequence_migration_combine": combine}))
     return config, run_in_process(config, metrics=MetricsSink(backend or MemoryMetricsBackend()),
                                   master_node=NODES[0], worker_nodes=NODES)
 
@@ -47,28 +48,47 @@ def _adapter(summary) -> dict[str, torch.Tensor]:
 def test_migrating_sequences_trains_exactly_like_peft_and_moves_hidden_states_across_nodes(model_dir, tmp_path):
     metrics = MemoryMetricsBackend()
     config, moved = _run(model_dir, tmp_path / "moved", True, metrics)
+    _, at_home = _run(model_dir, tmp_path / "at-home", True, combine="home")
     _, stayed = _run(model_dir, tmp_path / "stayed", False)
 
     ref_losses, _ = reference_losses(config)
-    torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(stayed.losses), rtol=1e-5, atol=0)
-    for name, value in _adapter(stayed).items():
-        torch.testing.assert_close(_adapter(moved)[name], value, rtol=1e-3, atol=5e-5)
+    for run in (moved, at_home):
+        torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(stayed.losses), rtol=1e-5, atol=0)
+        for name, value in _adapter(stayed).items():
+            torch.testing.assert_close(_adapter(run)[name], value, rtol=1e-3, atol=5e-5)
     # sequences did move between the masters' nodes: each move sends a sequence's hidden states [T, D] in
     # fp32 forward and its gradient backward (the way home included); the routing is the same either way
     assert moved.master_nodes == NODES and stayed.sequence_moves is None
-    moves = moved.sequence_moves
+    moves, home_moves = moved.sequence_moves, at_home.sequence_moves
     assert moves["micro_batches"] == 3 * 3 and moves["skipped"] == 0 and moves["moves"] > 0
     sequence_bytes = config.data.seq_len * reference_hidden(model_dir) * 4
-    assert moves["sent_bytes"] == moves["cross_node_bytes"] == 2 * moves["moves"] * sequence_bytes
+    assert moves["sent_bytes"] == moves["cross_node_bytes"]
+    assert moves["sent_bytes"] - moves["relay_bytes"] == 2 * moves["moves"] * sequence_bytes
     assert moved.history[-1].sequence_moves["moves"] > 0
     assert f"sequence migration moved {moves['moves']} sequences" in summary_text(moved)
     assert "sequence migration off" in summary_text(stayed)
     assert metrics.value("vela_sequence_migration_bytes_total", link_tier="cross_node") == moves["cross_node_bytes"]
-    assert moved.tokens_routed == stayed.tokens_routed
+    assert moved.tokens_routed == stayed.tokens_routed == at_home.tokens_routed
     # the emulated nodes bin each master's rows by its own tier: a third of them stay on the node
     tiers = stayed.traffic_bytes_by_tier
     assert tiers["same_process"] == 0 and 0 < tiers["same_node"] < tiers["cross_node"]
+
+    # LUFFY's combine on the new master decides as the combine at home does (the same moves), but the workers
+    # answer a moving sequence's rows to its new master: a row (8-byte code), its routing weight and that
+    # weight's gradient (4 bytes each) cross between the masters per relayed row, plus one key per message
+    assert home_moves["moves"] == moves["moves"] and home_moves["relayed_rows"] == home_moves["relay_bytes"] == 0
+    assert home_moves["sent_bytes"] == 2 * moves["moves"] * sequence_bytes
+    assert moves["relayed_rows"] > 0
+    extra = moves["relay_bytes"] - 16 * moves["relayed_rows"]
+    assert extra > 0 and extra % 8 == 0
+    # every row still reaches its worker once and each output and gradient leaves it once, whichever master
+    # takes it: per worker, the bytes are those of no migration; only which link carries them changes
+    assert moved.traffic_bytes_by_worker == at_home.traffic_bytes_by_worker == stayed.traffic_bytes_by_worker
+    assert moved.worker_received_bytes == at_home.worker_received_bytes == stayed.worker_received_bytes
+    assert moved.traffic_bytes_by_tier != at_home.traffic_bytes_by_tier
+    for run in (moved, at_home):
+        assert sum(run.traffic_bytes_by_tier.values()) == sum(stayed.traffic_bytes_by_tier.values())
 
 
 def reference_hidden(model_dir: Path) -> int:
@@ -114,7 +134,7 @@ def test_other_families_decoder_layers_migrate_exactly(family, tmp_path):
             masters={"count": 3, "sequence_migration": migration, "sequence_migration_candidates": 2}))
         summaries.append(run_in_process(config, master_node=NODES[0], worker_nodes=NODES))
     stayed, moved = summaries
-    assert moved.sequence_moves["moves"] > 0
+    assert moved.sequence_moves["moves"] > 0 and moved.sequence_moves["relayed_rows"] > 0  # combined where they went
     torch.testing.assert_close(torch.tensor(moved.losses), torch.tensor(stayed.losses), rtol=1e-6, atol=0)
 
 
@@ -140,7 +160,7 @@ def test_padded_micro_batches_of_unequal_lengths_migrate_exactly(family, checkpo
                                                        "sequence_migration_candidates": 2}))
         summaries[migration] = run_in_process(config, master_node=NODES[0], worker_nodes=NODES)
     moves = summaries[True].sequence_moves
-    assert moves["micro_batches"] == 6 and moves["skipped"] == 0 and moves["moves"] > 0
+    assert moves["micro_batches"] == 6 and moves["skipped"] == 0 and moves["moves"] > 0 and moves["relayed_rows"] > 0
     torch.testing.assert_close(torch.tensor(summaries[True].losses), torch.tensor(summaries[False].losses),
                                rtol=1e-5, atol=0)
     for name, value in _adapter(summaries[False]).items():  # the LoRA weights after two steps: same gradients
@@ -221,3 +241,75 @@ def test_slot_counts_bound_how_many_sequences_a_master_takes():
     assert np.bincount(master, minlength=2).tolist() == [2, 2]
     with pytest.raises(ValueError, match="capacity_sequences"):
         migrate_sequences([5, 5, 5], served[:3], [0, 1], capacity_sequences=[1, 1])
+
+
+def _brokered(family: str):
+    """A debug model of `family` with expert brokers over one in-process shard, and its dispatcher."""
+    from vela_ray.model.broker import ExpertDispatcher
+    from vela_ray.model.experts import ExpertShard, LoraSpec
+    from vela_ray.model.families import debug_model
+    from vela_ray.model.modeling import attach_brokers, expert_weights, experts_prototypes, find_moe_blocks
+    from vela_ray.model.transport import InProcessTransport
+
+    model = debug_model(family, seed=0)
+    blocks = find_moe_blocks(model)
+    shard = ExpertShard.from_weights(expert_weights(blocks), LoraSpec(r=4, alpha=8), experts_prototypes(model.config))
+    dispatcher = ExpertDispatcher(torch.zeros(len(blocks), blocks[0].layout.num_experts, dtype=torch.long),
+                                  InProcessTransport([shard]))
+    attach_brokers(model, dispatcher)
+    return model, dispatcher
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_the_combine_moves_to_the_new_master_only_where_a_layer_adds_its_experts_output(family):
+    """The probe behind LUFFY's combine on the new master: a decoder layer whose output moves by exactly what its
+    broker returns passes (shared experts beside it included); one that scales its MoE output does not, and the
+    migration then combines at home. The probe sends no row and leaves torch's RNG and training modes alone."""
+    from vela_ray.training.sequence_migration import SequenceMigration, _decoder_layers, adds_expert_outputs
+
+    model, dispatcher = _brokered(family)
+    model.train()
+    moe, _, stack = _decoder_layers(model)
+    rng = torch.get_rng_state()
+    assert all(adds_expert_outputs(model, stack, index) for index in moe)
+    assert torch.equal(torch.get_rng_state(), rng) and model.training
+    assert int(torch.tensor(dispatcher.counter.snapshot().rows).sum()) == 0
+
+    index = next(iter(moe))
+    block = stack[index].mlp
+    plain = block.forward
+
+    def doubled(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        return (2 * out[0], *out[1:]) if isinstance(out, tuple) else 2 * out
+    block.forward = doubled
+    assert not adds_expert_outputs(model, stack, index)
+    migration = SequenceMigration(model, dispatcher, 0, 2, NodeMap([0, 1], [0], 2))
+    assert migration.combine == "home"
+    del block.forward
+    assert SequenceMigration(model, dispatcher, 0, 2, NodeMap([0, 1], [0], 2)).combine == "new_master"
+
+
+def test_a_worker_holds_relayed_rows_for_their_master_and_finishes_backward_with_its_gradients():
+    """`transport.HeldRows`: the sender gets its rows back, the other master collects its own; backward takes the
+    sender's gradients and the other master's deposit, each in its rows, and refuses to run before the deposit."""
+    from vela_ray.model.transport import HeldRows
+
+    held = HeldRows()
+    out = torch.arange(10.0).view(5, 2)
+    reply = torch.tensor([-1, 2, -1, 1, 2])
+    assert torch.equal(held.hold("k", reply, out), out[[0, 2]])
+    assert torch.equal(held.collect("k", 2), out[[1, 4]]) and torch.equal(held.collect("k", 1), out[[3]])
+    with pytest.raises(KeyError, match="collected twice"):
+        held.collect("k", 2)
+    with pytest.raises(KeyError, match="relayed it no rows here"):
+        held.deposit("k", 0, torch.zeros(1, 2))
+    held.deposit("k", 2, -torch.ones(2, 2))
+    with pytest.raises(RuntimeError, match="before master 1 deposited"):
+        held.complete("k", torch.ones(2, 2), lambda g: g)
+    held.hold("k", reply, out)
+    held.deposit("k", 2, -torch.ones(2, 2))
+    held.deposit("k", 1, 5 * torch.ones(1, 2))
+    grad = held.complete("k", torch.ones(2, 2), lambda g: g)
+    assert grad[:, 0].tolist() == [1, -1, 1, 5, -1]
+    assert torch.equal(held.complete("other", torch.ones(3, 2), lambda g: 2 * g), 2 * torch.ones(3, 2))

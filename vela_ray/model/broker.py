@@ -36,7 +36,8 @@ import contextlib
 import contextvars
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ from torch import nn
 from vela_ray.model import wire
 from vela_ray.model.tensor_parallel import routed_share
 from vela_ray.model.traffic import TrafficCounter
-from vela_ray.model.transport import ForwardRequest, Transport
+from vela_ray.model.transport import ForwardRequest, RowRelay, Transport
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,39 @@ class DispatchPlan:
     k_pos_R: torch.Tensor  # [R] which of the token's top-k slots
     expert_ids_R: torch.Tensor  # [R] expert within the layer
     worker_rows: tuple[tuple[int, int, int], ...]  # (worker, start, end) for workers with rows
+    # [R] the master each row's output goes to, -1 this one (sequence migration's `RowRouter`; None: all here)
+    reply_to_R: torch.Tensor | None = None
 
     def subset(self, keep_R: torch.Tensor) -> DispatchPlan:
         """The plan of the rows where `keep_R` [R] bool, in the same (worker, expert) order."""
         ends = [0, *torch.cumsum(keep_R.long(), 0).tolist()]
         worker_rows = tuple((w, ends[s], ends[e]) for w, s, e in self.worker_rows if ends[e] > ends[s])
         return DispatchPlan(self.layer, self.token_idx_R[keep_R], self.k_pos_R[keep_R], self.expert_ids_R[keep_R],
-                            worker_rows)
+                            worker_rows, None if self.reply_to_R is None else self.reply_to_R[keep_R])
+
+    @property
+    def kept_R(self) -> torch.Tensor | None:
+        """[R] bool: the rows whose outputs come back here (None: all of them)."""
+        return None if self.reply_to_R is None else self.reply_to_R < 0
+
+    def reply_to(self, start: int, end: int) -> torch.Tensor | None:
+        """`ForwardRequest.reply_to` of rows start:end (None when all come back here)."""
+        if self.reply_to_R is None or not bool((self.reply_to_R[start:end] >= 0).any()):
+            return None
+        return self.reply_to_R[start:end]
+
+
+class RowRouter(Protocol):
+    """Sees every plan a broker makes in a training forward and may send some rows' outputs to other
+    masters (`vela_ray.training.sequence_migration.SequenceMigration`, LUFFY's combine where the sequence goes)."""
+
+    def reply_to(self, plan: DispatchPlan, token_T: torch.Tensor | None, hidden_size: int) -> torch.Tensor | None:
+        """[R] the master each row's output goes to (-1: this one), or None for all here."""
+        ...
+
+    def relayed(self, plan: DispatchPlan, key, weights_R: torch.Tensor) -> None:
+        """The relayed forward went out under `key`; `weights_R` [R] are its rows' routing weights (autograd)."""
+        ...
 
 
 class ExpertDispatcher:
@@ -92,9 +119,9 @@ class ExpertDispatcher:
                                                  num_experts=table.shape[1])
         self.latency = latency
         self.condenser = condenser
-        # optional: called with (plan, token_T) for every plan a broker makes (sequence migration reads where
-        # each token's rows go); token_T as in `ExpertBroker._routed`
-        self.plan_observer = None
+        # optional `RowRouter`: sees every plan a broker makes (sequence migration)
+        self.router: RowRouter | None = None
+        self.master = master
         # a `tensor_parallel.TensorParallelPlan` when this master is one rank of a TP group (`cluster.master_tp`):
         # each broker then sends only this rank's share of its layer's rows (`tensor_parallel.routed_share`)
         self.tp = None
@@ -155,8 +182,12 @@ class ExpertDispatcher:
             self.counter.record(layer, worker, direction, tensor.shape[0], tensor.numel() * tensor.element_size())
 
     def forward(self, plan: DispatchPlan, rows_RD: torch.Tensor, key) -> torch.Tensor:
+        """The experts' outputs [R, D] of the plan's rows; zeros where a row's output went to another master."""
+        if plan.reply_to_R is not None and not isinstance(self.transport, RowRelay):
+            raise ValueError(f"the {self.transport.describe()} data plane cannot answer rows to another master")
         requests = {
-            w: ForwardRequest(plan.layer, plan.expert_ids_R[s:e], wire.encode(rows_RD[s:e], self.row_format), key)
+            w: ForwardRequest(plan.layer, plan.expert_ids_R[s:e], wire.encode(rows_RD[s:e], self.row_format), key,
+                              plan.reply_to(s, e))
             for w, s, e in plan.worker_rows
         }
         self._count(plan.layer, "dispatch", {w: r.rows for w, r in requests.items()})
@@ -164,10 +195,16 @@ class ExpertDispatcher:
         outputs = self.transport.forward(requests)
         self._observe(plan.layer, start, "forward")
         self._count(plan.layer, "gather", outputs)
-        return _concat_in_plan_order(plan, outputs, rows_RD)
+        out_RD = _concat_in_plan_order(plan, outputs, rows_RD)
+        if plan.kept_R is None:
+            return out_RD
+        return rows_RD.new_zeros(rows_RD.shape).index_put_((plan.kept_R.to(rows_RD.device),), out_RD)
 
     def backward(self, plan: DispatchPlan, grad_RD: torch.Tensor, key) -> torch.Tensor:
-        grads = {w: wire.encode(grad_RD[s:e].contiguous(), self.row_format) for w, s, e in plan.worker_rows}
+        """d(rows) [R, D]; the gradients of rows answered to other masters are theirs to send (`deposit`)."""
+        kept_R = torch.ones(len(grad_RD), dtype=torch.bool) if plan.kept_R is None else plan.kept_R
+        grads = {w: wire.encode(grad_RD[s:e][kept_R[s:e].to(grad_RD.device)].contiguous(), self.row_format)
+                 for w, s, e in plan.worker_rows}
         self._count(plan.layer, "grad_dispatch", grads)
         start = time.perf_counter()
         grad_rows = self.transport.backward(key, grads)
@@ -175,10 +212,28 @@ class ExpertDispatcher:
         self._count(plan.layer, "grad_gather", grad_rows)
         return _concat_in_plan_order(plan, grad_rows, grad_RD)
 
+    def collect(self, layer: int, key, workers: list[int], like: torch.Tensor) -> torch.Tensor:
+        """The outputs another master's relayed forward (`key`) left on `workers` for this master, in worker
+        order, as `like`'s dtype and device; counted as this master's gather."""
+        start = time.perf_counter()
+        parts = self.transport.collect(key, self.master, workers)
+        self._observe(layer, start, "forward")
+        self._count(layer, "gather", parts)
+        return torch.cat([like.new_zeros((0, like.shape[-1])),
+                          *(wire.decode(parts[w].to(like.device), like.dtype) for w in workers)])
+
+    def deposit(self, layer: int, key, grads: dict[int, torch.Tensor]) -> None:
+        """Send each worker the d(outputs) of the rows it answered here under `key` (this master's grad dispatch)."""
+        encoded = {w: wire.encode(g.contiguous(), self.row_format) for w, g in grads.items()}
+        self._count(layer, "grad_dispatch", encoded)
+        start = time.perf_counter()
+        self.transport.deposit(key, self.master, encoded)
+        self._observe(layer, start, "backward")
+
 
 def _concat_in_plan_order(plan: DispatchPlan, parts: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if not plan.worker_rows:
-        return like.new_zeros(like.shape)
+        return like.new_zeros((0, *like.shape[1:]))
     return torch.cat([wire.decode(parts[w].to(like.device), like.dtype) for w, _, _ in plan.worker_rows])
 
 
@@ -320,6 +375,8 @@ class ExpertBroker(nn.Module):
             expert_out_RD = self.dispatcher.condenser.expand(selection, expert_out_RD)
         token_idx_R = plan.token_idx_R.to(hidden_TD.device)
         weights_R = top_k_weights_TK[token_idx_R, plan.k_pos_R.to(hidden_TD.device)]
+        if replayed is None and sent.reply_to_R is not None:
+            self.dispatcher.router.relayed(sent, key, weights_R)
         weighted_RD = (expert_out_RD * weights_R[:, None]).to(hidden_TD.dtype)
         return torch.zeros_like(hidden_TD).index_add(0, token_idx_R, weighted_RD)
 
@@ -327,8 +384,8 @@ class ExpertBroker(nn.Module):
                   track_grad: bool):
         """A first forward's decisions: the plan (routing counted), its key and which rows travel."""
         plan = self.dispatcher.plan(self.layer, top_k_index_TK)
-        if self.dispatcher.plan_observer is not None:
-            self.dispatcher.plan_observer(plan, token_T)
+        if self.dispatcher.router is not None and track_grad:
+            plan = replace(plan, reply_to_R=self.dispatcher.router.reply_to(plan, token_T, hidden_TD.shape[-1]))
         key = self.dispatcher.new_key(self.layer) if track_grad else None
         selection = self._condense(hidden_TD, plan, token_T) if track_grad and self.training else None
         sent = plan if selection is None else plan.subset(selection.kept_R)

@@ -11,6 +11,14 @@ then wait for all). Backends:
 - torch.distributed point-to-point in `vela_ray.model.collective` (formed through Ray).
 
 All backends pass the same conformance suite (tests/ray/test_transport_conformance.py).
+
+Several masters share the workers, and with LUFFY's sequence migration (`vela_ray.training.sequence_migration`)
+a worker answers some rows to a master other than the sender: the rows of a sequence that leaves its master
+at this layer. A transport that can do it is also a `RowRelay`: `ForwardRequest.reply_to` names, per row, the
+master its output is for (-1: the sender, who gets only those rows back); the worker holds the others until
+that master `collect`s them, and in backward that master `deposit`s their gradients before the sender's
+`backward` for the same key, which the worker completes with them. In-process and Ray object-ref transports
+relay; the collective plane (one master) does not.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class ForwardRequest:
     expert_ids: torch.Tensor  # [R] int64, expert index within the layer
     rows: torch.Tensor  # [R, D]
     key: Hashable | None = None
+    reply_to: torch.Tensor | None = None  # [R] int64: the master each row's output is for, -1 the sender (`RowRelay`)
 
 
 @runtime_checkable
@@ -66,6 +75,25 @@ class Transport(Protocol):
         ...
 
 
+@runtime_checkable
+class RowRelay(Protocol):
+    """A transport whose workers answer rows to a master other than the sender (see the module docstring)."""
+
+    def collect(self, key: Hashable, master: int, workers: list[int]) -> dict[int, torch.Tensor]:
+        """{worker: the outputs it holds for `master` from the forward saved under `key`}, in its row order."""
+        ...
+
+    def deposit(self, key: Hashable, master: int, grads: dict[int, torch.Tensor]) -> None:
+        """Give each worker the d(outputs) of the rows it answered to `master` under `key`; returns once they
+        are there, so the sender's `backward(key, ...)` that follows finds them."""
+        ...
+
+
+def relay_kwargs(request: ForwardRequest) -> dict:
+    """`forward_rows`'s keyword for a relayed request (none otherwise: plain shards take no `reply_to`)."""
+    return {} if request.reply_to is None else {"reply_to": request.reply_to}
+
+
 class InProcessTransport:
     """Experts in the master's process: a direct call, no copies.
 
@@ -87,13 +115,23 @@ class InProcessTransport:
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         with self.lock:
             return {
-                worker: self.shards[worker].forward_rows(req.layer, req.expert_ids, req.rows, req.key)
+                worker: self.shards[worker].forward_rows(req.layer, req.expert_ids, req.rows, req.key,
+                                                         **relay_kwargs(req))
                 for worker, req in requests.items()
             }
 
     def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         with self.lock:
             return {worker: self.shards[worker].backward_rows(key, grad) for worker, grad in grads.items()}
+
+    def collect(self, key: Hashable, master: int, workers: list[int]) -> dict[int, torch.Tensor]:
+        with self.lock:
+            return {worker: self.shards[worker].collect_rows(key, master) for worker in workers}
+
+    def deposit(self, key: Hashable, master: int, grads: dict[int, torch.Tensor]) -> None:
+        with self.lock:
+            for worker, grad in grads.items():
+                self.shards[worker].deposit_grads(key, master, grad)
 
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers
@@ -143,3 +181,64 @@ class SplitTransport:
         finally:  # the remote call ends before the next one starts, even when a local expert failed
             remote_out = pending.result() if pending is not None else {}
         return remote_out | out
+
+
+class HeldRows:
+    """A worker's side of `RowRelay`: the outputs it holds for masters other than the sender, and the
+    gradients they deposit, per forward key. Rows stay in the format they travel in (`vela_ray.model.wire`)."""
+
+    def __init__(self):
+        self._reply_to: dict[Hashable, torch.Tensor] = {}  # key -> [R] the master of each row, -1 the sender
+        self._held: dict[tuple[Hashable, int], torch.Tensor] = {}
+        self._deposited: dict[tuple[Hashable, int], torch.Tensor] = {}
+
+    def hold(self, key: Hashable, reply_to_R: torch.Tensor, out_RD: torch.Tensor) -> torch.Tensor:
+        """Keep the rows of `out_RD` meant for other masters; returns the sender's rows."""
+        if key is None:
+            raise ValueError("rows are relayed to another master only in a training forward (with a key)")
+        reply_to_R = reply_to_R.to(torch.long).cpu()
+        self._reply_to[key] = reply_to_R
+        for master in reply_to_R.unique().tolist():
+            if master >= 0:
+                self._held[(key, master)] = out_RD[(reply_to_R == master).to(out_RD.device)]
+        return out_RD[(reply_to_R < 0).to(out_RD.device)]
+
+    def collect(self, key: Hashable, master: int) -> torch.Tensor:
+        try:
+            return self._held.pop((key, master))
+        except KeyError:
+            raise KeyError(f"no rows held for master {master} under key {key!r}: collected twice, or its sender's "
+                           "forward did not relay any here") from None
+
+    def deposit(self, key: Hashable, master: int, grad_RD: torch.Tensor) -> None:
+        if (key, master) not in self._expected():
+            raise KeyError(f"master {master} deposited gradients for key {key!r}, whose forward relayed it no rows here")
+        self._deposited[(key, master)] = grad_RD
+
+    def complete(self, key: Hashable, grad_RD: torch.Tensor, decode) -> torch.Tensor:
+        """The d(outputs) of every row of `key`'s forward: the sender's `grad_RD` (its rows, decoded by
+        `decode`) with the other masters' deposits in their rows. Unrelayed keys pass through."""
+        grad_RD = decode(grad_RD)
+        reply_to_R = self._reply_to.pop(key, None)
+        if reply_to_R is None:
+            return grad_RD
+        full_RD = grad_RD.new_zeros((len(reply_to_R), *grad_RD.shape[1:]))
+        full_RD[(reply_to_R < 0).to(full_RD.device)] = grad_RD
+        for master in reply_to_R.unique().tolist():
+            if master < 0:
+                continue
+            part = self._deposited.pop((key, master), None)
+            if part is None:
+                raise RuntimeError(f"backward of key {key!r} before master {master} deposited the gradients of "
+                                   "the rows relayed to it")
+            full_RD[(reply_to_R == master).to(full_RD.device)] = decode(part)
+        return full_RD
+
+    def release(self) -> None:
+        """Drop everything held (between steps, after an eval pass or a failure)."""
+        self._reply_to.clear()
+        self._held.clear()
+        self._deposited.clear()
+
+    def _expected(self) -> set[tuple[Hashable, int]]:
+        return {(key, m) for key, reply_to_R in self._reply_to.items() for m in reply_to_R.unique().tolist() if m >= 0}

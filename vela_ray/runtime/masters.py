@@ -160,7 +160,7 @@ def sequence_migration(config: JobConfig, rank: int, master: MasterModel, nodes:
     if not config.masters.sequence_migration:
         return None
     return SequenceMigration(master.peft_model, master.dispatcher, rank, config.masters.count, nodes,
-                             config.masters.sequence_migration_candidates)
+                             config.masters.sequence_migration_candidates, config.masters.sequence_migration_combine)
 
 
 def master_loss(config: JobConfig, rank: int, master: MasterModel, migration: SequenceMigration | None,

@@ -19,7 +19,9 @@ Callers reach it by method name, in this process or through a Ray actor handle, 
 is one method of this class; what is not about rows and steps lives in delegates it holds and calls:
 - data plane: `forward_rows`, `backward_rows` (ExpertShard's calls: in-process, or Ray object refs),
   or `join_collective` / `leave_collective`: a serving loop on a thread of this process, answering the
-  master over torch.distributed (`vela_ray.model.collective`, which calls the same two methods);
+  master over torch.distributed (`vela_ray.model.collective`, which calls the same two methods); with
+  several masters' sequence migration also `collect_rows` / `deposit_grads` (`transport.RowRelay`: rows
+  answered to a master other than the sender, held in `held`);
 - control plane: `grad_sq_norm`, `step`, `zero_grad`, `lora_state`, `load_lora_state`, `lora_grads` and
   `set_lora_grads` (replicated experts); `zo_apply` for zeroth-order training (`vela_ray.training.zo`);
 - checkpoints (`checkpoint_parts`, `vela_ray.training.checkpoint_parts`): `snapshot_checkpoint_part`
@@ -51,6 +53,7 @@ import torch
 from vela_ray.errors import ExpertWorkerError
 from vela_ray.model import wire
 from vela_ray.model.experts import ExpertKey, ExpertShard
+from vela_ray.model.transport import HeldRows
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training.checkpoint_parts import ExpertCheckpointParts, read_part_states
 from vela_ray.training.expert_spec import ExpertManagerSpec, load_expert_weights
@@ -92,6 +95,7 @@ class ExpertManager:
         self.keys, self.shard, self.trainer, self.dtype, self.tiers = host_experts(
             spec, weights, self.prototypes, self.device)
         self.checkpoint_parts = ExpertCheckpointParts(self.worker)
+        self.held = HeldRows()  # rows answered to a master other than their sender (`transport.RowRelay`)
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
         self.compute_s = 0.0  # wall seconds spent in expert forward/backward (the data plane's arithmetic)
         self._serving: threading.Thread | None = None  # the collective plane's serving loop, once joined
@@ -100,24 +104,41 @@ class ExpertManager:
     # -- data plane -------------------------------------------------------------------------
 
     def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor,
-                     key: Hashable | None = None) -> torch.Tensor:
+                     key: Hashable | None = None, reply_to: torch.Tensor | None = None) -> torch.Tensor:
         """Unweighted expert outputs [R, D] for `rows` [R, D] of experts `expert_ids` [R] of `layer`, in the
         rows' format (`vela_ray.model.wire`) and on their device: the CPU for a Ray caller, the data plane's
-        device for the collective plane's. With `key`, the graph is kept for `backward_rows(key, ...)`."""
+        device for the collective plane's. With `key`, the graph is kept for `backward_rows(key, ...)`.
+        With `reply_to` [R] (`transport.RowRelay`), only the rows where it is -1 come back; the others are held
+        for the masters it names (`collect_rows`)."""
         self.received_bytes += rows.numel() * rows.element_size()
         with self._computing(lambda: f"forward of experts {_experts_of(layer, expert_ids)} (key {key!r})"):
             rows_RD = wire.decode(rows.to(self.device), self.dtype)
             out_RD = (self.tiers or self.shard).forward_rows(layer, expert_ids, rows_RD, key)
             out = wire.encode(out_RD, wire.reply_format(rows, self.dtype))
+            if reply_to is not None:
+                out = self.held.hold(key, reply_to, out)
         return out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
 
     def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
-        """d(rows) [R, D] for the forward saved under `key`, in `grad`'s format and on its device."""
+        """d(rows) [R, D] for the forward saved under `key`, in `grad`'s format and on its device. A relayed
+        forward's `grad` holds the sender's rows only; the other masters' came by `deposit_grads`."""
         self.received_bytes += grad.numel() * grad.element_size()
         with self._computing(lambda: f"backward of key {key!r}"):
-            grad_RD = (self.tiers or self.shard).backward_rows(key, wire.decode(grad.to(self.device), self.dtype))
+            grad_out_RD = self.held.complete(key, grad, lambda g: wire.decode(g.to(self.device), self.dtype))
+            grad_RD = (self.tiers or self.shard).backward_rows(key, grad_out_RD)
             out = wire.encode(grad_RD, wire.reply_format(grad, self.dtype))
         return out.to(grad.device)
+
+    def collect_rows(self, key: Hashable, master: int) -> torch.Tensor:
+        """The outputs held for `master` from the relayed forward saved under `key` (`transport.RowRelay`)."""
+        with self._computing(lambda: f"collecting the rows of key {key!r} for master {master}"):
+            return self.held.collect(key, master)
+
+    def deposit_grads(self, key: Hashable, master: int, grad: torch.Tensor) -> None:
+        """d(outputs) of the rows answered to `master` under `key`, for that key's `backward_rows`."""
+        self.received_bytes += grad.numel() * grad.element_size()
+        with self._computing(lambda: f"gradients of key {key!r} from master {master}"):
+            self.held.deposit(key, master, grad)
 
     @contextlib.contextmanager
     def _computing(self, what: Callable[[], str]) -> Iterator[None]:
@@ -173,10 +194,12 @@ class ExpertManager:
         return grad_sq_norm([p for key in self.keys if key not in skip for p in self.shard.expert(*key).parameters()])
 
     def step(self, lr: float, clip_coef: float) -> None:
+        self.held.release()
         if self.trainer:
             self.trainer.step(lr, clip_coef)
 
     def zero_grad(self) -> None:
+        self.held.release()
         if self.trainer:
             self.trainer.zero_grad()
 

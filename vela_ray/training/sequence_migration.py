@@ -40,8 +40,10 @@ masters), so all of them compute the same moves without a coordinator.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 import torch
@@ -49,8 +51,11 @@ from torch import nn
 
 from placement.sequences import contiguous_masters, migrate_sequences
 from vela_ray.model.broker import DispatchPlan, ExpertBroker, ExpertDispatcher
+from vela_ray.model.transport import RowRelay
 from vela_ray.training.replicas import Batch, Exchanger, ReplicaShare
 
+logger = logging.getLogger(__name__)
+Combine = Literal["new_master", "home"]
 _DECODER_LAYER_RE = re.compile(r"^(.*(?:^|\.)layers)\.(\d+)\.")
 Slots = list[list[int]]  # per master: the sequence (row of the micro-batch) in each of its batch rows
 
@@ -76,8 +81,13 @@ class SequenceMoveStats:
     micro_batches: int = 0
     skipped: int = 0  # micro-batches that could not move (packed rows)
     moves: int = 0  # sequences this master gave to another master (on the way home too)
-    sent_bytes: int = 0  # hidden states and their gradients this master sent to other masters
+    sent_bytes: int = 0  # what this master sent to other masters: hidden states, their gradients, relay_bytes
     cross_node_bytes: int = 0  # the part of sent_bytes that went to a master on another node
+    # combine on the new master: rows of the sequences leaving this master whose outputs the workers answered
+    # to the new master, and the part of sent_bytes that told it about them (row codes, routing weights and,
+    # backward, those weights' gradients)
+    relayed_rows: int = 0
+    relay_bytes: int = 0
     # master 0 only (all masters see the same numbers), over the MoE layers where a decision is taken: routed
     # rows, those whose expert ran off the node of the master the sequence was on (today's combine pulls them
     # across), and those off the node serving most of the sequence's rows (LUFFY's own accounting with free
@@ -98,20 +108,39 @@ class _MicroBatch:
     slots: Slots
     home: Slots
     tokens_S: list[int]  # real (unpadded) tokens of each sequence of the micro-batch: Eq. 1's lengths
+    seq_len: int  # tokens in every slot (the micro-batch's padded length)
     layer_kwargs: dict[int, dict] | None = None  # padded: what each decoder layer gets for the whole micro-batch
     served: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # MoE layer -> (tokens, workers)
+    # combine on the new master: decoder layer -> (the slots decided before its combine, rows of each sequence)
+    decided: dict[int, tuple[Slots, np.ndarray]] = field(default_factory=dict)
+    relays: dict[int, "_Relay"] = field(default_factory=dict)  # decoder layer -> this master's relayed rows
+
+
+@dataclass(frozen=True)
+class _Relay:
+    """The rows of one MoE layer's forward whose outputs the workers answered to another master: those of the
+    sequences leaving this master after the layer, in plan (worker-major) order."""
+
+    key: tuple[int, int]
+    token_R: torch.Tensor  # [R] token in this master's [B*T] rows
+    worker_R: torch.Tensor  # [R]
+    master_R: torch.Tensor  # [R] the master the output went to
+    plan_weights: torch.Tensor  # [P] routing weights of all the plan's rows, in the graph (P >= R)
+    away_P: torch.Tensor  # [P] bool: the relayed rows among them (their weights' gradient comes from their master)
 
 
 class SequenceMigration:
     """One master's side: hooks on its decoder layers and its brokers' plans (see the module docstring)."""
 
     def __init__(self, model: nn.Module, dispatcher: ExpertDispatcher, rank: int, num_masters: int,
-                 nodes: NodeMap, candidates: int = 1):
+                 nodes: NodeMap, candidates: int = 1, combine: Combine = "new_master"):
         """`candidates`: LUFFY's q, the masters of least traffic a sequence may choose among (balanced by
-        attention load)."""
+        attention load). `combine`: where a moving sequence's expert outputs are combined, "new_master"
+        (LUFFY's) where the model and data plane allow it (`combine_refusal`), else "home"."""
         if len(nodes.master_node_M) != num_masters:
             raise ValueError(f"NodeMap names {len(nodes.master_node_M)} masters' nodes, the job has {num_masters}")
         self.rank, self.num_masters, self.nodes, self.candidates = rank, num_masters, nodes, candidates
+        self.dispatcher = dispatcher
         self.stats = SequenceMoveStats()
         self._worker_nodes = torch.nn.functional.one_hot(torch.tensor(nodes.worker_node_W), nodes.num_nodes)
         self._batch: _MicroBatch | None = None
@@ -122,7 +151,13 @@ class SequenceMigration:
         # padded micro-batches: a moved sequence takes its own attention mask (and per-row positions) along
         self._handles += [layer.register_forward_pre_hook(self._carry(index), with_kwargs=True)
                           for index, layer in enumerate(self._stack)]
-        dispatcher.plan_observer = self._observe
+        self._decoder_of_moe = {moe: index for index, moe in self._moe_of_decoder.items()}
+        refusal = combine_refusal(model, dispatcher, self._stack, self._moe_of_decoder) if combine == "new_master" \
+            else None
+        if refusal is not None and rank == 0:
+            logger.info("sequence migration: sequences move after the combine on their old master: %s", refusal)
+        self.combine: Combine = "home" if refusal is not None else combine
+        dispatcher.router = self
 
     def loss_fn(self, share: ReplicaShare, exchanger: Exchanger):
         """`share.loss` with this master's sequences migrating during the forward (the backward follows)."""
@@ -161,7 +196,7 @@ class SequenceMigration:
         tokens_S = [ids.shape[1]] * ids.shape[0] if mask is None else mask.sum(dim=1).tolist()
         master_S = contiguous_masters(ids.shape[0], self.num_masters)  # as `shard_rows` splits
         home = [np.flatnonzero(master_S == m).tolist() for m in range(self.num_masters)]
-        self._batch = _MicroBatch(exchanger, [list(s) for s in home], home, [int(t) for t in tokens_S])
+        self._batch = _MicroBatch(exchanger, [list(s) for s in home], home, [int(t) for t in tokens_S], ids.shape[1])
 
     def _probe(self, model: nn.Module, full: Batch) -> dict[int, dict]:
         """What every decoder layer is given for the whole micro-batch (attention masks, positions), read by
@@ -209,13 +244,42 @@ class SequenceMigration:
             return args, {k: _rows_of(whole.get(k, v), rows, total) if k in whole else v for k, v in kwargs.items()}
         return hook
 
-    def _observe(self, plan: DispatchPlan, token_T: torch.Tensor | None) -> None:
-        if self._batch is None:
-            return
+    # -- the broker's `RowRouter` -----------------------------------------------------------------
+
+    def reply_to(self, plan: DispatchPlan, token_T: torch.Tensor | None, hidden_size: int) -> torch.Tensor | None:
+        """Sees every plan of a training forward. Combining on the new master, it decides here, before the
+        combine, where each sequence goes after this layer, and sends the rows of those leaving this master to
+        their new master (-1 elsewhere); otherwise it keeps the rows' workers for the decision after the layer."""
+        batch = self._batch
+        if batch is None:
+            return None
         token_R = plan.token_idx_R if token_T is None else token_T.cpu()[plan.token_idx_R]
-        worker_R = torch.cat([torch.full((e - s,), w, dtype=torch.long) for w, s, e in plan.worker_rows]) \
-            if plan.worker_rows else torch.zeros(0, dtype=torch.long)
-        self._batch.served[plan.layer] = (token_R, worker_R)
+        worker_R = _worker_of_rows(plan)
+        decoder = self._decoder_of_moe.get(plan.layer)
+        if self.combine == "home" or decoder is None:
+            batch.served[plan.layer] = (token_R, worker_R)
+            return None
+        target, rows_S = self._decide(batch, token_R, worker_R, batch.seq_len, hidden_size)
+        batch.decided[decoder] = (target, rows_S)
+        master_S = np.empty(len(rows_S), dtype=np.int64)
+        for master, seqs in enumerate(target):
+            master_S[seqs] = master
+        master_R = torch.as_tensor(master_S[batch.slots[self.rank]])[token_R // batch.seq_len]
+        reply_R = torch.where(master_R == self.rank, -1, master_R)
+        return reply_R if bool((reply_R >= 0).any()) else None
+
+    def relayed(self, plan: DispatchPlan, key, weights_R: torch.Tensor) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        away_R = plan.reply_to_R >= 0
+        self.stats.relayed_rows += int(away_R.sum())
+        # all the plan's weights, unindexed: an indexing op here would save a tensor that a checkpointed
+        # layer's recompute (which relays nothing) does not save again
+        batch.relays[self._decoder_of_moe[plan.layer]] = _Relay(
+            key, plan.token_idx_R[away_R], _worker_of_rows(plan)[away_R], plan.reply_to_R[away_R], weights_R, away_R)
+
+    # -- after a decoder layer -------------------------------------------------------------------
 
     def _hook(self, decoder: int):
         def hook(module: nn.Module, args, output):
@@ -223,18 +287,32 @@ class SequenceMigration:
             if batch is None:
                 return None
             hidden = output[0] if isinstance(output, tuple) else output
-            target = batch.home if decoder == self._last else self._plan(batch, decoder, hidden)
+            if decoder == self._last:
+                target, rows_S = batch.home, None
+            elif decoder in batch.decided:  # decided before the combine (LUFFY's): the outputs went ahead
+                target, rows_S = batch.decided.pop(decoder)
+            else:
+                target, rows_S = self._plan(batch, decoder, hidden), None
             if target == batch.slots:
                 return None
-            moved = _Move.apply(hidden, _Exchange(self, batch.exchanger, batch.slots, target))
+            relay = batch.relays.pop(decoder, None)
+            exchange = _Exchange(self, batch.exchanger, batch.slots, target, self._moe_of_decoder.get(decoder), rows_S,
+                                 relay)
+            weights = relay.plan_weights if relay is not None else hidden.new_zeros(0)
+            moved = _Move.apply(hidden, weights, exchange)
             batch.slots = target
             return (moved, *output[1:]) if isinstance(output, tuple) else moved
         return hook
 
     def _plan(self, batch: _MicroBatch, decoder: int, hidden_BTD: torch.Tensor) -> Slots:
-        """Every master's new slots after MoE decoder layer `decoder` (the same on every master)."""
+        """Every master's new slots after MoE decoder layer `decoder`, decided after its combine."""
         token_R, worker_R = batch.served.pop(self._moe_of_decoder[decoder])
-        num_tokens = hidden_BTD.shape[1]
+        return self._decide(batch, token_R, worker_R, hidden_BTD.shape[1], hidden_BTD.shape[-1])[0]
+
+    def _decide(self, batch: _MicroBatch, token_R: torch.Tensor, worker_R: torch.Tensor, num_tokens: int,
+                hidden_size: int) -> tuple[Slots, np.ndarray]:
+        """Every master's new slots after a MoE layer whose rows of this master went to `worker_R` [R], and
+        the rows of each sequence of the micro-batch (the same on every master)."""
         total = sum(len(s) for s in batch.slots)
         served_SW = torch.zeros(total, len(self.nodes.worker_node_W), dtype=torch.long)
         mine = torch.tensor(batch.slots[self.rank], dtype=torch.long)
@@ -251,15 +329,16 @@ class SequenceMigration:
             self.stats.combine_cross_node_rows += int((rows_S - here_S).sum())
             self.stats.combine_cross_node_rows_best_node += int((rows_S - served_SN[:, master_nodes].max(axis=1)).sum())
         next_S = migrate_sequences(batch.tokens_S, served_SN, self.nodes.master_node_M, q=self.candidates,
-                                   current_S=current_S, hidden_size=hidden_BTD.shape[-1],
+                                   current_S=current_S, hidden_size=hidden_size,
                                    capacity_tokens=[len(s) * num_tokens for s in batch.slots],
                                    capacity_sequences=[len(s) for s in batch.slots])
-        return reslot(batch.slots, next_S)
+        return reslot(batch.slots, next_S), served_SN.sum(axis=1)
 
-    def _count(self, outgoing: dict[int, torch.Tensor]) -> None:
+    def _count(self, outgoing: dict[int, torch.Tensor], relay: bool = False) -> None:
         for master, tensor in outgoing.items():
             size = tensor.numel() * tensor.element_size()
             self.stats.sent_bytes += size
+            self.stats.relay_bytes += size if relay else 0
             if self.nodes.master_node_M[master] != self.nodes.master_node_M[self.rank]:
                 self.stats.cross_node_bytes += size
 
@@ -296,13 +375,36 @@ def reslot(slots: Slots, next_S: np.ndarray) -> Slots:
 
 
 @dataclass
+class _Arrival:
+    """Rows of the sequences another master gave this one at a layer, combined here: their outputs came from
+    the workers, their routing weights and places from that master (kept for the backward)."""
+
+    key: tuple[int, int]  # the other master's forward
+    workers: list[int]
+    counts: list[int]  # rows per worker, in `workers`' order (the rows' order)
+    pos_R: torch.Tensor  # [R] row of this master's [B*T] hidden states each output adds into
+    weights_R: torch.Tensor  # [R] float32
+    out_RD: torch.Tensor  # [R, D]
+
+
+@dataclass
 class _Exchange:
-    """One move of every master's sequences from `before` to `after` slots, as this master sees it."""
+    """One move of every master's sequences from `before` to `after` slots, as this master sees it.
+
+    Combining on the new master (`rows_S` given: the rows each sequence sent this layer), the sequences that
+    leave carry their hidden state without the relayed rows' contribution; the new master gets each relayed
+    row's place and routing weight from the old one, the row's output from its worker, and adds
+    weight * output into the sequence's token there. Backward: the new master sends the workers d(output) =
+    weight * d(hidden) and the old one d(weight) = <d(hidden), output>, the old one the hidden state's gradient."""
 
     migration: SequenceMigration
     exchanger: Exchanger
     before: Slots
     after: Slots
+    layer: int | None = None  # the MoE layer whose rows were relayed (combine on the new master)
+    rows_S: np.ndarray | None = None
+    relay: _Relay | None = None  # what this master relayed
+    arrivals: dict[int, _Arrival] = field(default_factory=dict)  # from each other master
 
     def run(self, x_BTD: torch.Tensor, before: Slots, after: Slots) -> torch.Tensor:
         """x's rows in `before`'s slots -> in `after`'s (forward: before -> after; backward: the reverse)."""
@@ -331,21 +433,172 @@ class _Exchange:
                 out[mine_after.index(s)] = received[master][row]
         return out
 
+    # -- combine on the new master ---------------------------------------------------------------
+
+    def _arriving(self) -> dict[int, list[int]]:
+        """{other master: the sequences it gives this one, sorted} (as `run` orders them)."""
+        rank, where = self.migration.rank, {s: m for m, seqs in enumerate(self.before) for s in seqs}
+        arriving: dict[int, list[int]] = {}
+        for s in sorted(set(self.after[rank]) - set(self.before[rank])):
+            arriving.setdefault(where[s], []).append(s)
+        return arriving
+
+    def combine_arrivals(self, out_BTD: torch.Tensor) -> torch.Tensor:
+        """Forward, after `run`: send each new master the relayed rows' places and weights, and add the rows
+        relayed to this master, weighted, into the tokens of the sequences that arrived."""
+        rank, num_tokens, num_workers = self.migration.rank, out_BTD.shape[1], len(self.migration.nodes.worker_node_W)
+        codes, weights = {}, {}
+        if self.relay is not None:
+            relay = self.relay
+            for master in sorted(set(relay.master_R.tolist())):
+                leaving = sorted(s for s in self.after[master] if s in self.before[rank])
+                index_of = {s: j for j, s in enumerate(leaving)}
+                mine = relay.master_R == master
+                token_R = relay.token_R[mine]
+                seq_R = torch.tensor([index_of[self.before[rank][b]] for b in (token_R // num_tokens).tolist()],
+                                     dtype=torch.long)
+                row_R = (seq_R * num_tokens + token_R % num_tokens) * num_workers + relay.worker_R[mine]
+                codes[master] = torch.cat([torch.tensor([relay.key[0]]), row_R])
+                weights[master] = relay.plan_weights.detach()[relay.away_P.to(relay.plan_weights.device)][
+                    mine.to(relay.plan_weights.device)].float()
+        arriving = {m: seqs for m, seqs in self._arriving().items() if sum(self.rows_S[s] for s in seqs)}
+        sizes = {m: int(sum(self.rows_S[s] for s in seqs)) for m, seqs in arriving.items()}
+        got_codes = self.exchanger.exchange(codes, {m: ((1 + n,), torch.long) for m, n in sizes.items()})
+        got_weights = self.exchanger.exchange(weights, {m: ((n,), torch.float32) for m, n in sizes.items()})
+        self.migration._count(codes, relay=True)
+        self.migration._count(weights, relay=True)
+        flat_TD = out_BTD.view(-1, out_BTD.shape[-1])
+        for master, seqs in arriving.items():
+            key, row_R = (int(got_codes[master][0]), self.layer), got_codes[master][1:].cpu()
+            worker_R, place_R = row_R % num_workers, row_R // num_workers
+            slot_R = torch.tensor([self.after[rank].index(s) for s in seqs], dtype=torch.long)[place_R // num_tokens]
+            workers, counts = (v.tolist() for v in torch.unique_consecutive(worker_R, return_counts=True))
+            out_RD = self.migration.dispatcher.collect(self.layer, key, workers, out_BTD)
+            arrival = _Arrival(key, workers, counts, (slot_R * num_tokens + place_R % num_tokens).to(out_BTD.device),
+                               got_weights[master].to(out_BTD.device), out_RD)
+            flat_TD.index_add_(0, arrival.pos_R, (arrival.out_RD * arrival.weights_R[:, None]).to(out_BTD.dtype))
+            self.arrivals[master] = arrival
+        return out_BTD
+
+    def weights_grad(self, grad_BTD: torch.Tensor) -> torch.Tensor | None:
+        """Backward, before `run`'s reverse: send the workers the arrived rows' d(output) (they finish the old
+        masters' backward with it) and the old masters their weights' gradients; returns those of the rows this
+        master relayed (None if none)."""
+        flat_TD = grad_BTD.reshape(-1, grad_BTD.shape[-1])
+        dweights = {}
+        for master, arrival in self.arrivals.items():
+            grad_RD = flat_TD.index_select(0, arrival.pos_R)
+            dout_RD = (grad_RD * arrival.weights_R[:, None]).to(arrival.out_RD.dtype)
+            self.migration.dispatcher.deposit(self.layer, arrival.key,
+                                              dict(zip(arrival.workers, dout_RD.split(arrival.counts))))
+            dweights[master] = (grad_RD.float() * arrival.out_RD.float()).sum(dim=-1)
+        relay = self.relay
+        masters = [] if relay is None else sorted(set(relay.master_R.tolist()))
+        got = self.exchanger.exchange(dweights, {m: ((int((relay.master_R == m).sum()),), torch.float32)
+                                                 for m in masters})
+        self.migration._count(dweights, relay=True)
+        if relay is None:
+            return None
+        grad_R = torch.zeros(len(relay.master_R), dtype=torch.float32, device=relay.plan_weights.device)
+        for master in masters:
+            grad_R[(relay.master_R == master).to(grad_R.device)] = got[master].to(grad_R.device)
+        grad_P = torch.zeros(len(relay.away_P), dtype=torch.float32, device=grad_R.device)
+        grad_P[relay.away_P.to(grad_R.device)] = grad_R
+        return grad_P.to(relay.plan_weights.dtype)
+
 
 class _Move(torch.autograd.Function):
-    """Hidden states [B, T, D] in this master's slots before a move -> after it; backward: the reverse."""
+    """Hidden states [B, T, D] in this master's slots before a move -> after it; backward: the reverse.
+    `weights_R`: the routing weights of the layer's rows when this master relayed some (combine on the new
+    master; else empty): the relayed rows' gradient comes back from their new masters."""
 
     @staticmethod
-    def forward(ctx, hidden_BTD: torch.Tensor, exchange: _Exchange):
+    def forward(ctx, hidden_BTD: torch.Tensor, weights_R: torch.Tensor, exchange: _Exchange):
         ctx.exchange = exchange
         rank = exchange.migration.rank
         exchange.migration.stats.moves += len(set(exchange.before[rank]) - set(exchange.after[rank]))
-        return exchange.run(hidden_BTD.detach(), exchange.before, exchange.after)
+        out = exchange.run(hidden_BTD.detach(), exchange.before, exchange.after)
+        return out if exchange.rows_S is None else exchange.combine_arrivals(out)
 
     @staticmethod
     def backward(ctx, grad_BTD: torch.Tensor):
         exchange = ctx.exchange
-        return exchange.run(grad_BTD.contiguous(), exchange.after, exchange.before), None
+        grad_weights = None if exchange.rows_S is None else exchange.weights_grad(grad_BTD)
+        return exchange.run(grad_BTD.contiguous(), exchange.after, exchange.before), grad_weights, None
+
+
+def _worker_of_rows(plan: DispatchPlan) -> torch.Tensor:
+    """[R] the worker of each row of `plan`."""
+    if not plan.worker_rows:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.full((e - s,), w, dtype=torch.long) for w, s, e in plan.worker_rows])
+
+
+def combine_refusal(model: nn.Module, dispatcher: ExpertDispatcher, stack: list[nn.Module],
+                    moe_of_decoder: dict[int, int]) -> str | None:
+    """Why a moving sequence's expert outputs cannot be combined on its new master here, or None when they can:
+    the data plane must answer rows to another master, and every deciding decoder layer must add its experts'
+    combined output to its output unchanged (checked on this model: `adds_expert_outputs`), since the new
+    master adds the relayed rows' share after the layer."""
+    if not isinstance(dispatcher.transport, RowRelay):
+        return f"the {dispatcher.transport.describe()} data plane cannot answer rows to another master"
+    if dispatcher.condenser is not None:
+        return "token condensation chooses which rows travel"
+    brokers = [m for m in model.modules() if isinstance(m, ExpertBroker)]
+    if any(b.layout is not None and b.layout.call == "grouped" for b in brokers):
+        return "its experts are called on rows grouped by expert"
+    bad = [index for index in moe_of_decoder if not adds_expert_outputs(model, stack, index)]
+    if bad:
+        return f"decoder layers {bad} do not add their experts' combined output to their output as it is"
+    return None
+
+
+def adds_expert_outputs(model: nn.Module, stack: list[nn.Module], decoder: int) -> bool:
+    """Whether decoder layer `decoder`'s output moves by exactly what its expert broker returns: run the model
+    on a few tokens with every broker returning zeros, then that layer again on the same inputs with its broker
+    returning a pattern, and compare. No row is sent anywhere."""
+    layer = stack[decoder]
+    brokers = [m for m in layer.modules() if isinstance(m, ExpertBroker)]
+    others = [m for m in model.modules() if isinstance(m, ExpertBroker)]
+    shift: dict[str, torch.Tensor] = {}
+    seen: dict[str, bool] = {}
+
+    def broker_forward(hidden_TD, *args, **kwargs):
+        pattern = torch.remainder(torch.arange(hidden_TD.numel(), device=hidden_TD.device), 5).view_as(hidden_TD)
+        return (pattern.to(hidden_TD.dtype) - 2) * 0.5 if shift else torch.zeros_like(hidden_TD)
+
+    def check(module, args, kwargs, output):
+        if shift:
+            return None
+        shift["on"] = torch.ones(())
+        try:
+            again = module.forward(*args, **kwargs)
+        finally:
+            shift.clear()
+        hidden, moved = (output[0], again[0]) if isinstance(output, tuple) else (output, again)
+        delta = (moved - hidden).float().reshape(-1)
+        pattern = (torch.remainder(torch.arange(delta.numel(), device=delta.device), 5) - 2) * 0.5
+        seen["ok"] = bool(torch.allclose(delta, pattern.float(), atol=0.05, rtol=0))
+        raise _ProbeDone
+
+    for broker in others:
+        broker.forward = broker_forward
+    handle = layer.register_forward_hook(check, with_kwargs=True)
+    modes = [(m, m.training) for m in model.modules()]
+    device = next(model.parameters()).device
+    try:
+        model.eval()  # no dropout: both runs see the same numbers, and torch's RNG is left alone
+        with torch.no_grad():
+            model(input_ids=torch.arange(1, 5, device=device)[None], use_cache=False)
+    except _ProbeDone:
+        pass
+    finally:
+        handle.remove()
+        for module, training in modes:
+            module.training = training
+        for broker in others:
+            del broker.forward
+    return bool(brokers) and seen.get("ok", False)
 
 
 def _decoder_layers(model: nn.Module) -> tuple[dict[int, tuple[int, nn.Module]], tuple[int, nn.Module],
