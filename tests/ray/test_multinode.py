@@ -1,7 +1,7 @@
 """Several Ray nodes on one machine: a master per node (`masters.count`), each with copies of some
-experts beside it (replicas), its sequences migrating among the masters (`masters.sequence_migration`),
-trains like peft; workers on other nodes count as cross-node, bytes match both ends, every node's NIC is in
-the placement problem."""
+experts beside it (replicas), its sequences migrating among the masters (`masters.sequence_migration`,
+combined where they go), trains like peft; workers on other nodes count as cross-node, bytes match both
+ends, every node's NIC is in the placement problem."""
 
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ def test_a_master_per_node_with_replicas_trains_like_peft_and_both_ends_count_th
     assert summary["losses"] == pytest.approx(ref_losses, rel=1e-5)
     moves = summary["sequence_moves"]  # over the masters' gloo group, forward and backward
     assert moves["micro_batches"] == 2 * 3 and moves["moves"] > 0 and moves["cross_node_bytes"] > 0
+    # LUFFY's combine on the new master over Ray: the ExpertManager actors answered moving sequences' rows to
+    # the masters they moved to (collected and, backward, deposited there: counted at both ends below)
+    assert moves["relayed_rows"] > 0
     assert summary["placement"]["routes"] == routes.tolist()
     # what the masters' brokers say they sent to each worker == what each worker says it received
     assert summary["sent_bytes_by_worker"] == summary["worker_received_bytes"]

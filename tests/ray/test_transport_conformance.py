@@ -139,6 +139,36 @@ def test_backward_gives_same_row_and_lora_grads(backend, reference):
             torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
 
 
+def test_rows_answered_to_another_master_reach_it_and_its_gradients_finish_the_backward(backend, reference):
+    """`RowRelay` (several masters' sequence migration): with `reply_to`, the sender gets back only its rows;
+    master 2 collects the rest, deposits their gradients, and the sender's backward then gives every row's
+    d(rows) and LoRA gradients as if all the rows had been its own. The collective plane (one master) refuses."""
+    from vela_ray.model.transport import RowRelay
+
+    if backend.name == "collective":
+        assert not isinstance(backend.transport, RowRelay)
+        return
+    plain = _requests(1, rows_per_expert=4, key=("step", 1))
+    reply = {w: torch.where(torch.arange(len(r.rows)) % 3 == 1, 2, -1) for w, r in plain.items()}
+    requests = {w: ForwardRequest(r.layer, r.expert_ids, r.rows, r.key, reply[w]) for w, r in plain.items()}
+    kept = backend.transport.forward(requests)
+    collected = backend.transport.collect(("step", 1), 2, sorted(requests))
+    grads = {w: torch.randn_like(r.rows) for w, r in requests.items()}
+    backend.transport.deposit(("step", 1), 2, {w: grads[w][reply[w] == 2] for w in requests})
+    row_grads = backend.transport.backward(("step", 1), {w: grads[w][reply[w] < 0] for w in requests})
+
+    for worker, req in requests.items():
+        expected = reference.forward_rows(1, req.expert_ids, req.rows, key=("ref", worker))
+        torch.testing.assert_close(kept[worker], expected[reply[worker] < 0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(collected[worker], expected[reply[worker] == 2], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(row_grads[worker], reference.backward_rows(("ref", worker), grads[worker]),
+                                   rtol=1e-6, atol=1e-6)
+    for key, by_name in backend.lora_grads().items():
+        if key[0] == 1:
+            for name, grad in by_name.items():
+                torch.testing.assert_close(grad, getattr(reference.expert(*key), name).grad, rtol=1e-5, atol=1e-6)
+
+
 def test_worker_without_rows_gets_nothing_and_the_others_work(backend, reference):
     requests = _requests(0, rows_per_expert=2, key=("idle", 0), skip_worker=1)
     outputs = backend.transport.forward(requests)
