@@ -8,7 +8,10 @@ the job (`JobRunner`, three data-parallel masters) and counts what crossed nodes
     hidden states   what the masters' migrations sent to a master on another node, forward and
                     backward (`summary.sequence_moves["cross_node_bytes"]`)
 
-for `masters.sequence_migration` off, and on with q = 1 and q = 2 candidates, on the same seed. The
+for `masters.sequence_migration` off, and on with q = 1 and q = 2 candidates, each with the combine on the
+new master (LUFFY's, the default: the workers answer a moving sequence's rows to the master it moves to;
+the row codes and routing weights that go with them count as hidden-state bytes) and at home (the
+outputs return to the old master, which moves the combined hidden state), on the same seed. The
 cluster is emulated in one process (`InProcessPool(worker_nodes=...)`): 3 nodes with 2 workers each
 and a master on each node, the experts placed by the default solver (links all equal, so it balances
 the routing). The model is the briefly pre-trained tiny Mixtral (4 layers, 8 experts, top-2, hidden
@@ -18,9 +21,8 @@ router's. Migration is exact, so the losses must agree; the script checks it.
 Also reported: cross-node bytes per step, the median step time (one process on 2 cores: compute, not
 network), and for q=1 "LUFFY bound": the expert rows' bytes had every sequence's combine happened on the
 node that served most of its rows, moves free and no capacity (LUFFY's own accounting, from the
-migration's `combine_*` row counts, on the layers where a decision is taken: all MoE layers but the last).
-This runtime's sequences move after the combine, so it cannot reach the bound; the bound says what
-gathering straight to the new master could at most save on this routing.
+migration's `combine_*` row counts, on the layers where a decision is taken: all MoE layers but the last):
+what gathering straight to the new master could at most save on this routing.
 
     python benchmarks/sequence_migration_job.py            # 4 steps of 12 sequences (~1 min on 2 cores)
 
@@ -49,8 +51,11 @@ from vela_ray.runtime.runner import JobRunner  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "sequence_migration_job.json"
 NODES = ["node-0", "node-0", "node-1", "node-1", "node-2", "node-2"]  # worker n's node
-SETTINGS = {"off": {"sequence_migration": False}, "q=1": {"sequence_migration": True},
-            "q=2": {"sequence_migration": True, "sequence_migration_candidates": 2}}
+AT_HOME = {"sequence_migration_combine": "home"}
+SETTINGS = {"off": {"sequence_migration": False},
+            "q=1": {"sequence_migration": True}, "q=1 at home": {"sequence_migration": True, **AT_HOME},
+            "q=2": {"sequence_migration": True, "sequence_migration_candidates": 2},
+            "q=2 at home": {"sequence_migration": True, "sequence_migration_candidates": 2, **AT_HOME}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +75,7 @@ def job(args: argparse.Namespace, out: Path, masters: dict) -> JobConfig:
 
 
 def run_setting(args: argparse.Namespace, name: str, out: Path) -> dict:
-    config = job(args, out / name.replace("=", ""), SETTINGS[name])
+    config = job(args, out / name.replace("=", "").replace(" ", "-"), SETTINGS[name])
     start = time.perf_counter()
     summary = JobRunner(config, InProcessPool(config, master_node=NODES[0], worker_nodes=NODES)).run()
     seconds = time.perf_counter() - start
@@ -101,17 +106,19 @@ def main() -> None:
             raise SystemExit(f"{name}: losses {r['losses']} differ from migration off's {off['losses']}")
         r["vs_off"] = r["cross_node_bytes"] / off["cross_node_bytes"]
     lines = ["| migration | expert rows MB | hidden states MB | cross-node MB | per step MB | vs off | sequences moved"
-             " | median step s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             " | rows relayed | median step s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
+        moves = r["sequence_moves"]
         lines.append(f"| {name} | {r['expert_cross_node_bytes'] / 1e6:.2f} | {r['hidden_cross_node_bytes'] / 1e6:.2f}"
                      f" | {r['cross_node_bytes'] / 1e6:.2f} | {r['cross_node_bytes_per_step'] / 1e6:.2f}"
-                     f" | {r['vs_off']:.3f} | {r['sequence_moves'].get('moves', 0)} | {r['step_time_s_median']:.3f} |")
+                     f" | {r['vs_off']:.3f} | {moves.get('moves', 0)} | {moves.get('relayed_rows', 0)}"
+                     f" | {r['step_time_s_median']:.3f} |")
     bound = results["q=1"].get("luffy_bound_cross_node_bytes")
     if bound is not None:
         results["q=1"]["luffy_bound_vs_off"] = bound / off["cross_node_bytes"]
         lines.append(f"| LUFFY bound (combine where most rows ran, free moves) | {bound / 1e6:.2f} | 0 |"
                      f" {bound / 1e6:.2f} | {bound / args.steps / 1e6:.2f}"
-                     f" | {bound / off['cross_node_bytes']:.3f} | | |")
+                     f" | {bound / off['cross_node_bytes']:.3f} | | | |")
     print("\n".join(lines))
     write_results(args.out, {"command": command(__file__), "args": {k: str(v) for k, v in vars(args).items()},
                              "nodes": NODES, "results": results, "table": lines})

@@ -12,6 +12,11 @@ Stages of `ExpertBroker.forward(hidden_TD, top_k_index_TK, top_k_weights_TK)`:
   3. combine on the master: out_TD = sum_k weight_TK * expert_out, in autograd, so
      the router's inputs get their gradient as in the original module.
 
+With several masters' sequence migration (the dispatcher's `RowRouter`), a plan may send some rows'
+outputs to another master (`DispatchPlan.reply_to_R`: a sequence leaving this master after the layer,
+LUFFY's combine where it goes): those rows come back here as zeros, their gradients are that master's
+to send, and the router takes their routing weights along (`RowRouter.relayed`).
+
 The arithmetic equals the original experts module; only where it runs changes. Two
 exceptions are opt-in and LOSSY: with a `condensation.Condenser` on the dispatcher, training
 forwards send only a representative of each group of similar rows of one expert (stage 2)

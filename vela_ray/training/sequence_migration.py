@@ -2,13 +2,28 @@
 
 With M masters (`masters.count`) each master runs its share of every micro-batch's sequences
 through the backbone, and sends their rows to the shared ExpertManagers. With
-`masters.sequence_migration` on, after every decoder layer that holds a MoE block the masters
+`masters.sequence_migration` on, at every decoder layer that holds a MoE block the masters
 decide together where each sequence continues: on the master whose node served most of that
-layer's rows of it (`placement.migrate_sequences`, LUFFY's Algorithm 1), and its hidden states move
-there. After the last decoder layer every sequence goes back to the master it started on, which
-has its labels. The backward pass moves the gradients back along the same path (`_Move`, an
-autograd Function). Every layer sees the very rows it would have seen without migration, so
-losses and gradients are unchanged: the math is the same, only bytes move differently.
+layer's rows of it (`placement.migrate_sequences`, LUFFY's Algorithm 1). After the last decoder layer
+every sequence goes back to the master it started on, which has its labels. Every layer sees the
+very rows it would have seen without migration, so losses and gradients are unchanged: the math is
+the same, only bytes move differently.
+
+Where the layer's expert outputs are combined (`masters.sequence_migration_combine`):
+  * "new_master" (LUFFY's, the default): the decision is taken from the layer's plan, before its rows
+    leave (`reply_to`, the brokers' `RowRouter`); the workers answer the rows of a sequence that leaves
+    this master to its new master (`transport.RowRelay`), and the old master combines the others. After
+    the layer the sequence's hidden state moves without the relayed rows' share, with each relayed row's
+    place and routing weight; the new master collects the outputs from the workers and adds them in
+    (`_Exchange.combine_arrivals`). Backward follows in reverse: the new master sends the workers the
+    outputs' gradients (`deposit`, before the old master's backward of that forward, which the workers
+    finish with them) and the old master the weights' gradients (`_Exchange.weights_grad`). It needs a
+    relaying data plane and layers that add their experts' combined output to their output as it is
+    (checked on the model: `adds_expert_outputs`); where that fails (`combine_refusal`, e.g. experts called
+    on grouped rows) the migration logs why and combines
+  * "home": the outputs return to the old master, and the combined hidden state moves after the layer
+    (one row per token), the decision taken then from the same numbers.
+Either way the hidden states move in `_Move`, an autograd Function whose backward moves the gradients back.
 
     migration = SequenceMigration(peft_model, dispatcher, rank, num_masters, NodeMap.of(master_nodes, worker_nodes))
     loss_fn = migration.loss_fn(master_share(rank, ...), replicas)      # replicas: an `Exchanger`
@@ -22,12 +37,11 @@ crosses the network. The real lengths are Eq. 1's: `migrate_sequences` gathers s
 where that costs no traffic (q > 1).
 
 Where this runtime differs from LUFFY (`placement.simulate_sequences` is LUFFY's own accounting), and why:
-  * a sequence moves at the decoder layer's boundary, after the combine: the layer's expert outputs
-    return to the old master and the combined hidden state moves (one row per token). LUFFY gathers
-    the outputs straight to the new master; that needs the workers to answer a master other than the
-    one that sent the rows, which the transport (`vela_ray.model.collective`) does not do. The stats'
-    `combine_*` rows measure what it could save: the gathered rows that crossed nodes, and those that would
-    have crossed had each sequence combined on the node serving most of its rows (free moves);
+  * a moving sequence's hidden state (one row per token) crosses to the new master at the layer's boundary,
+    as the residual stream the relayed outputs add to; LUFFY counts moves the same way. The stats'
+    `combine_*` rows measure the most a combine where the experts ran could keep on the node: the gathered
+    rows that crossed nodes, and those that would have crossed had each sequence combined on the node serving
+    most of its rows (free moves, no capacity);
   * each master keeps its number of sequences (the model's forward has one batch shape per master),
     so a master takes exactly as many as it gives (`capacity_sequences`); every slot is as long as the
     micro-batch's longest sequence, so Eq. 1 decides where sequences go but the attention still runs padded;
