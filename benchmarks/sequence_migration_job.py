@@ -14,7 +14,7 @@ the row codes and routing weights that go with them count as hidden-state bytes)
 outputs return to the old master, which moves the combined hidden state), on the same seed. The
 cluster is emulated in one process (`InProcessPool(worker_nodes=...)`): 3 nodes with 2 workers each
 and a master on each node, the experts placed by the default solver (links all equal, so it balances
-the routing). The model is the briefly pre-trained tiny Mixtral (4 layers, 8 experts, top-2, hidden
+the routing). The model is the briefly pre-trained tiny Mixtral (4 layers, 8 experts, top-2 by default, hidden
 128; `vela build-tiny-model`), trained on WikiText-2 in rows of 128 tokens, so the routing is a real
 router's. Migration is exact, so the losses must agree; the script checks it.
 
@@ -25,6 +25,8 @@ migration's `combine_*` row counts, on the layers where a decision is taken: all
 what gathering straight to the new master could at most save on this routing.
 
     python benchmarks/sequence_migration_job.py            # 4 steps of 12 sequences (~1 min on 2 cores)
+    python benchmarks/sequence_migration_job.py --experts 32 --top-k 8 \
+        --out benchmarks/results/sequence_migration_job_top8.json  # top-8 routing (Qwen3-MoE's k)
 
 Results: a table, and benchmarks/results/sequence_migration_job.json.
 """
@@ -63,12 +65,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=12, help="sequences per step (one micro-batch, 4 per master)")
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--experts", type=int, default=8, help="experts per layer of the tiny model (built once, cached)")
+    p.add_argument("--top-k", type=int, default=2,
+                   help="experts per token: a move costs one row per token, the combine k, so larger k pays more")
     return p.parse_args(argv)
+
+
+def tiny_model(args: argparse.Namespace) -> Path:
+    """The tiny pre-trained Mixtral with `--experts` and `--top-k` (the default build unless they change): the
+    experts' hidden size is 512 / k, so every build computes as much per token."""
+    from vela_ray.training.tiny_model import TinyModelConfig, tiny_model_path
+
+    if (args.experts, args.top_k) == (8, 2):
+        return tiny_model_path()
+    build = TinyModelConfig(num_experts=args.experts, top_k=args.top_k, intermediate_size=512 // args.top_k)
+    return tiny_model_path(build)
 
 
 def job(args: argparse.Namespace, out: Path, masters: dict) -> JobConfig:
     return JobConfig.from_dict(tiny_job(
-        out, data={"path": str(WIKITEXT), "seq_len": args.seq_len, "limit": args.steps * args.batch * 4},
+        out, tiny_model(args),
+        data={"path": str(WIKITEXT), "seq_len": args.seq_len, "limit": args.steps * args.batch * 4},
         cluster={"num_workers": len(NODES)}, masters={"count": 3, **masters},
         placement=None,  # vela-ray's default: solved on a measured profile
         training={"steps": args.steps, "batch_size": args.batch, "micro_batch_size": args.batch, "eval_every": 0}))

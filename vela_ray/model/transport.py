@@ -212,7 +212,8 @@ class HeldRows:
 
     def deposit(self, key: Hashable, master: int, grad_RD: torch.Tensor) -> None:
         if (key, master) not in self._expected():
-            raise KeyError(f"master {master} deposited gradients for key {key!r}, whose forward relayed it no rows here")
+            raise KeyError(f"master {master} deposited gradients for key {key!r}, whose forward relayed it no rows "
+                           "here")
         self._deposited[(key, master)] = grad_RD
 
     def complete(self, key: Hashable, grad_RD: torch.Tensor, decode) -> torch.Tensor:

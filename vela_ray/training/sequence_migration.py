@@ -409,7 +409,7 @@ class _Exchange:
     leave carry their hidden state without the relayed rows' contribution; the new master gets each relayed
     row's place and routing weight from the old one, the row's output from its worker, and adds
     weight * output into the sequence's token there. Backward: the new master sends the workers d(output) =
-    weight * d(hidden) and the old one d(weight) = <d(hidden), output>, the old one the hidden state's gradient."""
+    weight * d(hidden), and the old master d(weight) = <d(hidden), output> beside the hidden state's gradient."""
 
     migration: SequenceMigration
     exchanger: Exchanger
