@@ -103,7 +103,7 @@ class RayObjectRefTransport:
     def deposit(self, key: Hashable, master: int, grads: dict[int, torch.Tensor]) -> None:
         """`RowRelay`: waits until every worker has them, so the sender's backward (another process's call,
         which Ray does not order after this one) finds them."""
-        self._get({w: self.handles[w].deposit_grads.remote(key, master, self._compact(g)) for w, g in grads.items()})
+        self._get({w: self.handles[w].backward_rows.remote(key, self._compact(g), master) for w, g in grads.items()})
 
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers

@@ -131,7 +131,7 @@ class InProcessTransport:
     def deposit(self, key: Hashable, master: int, grads: dict[int, torch.Tensor]) -> None:
         with self.lock:
             for worker, grad in grads.items():
-                self.shards[worker].deposit_grads(key, master, grad)
+                self.shards[worker].backward_rows(key, grad, master)
 
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers

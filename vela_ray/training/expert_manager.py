@@ -20,8 +20,8 @@ is one method of this class; what is not about rows and steps lives in delegates
 - data plane: `forward_rows`, `backward_rows` (ExpertShard's calls: in-process, or Ray object refs),
   or `join_collective` / `leave_collective`: a serving loop on a thread of this process, answering the
   master over torch.distributed (`vela_ray.model.collective`, which calls the same two methods); with
-  several masters' sequence migration also `collect_rows` / `deposit_grads` (`transport.RowRelay`: rows
-  answered to a master other than the sender, held in `held`);
+  several masters' sequence migration also `collect_rows` and `backward_rows(..., master=)`
+  (`transport.RowRelay`: rows answered to a master other than the sender, held in `held`);
 - control plane: `grad_sq_norm`, `step`, `zero_grad`, `lora_state`, `load_lora_state`, `lora_grads` and
   `set_lora_grads` (replicated experts); `zo_apply` for zeroth-order training (`vela_ray.training.zo`);
 - checkpoints (`checkpoint_parts`, `vela_ray.training.checkpoint_parts`): `snapshot_checkpoint_part`
@@ -119,10 +119,16 @@ class ExpertManager:
                 out = self.held.hold(key, reply_to, out)
         return out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
 
-    def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
+    def backward_rows(self, key: Hashable, grad: torch.Tensor, master: int | None = None) -> torch.Tensor | None:
         """d(rows) [R, D] for the forward saved under `key`, in `grad`'s format and on its device. A relayed
-        forward's `grad` holds the sender's rows only; the other masters' came by `deposit_grads`."""
+        forward's backward takes a part from each master its rows were answered to (`transport.RowRelay`):
+        with `master`, `grad` is the d(outputs) of the rows answered to it, kept until the sender's own call
+        (no `master`, its rows' part), which finishes the backward and returns every row's d(rows)."""
         self.received_bytes += grad.numel() * grad.element_size()
+        if master is not None:
+            with self._computing(lambda: f"gradients of key {key!r} from master {master}"):
+                self.held.deposit(key, master, grad)
+            return None
         with self._computing(lambda: f"backward of key {key!r}"):
             grad_out_RD = self.held.complete(key, grad, lambda g: wire.decode(g.to(self.device), self.dtype))
             grad_RD = (self.tiers or self.shard).backward_rows(key, grad_out_RD)
@@ -133,12 +139,6 @@ class ExpertManager:
         """The outputs held for `master` from the relayed forward saved under `key` (`transport.RowRelay`)."""
         with self._computing(lambda: f"collecting the rows of key {key!r} for master {master}"):
             return self.held.collect(key, master)
-
-    def deposit_grads(self, key: Hashable, master: int, grad: torch.Tensor) -> None:
-        """d(outputs) of the rows answered to `master` under `key`, for that key's `backward_rows`."""
-        self.received_bytes += grad.numel() * grad.element_size()
-        with self._computing(lambda: f"gradients of key {key!r} from master {master}"):
-            self.held.deposit(key, master, grad)
 
     @contextlib.contextmanager
     def _computing(self, what: Callable[[], str]) -> Iterator[None]:
