@@ -66,7 +66,8 @@ def test_no_class_has_more_than_twenty_public_methods(package):
     counts = {f"{path.relative_to(ROOT)}:{cls.name}": sum(not m.name.startswith("_") and not _is_property(m)
                                                           for m in _methods(cls))
               for path in _files(package) for cls in _classes(path)}
-    big = {name: count for name, count in counts.items() if count > PUBLIC_METHODS_MAX_OF.get(name, PUBLIC_METHODS_MAX)}
+    big = {name: count for name, count in counts.items()
+           if count > PUBLIC_METHODS_MAX_OF.get(name, PUBLIC_METHODS_MAX)}
     assert not big, f"classes doing too many jobs (give parts to delegates): {big}"
 
 
