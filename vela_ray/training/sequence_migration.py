@@ -461,20 +461,7 @@ class _Exchange:
         """Forward, after `run`: send each new master the relayed rows' places and weights, and add the rows
         relayed to this master, weighted, into the tokens of the sequences that arrived."""
         rank, num_tokens, num_workers = self.migration.rank, out_BTD.shape[1], len(self.migration.nodes.worker_node_W)
-        codes, weights = {}, {}
-        if self.relay is not None:
-            relay = self.relay
-            for master in sorted(set(relay.master_R.tolist())):
-                leaving = sorted(s for s in self.after[master] if s in self.before[rank])
-                index_of = {s: j for j, s in enumerate(leaving)}
-                mine = relay.master_R == master
-                token_R = relay.token_R[mine]
-                seq_R = torch.tensor([index_of[self.before[rank][b]] for b in (token_R // num_tokens).tolist()],
-                                     dtype=torch.long)
-                row_R = (seq_R * num_tokens + token_R % num_tokens) * num_workers + relay.worker_R[mine]
-                codes[master] = torch.cat([torch.tensor([relay.key[0]]), row_R])
-                weights[master] = relay.plan_weights.detach()[relay.away_P.to(relay.plan_weights.device)][
-                    mine.to(relay.plan_weights.device)].float()
+        codes, weights = self._relay_messages(num_tokens, num_workers)
         arriving = {m: seqs for m, seqs in self._arriving().items() if sum(self.rows_S[s] for s in seqs)}
         sizes = {m: int(sum(self.rows_S[s] for s in seqs)) for m, seqs in arriving.items()}
         got_codes = self.exchanger.exchange(codes, {m: ((1 + n,), torch.long) for m, n in sizes.items()})
@@ -493,6 +480,26 @@ class _Exchange:
             flat_TD.index_add_(0, arrival.pos_R, (arrival.out_RD * arrival.weights_R[:, None]).to(out_BTD.dtype))
             self.arrivals[master] = arrival
         return out_BTD
+
+    def _relay_messages(self, num_tokens: int, num_workers: int) -> tuple[dict, dict]:
+        """What this master tells each new master of the rows it relayed there: ({master: [1 + R] the forward's
+        key, then each row's (sequence among those moving there, token, worker) as one int64}, {master: [R]
+        float32 routing weights}), rows in plan order, which is the workers' order of the rows they hold."""
+        codes, weights = {}, {}
+        relay, rank = self.relay, self.migration.rank
+        if relay is None:
+            return codes, weights
+        relayed_weights_R = relay.plan_weights.detach()[relay.away_P.to(relay.plan_weights.device)].float()
+        for master in sorted(set(relay.master_R.tolist())):
+            index_of = {s: j for j, s in enumerate(sorted(s for s in self.after[master] if s in self.before[rank]))}
+            mine = relay.master_R == master
+            token_R = relay.token_R[mine]
+            seq_R = torch.tensor([index_of[self.before[rank][b]] for b in (token_R // num_tokens).tolist()],
+                                 dtype=torch.long)
+            row_R = (seq_R * num_tokens + token_R % num_tokens) * num_workers + relay.worker_R[mine]
+            codes[master] = torch.cat([torch.tensor([relay.key[0]]), row_R])
+            weights[master] = relayed_weights_R[mine.to(relayed_weights_R.device)]
+        return codes, weights
 
     def weights_grad(self, grad_BTD: torch.Tensor) -> torch.Tensor | None:
         """Backward, before `run`'s reverse: send the workers the arrived rows' d(output) (they finish the old
