@@ -67,6 +67,7 @@ def test_migrating_sequences_trains_exactly_like_peft_and_moves_hidden_states_ac
     assert moves["sent_bytes"] - moves["relay_bytes"] == 2 * moves["moves"] * sequence_bytes
     assert moved.history[-1].sequence_moves["moves"] > 0
     assert f"sequence migration moved {moves['moves']} sequences" in summary_text(moved)
+    assert f"{moves['relayed_rows']} expert rows combined on the master their sequence moved to" in summary_text(moved)
     assert "sequence migration off" in summary_text(stayed)
     assert metrics.value("vela_sequence_migration_bytes_total", link_tier="cross_node") == moves["cross_node_bytes"]
     assert moved.tokens_routed == stayed.tokens_routed == at_home.tokens_routed

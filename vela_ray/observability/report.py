@@ -293,7 +293,8 @@ def masters_text(s: RunSummary) -> str:
     moves = s.sequence_moves
     migration = ("; sequence migration off" if moves is None else
                  f"; sequence migration moved {moves['moves']} sequences ({moves['cross_node_bytes'] / 1e6:.2f} MB of "
-                 f"hidden states across nodes, forward and backward; {moves['skipped']} of {moves['micro_batches']} "
+                 f"hidden states across nodes, forward and backward; {moves.get('relayed_rows', 0)} expert rows "
+                 f"combined on the master their sequence moved to; {moves['skipped']} of {moves['micro_batches']} "
                  "masters' micro-batches stayed: packed rows)")
     count = len(s.master_nodes)
     return (f"{count} data-parallel master{'s' if count > 1 else ''} on {nodes} node(s){ranks}; "
