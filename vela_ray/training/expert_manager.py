@@ -115,9 +115,9 @@ class ExpertManager:
             rows_RD = wire.decode(rows.to(self.device), self.dtype)
             out_RD = (self.tiers or self.shard).forward_rows(layer, expert_ids, rows_RD, key)
             out = wire.encode(out_RD, wire.reply_format(rows, self.dtype))
-            if reply_to is not None:
-                out = self.held.hold(key, reply_to, out)
-        return out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
+        out = out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
+        # rows for other masters wait where the sender's rows go (the host for Ray), ready to travel
+        return out if reply_to is None else self.held.hold(key, reply_to, out)
 
     def backward_rows(self, key: Hashable, grad: torch.Tensor, master: int | None = None) -> torch.Tensor | None:
         """d(rows) [R, D] for the forward saved under `key`, in `grad`'s format and on its device. A relayed
