@@ -73,6 +73,13 @@ class DispatchPlan:
                             worker_rows, None if self.reply_to_R is None else self.reply_to_R[keep_R])
 
     @property
+    def worker_R(self) -> torch.Tensor:
+        """[R] the worker of each row."""
+        if not self.worker_rows:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.full((e - s,), w, dtype=torch.long) for w, s, e in self.worker_rows])
+
+    @property
     def kept_R(self) -> torch.Tensor | None:
         """[R] bool: the rows whose outputs come back here (None: all of them)."""
         return None if self.reply_to_R is None else self.reply_to_R < 0
@@ -201,14 +208,18 @@ class ExpertDispatcher:
         self._observe(plan.layer, start, "forward")
         self._count(plan.layer, "gather", outputs)
         out_RD = _concat_in_plan_order(plan, outputs, rows_RD)
-        if plan.kept_R is None:
+        kept_R = plan.kept_R
+        if kept_R is None:
             return out_RD
-        return rows_RD.new_zeros(rows_RD.shape).index_put_((plan.kept_R.to(rows_RD.device),), out_RD)
+        return rows_RD.new_zeros(rows_RD.shape).index_put_((kept_R.to(rows_RD.device),), out_RD)
 
     def backward(self, plan: DispatchPlan, grad_RD: torch.Tensor, key) -> torch.Tensor:
         """d(rows) [R, D]; the gradients of rows answered to other masters are theirs to send (`deposit`)."""
-        kept_R = torch.ones(len(grad_RD), dtype=torch.bool) if plan.kept_R is None else plan.kept_R
-        grads = {w: wire.encode(grad_RD[s:e][kept_R[s:e].to(grad_RD.device)].contiguous(), self.row_format)
+        kept_R = plan.kept_R
+        if kept_R is not None:
+            kept_R = kept_R.to(grad_RD.device)
+        grads = {w: wire.encode((grad_RD[s:e] if kept_R is None else grad_RD[s:e][kept_R[s:e]]).contiguous(),
+                                self.row_format)
                  for w, s, e in plan.worker_rows}
         self._count(plan.layer, "grad_dispatch", grads)
         start = time.perf_counter()

@@ -211,7 +211,8 @@ class HeldRows:
                            "forward did not relay any here") from None
 
     def deposit(self, key: Hashable, master: int, grad_RD: torch.Tensor) -> None:
-        if (key, master) not in self._expected():
+        reply_to_R = self._reply_to.get(key)
+        if reply_to_R is None or not bool((reply_to_R == master).any()):
             raise KeyError(f"master {master} deposited gradients for key {key!r}, whose forward relayed it no rows "
                            "here")
         self._deposited[(key, master)] = grad_RD
@@ -240,6 +241,3 @@ class HeldRows:
         self._reply_to.clear()
         self._held.clear()
         self._deposited.clear()
-
-    def _expected(self) -> set[tuple[Hashable, int]]:
-        return {(key, m) for key, reply_to_R in self._reply_to.items() for m in reply_to_R.unique().tolist() if m >= 0}

@@ -268,7 +268,7 @@ class SequenceMigration:
         if batch is None:
             return None
         token_R = plan.token_idx_R if token_T is None else token_T.cpu()[plan.token_idx_R]
-        worker_R = _worker_of_rows(plan)
+        worker_R = plan.worker_R
         decoder = self._decoder_of_moe.get(plan.layer)
         if self.combine == "home" or decoder is None:
             batch.served[plan.layer] = (token_R, worker_R)
@@ -291,7 +291,7 @@ class SequenceMigration:
         # all the plan's weights, unindexed: an indexing op here would save a tensor that a checkpointed
         # layer's recompute (which relays nothing) does not save again
         batch.relays[self._decoder_of_moe[plan.layer]] = _Relay(
-            key, plan.token_idx_R[away_R], _worker_of_rows(plan)[away_R], plan.reply_to_R[away_R], weights_R, away_R)
+            key, plan.token_idx_R[away_R], plan.worker_R[away_R], plan.reply_to_R[away_R], weights_R, away_R)
 
     # -- after a decoder layer -------------------------------------------------------------------
 
@@ -378,6 +378,15 @@ def _rows_of(value, rows: torch.Tensor, total: int):
     return value
 
 
+def _arriving(before: Slots, after: Slots, rank: int) -> dict[int, list[int]]:
+    """{other master: the sequences it gives master `rank` in a move from `before` to `after` slots, sorted}."""
+    where = {s: m for m, seqs in enumerate(before) for s in seqs}
+    arriving: dict[int, list[int]] = {}
+    for s in sorted(set(after[rank]) - set(before[rank])):
+        arriving.setdefault(where[s], []).append(s)
+    return arriving
+
+
 def reslot(slots: Slots, next_S: np.ndarray) -> Slots:
     """The masters' slots after each sequence s moved to master next_S[s]: a sequence that stays keeps its
     slot, the ones that arrive fill the freed slots in sequence order."""
@@ -431,9 +440,7 @@ class _Exchange:
                 leaving = sorted(s for s in seqs if where[s] == rank)
                 if leaving:
                     outgoing[master] = x_BTD[[mine_before.index(s) for s in leaving]]
-        arriving: dict[int, list[int]] = {}
-        for s in sorted(set(mine_after) - set(mine_before)):
-            arriving.setdefault(where[s], []).append(s)
+        arriving = _arriving(before, after, rank)
         shape = tuple(x_BTD.shape[1:])
         received = self.exchanger.exchange(outgoing, {m: ((len(seqs), *shape), x_BTD.dtype)
                                                       for m, seqs in arriving.items()})
@@ -449,20 +456,13 @@ class _Exchange:
 
     # -- combine on the new master ---------------------------------------------------------------
 
-    def _arriving(self) -> dict[int, list[int]]:
-        """{other master: the sequences it gives this one, sorted} (as `run` orders them)."""
-        rank, where = self.migration.rank, {s: m for m, seqs in enumerate(self.before) for s in seqs}
-        arriving: dict[int, list[int]] = {}
-        for s in sorted(set(self.after[rank]) - set(self.before[rank])):
-            arriving.setdefault(where[s], []).append(s)
-        return arriving
-
     def combine_arrivals(self, out_BTD: torch.Tensor) -> torch.Tensor:
         """Forward, after `run`: send each new master the relayed rows' places and weights, and add the rows
         relayed to this master, weighted, into the tokens of the sequences that arrived."""
         rank, num_tokens, num_workers = self.migration.rank, out_BTD.shape[1], len(self.migration.nodes.worker_node_W)
         codes, weights = self._relay_messages(num_tokens, num_workers)
-        arriving = {m: seqs for m, seqs in self._arriving().items() if sum(self.rows_S[s] for s in seqs)}
+        arriving = {m: seqs for m, seqs in _arriving(self.before, self.after, rank).items()
+                    if sum(self.rows_S[s] for s in seqs)}  # sequences that sent rows to the workers
         sizes = {m: int(sum(self.rows_S[s] for s in seqs)) for m, seqs in arriving.items()}
         got_codes = self.exchanger.exchange(codes, {m: ((1 + n,), torch.long) for m, n in sizes.items()})
         got_weights = self.exchanger.exchange(weights, {m: ((n,), torch.float32) for m, n in sizes.items()})
@@ -548,13 +548,6 @@ class _Move(torch.autograd.Function):
         return exchange.run(grad_BTD.contiguous(), exchange.after, exchange.before), grad_weights, None
 
 
-def _worker_of_rows(plan: DispatchPlan) -> torch.Tensor:
-    """[R] the worker of each row of `plan`."""
-    if not plan.worker_rows:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.full((e - s,), w, dtype=torch.long) for w, s, e in plan.worker_rows])
-
-
 def combine_refusal(model: nn.Module, dispatcher: ExpertDispatcher, stack: list[nn.Module],
                     moe_of_decoder: dict[int, int]) -> str | None:
     """Why a moving sequence's expert outputs cannot be combined on its new master here, or None when they can:
@@ -584,9 +577,13 @@ def adds_expert_outputs(model: nn.Module, stack: list[nn.Module], decoder: int) 
     shift: dict[str, torch.Tensor] = {}
     seen: dict[str, bool] = {}
 
+    def pattern(n: int, device) -> torch.Tensor:  # values -1 .. 1 in steps of 0.5: exact in any float dtype
+        return (torch.remainder(torch.arange(n, device=device), 5) - 2) * 0.5
+
     def broker_forward(hidden_TD, *args, **kwargs):
-        pattern = torch.remainder(torch.arange(hidden_TD.numel(), device=hidden_TD.device), 5).view_as(hidden_TD)
-        return (pattern.to(hidden_TD.dtype) - 2) * 0.5 if shift else torch.zeros_like(hidden_TD)
+        if not shift:
+            return torch.zeros_like(hidden_TD)
+        return pattern(hidden_TD.numel(), hidden_TD.device).view_as(hidden_TD).to(hidden_TD.dtype)
 
     def check(module, args, kwargs, output):
         if shift:
@@ -598,8 +595,7 @@ def adds_expert_outputs(model: nn.Module, stack: list[nn.Module], decoder: int) 
             shift.clear()
         hidden, moved = (output[0], again[0]) if isinstance(output, tuple) else (output, again)
         delta = (moved - hidden).float().reshape(-1)
-        pattern = (torch.remainder(torch.arange(delta.numel(), device=delta.device), 5) - 2) * 0.5
-        seen["ok"] = bool(torch.allclose(delta, pattern.float(), atol=0.05, rtol=0))
+        seen["ok"] = bool(torch.allclose(delta, pattern(delta.numel(), delta.device).float(), atol=0.05, rtol=0))
         raise _ProbeDone
 
     for broker in others:
