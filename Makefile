@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup system-deps demo test test-fast test-gpu gpu-check test-latest lock bench-placement wheelhouse clean
+.PHONY: setup system-deps demo test test-fast test-gpu gpu-battery gpu-check test-latest lock bench-placement wheelhouse gpu-wheels clean
 
 setup:
 	@VELA_VENV=$(VENV) bash scripts/setup.sh
@@ -26,9 +26,16 @@ test-fast: setup
 test-gpu: setup
 	VELA_REQUIRE_GPU=1 $(BIN)/python -m pytest tests -m gpu
 
-# Everything a GPU machine should show, in one command and one JSON (benchmarks/results/gpu_check.json):
-# the environment, the gpu tests, gpu_step.py and big_on_one_gpu.py at 2 layers (scripts/gpu_check.py).
-# Fails, saying so, without CUDA.
+# The GPU battery, for a bare offline GPU node (its own CUDA torch, plus only what `make gpu-wheels` carries):
+# the environment, exactness against peft on the GPU, speed, tiers and NCCL, Ray-free, in 6 minutes, into
+# benchmarks/results/gpu/battery.json (scripts/gpu_check.py --battery; deploy/README.md, "A bare GPU node").
+# The node's python runs it (NODE_PYTHON, default python3), not .venv. Fails, saying so, without CUDA.
+NODE_PYTHON ?= python3
+gpu-battery:
+	$(NODE_PYTHON) scripts/gpu_check.py --battery
+
+# Everything a GPU machine with the project installed should show: the battery and the gpu tests (Ray's
+# included), into benchmarks/results/gpu_check.json (scripts/gpu_check.py). Fails, saying so, without CUDA.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py
 
@@ -55,6 +62,13 @@ bench-placement: setup
 OUT ?= wheelhouse
 wheelhouse:
 	@PY=$(PY) PLATFORM=$(PLATFORM) bash scripts/wheelhouse.sh $(OUT)
+
+# Only what a bare, offline GPU node lacks for the Ray-free GPU battery, beside its own CUDA torch and numpy:
+# the training core's closure (transformers, peft, pydantic, ...) at the pins, and vela-ray's wheel, as plain
+# wheels in gpu-wheels/ (60 MiB at most; the node's install line is gpu-wheels/INSTALL; scripts/gpu_wheels.py).
+# e.g. make gpu-wheels PY=3.12 PLATFORM=manylinux_2_28_x86_64 (the defaults: the reference node's)
+gpu-wheels: setup
+	$(BIN)/python scripts/gpu_wheels.py $(if $(PY),--python-version $(PY)) $(if $(PLATFORM),--platform $(PLATFORM))
 
 clean:
 	rm -rf $(VENV) .venv-latest .pytest_cache build *.egg-info

@@ -10,8 +10,9 @@
 
 Models with real dimensions and random weights, built here from transformers configs (no hub):
 
-    olmoe   OLMoE-1B-7B: 16 layers, 64 experts top-8, hidden 2048, expert intermediate 1024
-    qwen3   Qwen3-30B-A3B: `--layers` of its 48, 128 experts top-8, hidden 2048, expert intermediate 768
+    olmoe   OLMoE-1B-7B: its 16 layers (or `--layers`), 64 experts top-8, hidden 2048, expert intermediate 1024
+    qwen3   Qwen3-30B-A3B: 12 of its 48 layers (or `--layers`), 128 experts top-8, hidden 2048, expert
+            intermediate 768
 
 The same step for all three: one micro-batch of `--batch` x `--seq` tokens (8 x 1024), bf16 weights,
 LoRA r=8 alpha=16, forward, backward, global grad-norm clipping to 1.0, AdamW (vela-ray's
@@ -24,6 +25,7 @@ experts sits on the master or in Ray's object store while the workers build thei
 
     python benchmarks/gpu_step.py                                  # both models, all setups (one GPU)
     python benchmarks/gpu_step.py --models qwen3 --layers 16
+    python benchmarks/gpu_step.py --models olmoe --layers 4 --setups peft vela_gpu   # the battery's
     python benchmarks/gpu_step.py --device cpu --tiny --out /tmp/smoke.json   # toy sizes, no GPU
 
 Results: a table, and benchmarks/results/gpu_step.json on a GPU (with the command). Without CUDA and
@@ -56,6 +58,8 @@ from benchmarks._harness import benchmark_device, command, parser, run, write_re
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_step.json"
 MODELS = ("olmoe", "qwen3")
 SETUPS = ("peft", "vela_gpu", "vela_cpu_workers")
+MAX_LAYERS = {"olmoe": 16, "qwen3": 48}  # the real models'
+LAYERS = {"olmoe": 16, "qwen3": 12}  # run by default: OLMoE whole, 12 of Qwen3's 48 (peft fits an H100)
 LR, MAX_GRAD_NORM = 1e-4, 1.0
 
 
@@ -63,8 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = parser(__doc__, what=f"results JSON (default on a GPU: {RESULTS.relative_to(ROOT)})")
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to run")
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="setups to run")
-    p.add_argument("--layers", type=int, default=12,
-                   help="Qwen3-30B-A3B layers of its 48 (all three setups; peft needs the most GPU memory)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"layers of each model (default {LAYERS}; peft needs the most GPU memory)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--rank", type=int, default=8, help="LoRA r (alpha = 2r)")
@@ -79,8 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 32)
-    if not 1 <= args.layers <= 48:  # here, not in model_config: a typo fails the command, not each setup
-        p.error(f"--layers {args.layers}: Qwen3-30B-A3B has 48 layers; give 1 to 48")
+    for model in args.models:  # here, not in model_config: a typo fails the command, not each setup
+        if args.layers is not None and not 1 <= args.layers <= MAX_LAYERS[model]:
+            p.error(f"--layers {args.layers}: {model} has {MAX_LAYERS[model]} layers; give 1 to {MAX_LAYERS[model]}")
     return args
 
 
@@ -92,6 +97,7 @@ def model_config(name: str, args: argparse.Namespace):
 
     common = dict(attn_implementation="sdpa", experts_implementation="grouped_mm", use_cache=False,
                   tie_word_embeddings=False)
+    layers = args.layers or LAYERS[name]
     if args.tiny:
         tiny = dict(vocab_size=512, bos_token_id=None, eos_token_id=None, pad_token_id=None, hidden_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_experts=8, num_experts_per_tok=2,
@@ -99,13 +105,13 @@ def model_config(name: str, args: argparse.Namespace):
         if name == "olmoe":
             return OlmoeConfig(intermediate_size=32, num_key_value_heads=4, **tiny)
         return Qwen3MoeConfig(moe_intermediate_size=32, num_key_value_heads=2, head_dim=16, norm_topk_prob=True, **tiny)
-    if name == "olmoe":  # allenai/OLMoE-1B-7B-0924's config.json
-        return OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+    if name == "olmoe":  # allenai/OLMoE-1B-7B-0924's config.json, with `layers` of its 16
+        return OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=layers,
                            num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
                            max_position_embeddings=4096, rms_norm_eps=1e-5, norm_topk_prob=False, **common)
-    return Qwen3MoeConfig(  # Qwen/Qwen3-30B-A3B's config.json, with --layers of its 48 layers
+    return Qwen3MoeConfig(  # Qwen/Qwen3-30B-A3B's config.json, with `layers` of its 48
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6, **common)
 

@@ -21,7 +21,10 @@ Solvers (registered in `SOLVERS`, all `(problem, *, seed, time_budget_s, direct)
   construction (`placement.greedy`) if that is strictly better, then local
   search (`placement.search`) that only accepts strict improvements; so it is
   never worse than `vela`. It stops when the search stalls or at
-  `time_budget_s` (LP and greedy construction included).
+  `time_budget_s` (LP and greedy construction included). Where cvxpy is not
+  installed (a bare GPU node: `make gpu-wheels`), it starts from the greedy
+  construction alone, says so in one log line, and reports no lower bound;
+  `vela` is then refused, naming the package.
 
 Every solver that looks at times (LP, greedy, search, `improved`'s choice of
 start) minimises the cost model's step time, shared links included.
@@ -29,7 +32,9 @@ start) minimises the cost model's step time, shared links included.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,10 +45,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, computed_field, mod
 from placement.cost import check_expert_to_worker, check_table, experts_per_worker, step_time
 from placement.greedy import greedy_placement
 from placement.io import read_json
-from placement.lp import solve_lp
 from placement.problem import PlacementProblem
 from placement.rounding import round_relaxed
 from placement.search import improve
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIME_BUDGET_S = 10.0
 
@@ -225,8 +231,20 @@ def random_placement(problem: PlacementProblem, *, seed: int = 0, **_: object) -
     return chosen.reshape(problem.probs.shape), None
 
 
+def lp_available() -> bool:
+    """Whether the LP relaxation can be solved here: cvxpy (and its HiGHS backend) installed. The training core
+    runs without them (a bare GPU node), so `placement.lp` is imported only where it is used."""
+    return all(importlib.util.find_spec(name) is not None for name in ("cvxpy", "highspy"))
+
+
 def vela_placement(problem: PlacementProblem, *, direct: bool = False, **_: object) -> tuple[np.ndarray, float]:
     """The paper: LP relaxation, then its three-step rounding."""
+    if not lp_available():
+        raise ValueError("placement.solver: vela solves the paper's LP with cvxpy and highspy, which are not "
+                         "installed here; pip install cvxpy highspy, or use solver improved (greedy + search "
+                         "without them) or sequential")
+    from placement.lp import solve_lp
+
     # 1. relax
     lower_bound, x_relaxed = solve_lp(problem, direct=direct)
     # 2. round
@@ -239,15 +257,20 @@ def improved_placement(
     seed: int = 0,
     time_budget_s: float = DEFAULT_TIME_BUDGET_S,
     direct: bool = False,
-) -> tuple[np.ndarray, float]:
+) -> tuple[np.ndarray, float | None]:
     """`vela`'s placement as incumbent, replaced only by strictly better ones."""
     start = time.perf_counter()
-    # 1. the paper's placement is the incumbent
-    incumbent, lower_bound = vela_placement(problem, direct=direct)
-    # 2. the greedy construction replaces it if it is better
     greedy = greedy_placement(problem)
-    if step_time(problem, greedy) < step_time(problem, incumbent):
-        incumbent = greedy
+    if lp_available():
+        # 1. the paper's placement is the incumbent
+        incumbent, lower_bound = vela_placement(problem, direct=direct)
+        # 2. the greedy construction replaces it if it is better
+        if step_time(problem, greedy) < step_time(problem, incumbent):
+            incumbent = greedy
+    else:
+        logger.info("placement: cvxpy/highspy not installed, so the improved solver starts from the greedy "
+                    "construction without the paper's LP (no lower bound); pip install cvxpy highspy for it")
+        incumbent, lower_bound = greedy, None
     # 3. local search with what is left of the budget
     remaining = max(0.0, time_budget_s - (time.perf_counter() - start))
     return improve(problem, incumbent, time_budget_s=remaining, seed=seed), lower_bound

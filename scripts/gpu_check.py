@@ -1,24 +1,37 @@
-"""One command that says whether a GPU machine trains (`make gpu-check`), and one JSON that shows it.
+"""The GPU checks in one command and one JSON: `make gpu-battery` on a bare GPU node, `make gpu-check` on one
+with the project installed.
 
-The parts, in order, each a subprocess with its own timeout (they add up to 24 minutes):
+The parts, in order, each a subprocess with its own timeout, under one wall-clock budget:
 
-    env             torch and CUDA versions, the device's name and capability, NCCL's version, and a bf16
-                    `torch._grouped_mm` forward + backward with an empty group against per-group matmuls
-                    (what the experts run); a check that cannot run here is recorded as skipped, with why
-    tests           `pytest tests -m gpu` with VELA_REQUIRE_GPU=1: a skipped gpu test fails (tests/conftest.py)
-    gpu_step        `benchmarks/gpu_step.py --setups peft vela_gpu`
-    big_on_one_gpu  `benchmarks/big_on_one_gpu.py --layers 2 --setups vela_tiers vela_zo` under a 4 GiB budget
-                    with 8 of the 16 experts cached, so the tiers upload and compute on both sides
+    env         torch, CUDA, the driver, the device's name, capability and memory, NCCL's version, the versions
+                of the packages found (and which of Ray, cvxpy, datasets, matplotlib are absent), and a bf16
+                `torch._grouped_mm` forward + backward with an empty group against per-group matmuls (what
+                the experts run); a check that cannot run here is recorded as skipped, with why
+    exactness   `scripts/gpu_exactness.py`: debug Mixtral and Qwen3-MoE as whole in-process jobs with the
+                master and every expert on the GPU against peft on the GPU (fp32, losses rel 1e-4), and
+                bf16 expert-factor updates within peft-bf16's own spread
+    speed       `benchmarks/gpu_step.py --setups peft vela_gpu` at OLMoE-1B-7B width, 4 of its 16 layers
+    tiers       `benchmarks/big_on_one_gpu.py --layers 2 --setups vela_tiers vela_zo` under a 4 GiB budget
+                with 8 of the 16 experts cached, so the tiers upload and compute on both sides
+    nccl        `scripts/gpu_nccl.py`: rows over the collective plane's NCCL group between two GPUs; skipped,
+                saying why, on one GPU (NCCL refuses two ranks on one GPU)
+    tests       `pytest tests -m gpu` with VELA_REQUIRE_GPU=1 (a skipped gpu test fails, tests/conftest.py);
+                needs the whole project installed (Ray, pytest): not part of the battery
 
-Each part's outcome (ok / failed, a one-line reason, seconds) goes into benchmarks/results/gpu_check.json,
-rewritten after every part; a benchmark part fails on a non-zero exit or on any setup its JSON records as
-an error. The exit status is 1 if any part failed, 2 without CUDA (unless `--allow-cpu`): a check that
-passes on a machine that tested nothing would hide a broken GPU. The env probe runs first in any case (in a
-subprocess, so a hanging driver times out instead of hanging the check) and decides whether there is CUDA.
+The battery (`--battery`, `make gpu-battery`) is every part but `tests`: torch, transformers, peft,
+safetensors, numpy, pydantic and pyyaml are all it imports (`make gpu-wheels` carries what a node lacks), and
+its parts' timeouts add up to its 360 s budget. Each part's outcome (ok / skipped / failed, a one-line reason,
+seconds) goes into the JSON (`benchmarks/results/gpu/battery.json`, or `--out`; the parts' own JSONs beside
+it), rewritten after every part; a benchmark part fails on a non-zero exit or on any setup its JSON records
+as an error. The exit status is 1 if any part failed, 2 without CUDA (unless `--allow-cpu`: then each part
+runs its CPU form, toy sizes, and the GPU-only `tests` part fails): a check that passes on a machine that
+tested nothing would hide a broken GPU. The env probe runs first in any case (in a subprocess, so a hanging
+driver times out instead of hanging the check) and decides whether there is CUDA.
 
-    python scripts/gpu_check.py                          # everything (a CUDA machine)
-    python scripts/gpu_check.py --only env tests         # some parts
-    python scripts/gpu_check.py --only env --allow-cpu   # this machine's environment, CUDA or not
+    python scripts/gpu_check.py --battery                          # the battery (a bare CUDA node)
+    python scripts/gpu_check.py                                    # every part (the project installed)
+    python scripts/gpu_check.py --only env exactness               # some parts
+    python scripts/gpu_check.py --battery --allow-cpu --out /tmp/battery.json   # its CPU form, anywhere
 """
 
 from __future__ import annotations
@@ -37,29 +50,47 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = RESULTS / "gpu_check.json"
+BATTERY_OUT = RESULTS / "gpu" / "battery.json"
+BATTERY_BUDGET_S = 360  # the battery's wall clock, imports included: a GPU node's time is short
+# what the env part reports the versions of; the last four are the cluster's, absent from a bare node
+PACKAGES = ("torch", "transformers", "peft", "safetensors", "tokenizers", "huggingface_hub", "accelerate", "numpy",
+            "pydantic", "PyYAML", "vela-ray", "ray", "cvxpy", "datasets", "matplotlib")
 
 
 @dataclass(frozen=True)
 class Part:
-    """A part of the check: its command (run from the repository root) and how long it may take."""
+    """A part of the check: its command (run from the repository root, `{out}` its results folder), the
+    arguments its CPU form adds (None: it has none, and fails without CUDA), how long it may take, and the
+    results file it writes there (searched for setups that failed)."""
 
     name: str
     command: list[str]
     timeout_s: int
-    results_json: Path | None = None  # the benchmark's results, searched for setups that failed
+    results_json: str | None = None
+    cpu_args: list[str] | None = None
+
+    def argv(self, out: Path, cpu: bool) -> list[str]:
+        return [arg.replace("{out}", str(out)) for arg in [*self.command, *((self.cpu_args or []) if cpu else [])]]
 
 
 PARTS = [
-    Part("env", [sys.executable, str(Path(__file__).resolve()), "--env-probe"], 120),
+    Part("env", [sys.executable, str(Path(__file__).resolve()), "--env-probe"], 45, cpu_args=[]),
+    Part("exactness", [sys.executable, "scripts/gpu_exactness.py", "--out", "{out}/exactness.json"], 120,
+         "exactness.json", cpu_args=["--device", "cpu", "--bf16-steps", "10"]),
+    Part("speed", [sys.executable, "benchmarks/gpu_step.py", "--models", "olmoe", "--layers", "4", "--setups", "peft",
+                   "vela_gpu", "--steps", "5", "--out", "{out}/gpu_step.json"], 90, "gpu_step.json",
+         cpu_args=["--device", "cpu", "--tiny"]),
+    Part("tiers", [sys.executable, "benchmarks/big_on_one_gpu.py", "--layers", "2", "--setups", "vela_tiers", "vela_zo",
+                   "--gpu-memory", "4", "--cache-experts", "8", "--out", "{out}/big_on_one_gpu.json"], 80,
+         "big_on_one_gpu.json", cpu_args=["--device", "cpu", "--tiny", "--cache-experts", "4"]),
+    Part("nccl", [sys.executable, "scripts/gpu_nccl.py"], 25, cpu_args=[]),
     Part("tests", [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-p", "no:cacheprovider", "-q",
                    "-o", "addopts=-ra"], 600),
-    Part("gpu_step", [sys.executable, "benchmarks/gpu_step.py", "--setups", "peft", "vela_gpu",
-                      "--out", str(RESULTS / "gpu_step.json")], 420, RESULTS / "gpu_step.json"),
-    Part("big_on_one_gpu", [sys.executable, "benchmarks/big_on_one_gpu.py", "--layers", "2", "--setups",
-                            "vela_tiers", "vela_zo", "--gpu-memory", "4", "--cache-experts", "8",
-                            "--out", str(RESULTS / "big_on_one_gpu.json")], 300, RESULTS / "big_on_one_gpu.json"),
 ]
 NAMES = [part.name for part in PARTS]
+PROBES = ("env", "nccl")  # parts that print one JSON line of facts (with their own status, for nccl)
+BATTERY = [name for name in NAMES if name != "tests"]
+assert sum(p.timeout_s for p in PARTS if p.name in BATTERY) <= BATTERY_BUDGET_S
 
 
 # -- the env probe (runs in its own process) -----------------------------------------------------------
@@ -104,11 +135,32 @@ def nccl_version(torch) -> str:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
+def package_versions() -> dict[str, str | None]:
+    """The installed version of each of `PACKAGES` (None: absent), read, not assumed: a node's image may
+    differ from the pins (constraints.txt), and the JSON must say what ran."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def found(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+    return {name: found(name) for name in PACKAGES}
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version, as nvidia-smi reports it."""
+    done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=20, check=True)
+    return done.stdout.strip().splitlines()[0]
+
+
 def env_probe() -> dict:
     """The environment's facts; CUDA's only where it is available, else skipped with why."""
     import torch
 
-    facts: dict = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    facts: dict = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": sys.version.split()[0],
+                   "cpus": os.cpu_count(), "packages": package_versions()}
     check("cuda_available", facts, torch.cuda.is_available)
     cuda = facts["cuda_available"] is True
     skipped = {"status": "skipped", "reason": "no CUDA device"}
@@ -116,9 +168,12 @@ def env_probe() -> dict:
         check("device_count", facts, torch.cuda.device_count)
         check("device_name", facts, lambda: torch.cuda.get_device_name(0))
         check("capability", facts, lambda: list(torch.cuda.get_device_capability(0)))
+        check("memory_gib", facts, lambda: round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+        check("driver", facts, driver_version)
         check("nccl", facts, lambda: nccl_version(torch))
     else:
-        facts.update(device_count=0, device_name=skipped, capability=skipped, nccl=skipped)
+        facts.update(device_count=0, device_name=skipped, capability=skipped, memory_gib=skipped, driver=skipped,
+                     nccl=skipped)
     # on a CPU its CPU kernel: the check's own code runs everywhere, the GPU's answer only on a GPU
     check("grouped_mm_bf16", facts, lambda: grouped_mm_check(torch, "cuda" if cuda else "cpu"))
     return facts
@@ -147,19 +202,19 @@ def pump(stream, sink, lines: list[str]) -> None:
             sink.flush()
 
 
-def run_command(part: Part) -> tuple[int | None, str, str]:
-    """(exit code or None on timeout, stdout, stderr) of the part's command, passed through to ours but for
-    the env probe's JSON. A timeout kills the part's whole process group (pytest's and Ray's children too)."""
-    process = subprocess.Popen(part.command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def run_command(part: Part, argv: list[str], timeout_s: float) -> tuple[int | None, str, str]:
+    """(exit code or None on timeout, stdout, stderr) of the part's command `argv`, passed through to ours but
+    for the probes' JSON. A timeout kills the part's whole process group (pytest's and Ray's children too)."""
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env={**os.environ, "VELA_REQUIRE_GPU": "1"})
     out: list[str] = []
     err: list[str] = []
-    pumps = [threading.Thread(target=pump, args=(process.stdout, None if part.name == "env" else sys.stdout, out)),
+    pumps = [threading.Thread(target=pump, args=(process.stdout, None if part.name in PROBES else sys.stdout, out)),
              threading.Thread(target=pump, args=(process.stderr, sys.stderr, err))]
     for thread in pumps:
         thread.start()
     try:
-        code: int | None = process.wait(timeout=part.timeout_s)
+        code: int | None = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -170,10 +225,12 @@ def run_command(part: Part) -> tuple[int | None, str, str]:
 
 
 def setup_errors(results: dict, prefix: str = "") -> list[str]:
-    """`setup: error` for every setup a benchmark's results record as failed; gpu_step nests its setups
-    under their model (`model/setup: error`), big_on_one_gpu does not."""
+    """`setup: error` for every setup a benchmark's results record as failed; gpu_step and gpu_exactness nest
+    theirs under their model (`model/setup: error`), big_on_one_gpu does not."""
     errors = []
     for name, value in results.items():
+        if not isinstance(value, dict):
+            continue
         if "error" in value:
             errors.append(f"{prefix}{name}: {value['error']}")
         elif "tokens_per_s" not in value:
@@ -192,30 +249,47 @@ def env_outcome(facts: dict) -> tuple[str, str]:
                   f"on {facts['grouped_mm_bf16']['device']}")
 
 
-def run_part(part: Part) -> dict:
-    """The part's outcome: status ok / failed, a one-line reason, seconds (and the env probe's facts)."""
+def run_part(part: Part, out_dir: Path, cpu: bool, left_s: float) -> dict:
+    """The part's outcome: status ok / skipped / failed, a one-line reason, seconds (and the probes' facts).
+    It may run for its own timeout or `left_s`, what is left of the check's budget, whichever is less."""
     start = time.perf_counter()
-    if part.results_json is not None and part.results_json.exists():
-        part.results_json.unlink()  # a stale file from an earlier run must not pass for this one's
-    code, out, err = run_command(part)
-    outcome: dict = {"command": " ".join(part.command), "timeout_s": part.timeout_s}
-    if code is None:
-        status, reason = "failed", f"timed out after {part.timeout_s} s"
-    elif code != 0:
-        status, reason = "failed", f"exit {code}: {last_line(err) or last_line(out)}"
+    results_json = out_dir / part.results_json if part.results_json else None
+    if results_json is not None and results_json.exists():
+        results_json.unlink()  # a stale file from an earlier run must not pass for this one's
+    timeout_s = min(part.timeout_s, left_s)
+    argv = part.argv(out_dir, cpu)
+    outcome: dict = {"command": " ".join(argv), "timeout_s": round(timeout_s)}
+    if cpu and part.cpu_args is None:
+        status, reason = "failed", "needs a CUDA device (this part has no CPU form)"
+    elif timeout_s < 5:
+        status, reason = "failed", "not run: the check's time budget was spent"
     else:
-        status, reason = "ok", last_line(out)
-    if part.name == "env" and code == 0:
-        outcome["facts"] = json.loads(last_line(out, limit=1_000_000))
-        status, reason = env_outcome(outcome["facts"])
-    if part.results_json is not None and status == "ok":
-        errors = (setup_errors(json.loads(part.results_json.read_text())["results"])
-                  if part.results_json.exists() else ["no results JSON written"])
+        status, reason = part_status(part, *run_command(part, argv, timeout_s), timeout_s, outcome)
+    if results_json is not None and status == "ok":
+        errors = (setup_errors(json.loads(results_json.read_text())["results"])
+                  if results_json.exists() else ["no results JSON written"])
         if errors:
             status, reason = "failed", one_line("; ".join(errors))
-        outcome["results_json"] = str(part.results_json)
+        outcome["results_json"] = str(results_json.relative_to(ROOT) if results_json.is_relative_to(ROOT)
+                                      else results_json)
     outcome.update(status=status, reason=reason, seconds=round(time.perf_counter() - start, 1))
     return outcome
+
+
+def part_status(part: Part, code: int | None, out: str, err: str, timeout_s: float, outcome: dict) -> tuple[str, str]:
+    """(status, reason) of a part that ran; the probes' facts go into `outcome`."""
+    if code is None:
+        return "failed", f"timed out after {timeout_s:.0f} s"
+    if part.name in PROBES and out.strip():
+        facts = json.loads(last_line(out, limit=1_000_000))
+        if part.name == "env":
+            outcome["facts"] = facts
+            return env_outcome(facts)
+        outcome["facts"] = {k: v for k, v in facts.items() if k not in ("status", "reason")}
+        return facts["status"], facts["reason"]
+    if code != 0:
+        return "failed", f"exit {code}: {last_line(err) or last_line(out)}"
+    return "ok", last_line(out)
 
 
 def write_json(out: Path, payload: dict) -> None:
@@ -228,12 +302,21 @@ def write_json(out: Path, payload: dict) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="+", choices=NAMES, default=NAMES, help="the parts to run (in their order)")
+    p.add_argument("--battery", action="store_true", help=f"the Ray-free parts ({' '.join(BATTERY)}) in "
+                                                          f"{BATTERY_BUDGET_S} s, into {BATTERY_OUT.relative_to(ROOT)}")
+    p.add_argument("--only", nargs="+", choices=NAMES, default=None, help="the parts to run (in their order)")
     p.add_argument("--allow-cpu", action="store_true",
-                   help="go on without CUDA (the env part reports the machine; the GPU parts fail)")
-    p.add_argument("--out", type=Path, default=OUT, help="the check's JSON")
+                   help="go on without CUDA: each part runs its CPU form (toy sizes); `tests` fails")
+    p.add_argument("--out", type=Path, default=None, help=f"the check's JSON (default {OUT.relative_to(ROOT)}, "
+                                                          f"with --battery {BATTERY_OUT.relative_to(ROOT)})")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"wall-clock seconds for all parts (default: {BATTERY_BUDGET_S} with --battery, else none)")
     p.add_argument("--env-probe", action="store_true", help=argparse.SUPPRESS)  # the env part's own process
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.only = args.only or (BATTERY if args.battery else NAMES)
+    args.out = args.out or (BATTERY_OUT if args.battery else OUT)
+    args.budget_s = args.budget_s or (BATTERY_BUDGET_S if args.battery else float("inf"))
+    return args
 
 
 def no_cuda(env: dict) -> str | None:
@@ -252,25 +335,28 @@ def main(argv=None) -> int:
         print(json.dumps(env_probe()))
         return 0
     started = time.time()
-    parts = {"env": run_part(PARTS[0])}  # first in any case: it says whether there is CUDA
+    out_dir = args.out.resolve().parent
+    parts = {"env": run_part(PARTS[0], out_dir, False, args.budget_s)}  # first in any case: is there CUDA?
     problem = no_cuda(parts["env"])
     if problem and not args.allow_cpu:
         print(problem, file=sys.stderr)
         return 2
     report = {"command": "python scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-              "cuda_available": problem is None, "parts": {}}
+              "cuda_available": problem is None, "budget_s": args.budget_s, "parts": {}}
     for part in PARTS:
         if part.name not in args.only:
             continue
         print(f"gpu_check: {part.name} ...", flush=True)
-        report["parts"][part.name] = parts.get(part.name) or run_part(part)
-        report["ok"] = all(p["status"] == "ok" for p in report["parts"].values())
+        left_s = args.budget_s - (time.time() - started)
+        report["parts"][part.name] = parts.get(part.name) or run_part(part, out_dir, problem is not None, left_s)
+        report["ok"] = all(p["status"] != "failed" for p in report["parts"].values())
+        report["seconds"] = round(time.time() - started, 1)
         write_json(args.out, report)  # after every part: a killed check keeps what ran
     for name, outcome in report["parts"].items():
-        print(f"gpu_check: {name:<15}{outcome['status']:<8}{outcome['seconds']:>8.1f} s  {outcome['reason']}")
-    failed = [name for name, outcome in report["parts"].items() if outcome["status"] != "ok"]
-    return 1 if failed else 0
+        print(f"gpu_check: {name:<11}{outcome['status']:<8}{outcome['seconds']:>7.1f} s  {outcome['reason']}")
+    print(f"gpu_check: {report['seconds']:.0f} s in all; {args.out}")
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -7,11 +7,10 @@ from pathlib import Path
 import yaml
 
 import torch
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import batch_at, build_dataset
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.experts import LoraSpec
@@ -20,7 +19,7 @@ from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.runner import JobRunner
-from vela_ray.training.schedule import lr_at
+from vela_ray.training.equivalence import reference_job_losses
 from vela_ray.paths import data_dir
 from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiny_model import train_tokenizer
@@ -114,33 +113,7 @@ def init_adapter(model_dir: Path, out: Path) -> Path:
 
 def reference_losses(config: JobConfig, device: str = "cpu") -> tuple[list[float], dict]:
     """Plain transformers + peft over the very batches, learning rates and clipping of the job."""
-    train = config.training
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    train_set, _ = build_dataset(config.data, tokenizer).split(train.eval_fraction, train.seed)
-    base = AutoModelForCausalLM.from_pretrained(config.model.path)
-    base.config.use_cache = False  # as vela-ray's master: packed rows need it (see vela_ray.data.examples)
-    model = PeftModel.from_pretrained(base, config.lora.init_adapter, is_trainable=True).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=train.optimizer.lr, betas=train.optimizer.betas,
-                            eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
-    model.train()
-    losses = []
-    for step in range(train.steps):
-        batch = batch_at(train_set, step, train.batch_size, train.seed)
-        size = train.micro_batch_size
-        total = 0.0
-        for i in range(0, train.batch_size, size):
-            micro = {k: v[i:i + size].to(device) for k, v in batch.items()}
-            loss = model(**micro).loss / train.grad_accumulation
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, train.optimizer.max_grad_norm)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(train.optimizer, step, train.steps)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, get_peft_model_state_dict(model)
+    return reference_job_losses(config, device)
 
 
 # The MoE families of the installed transformers that vela-ray refuses, with what the refusal says,

@@ -106,33 +106,58 @@ def test_env_part_alone_on_the_cpu_writes_the_json(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def part(gpu_check, code: str, timeout_s: int = 60, results_json: Path | None = None):
-    return gpu_check.Part("fake", [sys.executable, "-c", code], timeout_s, results_json)
+def part(gpu_check, code: str, timeout_s: int = 60, results_json: str | None = None, cpu_args=None):
+    return gpu_check.Part("fake", [sys.executable, "-c", code], timeout_s, results_json, cpu_args)
 
 
 def test_a_part_fails_on_a_timeout_an_exit_code_or_a_setup_error(tmp_path, capsys):
     gpu_check = load_script("scripts/gpu_check.py")
-    slow = gpu_check.run_part(part(gpu_check, "import time; time.sleep(60)", timeout_s=1))
-    assert slow["status"] == "failed" and slow["reason"] == "timed out after 1 s" and slow["seconds"] < 30
 
-    crash = gpu_check.run_part(part(gpu_check, "import sys; print('Traceback\\nRuntimeError: CUDA error: "
-                                               "unspecified launch failure', file=sys.stderr); sys.exit(3)"))
+    def run_part(part, left_s: float = 600):
+        return gpu_check.run_part(part, tmp_path, False, left_s)
+    slow = run_part(part(gpu_check, "import time; time.sleep(60)", timeout_s=6))
+    assert slow["status"] == "failed" and slow["reason"] == "timed out after 6 s" and slow["seconds"] < 30
+
+    crash = run_part(part(gpu_check, "import sys; print('Traceback\\nRuntimeError: CUDA error: "
+                                     "unspecified launch failure', file=sys.stderr); sys.exit(3)"))
     assert crash["status"] == "failed"
     assert crash["reason"] == "exit 3: RuntimeError: CUDA error: unspecified launch failure"
 
     results = tmp_path / "bench.json"
     write = ("import json, sys; open(sys.argv[1], 'w').write(json.dumps({'results': {'olmoe': {"
              "'peft': {'error': 'out of GPU memory: 80 GiB'}, 'vela_gpu': {'tokens_per_s': 1.0}}}}))")
-    bench = gpu_check.Part("fake", [sys.executable, "-c", write, str(results)], 60, results)
-    failed = gpu_check.run_part(bench)  # exit 0, but a setup failed
+    bench = gpu_check.Part("fake", [sys.executable, "-c", write, str(results)], 60, results.name)
+    failed = run_part(bench)  # exit 0, but a setup failed
     assert failed["status"] == "failed" and failed["reason"] == "olmoe/peft: out of GPU memory: 80 GiB"
 
-    missing = gpu_check.run_part(part(gpu_check, "pass", results_json=tmp_path / "never.json"))
+    missing = run_part(part(gpu_check, "pass", results_json="never.json"))
     assert missing["status"] == "failed" and missing["reason"] == "no results JSON written"
 
-    ok = gpu_check.run_part(part(gpu_check, "print('3 passed in 1.0s')"))
+    ok = run_part(part(gpu_check, "print('3 passed in 1.0s')"))
     assert ok["status"] == "ok" and ok["reason"] == "3 passed in 1.0s"
     assert "3 passed in 1.0s" in capsys.readouterr().out  # a part's output passes through
+
+
+def test_the_budget_caps_each_part_and_a_part_without_time_or_a_cpu_form_is_not_run(tmp_path):
+    gpu_check = load_script("scripts/gpu_check.py")
+    capped = gpu_check.run_part(part(gpu_check, "import time; time.sleep(60)", timeout_s=600), tmp_path, False, 6)
+    assert capped["reason"] == "timed out after 6 s" and capped["timeout_s"] == 6
+    spent = gpu_check.run_part(part(gpu_check, "print('ran')"), tmp_path, False, 2)
+    assert spent["status"] == "failed" and spent["reason"] == "not run: the check's time budget was spent"
+    gpu_only = gpu_check.run_part(part(gpu_check, "print('ran')"), tmp_path, True, 600)
+    assert gpu_only["status"] == "failed" and gpu_only["reason"] == "needs a CUDA device (this part has no CPU form)"
+    cpu_form = gpu_check.run_part(part(gpu_check, "import sys; print(sys.argv[1:])", cpu_args=["--device", "cpu"]),
+                                  tmp_path, True, 600)
+    assert cpu_form["status"] == "ok" and cpu_form["reason"] == "['--device', 'cpu']"
+
+
+def test_the_battery_is_every_part_but_the_ray_tests_within_its_budget():
+    gpu_check = load_script("scripts/gpu_check.py")
+    args = gpu_check.parse_args(["--battery"])
+    assert args.only == ["env", "exactness", "speed", "tiers", "nccl"] and args.budget_s == 360
+    assert args.out == gpu_check.ROOT / "benchmarks" / "results" / "gpu" / "battery.json"
+    assert sum(p.timeout_s for p in gpu_check.PARTS if p.name in args.only) <= 360
+    assert gpu_check.parse_args([]).only == [*args.only, "tests"]
 
 
 def test_setup_errors_reads_both_benchmarks_shapes():

@@ -81,6 +81,7 @@ import datetime
 import json
 import logging
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -174,9 +175,8 @@ def make_nccl_group(store: dist.Store, rank: int, world_size: int, timeout_s: fl
 
 def node_address() -> str:
     """This process's address as other nodes reach it: its Ray node's IP (loopback outside Ray)."""
-    import ray  # unit tests form groups in one process, without Ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    ray = sys.modules.get("ray")  # a process that never imported Ray is outside it (unit tests, a bare GPU node)
+    return ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
 
 
 # -- where payloads live, and over what -------------------------------------------------------

@@ -10,7 +10,8 @@ It reads what a run writes into `output.dir`: `summary.json` as a typed `RunSumm
 the placement was solved for (`summary.placement.problem.probs`), else the run's
 `profile.json` / `profile.npy` read by `placement.io.load_profile`. Charts are
 inline SVG from matplotlib, so the page needs no network and no scripts beyond a
-tiny self-check (`window.onerror` and a count of rendered charts, written into
+tiny self-check; where matplotlib is not installed (a bare GPU node) each chart's place says so and
+the tables are all there (`window.onerror` and a count of rendered charts, written into
 `<body data-rendered=...>` for the browser test).
 
 Sections: the run at a glance (the training method, first-order or zeroth-order, and whether
@@ -34,25 +35,26 @@ Shape legend: L = MoE layers, E = experts per layer, N = workers.
 
 from __future__ import annotations
 
+import functools
 import html
+import importlib.util
 import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
-import matplotlib
+import numpy as np
+import yaml
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
+from placement.cost import experts_per_worker, routing_mass
+from placement.io import load_profile
+from vela_ray.observability.samples import SamplesRecord
+from vela_ray.training.summary import DataRecord, PlacementRecord, RunSummary, StepRecord
+from vela_ray.training.tiers import TierCounters
 
-from placement.cost import experts_per_worker, routing_mass  # noqa: E402
-from placement.io import load_profile  # noqa: E402
-from vela_ray.observability.plots import access_heatmap_figure  # noqa: E402
-from vela_ray.observability.samples import SamplesRecord  # noqa: E402
-from vela_ray.training.summary import DataRecord, PlacementRecord, RunSummary, StepRecord  # noqa: E402
-from vela_ray.training.tiers import TierCounters  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MiB = 2**20
 TIER_COLOURS = {"same_process": "#9e9e9e", "same_node": "#1f77b4", "cross_node": "#d62728"}
@@ -370,7 +372,27 @@ def _loss_text(s: RunSummary) -> str:
 # --- charts: matplotlib figures -> inline SVG ---------------------------------------------------------------
 
 
-def _svg(fig: plt.Figure) -> str:
+@functools.cache
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, imported on the first chart: a run writes its report where
+    matplotlib is not installed too (`charts_available`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def charts_available() -> bool:
+    """Whether matplotlib can be imported here (it is not part of the training core)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _svg(fig: "Figure") -> str:
+    import matplotlib
+
+    plt = _pyplot()
     buffer = io.StringIO()
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays text: smaller, selectable
         fig.savefig(buffer, format="svg", bbox_inches="tight")
@@ -380,7 +402,7 @@ def _svg(fig: plt.Figure) -> str:
 
 
 def loss_chart(history: list[StepRecord]) -> str:
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 3.2))
     ax.plot([h.step for h in history], [h.loss for h in history], color="#1f77b4", label="train loss")
     evals = [(h.step, h.eval_loss) for h in history if h.eval_loss is not None]
     if evals:
@@ -396,7 +418,7 @@ def traffic_chart(history: list[StepRecord], predicted_bytes: float | None = Non
                   replaced_at: list[int] | None = None) -> str:
     """Stacked MiB per step by link tier (tiers with no traffic are left out); dashed: the placement's prediction;
     dotted verticals: re-placements adopted after those steps."""
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 3.2))
     for n, step in enumerate(replaced_at or []):
         ax.axvline(step + 0.5, color="#555555", linestyle=":", linewidth=1, label="re-placement" if n == 0 else None)
     steps = np.asarray([h.step for h in history])
@@ -417,7 +439,7 @@ def traffic_chart(history: list[StepRecord], predicted_bytes: float | None = Non
 
 def comm_chart(comms: list[WorkerComm]) -> str:
     """Grouped bars per worker: predicted and measured MiB per step."""
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 3.2))
     x = np.arange(len(comms))
     measured = [c.measured_bytes / MiB for c in comms]
     if all(c.predicted_bytes is not None for c in comms):
@@ -437,6 +459,8 @@ def comm_chart(comms: list[WorkerComm]) -> str:
 
 def heatmap_chart(probs_LE: np.ndarray, expert_to_worker_LE: np.ndarray, top_k: int | None = None) -> str:
     """P [L, E] as a heatmap, each cell naming the worker that holds the expert (`plots.access_heatmap_figure`)."""
+    from vela_ray.observability.plots import access_heatmap_figure
+
     return _svg(access_heatmap_figure({"": probs_LE}, top_k=top_k, owners_LE=expert_to_worker_LE))
 
 
@@ -642,8 +666,12 @@ def _section(anchor: str, title: str, body: str, note: str = "") -> str:
     return f'<section id="{anchor}"><h2>{title}</h2>{note_html}{body}</section>'
 
 
-def _chart(name: str, svg: str) -> str:
-    return f'<div class="chart" data-chart="{name}">{svg}</div>'
+def _chart(name: str, draw: Callable[[], str]) -> str:
+    """The chart `draw()` returns as SVG; without matplotlib, a line saying so in its place."""
+    if not charts_available():
+        return (f'<p class="note" data-chart-missing="{name}">Chart left out: matplotlib is not installed here '
+                f"(pip install matplotlib, then <code>vela report</code> on this run draws it).</p>")
+    return f'<div class="chart" data-chart="{name}">{draw()}</div>'
 
 
 def render_html(run: Run) -> str:
@@ -659,15 +687,15 @@ def render_html(run: Run) -> str:
                  "routed rows it serves (from the access profile)."),
         _heatmap_section(run),
         _section("traffic", "Traffic by link tier",
-                 _chart("traffic", traffic_chart(run.summary.history, _total(comms), [
+                 _chart("traffic", lambda: traffic_chart(run.summary.history, _total(comms), [
                      m.step for m in run.summary.migrations if m.reason == "drift"])),
                  "Bytes the broker moved per training step (dispatch, gather and their gradients), by the "
                  "link tier between the master and the worker."),
         _section("comm", "Predicted vs measured communication",
-                 _chart("comm", comm_chart(comms)) + comm_table(comms), html.escape(_comm_note(run))),
+                 _chart("comm", lambda: comm_chart(comms)) + comm_table(comms), html.escape(_comm_note(run))),
         *([_section("tiers", "Expert tiers (APTMoE)", tiers_table(run.summary), html.escape(_tiers_note(run)))]
           if run.summary.expert_tiers else []),
-        _section("loss", "Loss", _chart("loss", loss_chart(run.summary.history))),
+        _section("loss", "Loss", _chart("loss", lambda: loss_chart(run.summary.history))),
         *([_section("drift", "Routing drift", drift_table(run.summary.history),
                     "Per MoE layer: the total-variation distance of a step's routing from the profile the placement "
                     "was solved for (0: the same distribution, 1: disjoint). It moves when the router trains "
@@ -697,8 +725,9 @@ def _heatmap_section(run: Run) -> str:
                         '<p class="note">No access profile in this run (the placement was not solved for a '
                         "measured or given profile).</p>")
     problem = run.summary.placement.problem
-    chart = heatmap_chart(run.probs_LE, run.table_LE, None if problem is None else problem.top_k)
-    return _section("access", "Expert access heatmap", _chart("heatmap", chart),
+    chart = _chart("heatmap", lambda: heatmap_chart(run.probs_LE, run.table_LE,
+                                                    None if problem is None else problem.top_k))
+    return _section("access", "Expert access heatmap", chart,
                     f"P[layer, expert]: the share of a layer's tokens routed to the expert (rows sum to top-k), "
                     f"from {html.escape(run.profile_source or '?')}; each cell names the expert's worker.")
 

@@ -8,27 +8,38 @@ under a scattered placement and moves rows through whichever transport
 
 The test suite runs it on every family of the pinned transformers (tests/unit/test_every_family.py);
 preflight runs it on a debug-size copy of a family outside that set (`family_check`), so a
-family is trained only where vela-ray's numbers are shown equal to peft's.
+family is trained only where vela-ray's numbers are shown equal to peft's; the GPU battery
+(`scripts/gpu_exactness.py`) runs it on a GPU (`build_pair(..., device="cuda")`).
+
+Low precision: rounding makes the two sides' updates differ, so `expert_drifts` measures by how much
+against what rounding does to peft alone (`exact_reference`: peft on the same weights computed in
+fp32), and `rounding_excess` says where vela-ray's updates leave that spread. Whole jobs:
+`reference_job_losses` is plain peft over the very batches, learning rates and clipping of a job.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
-from vela_ray.model.adapters import ADAPTER_FILE, full_lora_config, resolve_expert_lora
+from vela_ray.data.datasets import batch_at, build_dataset
+from vela_ray.model.adapters import ADAPTER_FILE, backbone_state_of, full_lora_config, resolve_expert_lora
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.training.optim import ShardTrainer, make_adamw
 from vela_ray.training.schedule import OptimizerConfig, lr_at
 from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, export, import_adapter, train_step
+
+if TYPE_CHECKING:
+    from vela_ray.config import JobConfig
 
 LORA = LoraSpec(r=4, alpha=8)
 OPTIM = OptimizerConfig(lr=1e-2, max_grad_norm=0.5, warmup_steps=1)
@@ -40,12 +51,14 @@ def scattered_placement(num_layers: int, num_experts: int, num_workers: int = 3)
     return torch.tensor([[(l + 2 * e + e // 3) % num_workers for e in range(num_experts)] for l in range(num_layers)])
 
 
-def micro_batches(step: int, vocab: int = 128, count: int = 2, batch: int = 2, seq: int = 12):
-    """The step's micro-batches: random token ids in [3, vocab), labels = inputs."""
+def micro_batches(step: int, vocab: int = 128, count: int = 2, batch: int = 2, seq: int = 12,
+                  device: str | torch.device = "cpu"):
+    """The step's micro-batches: random token ids in [3, vocab), labels = inputs (drawn on the CPU, so
+    every device sees the same ones)."""
     g = torch.Generator().manual_seed(1000 + step)
     out = []
     for _ in range(count):
-        ids = torch.randint(3, vocab, (batch, seq), generator=g)
+        ids = torch.randint(3, vocab, (batch, seq), generator=g).to(device)
         out.append({"input_ids": ids, "labels": ids})
     return out
 
@@ -59,14 +72,18 @@ class Pair:
     adapter_dir: str  # the adapter both sides start from (peft's save_pretrained before any step)
     optim: OptimizerConfig = OPTIM  # both sides' AdamW, schedule and clipping
     trainers: list[ShardTrainer] = field(default_factory=list)  # the in-process workers build_pair made
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # both sides' (and the batches')
 
 
 def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | None = None,
                dtype: torch.dtype = torch.float32, num_workers: int = 3,
-               optim: OptimizerConfig = OPTIM, lora: LoraSpec = LORA) -> Pair:
+               optim: OptimizerConfig = OPTIM, lora: LoraSpec = LORA, device: str | torch.device = "cpu") -> Pair:
     """The peft reference and vela-ray's master + shards, both from `make_model()` (called twice: it
     must return the same weights each time), with one shared random-B adapter. `lora`: the LoRA options
-    both sides train with (peft's `LoraConfig` from `full_lora_config`, the same spec for vela-ray)."""
+    both sides train with (peft's `LoraConfig` from `full_lora_config`, the same spec for vela-ray).
+    `device`: where both sides compute: peft's model, vela-ray's master and its in-process shards (the
+    one-GPU configuration, `cluster.workers_on_master = num_workers`)."""
+    device = torch.device(device)
     reference = make_model().to(dtype)
     cfg = full_lora_config(reference, lora)
     cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
@@ -85,13 +102,16 @@ def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | N
                                  experts_prototypes(model.config))
         for n in range(num_workers)
     ]
+    shards = [shard.to(device) for shard in shards]
     transport = (make_transport or InProcessTransport)(shards)
     master = build_master(model, table, transport, lora, optim)
+    master.peft_model.to(device)  # as the runner does: after the brokers replaced the experts
     trainers = [ShardTrainer(s, optim) for s in shards]
     workers = ExpertWorkers.in_process(trainers)
     import_adapter(master, workers, adapter_dir)
+    reference.to(device)
     ref_optimizer = make_adamw([p for p in reference.parameters() if p.requires_grad], optim)
-    return Pair(reference, ref_optimizer, master, workers, adapter_dir, optim, trainers)
+    return Pair(reference, ref_optimizer, master, workers, adapter_dir, optim, trainers, device)
 
 
 def reference_step(pair: Pair, batches, lr: float) -> float:
@@ -117,7 +137,7 @@ def run_both(pair: Pair, steps: int = 5, vocab: int = 128) -> tuple[list[float],
     """`steps` steps on both sides; (peft's losses, vela-ray's losses)."""
     ref_losses, vela_losses = [], []
     for step in range(steps):
-        batches = micro_batches(step, vocab)
+        batches = micro_batches(step, vocab, device=pair.device)
         lr = lr_at(pair.optim, step, steps)
         torch.manual_seed(step)  # both sides draw the same numbers (PhiMoE's router samples in training)
         ref_losses.append(reference_step(pair, batches, lr))
@@ -131,7 +151,8 @@ def run_reference(pair: Pair, steps: int, vocab: int = 128) -> list[float]:
     losses = []
     for step in range(steps):
         torch.manual_seed(step)
-        losses.append(reference_step(pair, micro_batches(step, vocab), lr_at(pair.optim, step, steps)))
+        losses.append(reference_step(pair, micro_batches(step, vocab, device=pair.device),
+                                     lr_at(pair.optim, step, steps)))
     return losses
 
 
@@ -162,3 +183,115 @@ def held_out_loss(model: nn.Module, vocab: int = 128) -> torch.Tensor:
     batch = micro_batches(99, vocab)[0]
     with torch.no_grad():
         return model.eval()(**batch).loss
+
+
+# -- low precision: vela-ray's updates against the spread rounding gives peft's own ---------------------
+
+def exact_reference(pair: Pair, make_model: Callable[[], nn.Module], dtype: torch.dtype) -> Pair:
+    """peft on `pair`'s model in exact arithmetic: the same `dtype`-valued weights (`make_model()`) and start
+    adapter, computed in fp32 on `pair.device` (no master or workers). `run_reference` it as far as
+    `run_both` ran `pair` to see what rounding in `dtype` alone does to peft's updates."""
+    model = make_model().to(dtype).float()
+    reference = PeftModel.from_pretrained(model, pair.adapter_dir, is_trainable=True).to(pair.device)
+    optimizer = make_adamw([p for p in reference.parameters() if p.requires_grad], pair.optim)
+    return Pair(reference, optimizer, None, None, pair.adapter_dir, pair.optim, device=pair.device)
+
+
+def expert_keys(pair: Pair) -> list[str]:
+    """peft keys of the fused expert factors: the adapter's keys the master's backbone lacks."""
+    backbone = backbone_state_of(pair.master.peft_model)
+    return sorted(k for k in start_adapter(pair) if k not in backbone)
+
+
+@dataclass(frozen=True)
+class Drifts:
+    """Per fused expert LoRA tensor (peft key), after the same steps: how far one side's update is from
+    another's (`factor_drift`). `exact`: peft on the same weights in exact arithmetic (`exact_reference`)."""
+
+    vela_vs_peft: dict[str, float]
+    peft_vs_exact: dict[str, float]
+    vela_vs_exact: dict[str, float]
+
+    @property
+    def rounding(self) -> float:
+        """What rounding alone does to peft's own update: its largest drift from the exact run."""
+        return max(self.peft_vs_exact.values())
+
+    def summary(self) -> dict[str, float]:
+        """The largest drift of each comparison, as a results file records it."""
+        return {"peft_vs_exact": self.rounding, "vela_vs_peft": max(self.vela_vs_peft.values()),
+                "vela_vs_exact": max(self.vela_vs_exact.values())}
+
+
+def expert_drifts(pair: Pair, make_model: Callable[[], nn.Module], dtype: torch.dtype, steps: int) -> Drifts:
+    """`run_both(pair, steps)` and peft's exact run of the same steps; how the expert updates compare."""
+    run_both(pair, steps)
+    exact = exact_reference(pair, make_model, dtype)
+    run_reference(exact, steps)
+    keys, start = expert_keys(pair), start_adapter(pair)
+    vela, peft, truth = exported_adapter(pair), reference_adapter_state(pair), reference_adapter_state(exact)
+    return Drifts(factor_drift(vela, peft, start, keys), factor_drift(peft, truth, start, keys),
+                  factor_drift(vela, truth, start, keys))
+
+
+def factor_drift(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                 start: dict[str, torch.Tensor], keys: list[str]) -> dict[str, float]:
+    """Per key, how far `state`'s change from `start` is from `reference`'s: |d_state - d_ref| / |d_ref|
+    (L2 over the tensor; 0: the same update, ~1: unrelated or no update)."""
+    drift = {}
+    for key in keys:
+        moved_ref = reference[key].float().cpu() - start[key].float()
+        moved = state[key].float().cpu() - start[key].float()
+        drift[key] = float((moved - moved_ref).norm() / moved_ref.norm())
+    return drift
+
+
+def rounding_excess(drifts: Drifts) -> list[str]:
+    """Where vela-ray's expert updates leave what rounding explains (empty: within it). Rounding is
+    `drifts.rounding`: two runs each off the exact one by that much differ by up to sqrt(2) times it, and
+    vela-ray's own drift from the exact run stays within 25% of peft's. Above 0.5 the runs no longer follow
+    the exact one, and the bound says nothing."""
+    eps = drifts.rounding
+    if eps >= 0.5:
+        return [f"peft's own run drifted {eps:.2f} from exact arithmetic"]
+    problems = [f"{key}: vela-ray's update is {drift:.3f} off peft's (rounding alone: {eps:.3f})"
+                for key, drift in drifts.vela_vs_peft.items() if drift > math.sqrt(2) * eps]
+    if max(drifts.vela_vs_exact.values()) > 1.25 * eps:
+        problems.append(f"vela-ray is {max(drifts.vela_vs_exact.values()):.3f} from exact, peft {eps:.3f}")
+    return problems
+
+
+# -- whole jobs ---------------------------------------------------------------------------------------------
+
+def reference_job_losses(config: "JobConfig", device: str | torch.device = "cpu") -> tuple[list[float], dict]:
+    """Plain transformers + peft over the very batches, learning rates and clipping of the job `config`
+    (its model directory and start adapter, `lora.init_adapter`); (losses, the adapter's state) after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train = config.training
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    train_set, _ = build_dataset(config.data, tokenizer).split(train.eval_fraction, train.seed)
+    base = AutoModelForCausalLM.from_pretrained(config.model.path)
+    base.config.use_cache = False  # as vela-ray's master: packed rows need it (see vela_ray.data.examples)
+    model = PeftModel.from_pretrained(base, config.lora.init_adapter, is_trainable=True).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=train.optimizer.lr, betas=train.optimizer.betas,
+                            eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
+    model.train()
+    losses = []
+    for step in range(train.steps):
+        batch = batch_at(train_set, step, train.batch_size, train.seed)
+        size = train.micro_batch_size
+        total = 0.0
+        for i in range(0, train.batch_size, size):
+            micro = {k: v[i:i + size].to(device) for k, v in batch.items()}
+            loss = model(**micro).loss / train.grad_accumulation
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, train.optimizer.max_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(train.optimizer, step, train.steps)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, get_peft_model_state_dict(model)

@@ -11,6 +11,7 @@ compute seconds per row), and its data plane's counters so far. The pools (`vela
 
 from __future__ import annotations
 
+import sys
 from itertools import chain
 from typing import Sequence
 
@@ -53,10 +54,10 @@ def hosted_bytes_per_expert(reports: Sequence[WorkerReport]) -> int:
 
 
 def node_id() -> str:
-    """The Ray node this process runs on, or `LOCAL_NODE` outside Ray."""
-    import ray  # ExpertManagers are built in-process by unit tests, where Ray is not needed
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else LOCAL_NODE
+    """The Ray node this process runs on, or `LOCAL_NODE` outside Ray. A process that never imported Ray
+    is not in a Ray cluster, so Ray is not imported here (in-process runs need not have it installed)."""
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else LOCAL_NODE
 
 
 def bytes_per_expert(shard: ExpertShard) -> int | None:
