@@ -6,7 +6,7 @@ Per family (debug Mixtral and debug Qwen3-MoE, built here: no hub, no data set),
                   ExpertManager on the device (`cluster.workers_on_master = num_workers`, `master_gpus: 1`
                   on CUDA), its placement solved by the `improved` solver (the greedy start where cvxpy is
                   not installed), against plain peft on the same device over the very batches
-                  (`equivalence.reference_job_losses`): losses equal within `--rtol` (1e-4)
+                  (`equivalence.peft_losses`): losses equal within `--rtol` (1e-4)
     bf16_factors  a bf16 model, LoRA factors and AdamW state in fp32, `--bf16-steps` (30) at lr 3e-5
                   (`equivalence.build_pair(..., device=)`): the expert factors' updates stay within the spread
                   bf16 rounding gives peft's own (`equivalence.rounding_excess`, as
@@ -97,7 +97,6 @@ def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: 
     from vela_ray.config import JobConfig
     from vela_ray.runtime.local import InProcessPool
     from vela_ray.runtime.runner import JobRunner
-    from vela_ray.training.equivalence import reference_job_losses
 
     model_dir, adapter = build_checkpoint(family, write_corpus(work / "corpus.txt"), work)
     config = JobConfig.from_dict({
@@ -112,13 +111,28 @@ def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: 
     })
     config.preflight()
     summary = JobRunner(config, InProcessPool(config, device=device.type)).run()
-    reference, _ = reference_job_losses(config, device)
+    reference, _ = peft_reference(config, device)
     worst = max(abs(a - b) / abs(b) for a, b in zip(summary.losses, reference))
     result = {"losses": summary.losses, "peft_losses": reference, "max_rel_diff": worst, "rtol": args.rtol,
               "placement_solver": summary.placement.solver, "lower_bound_s": summary.placement.lower_bound_s}
     if not worst <= args.rtol:
         result["error"] = f"losses {worst:.2e} off peft's (rtol {args.rtol:g})"
     return result
+
+
+def peft_reference(config, device: torch.device) -> tuple[list[float], dict]:
+    """Plain peft on `device` over the job's very batches (`equivalence.peft_losses`)."""
+    from transformers import AutoTokenizer
+
+    from vela_ray.data.datasets import batch_at, build_dataset, micro_batches
+    from vela_ray.training.equivalence import peft_losses
+
+    train = config.training
+    train_set, _ = build_dataset(config.data, AutoTokenizer.from_pretrained(config.model.path)).split(
+        train.eval_fraction, train.seed)
+    steps = [micro_batches(batch_at(train_set, step, train.batch_size, train.seed), train.micro_batch_size)
+             for step in range(train.steps)]
+    return peft_losses(config.model.path, config.lora.init_adapter, steps, train.optimizer, device)
 
 
 def bf16_factors(family: str, device: torch.device, args: argparse.Namespace, work: Path) -> dict:

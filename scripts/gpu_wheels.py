@@ -39,9 +39,11 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 ROOT = Path(__file__).resolve().parents[1]
 ROOTS = ("transformers", "tokenizers", "safetensors", "huggingface-hub", "peft", "pydantic", "pyyaml", "tqdm",
          "psutil")
-# What the reference node already has: a CUDA torch, torch's own requirements (and theirs), numpy.
-NODE_HAS = frozenset({"torch", "triton", "filelock", "typing-extensions", "sympy", "mpmath", "networkx", "jinja2",
-                      "markupsafe", "fsspec", "setuptools", "numpy"})
+# What the reference node already has: a CUDA torch, torch's own requirements (and theirs), numpy. Not
+# typing-extensions, which torch needs too: pydantic's pin asks for a newer one than a torch image may hold
+# (>= 4.16), and its 45 KB wheel is only installed where the node's is older.
+NODE_HAS = frozenset({"torch", "triton", "filelock", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec",
+                      "setuptools", "numpy"})
 LIMIT_BYTES = 60 * 2**20
 
 

@@ -8,9 +8,10 @@ import yaml
 
 import torch
 from peft import get_peft_model
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from vela_ray.config import JobConfig
+from vela_ray.data.datasets import batch_at, build_dataset, micro_batches
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.experts import LoraSpec
@@ -19,7 +20,7 @@ from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.runner import JobRunner
-from vela_ray.training.equivalence import reference_job_losses
+from vela_ray.training.equivalence import peft_losses
 from vela_ray.paths import data_dir
 from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiny_model import train_tokenizer
@@ -113,7 +114,12 @@ def init_adapter(model_dir: Path, out: Path) -> Path:
 
 def reference_losses(config: JobConfig, device: str = "cpu") -> tuple[list[float], dict]:
     """Plain transformers + peft over the very batches, learning rates and clipping of the job."""
-    return reference_job_losses(config, device)
+    train = config.training
+    train_set, _ = build_dataset(config.data, AutoTokenizer.from_pretrained(config.model.path)).split(
+        train.eval_fraction, train.seed)
+    steps = [micro_batches(batch_at(train_set, step, train.batch_size, train.seed),
+                           train.micro_batch_size or train.batch_size) for step in range(train.steps)]
+    return peft_losses(config.model.path, config.lora.init_adapter, steps, train.optimizer, device)
 
 
 # The MoE families of the installed transformers that vela-ray refuses, with what the refusal says,

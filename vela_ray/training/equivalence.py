@@ -14,7 +14,7 @@ family is trained only where vela-ray's numbers are shown equal to peft's; the G
 Low precision: rounding makes the two sides' updates differ, so `expert_drifts` measures by how much
 against what rounding does to peft alone (`exact_reference`: peft on the same weights computed in
 fp32), and `rounding_excess` says where vela-ray's updates leave that spread. Whole jobs:
-`reference_job_losses` is plain peft over the very batches, learning rates and clipping of a job.
+`peft_losses` is plain peft over a job's very batches, learning rates and clipping.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from __future__ import annotations
 import math
 import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
 import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
-from vela_ray.data.datasets import batch_at, build_dataset
 from vela_ray.model.adapters import ADAPTER_FILE, backbone_state_of, full_lora_config, resolve_expert_lora
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
@@ -37,9 +36,6 @@ from vela_ray.model.transport import InProcessTransport
 from vela_ray.training.optim import ShardTrainer, make_adamw
 from vela_ray.training.schedule import OptimizerConfig, lr_at
 from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, export, import_adapter, train_step
-
-if TYPE_CHECKING:
-    from vela_ray.config import JobConfig
 
 LORA = LoraSpec(r=4, alpha=8)
 OPTIM = OptimizerConfig(lr=1e-2, max_grad_norm=0.5, warmup_steps=1)
@@ -263,34 +259,29 @@ def rounding_excess(drifts: Drifts) -> list[str]:
 
 # -- whole jobs ---------------------------------------------------------------------------------------------
 
-def reference_job_losses(config: "JobConfig", device: str | torch.device = "cpu") -> tuple[list[float], dict]:
-    """Plain transformers + peft over the very batches, learning rates and clipping of the job `config`
-    (its model directory and start adapter, `lora.init_adapter`); (losses, the adapter's state) after."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def peft_losses(model_dir: str, adapter_dir: str, step_batches: Sequence[list[dict[str, torch.Tensor]]],
+                optim: OptimizerConfig, device: str | torch.device = "cpu") -> tuple[list[float], dict]:
+    """Plain transformers + peft from `model_dir` and the start adapter `adapter_dir`, a step per entry of
+    `step_batches` (its micro-batches, the loss of each divided by their number), global-norm clipping,
+    `optim`'s AdamW and schedule: the reference a whole job is held to. (losses, the adapter's state after)."""
+    from transformers import AutoModelForCausalLM
 
-    train = config.training
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    train_set, _ = build_dataset(config.data, tokenizer).split(train.eval_fraction, train.seed)
-    base = AutoModelForCausalLM.from_pretrained(config.model.path)
-    base.config.use_cache = False  # as vela-ray's master: packed rows need it (see vela_ray.data.examples)
-    model = PeftModel.from_pretrained(base, config.lora.init_adapter, is_trainable=True).to(device)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, use_cache=False)  # as vela-ray's master: packed rows
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=train.optimizer.lr, betas=train.optimizer.betas,
-                            eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
+    opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
     model.train()
     losses = []
-    for step in range(train.steps):
-        batch = batch_at(train_set, step, train.batch_size, train.seed)
-        size = train.micro_batch_size
+    for step, batches in enumerate(step_batches):
         total = 0.0
-        for i in range(0, train.batch_size, size):
-            micro = {k: v[i:i + size].to(device) for k, v in batch.items()}
-            loss = model(**micro).loss / train.grad_accumulation
+        for micro in batches:
+            loss = model(**{k: v.to(device) for k, v in micro.items()}).loss / len(batches)
             loss.backward()
             total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, train.optimizer.max_grad_norm)
+        if optim.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
         for group in opt.param_groups:
-            group["lr"] = lr_at(train.optimizer, step, train.steps)
+            group["lr"] = lr_at(optim, step, len(step_batches))
         opt.step()
         opt.zero_grad()
         losses.append(total)
