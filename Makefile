@@ -35,7 +35,7 @@ gpu-battery:
 	$(NODE_PYTHON) scripts/gpu_check.py --battery
 
 # Everything a GPU machine with the project installed should show: the battery and the gpu tests (Ray's
-# included), into benchmarks/results/gpu_check.json (scripts/gpu_check.py). Fails, saying so, without CUDA.
+# included), into benchmarks/results/gpu/gpu_check.json (scripts/gpu_check.py). Fails, saying so, without CUDA.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py
 

@@ -12,7 +12,8 @@ The parts, in order, each a subprocess with its own timeout, under one wall-cloc
                 bf16 expert-factor updates within peft-bf16's own spread
     speed       `benchmarks/gpu_step.py --setups peft vela_gpu` at OLMoE-1B-7B width, 4 of its 16 layers
     tiers       `benchmarks/big_on_one_gpu.py --layers 2 --setups vela_tiers vela_zo` under a 4 GiB budget
-                with 8 of the 16 experts cached, so the tiers upload and compute on both sides
+                with 8 of the 16 experts cached, so the tiers upload and compute on both sides (2 x 256 tokens,
+                2 timed steps: the CPU's share of a Mixtral-8x7B expert is seconds)
     nccl        `scripts/gpu_nccl.py`: rows over the collective plane's NCCL group between two GPUs; skipped,
                 saying why, on one GPU (NCCL refuses two ranks on one GPU)
     tests       `pytest tests -m gpu` with VELA_REQUIRE_GPU=1 (a skipped gpu test fails, tests/conftest.py);
@@ -49,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-OUT = RESULTS / "gpu_check.json"
+OUT = RESULTS / "gpu" / "gpu_check.json"
 BATTERY_OUT = RESULTS / "gpu" / "battery.json"
 BATTERY_BUDGET_S = 360  # the battery's wall clock, imports included: a GPU node's time is short
 # what the env part reports the versions of; the last four are the cluster's, absent from a bare node
@@ -81,7 +82,8 @@ PARTS = [
                    "vela_gpu", "--steps", "5", "--out", "{out}/gpu_step.json"], 90, "gpu_step.json",
          cpu_args=["--device", "cpu", "--tiny"]),
     Part("tiers", [sys.executable, "benchmarks/big_on_one_gpu.py", "--layers", "2", "--setups", "vela_tiers", "vela_zo",
-                   "--gpu-memory", "4", "--cache-experts", "8", "--out", "{out}/big_on_one_gpu.json"], 80,
+                   "--gpu-memory", "4", "--cache-experts", "8", "--batch", "2", "--seq", "256", "--steps", "2",
+                   "--out", "{out}/big_on_one_gpu.json"], 80,
          "big_on_one_gpu.json", cpu_args=["--device", "cpu", "--tiny", "--cache-experts", "4"]),
     Part("nccl", [sys.executable, "scripts/gpu_nccl.py"], 25, cpu_args=[]),
     Part("tests", [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-p", "no:cacheprovider", "-q",
