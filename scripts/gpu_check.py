@@ -77,7 +77,7 @@ class Part:
 PARTS = [
     Part("env", [sys.executable, str(Path(__file__).resolve()), "--env-probe"], 45, cpu_args=[]),
     Part("exactness", [sys.executable, "scripts/gpu_exactness.py", "--out", "{out}/exactness.json"], 120,
-         "exactness.json", cpu_args=["--device", "cpu", "--bf16-steps", "10"]),
+         "exactness.json", cpu_args=["--device", "cpu"]),
     Part("speed", [sys.executable, "benchmarks/gpu_step.py", "--models", "olmoe", "--layers", "4", "--setups", "peft",
                    "vela_gpu", "--steps", "5", "--out", "{out}/gpu_step.json"], 90, "gpu_step.json",
          cpu_args=["--device", "cpu", "--tiny"]),
