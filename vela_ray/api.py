@@ -145,15 +145,26 @@ class VelaJob:
         return VelaActorError(f"the MasterActor died ({first_line(err)}); {resume}")
 
     def _connect(self) -> bool:
-        """Connect to Ray; returns True when this call started a local instance to shut down later."""
+        """Connect to Ray; returns True when this call started a local instance to shut down later.
+
+        `cluster.address` (else RAY_ADDRESS, as `ray job submit` sets it) names a cluster to join; without
+        either the run starts its own local instance (Ray's "local"), whatever else runs on the machine: a
+        plain `ray.init()` would join the cluster a `ray start` left on it instead, and refuse our CPUs."""
         if ray.is_initialized():
             return False
         address = self.config.cluster.address or os.environ.get("RAY_ADDRESS")
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-        if address:
+        if not address:  # this machine's cores, not more: the resource check must see what really is here
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=env,
+                     log_to_driver=True)
+            return True
+        try:
             ray.init(address=address, runtime_env=env, log_to_driver=True)
-        else:  # this machine's cores, not more: the resource check must see what really is here
-            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=env, log_to_driver=True)
+        except ConnectionError as err:
+            source = "cluster.address" if self.config.cluster.address else "RAY_ADDRESS"
+            raise ClusterError(f"{source} {address}: no Ray cluster answers there ({first_line(err)}); start one "
+                               f"there (ray start --head) or leave {source} unset for a local Ray of this "
+                               f"machine's own") from None
         return True
 
 

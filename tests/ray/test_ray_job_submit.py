@@ -1,9 +1,12 @@
-"""`ray job submit ... -- vela train --config job.yaml` against a head started with `ray start`, token auth on."""
+"""`ray job submit ... -- vela train --config job.yaml` against a head started with `ray start`, token auth on;
+and `vela train` beside such a head, with no address: a local Ray of its own."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,3 +40,27 @@ def test_ray_job_submit_runs_vela_train_and_writes_adapter_and_summary(tmp_path)
     assert summary["steps"] == 2 and len(summary["losses"]) == 2
     adapter = tmp_path / "out" / "adapter"
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)  # loads cleanly
+
+
+def test_vela_train_without_an_address_starts_its_own_ray_beside_a_running_cluster(tmp_path):
+    """A `ray start --head` already up on the machine (recorded as the current cluster, as `ray start` records
+    it): `vela train` with `cluster.address: null` and no RAY_ADDRESS starts a local Ray of its own instead of
+    joining that one (which refused the CPUs it asks for: "When connecting to an existing cluster, num_cpus and
+    num_gpus must not be provided"). RAY_TMPDIR keeps the record away from the machine's own /tmp/ray."""
+    model_dir = make_checkpoint(tmp_path / "model")
+    job = write_job(tmp_path / "job.yaml", job_dict(model_dir, tmp_path / "out", steps=2))
+    env = auth_env()
+    env.pop("RAY_ADDRESS", None)
+    gcs_port = free_port()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="vt", dir="/tmp"))  # short: Ray's socket paths under it
+    try:
+        with ray_head(env, f"--port={gcs_port}", "--num-cpus=1", "--include-dashboard=false", wait_port=gcs_port):
+            (ray_tmp / "ray").mkdir()
+            (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{gcs_port}")
+            result = subprocess.run([str(BIN_DIR / "vela"), "train", "--config", str(job)],
+                                    env={**env, "RAY_TMPDIR": str(ray_tmp)}, capture_output=True, text=True,
+                                    timeout=480)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 2
