@@ -337,8 +337,10 @@ def check_resume(config: JobConfig, model: ModelFacts) -> tuple[Path | None, int
     """(checkpoint, its step) to continue from, fully verified; (None, 0) for a fresh run.
 
     Refuses a checkpoint of another model or LoRA config, and one that already reached
-    `training.steps` (the run is complete: there is nothing to continue)."""
+    `training.steps` (the run is complete: there is nothing to continue). A `training.steps` other than the
+    run's recomputes a decaying schedule over the new total: said in one line, with what it does."""
     from vela_ray.training import checkpoint
+    from vela_ray.training.schedule import schedule_change
 
     spec = config.checkpoint.resume
     if spec is None:
@@ -359,6 +361,9 @@ def check_resume(config: JobConfig, model: ModelFacts) -> tuple[Path | None, int
         raise ValueError(f"checkpoint.resume (--resume): {path} is at step {step}: the run is complete at step "
                          f"{step} (training.steps {steps}); raise training.steps above {step} to continue")
     logger.info("will resume from %s (step %d of %d)", path, step, steps)
+    planned = checkpoint.read_trainer(path).get("total_steps")
+    if planned and (change := schedule_change(config.training.optimizer, step, planned, steps)):
+        logger.warning(change)
     return path.resolve(), step
 
 

@@ -22,6 +22,7 @@ from tests.fixtures import job_dict, make_checkpoint, write_job
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import build_dataset
 from vela_ray.preflight import check_cluster_resources
+from vela_ray.training.schedule import OptimizerConfig, lr_at
 from vela_ray.training.tiers import ExpertTiersConfig
 from vela_ray.training import checkpoint as ckpt
 
@@ -51,9 +52,11 @@ def test_a_good_config_passes_preflight_and_counts_the_rows_the_master_trains_on
     assert not (tmp_path / "out").exists()  # the write probe is gone, and the dir preflight made for it
 
 
-def _ckpt(root: Path, step: int) -> Path:
+def _ckpt(root: Path, step: int, trainer: dict | None = None) -> Path:
     staging = ckpt.begin(root, step)
     ckpt.write_tensors(staging / "backbone.safetensors", {"w": torch.zeros(4)})
+    if trainer is not None:
+        (staging / "trainer.json").write_text(json.dumps(trainer))
     meta = {"model_type": "mixtral", "moe_layers": 2, "experts": 6, "hidden_size": 32, "lora_r": 8,
             "lora_alpha": 16.0}
     return ckpt.finalize(staging, step, meta)
@@ -76,6 +79,26 @@ def test_resume_continues_when_training_steps_was_raised(checkpoint, tmp_path):
         _config(checkpoint, tmp_path, training={"steps": 3}).with_resume("latest").preflight()
     checked = _config(checkpoint, tmp_path, training={"steps": 5}).with_resume(str(done)).preflight()
     assert (checked.resume, checked.resume_step) == (done.resolve(), 3)
+
+
+def test_raised_training_steps_on_resume_say_in_one_line_what_the_schedule_now_does(checkpoint, tmp_path, caplog):
+    """The schedule is recomputed over the new total (cosine: 2.5e-4 at step 4 of 8 where the 4-step run was at
+    its end): said once, before the run, with the fix; nothing said where the next lr is unchanged."""
+    done = _ckpt(tmp_path / "out" / "checkpoints", 3, trainer={"step": 3, "total_steps": 4})
+    optimizer = {"lr": 1e-3, "schedule": "cosine"}
+    with caplog.at_level(logging.WARNING, logger="vela_ray.preflight"):
+        _config(checkpoint, tmp_path, training={"steps": 8, "optimizer": optimizer}).with_resume(str(done)).preflight()
+    cfg = OptimizerConfig(**optimizer)
+    old, new = lr_at(cfg, 3, 4), lr_at(cfg, 3, 8)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"training.steps is 8, the checkpoint's run had 4: the cosine schedule now spans 8 steps, so step 4's "
+        f"learning rate is {new:.3g} where the run's schedule gave {old:.3g} (x{new / old:.3g}); keep "
+        f"training.steps 4 to finish the run as it was planned"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vela_ray.preflight"):
+        _config(checkpoint, tmp_path, training={"steps": 8, "optimizer": {**optimizer, "schedule": "constant"}}
+                ).with_resume(str(done)).preflight()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 @pytest.mark.parametrize("cluster, available, message", [

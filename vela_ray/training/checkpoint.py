@@ -509,11 +509,16 @@ def read_expert_states_at(ref: str | Path, keys: list[ExpertKey]) -> dict[Expert
         return read_expert_states(Path(tmp), manifest, keys)
 
 
+def read_trainer(path: str | Path) -> dict:
+    """Checkpoint `path`'s `trainer.json` (where the run stood: its step, planned steps, placement...), or {}."""
+    trainer = Path(path) / "trainer.json"
+    return json.loads(trainer.read_text()) if trainer.is_file() else {}
+
+
 def read_run(path: str | Path) -> dict | None:
     """The identity of the run checkpoint `path` belongs to (`vela_ray.runs.RunIdentity` as a dict), or None
     for a checkpoint written before runs had one."""
-    trainer = Path(path) / "trainer.json"
-    return json.loads(trainer.read_text()).get("run") if trainer.is_file() else None
+    return read_trainer(path).get("run")
 
 
 def check_compatible(manifest: dict, expected: dict, path: Path) -> None:

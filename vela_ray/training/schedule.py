@@ -34,3 +34,16 @@ def lr_at(cfg: OptimizerConfig, step: int, total_steps: int) -> float:
     if cfg.schedule == "linear":
         return cfg.lr * (1.0 - progress)
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_change(cfg: OptimizerConfig, step: int, old_total: int, new_total: int) -> str | None:
+    """One line saying what resuming at `step` with `new_total` steps instead of the run's `old_total` does to
+    the learning rate (the schedule is recomputed over the new total, as the optimizer sees `training.steps`);
+    None where the next step's learning rate is the same either way (a constant schedule, still warming up)."""
+    old, new = lr_at(cfg, step, old_total), lr_at(cfg, step, new_total)
+    if math.isclose(old, new, rel_tol=1e-9, abs_tol=1e-15):
+        return None
+    change = f" (x{new / old:.3g})" if old else ""
+    return (f"training.steps is {new_total}, the checkpoint's run had {old_total}: the {cfg.schedule} schedule now "
+            f"spans {new_total} steps, so step {step + 1}'s learning rate is {new:.3g} where the run's schedule "
+            f"gave {old:.3g}{change}; keep training.steps {old_total} to finish the run as it was planned")
