@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from vela_ray.data.config import DataConfig
 from vela_ray.errors import first_line
@@ -90,6 +91,14 @@ class LoraSection(_Section):
             k: v for k, v in self.alpha_pattern.items() if v <= 0}
         if bad:
             raise ValueError(f"lora.rank_pattern/alpha_pattern {bad}: ranks must be >= 1 and alphas > 0")
+        for field, patterns in (("rank_pattern", self.rank_pattern), ("alpha_pattern", self.alpha_pattern)):
+            for key in patterns:
+                try:
+                    re.compile(key)  # peft matches each key as a regular expression against module names
+                except re.error as err:
+                    raise ValueError(f"lora.{field} key {key!r} is not a regular expression ({err}); peft matches "
+                                     "these keys as regexes against module names: escape it, e.g. "
+                                     f"{re.escape(key)!r}") from None
         if self.lora_dropout and self.expert_stacks != []:
             raise ValueError(f"lora.lora_dropout {self.lora_dropout} with adapted expert stacks: peft's "
                              "ParamWrapper cannot apply dropout to expert weights; set lora.expert_stacks: [] "
@@ -389,6 +398,12 @@ class TrainingSection(_Section):
         "install 'vela-ray[tensorboard,mlflow,wandb]'")
     tracker_project: str = Field("vela-ray", min_length=1, description="the MLflow experiment / W&B project the "
                                  "run is logged under; the run is named after output.dir and the run id")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_as_a_name(cls, value: object) -> object:
+        """`report_to: wandb`, as Hugging Face's TrainingArguments take it: one tracker, one name."""
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "TrainingSection":
@@ -769,6 +784,21 @@ ALIASES: dict[tuple[str, ...], str] = {
     ("lora", "lora_alpha"): "lora.alpha",
     ("data", "cutoff_len"): "data.seq_len",
     ("data", "max_seq_length"): "data.seq_len",
+    ("training", "num_train_epochs"): "training.steps",
+    ("lora", "lora_rank"): "lora.r",
+    # LLaMA-Factory's and HF's flat files: their keys at the top level
+    ("model_name_or_path",): "model.path",
+    ("learning_rate",): "training.optimizer.lr",
+    ("num_train_epochs",): "training.steps",
+    ("max_steps",): "training.steps",
+    ("lora_rank",): "lora.r",
+    ("lora_alpha",): "lora.alpha",
+    ("cutoff_len",): "data.seq_len",
+    ("output_dir",): "output.dir",
+}
+# What an alias's value means differently in vela-ray, said beside the pointer
+ALIAS_NOTES: dict[str, str] = {
+    "num_train_epochs": "it counts optimizer steps, not epochs: steps = epochs x training rows / batch_size",
 }
 
 
@@ -797,7 +827,8 @@ def _unknown_field(loc: tuple) -> str:
     old key (`MOVED`) is pointed to its new place."""
     alias = ALIASES.get(tuple(map(str, loc)))
     if alias:
-        return f"unknown field (vela-ray calls it {alias!r})"
+        note = ALIAS_NOTES.get(str(loc[-1]))
+        return f"unknown field (vela-ray calls it {alias!r}{'; ' + note if note else ''})"
     names = _section_fields(loc[:-1])
     moved = {old[-1]: ".".join(new) for old, new in MOVED.items() if old[:-1] == tuple(map(str, loc[:-1]))}
     close = difflib.get_close_matches(str(loc[-1]), [*names, *moved], n=1)

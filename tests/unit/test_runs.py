@@ -148,15 +148,24 @@ def test_a_tilde_path_is_the_home_directory(model_dir, tmp_path):
     assert not str(config.model.path).startswith("~") and config.output.dir == home / "vela-runs" / "x"
 
 
-@pytest.mark.parametrize("training, field, pointer", [
-    ({"learning_rate": 1e-4}, "training.learning_rate", "training.optimizer.lr"),
-    ({"max_steps": 10}, "training.max_steps", "training.steps"),
-], ids=["learning_rate", "max_steps"])
-def test_another_tools_field_name_points_to_ours(model_dir, tmp_path, training, field, pointer):
+@pytest.mark.parametrize("section, key, pointer", [
+    ("training", "learning_rate", "training.optimizer.lr"),
+    ("training", "max_steps", "training.steps"),
+    ("training", "num_train_epochs", "training.steps"),
+    ("lora", "lora_rank", "lora.r"),
+    (None, "model_name_or_path", "model.path"),  # LLaMA-Factory's flat files
+    (None, "learning_rate", "training.optimizer.lr"),
+    (None, "lora_rank", "lora.r"),
+    (None, "num_train_epochs", "training.steps"),
+])
+def test_another_tools_field_name_points_to_ours(model_dir, tmp_path, section, key, pointer):
     job = job_dict(model_dir, tmp_path / "out")
-    job["training"].update(training)
-    with pytest.raises(ValueError, match=rf"{field}: unknown field \(vela-ray calls it '{pointer}'\)"):
+    (job.setdefault(section, {}) if section else job)[key] = 3
+    field = f"{section}.{key}" if section else key
+    with pytest.raises(ValueError, match=rf"^config: {field}: unknown field \(vela-ray calls it '{pointer}'") as err:
         JobConfig.from_dict(job)
+    if key == "num_train_epochs":
+        assert "it counts optimizer steps, not epochs" in str(err.value)
 
 
 @pytest.mark.parametrize("change", [
@@ -169,3 +178,16 @@ def test_refusals_are_in_our_words_not_pydantics(model_dir, tmp_path, change):
     with pytest.raises(ValueError) as err:
         JobConfig.from_dict(job)
     assert "Value error" not in str(err.value) and "Input should be" not in str(err.value)
+
+
+def test_one_tracker_may_be_named_as_a_string_as_hugging_face_takes_it(model_dir, tmp_path):
+    job = job_dict(model_dir, tmp_path / "out", training={"report_to": "tensorboard"})
+    assert JobConfig.from_dict(job).training.report_to == ["tensorboard"]
+
+
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+def test_a_pattern_key_that_is_no_regex_names_the_field_and_the_key(model_dir, tmp_path, field):
+    job = job_dict(model_dir, tmp_path / "out", lora={field: {"experts.(gate": 8}})
+    with pytest.raises(ValueError, match=rf"^config: lora: lora.{field} key 'experts.\(gate' is not a regular "
+                                         r"expression \(missing \), unterminated subpattern at position 8\); peft"):
+        JobConfig.from_dict(job)
