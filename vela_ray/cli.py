@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.handler(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before a run can stop between steps (preflight, Ray's start): one line
+        print(f"vela {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except ValueError as err:  # user-caused errors: message only, no traceback
         return _fail(args, err, code=2)
     except Exception as err:  # the run failed (a worker lost, an actor's error): one line, the cause

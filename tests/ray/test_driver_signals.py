@@ -120,3 +120,19 @@ def test_a_killed_master_reaches_the_user_as_one_line_with_the_checkpoint_to_res
     assert last is not None and f"--resume {last}`" in errors[0]
     checkpoint.verify(last)
     assert _all_gone(processes["pids"]) == []
+
+
+def test_ctrl_c_while_starting_up_is_one_line_not_a_traceback(model_dir, tmp_path):
+    """Before the run can stop between steps (preflight, Ray's start), Ctrl-C ends `vela train` with one line
+    and exit status 130, not a KeyboardInterrupt traceback."""
+    job = write_job(tmp_path / "job.yaml", job_dict(model_dir, tmp_path / "out", steps=2))
+    env = {**os.environ, "PATH": f"{BIN_DIR}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([str(BIN_DIR / "vela"), "train", "--config", str(job)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = proc.stderr.readline()  # the first log line: the start-up is under way
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=STARTUP_TIMEOUT_S)
+    assert first and proc.returncode == 130, first + err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1] == "vela train: interrupted (Ctrl-C)"
