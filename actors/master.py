@@ -54,7 +54,8 @@ class MasterActor:
                                  master_node=node)
         else:
             pool = RayWorkerPool(self.config, node)
-        runner = JobRunner(self.config, pool, MetricsSink(RayMetricsBackend()), should_stop=self.stop_reason)
+        runner = JobRunner(self.config, pool, MetricsSink(RayMetricsBackend()), should_stop=self.stop_reason,
+                           hold_output=False)  # the driver holds output.dir (`VelaJob.run`)
         return runner.run()
 
     def stop(self, reason: str) -> None:

@@ -5,7 +5,9 @@
     summary = VelaJob(JobConfig.from_yaml("job.yaml")).run()     # a RunSummary
 
 The config is validated and pre-flighted (model files, data, output dir, resume
-point, capacity) before Ray starts. Then the driver connects to Ray (the given
+point, capacity) before Ray starts. `run` holds the output dir from start to end
+(`runs.hold_output_dir`: another run into it meanwhile is refused in one line) and
+checks it again under that hold. Then the driver connects to Ray (the given
 address, else RAY_ADDRESS as set by `ray job submit`, else a fresh local Ray),
 checks the cluster's resources against the request, starts the MasterActor on its
 own node and waits for it.
@@ -44,8 +46,11 @@ from vela_ray.config import JobConfig
 from vela_ray.errors import ClusterError, RunInterrupted, VelaActorError, first_line
 from vela_ray.export import export_run  # the Python API of `vela export`
 from vela_ray.generate import add_samples, generate  # `generate`: the Python API of `vela generate`
-from vela_ray.preflight import Preflight, check_cluster_resources, master_gpus, master_unschedulable
+from vela_ray.local_ray import LocalRay, local_resources, start_local_ray, stop_local_ray
+from vela_ray.preflight import (Preflight, check_cluster_resources, check_output_free, master_gpus,
+                                master_unschedulable)
 from vela_ray.quiet import silence_known_warnings
+from vela_ray.runs import hold_output_dir
 from vela_ray.training import checkpoint
 from vela_ray.training.summary import RunSummary
 
@@ -62,14 +67,24 @@ class VelaJob:
     def __init__(self, config: JobConfig | Preflight, dataset: object | None = None):
         """Checks `config` against its files now, unless it is already a `Preflight` result. `dataset`: a
         `ray.data.Dataset` of records to train on instead of `data.path` (`JobConfig.with_dataset`)."""
+        silence_known_warnings()  # before preflight's checks (the family check, the TP check build peft models)
         if dataset is not None:
             config = (config.config if isinstance(config, Preflight) else config).with_dataset(dataset)
         checked = config if isinstance(config, Preflight) else config.preflight()
         self.config = checked.config  # resume pinned to the checkpoint preflight verified
+        self.resume = checked.resume  # that checkpoint, local: its run may go on in output.dir
 
     def run(self) -> RunSummary:
+        """The whole job, with output.dir held by this process throughout (`runs.hold_output_dir`). The driver
+        holds it, not the master, as the driver outlives the master and writes there too: the expert-parallel
+        mode's outputs, the report's samples after the master's run."""
         silence_known_warnings()
-        started_ray = self._connect()
+        with hold_output_dir(self.config.output_local_dir, self.config.output.dir):
+            check_output_free(self.config, self.resume)  # a run that ended there since preflight, found now
+            return self._run()
+
+    def _run(self) -> RunSummary:
+        local_ray = self._connect()
         try:
             check_cluster_resources(self.config, ray.cluster_resources())
             node_name, node = _driver_node()
@@ -82,8 +97,8 @@ class VelaJob:
             add_samples(self.config)  # base vs fine-tuned generations into the report, on the driver
             return summary
         finally:
-            if started_ray:
-                ray.shutdown()
+            if local_ray is not None:
+                stop_local_ray(local_ray)
 
     def _run_master(self) -> RunSummary:
         cluster, data_plane = self.config.cluster, self.config.data_plane
@@ -144,20 +159,19 @@ class VelaJob:
                   else "no checkpoint was written; set checkpoint.every to keep progress")
         return VelaActorError(f"the MasterActor died ({first_line(err)}); {resume}")
 
-    def _connect(self) -> bool:
-        """Connect to Ray; returns True when this call started a local instance to shut down later.
+    def _connect(self) -> LocalRay | None:
+        """Connect to Ray; returns the local instance this call started, to stop later (`stop_local_ray`).
 
         `cluster.address` (else RAY_ADDRESS, as `ray job submit` sets it) names a cluster to join; without
-        either the run starts its own local instance (Ray's "local"), whatever else runs on the machine: a
+        either the run starts its own local instance (`local_ray`), whatever else runs on the machine: a
         plain `ray.init()` would join the cluster a `ray start` left on it instead, and refuse our CPUs."""
         if ray.is_initialized():
-            return False
+            return None
         address = self.config.cluster.address or os.environ.get("RAY_ADDRESS")
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-        if not address:  # this machine's cores, not more: the resource check must see what really is here
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, runtime_env=env,
-                     log_to_driver=True)
-            return True
+        if not address:
+            check_cluster_resources(self.config, local_resources())  # before Ray's start, not after it
+            return start_local_ray(env)
         try:
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         except ConnectionError as err:
@@ -165,7 +179,7 @@ class VelaJob:
             raise ClusterError(f"{source} {address}: no Ray cluster answers there ({first_line(err)}); start one "
                                f"there (ray start --head) or leave {source} unset for a local Ray of this "
                                f"machine's own") from None
-        return True
+        return None
 
 
 def _driver_node() -> tuple[str, dict[str, float]]:

@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vela_ray.quiet import silence_known_warnings
+
     args = build_parser().parse_args(argv)
+    silence_known_warnings()  # every command (export's peft skeletons, preflight's checks), not only train's run
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -393,9 +393,10 @@ class TrainingSection(_Section):
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
         default_factory=list, description="experiment trackers master 0 logs to (per step: loss, lr, gradient norm, "
         "tokens/s, step time and its parts, bytes per link tier, placement version, eval loss; per run: the config, "
-        "the summary, report.html and placement.json). TensorBoard writes to output.dir/tensorboard; MLflow and "
-        "W&B where their environment says (MLFLOW_TRACKING_URI, WANDB_MODE, ...). Each needs its extra: pip "
-        "install 'vela-ray[tensorboard,mlflow,wandb]'")
+        "the summary, report.html and placement.json). TensorBoard writes to output.dir/tensorboard; MLflow to "
+        "MLFLOW_TRACKING_URI, or without it to a file store in output.dir/mlruns; W&B where its environment says "
+        "(WANDB_API_KEY, or WANDB_MODE=offline: output.dir/wandb). Each needs its extra: pip install "
+        "'vela-ray[tensorboard,mlflow,wandb]'; preflight refuses one that could not log here")
     tracker_project: str = Field("vela-ray", min_length=1, description="the MLflow experiment / W&B project the "
                                  "run is logged under; the run is named after output.dir and the run id")
 

@@ -14,15 +14,22 @@ Formats (`FORMATS`):
 What is exported (`locate`): a run dir's `adapter/`; a run dir without one (interrupted), its newest
 verified checkpoint; a checkpoint dir (`step-*`), after its checksums pass. Bad input is one ValueError
 line: no adapter, a corrupt checkpoint, a format the family cannot take and why, an output dir that is not
-empty (unless `force`), too little disk for a merged model (checked before writing).
+empty (unless `force`) or that is, holds or lies inside what the export reads (the run, its adapter,
+checkpoints and records, the base model: `check_out_apart`), too little disk for a merged model (checked
+before writing).
+
+Nothing at `out` is touched until the export is whole: it is written into a sibling dir that then takes
+`out`'s place (`_staged`), so a failing export leaves `out` as it was, and `force` replaces it only then.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +41,7 @@ from vela_ray.config import LoraSection
 from vela_ray.model.adapters import ADAPTER_FILE, export_adapter, full_lora_config
 from vela_ray.model.loading import meta_model, moe_layout, register_model_code
 from vela_ray.model.merging import checkpoint_files, merge_checkpoint, per_expert_adapter, plan_merge
+from vela_ray.runs import RUN_ARTEFACTS
 from vela_ray.training import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -121,21 +129,84 @@ def _adapter_from_checkpoint(trained: Trained, out: Path) -> Path:
     return export_adapter(out, skeleton.config, lora_config, backbone, states)
 
 
-def check_out_dir(out: Path, force: bool) -> bool:
-    """Refuse an output dir that exists and is not empty, unless `force`; returns whether it must be emptied
-    (`_clear`, only once everything else has been checked)."""
+def check_out_dir(out: Path, force: bool) -> None:
+    """Refuse an output dir that is a file, or exists and is not empty unless `force` (which replaces it once the
+    export is written: `_staged`)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise ValueError(f"--out {out} exists and is not empty; give another directory or --force to replace it")
-        return True
-    return False
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out} exists and is not empty; give another directory or --force to replace it")
 
 
-def _clear(out: Path, replace: bool) -> None:
-    if replace:
-        shutil.rmtree(out)
+def check_out_apart(out: Path, path: Path, trained: Trained, fmt: str) -> None:
+    """Refuse an --out that is or holds the run dir or checkpoint `path`, or is, holds or lies inside anything the
+    export reads (`reads_of`): replacing it (--force) would delete what is exported, and writing into it would
+    change it. An --out inside a run dir apart from its records (`runs/x/exports`) is fine."""
+    named = Path(os.path.abspath(path))
+    beside = (named.parent.parent if trained.checkpoint == path else named.parent) / f"{named.name}-{fmt}"
+    for read in [path, *reads_of(path, trained)]:
+        if _forms(out) & _forms(read):
+            where, harm = "is", "--force would delete it"
+        elif _overlaps(read, out):
+            where, harm = "holds", "--force would delete it"
+        elif read != path and _overlaps(out, read):
+            where, harm = "lies inside", "writing there would change it"
+        else:
+            continue
+        raise ValueError(f"--out {out} {where} {read}, which this export reads ({harm}); give an --out apart from "
+                         f"it, e.g. {beside}")
+
+
+def reads_of(path: Path, trained: Trained) -> list[Path]:
+    """What exporting `path` reads, or belongs to the run it exports: a run dir's records, adapter and
+    checkpoints (`vela_ray.runs.RUN_ARTEFACTS`), the checkpoint exported, the base model."""
+    own = [] if trained.checkpoint == path else [path / name for name in RUN_ARTEFACTS if (path / name).exists()]
+    return [*own, *(p for p in (trained.adapter_dir, trained.checkpoint) if p is not None), trained.model_dir]
+
+
+def _forms(path: Path) -> set[Path]:
+    """`path` made absolute as named, and with its links followed: two paths meet if either form does."""
+    named = Path(os.path.abspath(path))
+    return {named, named.resolve()}
+
+
+def _overlaps(inner: Path, outer: Path) -> bool:
+    """Whether `inner` is `outer` or lies under it."""
+    return any(i.is_relative_to(o) for i in _forms(inner) for o in _forms(outer))
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A new sibling dir of `out` to write the export into (same filesystem: the swap is a rename). When the
+    block ends it takes `out`'s place, the old `out` deleted only then; when the block fails it is deleted and
+    `out` is left as it was."""
+    out = Path(os.path.abspath(out))  # `.` has a name too
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        yield staging
+        _swap_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone once swapped in; else the partial export
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """`staging` renamed to `out`; an `out` already there moved aside first and deleted after."""
+    if not out.exists() and not out.is_symlink():
+        os.rename(staging, out)
+        return
+    replaced = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
+    os.rename(out, replaced)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(replaced, out)
+        raise
+    if replaced.is_symlink():  # an --out that was a link: the link goes, not what it points to
+        replaced.unlink()
+    else:
+        shutil.rmtree(replaced)
 
 
 def check_disk(out: Path, needed: int) -> None:
@@ -154,47 +225,47 @@ def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | 
     """Export the run dir or checkpoint `path` as `fmt` into `out` (see the module docstring)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
-    out = Path(out)
+    path, out = Path(path), Path(out)
     trained = locate(path, model_dir)
+    check_out_apart(out, path, trained, fmt)
+    check_out_dir(out, force)
     if trained.trust_remote_code:  # the model's own code, as the run read it
         register_model_code(str(trained.model_dir.resolve()))
     source = str(trained.adapter_dir or trained.checkpoint)
-    replace = check_out_dir(out, force)
     with adapter_of(trained) as adapter_dir:
         if fmt == "peft":
-            _clear(out, replace)
-            shutil.copytree(adapter_dir, out, dirs_exist_ok=True)
+            with _staged(out) as staging:
+                shutil.copytree(adapter_dir, staging, dirs_exist_ok=True)
             return Exported(out, fmt, source)
         if fmt == "merged":
-            return _export_merged(adapter_dir, trained.model_dir, out, source, replace)
-        return _export_per_expert(adapter_dir, trained.model_dir, out, source, replace)
+            return _export_merged(adapter_dir, trained.model_dir, out, source)
+        return _export_per_expert(adapter_dir, trained.model_dir, out, source)
 
 
-def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str, replace: bool) -> Exported:
+def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str) -> Exported:
     plan_merge(adapter_dir, model_dir)  # a family the merge cannot take is refused before the disk check
-    needed = sum(f.stat().st_size for f in checkpoint_files(model_dir))
-    check_disk(out, needed - (sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if replace else 0))
-    _clear(out, replace)
-    merge_checkpoint(adapter_dir, model_dir, out, progress=lambda name: logger.info("merged %s", name))
+    check_disk(out, sum(f.stat().st_size for f in checkpoint_files(model_dir)))  # the old out goes only after
+    with _staged(out) as staging:
+        merge_checkpoint(adapter_dir, model_dir, staging, progress=lambda name: logger.info("merged %s", name))
     return Exported(out, "merged", source)
 
 
-def _export_per_expert(adapter_dir: Path, model_dir: Path, out: Path, source: str, replace: bool) -> Exported:
+def _export_per_expert(adapter_dir: Path, model_dir: Path, out: Path, source: str) -> Exported:
     family = json.loads((model_dir / "config.json").read_text()).get("model_type")
     rewritten = None if family in SERVED_FUSED else per_expert_adapter(adapter_dir, model_dir)
-    _clear(out, replace)
     if family in SERVED_FUSED:
-        shutil.copytree(adapter_dir, out, dirs_exist_ok=True)
-        return Exported(out, "per-expert", source, note=(
-            f"{family}: {SERVED_FUSED[family]} takes MoE LoRA in peft's fused layout (target_parameters on the "
-            "3-D expert stacks), so the fused adapter was written"))
-    if rewritten is None:
-        shutil.copytree(adapter_dir, out, dirs_exist_ok=True)
-        return Exported(out, "per-expert", source, note=(
-            f"{model_dir} stores its experts fused (3-D stacks), so serving engines take peft's fused layout "
-            "(target_parameters) for it: wrote that"))
-    config, state = rewritten
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / ADAPTER_FILE), metadata={"format": "pt"})
-    config.save_pretrained(str(out))
-    return Exported(out, "per-expert", source, note="experts as per-expert linear modules, the checkpoint's names")
+        note = (f"{family}: {SERVED_FUSED[family]} takes MoE LoRA in peft's fused layout (target_parameters on the "
+                "3-D expert stacks), so the fused adapter was written")
+    elif rewritten is None:
+        note = (f"{model_dir} stores its experts fused (3-D stacks), so serving engines take peft's fused layout "
+                "(target_parameters) for it: wrote that")
+    else:
+        note = "experts as per-expert linear modules, the checkpoint's names"
+    with _staged(out) as staging:
+        if rewritten is None:
+            shutil.copytree(adapter_dir, staging, dirs_exist_ok=True)
+        else:
+            config, state = rewritten
+            save_file(state, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+            config.save_pretrained(str(staging))
+    return Exported(out, "per-expert", source, note=note)

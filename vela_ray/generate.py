@@ -14,7 +14,9 @@ side; models over `report.samples_max_params` parameters are skipped with the re
 
 from __future__ import annotations
 
+import itertools
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -95,7 +97,7 @@ def _pad_id(tokenizer, model) -> int:
 
 def eval_prompts(data, tokenizer, count: int) -> list[list[int]]:
     """The prompts of the first `count` rows of `data` (a `TokenizedDataset`): the tokens before the first
-    supervised label (instruct and chat data), or a text row's first `PROMPT_TOKENS` tokens."""
+    supervised label (instruct and chat data), or a text row's first whole lines (`text_prompt`)."""
     prompts = []
     for row in range(min(count, len(data))):
         ids = data.input_ids[row][data.attention_mask[row].bool()]
@@ -103,9 +105,29 @@ def eval_prompts(data, tokenizer, count: int) -> list[list[int]]:
         supervised = (labels != IGNORE_INDEX).nonzero()
         first = int(supervised[0]) if len(supervised) else len(ids)
         # text rows are supervised from the start (their first label is the second token)
-        end = first if first > 1 else min(PROMPT_TOKENS, max(1, len(ids) // 2))
-        prompts.append(ids[:end].tolist())
+        prompts.append(ids[:first].tolist() if first > 1 else text_prompt(tokenizer, ids.tolist()))
     return prompts
+
+
+def text_prompt(tokenizer, ids: list[int], max_tokens: int = PROMPT_TOKENS) -> list[int]:
+    """A text row's prompt: from its first line start, the whole lines that fit in `max_tokens` tokens, else
+    the whole words of that first line that do; the row's first tokens where not even a word fits.
+
+    A packed row starts wherever the one before it stopped, often mid-word ("itizen:"): a prompt cut there
+    shows the model a fragment it never sees in text, and the reader a broken sample."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    rest = text[text.find("\n") + 1 or text.find(" ") + 1:]  # from a line start, else from a word start
+    line_ends = [m.end() for m in re.finditer("\n", rest)]  # the row's last line, cut by the row's end, is not one
+    word_ends = [m.end() for m in re.finditer(r"\S+(?=\s)", rest.split("\n", 1)[0])]
+    for ends in (line_ends, word_ends):
+        fitting = list(itertools.takewhile(lambda end: _count(tokenizer, rest[:end]) <= max_tokens, ends))
+        if fitting and rest[:fitting[-1]].strip():
+            return tokenizer(rest[:fitting[-1]], add_special_tokens=False)["input_ids"]
+    return ids[:min(max_tokens, max(1, len(ids) // 2))]
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def model_params(model_dir: str | Path) -> int:

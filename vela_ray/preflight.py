@@ -9,9 +9,11 @@ traceback, is found here in a second or two: unreadable weights, data that is
 empty or malformed or too short for one batch, a `seq_len` past the model's
 positions, a placement file or profile for another shape, an initial adapter of
 another rank or model, a resume that cannot happen, an
-output directory that cannot be written. Preflight writes nothing but one probe
-file that it deletes, and only after every other check passed, so a refused
-job leaves `output.dir` as it was.
+output directory that cannot be written or that another run holds. Preflight holds
+`output.dir` (`runs.hold_output_dir`) from its checks of the resume point on: it
+writes nothing but one probe file that it deletes, and only after every other check
+passed, so a refused job leaves `output.dir` as it was; the one move it may make is
+of a corrupt checkpoint that `--resume latest` skips (`checkpoint.set_aside`).
 
 The heavy imports (torch, transformers) are inside the functions, so
 `check_cluster_resources` stays a pure function a caller can import cheaply.
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vela_ray.errors import first_line
-from vela_ray.runs import check_output_dir, check_same_math
+from vela_ray.runs import check_output_dir, check_same_math, hold_output_dir
 from vela_ray.storage import is_remote
 
 if TYPE_CHECKING:
@@ -63,7 +65,8 @@ class Preflight:
 
 
 def preflight(config: JobConfig) -> Preflight:
-    """All checks, cheapest first; the only write (the output dir probe) comes last."""
+    """All checks, cheapest first; the only write (the output dir probe) comes last. From the resume point on
+    `output.dir` is held: a run going on there now is refused before anything is moved or written."""
     check_trackers(config)
     model = check_model(config)
     check_capacity(config, model)
@@ -75,9 +78,10 @@ def preflight(config: JobConfig) -> Preflight:
     check_init_adapter(config)
     check_packing(config)
     train_rows = check_data(config)
-    resume, resume_step = check_resume(config, model)
-    family = check_family(config)  # seconds, and only for a family the test suite did not verify
-    check_output_dirs(config, resume)
+    with hold_output_dir(config.output_local_dir, config.output.dir):
+        resume, resume_step = check_resume(config, model)  # `latest` sets a corrupt newer checkpoint aside
+        family = check_family(config)  # seconds, and only for a family the test suite did not verify
+        check_output_dirs(config, resume)
     from vela_ray.training.checkpoint import source_of
 
     # pinned where every node finds it: a checkpoint on object storage by its URI, not this machine's copy
@@ -86,10 +90,12 @@ def preflight(config: JobConfig) -> Preflight:
 
 
 def check_trackers(config: JobConfig) -> None:
-    """Every tracker of `training.report_to` is installed, else one line with the extra that installs it."""
+    """Every tracker of `training.report_to` is installed, else one line with the extra that installs it; and can
+    log here (`trackers.tracker_problem`: MLflow's store, W&B's key or offline mode), else one line with the fix."""
     from vela_ray.config import missing_tracker_packages
+    from vela_ray.observability.trackers import tracker_problem
 
-    problem = missing_tracker_packages(config.training.report_to)
+    problem = missing_tracker_packages(config.training.report_to) or tracker_problem(config.training.report_to)
     if problem:
         raise ValueError(problem)
 
@@ -371,8 +377,21 @@ def check_resume(config: JobConfig, model: ModelFacts) -> tuple[Path | None, int
 
 
 def check_output_dirs(config: JobConfig, resume: Path | None) -> None:
-    """output.dir holds no other run (`runs.check_output_dir`), and it (and checkpoint.dir when set apart) can
-    be created and written."""
+    """output.dir holds no other run (`check_output_free`), and it (and checkpoint.dir when set apart) can be
+    created and written."""
+    check_output_free(config, resume)
+    if not is_remote(config.output.dir):
+        check_writable(config.output.dir, "output.dir")
+    if is_remote(config.checkpoint.dir):
+        check_remote_writable(config.checkpoint.dir, "checkpoint.dir")
+    elif config.checkpoint.dir is not None:
+        check_writable(config.checkpoint.dir, "checkpoint.dir")
+
+
+def check_output_free(config: JobConfig, resume: Path | None) -> None:
+    """output.dir holds no run but the one resumed from checkpoint `resume` (`runs.check_output_dir`; on object
+    storage `check_remote_output`). Preflight checks it, and the run again once it holds output.dir
+    (`VelaJob.run`, an in-process `JobRunner`): a run that ended there in between is found before any write."""
     from vela_ray.training import checkpoint
 
     resumed_run = checkpoint.read_run(resume) if resume else None
@@ -381,11 +400,6 @@ def check_output_dirs(config: JobConfig, resume: Path | None) -> None:
         check_remote_output(config.output.dir, config.output.overwrite, resume is not None, resumed_id)
     else:
         check_output_dir(config.output.dir, config.output.overwrite, resume is not None, resumed_id)
-        check_writable(config.output.dir, "output.dir")
-    if is_remote(config.checkpoint.dir):
-        check_remote_writable(config.checkpoint.dir, "checkpoint.dir")
-    elif config.checkpoint.dir is not None:
-        check_writable(config.checkpoint.dir, "checkpoint.dir")
 
 
 def check_remote_output(uri: str, overwrite: bool, resuming: bool, resumed_run: str | None) -> None:

@@ -7,6 +7,9 @@ to `output.dir/run.json` when the run starts and into every checkpoint's `traine
 - A new run into an `output.dir` that holds another run is refused in one line naming both and
   the fixes (`--resume`, another `output.dir`, or `--overwrite`, which moves the old run aside to
   `<dir>.old-<id>`: nothing is deleted). `check_output_dir` is preflight's check, before Ray.
+- Two runs at once into one `output.dir` cannot both pass that check: the process that drives a run holds
+  the dir (`hold_output_dir`, an OS lock that dies with its holder) from before its first write to its
+  last, and checks the dir again under it; a second run meanwhile is refused in one line naming the holder.
 - A resume continues the checkpoint's run: its id, and the same math. A checkpoint whose math
   differs from the job's is refused naming the fields (`check_same_math`); raising
   `training.steps`, eval, logging and checkpoint cadence, and the cluster's shape stay free.
@@ -14,12 +17,16 @@ to `output.dir/run.json` when the run starts and into every checkpoint's `traine
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict
 
@@ -136,3 +143,86 @@ def move_aside(out_dir: Path) -> Path | None:
     os.rename(out_dir, target)
     logger.warning("output.overwrite: moved the earlier run in %s aside to %s", out_dir, target)
     return target
+
+
+# --- one run at a time -----------------------------------------------------------------------
+
+LOCK_SUFFIX = ".vela-lock"
+
+
+def lock_path(out_dir: Path) -> Path:
+    """The lock file of output dir `out_dir`: beside it, not in it, so that `--overwrite`'s move-aside (a rename
+    of the dir) leaves it where the next run looks; named by the resolved path, so two spellings of one dir
+    share it."""
+    out = Path(out_dir).resolve()
+    return out.with_name(f".{out.name}{LOCK_SUFFIX}")
+
+
+@contextlib.contextmanager
+def hold_output_dir(out_dir: Path, named: str | Path | None = None) -> Iterator[None]:
+    """Hold output dir `out_dir` for this process while the block runs: one run per dir under concurrency too.
+
+    While another process holds it (a run in progress on this machine), this refuses at once in one line
+    naming the dir (`named`: as the job names it, e.g. the URI whose local mirror `out_dir` is), the holder's
+    pid and the fixes. The lock is `flock` on `lock_path(out_dir)`: the OS drops it when its holder dies, even
+    by SIGKILL, so there is never a stale lock to clear. When the block ends the file is deleted (while still
+    held: see `_acquire`), and the directories made for it with it, when empty. Not re-entrant: hold it once,
+    in the process that drives the run (`VelaJob.run`, an in-process `JobRunner`) and around preflight.
+    """
+    lock = lock_path(out_dir)
+    made = [d for d in (lock.parent, *lock.parent.parents) if not d.exists()]  # deepest first
+    fd = _acquire(lock, named or out_dir)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+        for directory in made:
+            with contextlib.suppress(OSError):  # not empty: a run or another lock is there
+                directory.rmdir()
+
+
+def _acquire(lock: Path, named: str | Path) -> int:
+    """An open descriptor of `lock`, flocked. A holder deletes the file before it lets go, so a lock taken on
+    a file no longer at `lock` is one that holder dropped: taken again on the file there now."""
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # its directory, made by a holder, removed as that holder let go
+            continue
+        except OSError as err:
+            raise ValueError(f"output.dir {named}: cannot create its lock file {lock} ({err.strerror or err}); "
+                             "choose an output.dir inside a directory this user can write") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ValueError(f"output.dir {named} is in use by another run ({holder}); one run per dir: wait for "
+                             "that run to end or stop it, or choose another output.dir") from None
+        if _is_at(fd, lock):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is the file at `path` now."""
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock file `fd`, as its holder wrote it (not yet, if it has only just taken it)."""
+    try:
+        held = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {held['pid']} on {held['host']}, since {held['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "pid unknown: it has only just started"

@@ -136,3 +136,25 @@ def test_ctrl_c_while_starting_up_is_one_line_not_a_traceback(model_dir, tmp_pat
     assert first and proc.returncode == 130, first + err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip().splitlines()[-1] == "vela train: interrupted (Ctrl-C)"
+
+
+@pytest.mark.slow
+def test_a_sigkilled_driver_leaves_no_process_of_the_ray_it_started(model_dir, tmp_path):
+    """`vela train` without an address starts a local Ray; SIGKILLed mid-run, every process of that Ray ends
+    within seconds (its dashboard and runtime-env agents outlived it by one to two minutes: `local_ray`)."""
+    job = write_job(tmp_path / "job.yaml", job_dict(model_dir, tmp_path / "out", steps=10_000, checkpoint={"every": 2}))
+    env = {**os.environ, "PATH": f"{BIN_DIR}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([str(BIN_DIR / "vela"), "train", "--config", str(job)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while checkpoint.latest(tmp_path / "out" / "checkpoints") is None:  # training: every Ray process is up
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.5)
+    reaper = [p for p in psutil.Process(proc.pid).children() if "sys.stdin.buffer.read()" in " ".join(p.cmdline())]
+    ray_processes = [p for p in psutil.Process(proc.pid).children(recursive=True) if p not in reaper]
+    assert len(reaper) == 1 and {"gcs_server", "raylet"} <= {p.name() for p in ray_processes}
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(ray_processes + reaper, timeout=30)
+    assert not alive, [f"{p.pid} {p.name()}" for p in alive]

@@ -91,6 +91,19 @@ def test_resolve_latest_falls_back_past_a_corrupt_newest_checkpoint_and_names_it
     assert "resuming from" in caplog.text and str(good) in caplog.text
 
 
+def test_a_corrupt_checkpoint_latest_skips_is_set_aside_and_never_kept_in_place_of_a_valid_one(tmp_path, caplog):
+    valid = _write(tmp_path, 1)
+    _corrupt(_write(tmp_path, 2))  # same size: the size check pruning makes passes it
+    with caplog.at_level("WARNING", logger="vela_ray.training.checkpoint"):
+        assert checkpoint.resolve("latest", tmp_path) == valid
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("step-000002.corrupt-")]
+    assert len(aside) == 1 and caplog.text.count(f"moved aside to {aside[0].name}") == 1
+    assert checkpoint.step_dirs(tmp_path) == [valid]  # never resumed from again
+    _write(tmp_path, 3, keep=2)  # the resumed run's next checkpoint: the valid one before stays
+    assert [p.name for p in checkpoint.valid_checkpoints(tmp_path)] == ["step-000001", "step-000003"]
+    assert (aside[0] / checkpoint.MANIFEST).is_file()  # kept whole, for a look: nothing deleted
+
+
 def test_resolve_latest_with_only_corrupt_checkpoints_counts_them(tmp_path):
     _corrupt(_write(tmp_path, 1))
     with pytest.raises(ValueError, match=r"no valid checkpoint under .* \(1 corrupt: step-000001\)"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -446,7 +447,6 @@ def test_a_corrupt_checkpoint_is_refused(tmp_path):
 
 
 def test_too_little_disk_for_a_merged_model_is_refused_before_writing(tmp_path, monkeypatch):
-    import shutil
     from collections import namedtuple
 
     base, adapter = make_base_and_adapter(tmp_path, "mixtral")
@@ -465,8 +465,6 @@ def test_an_unknown_format_is_refused(tmp_path):
 
 @pytest.mark.job
 def test_a_checkpoint_exports_the_adapter_the_run_wrote_and_an_interrupted_run_exports_its_newest(tmp_path):
-    import shutil
-
     from tests.fixtures import job_dict, make_checkpoint, run_in_process
     from vela_ray.config import JobConfig
 
@@ -491,3 +489,60 @@ def test_a_checkpoint_exports_the_adapter_the_run_wrote_and_an_interrupted_run_e
     batch = _batch(merged.config.vocab_size)
     with torch.no_grad():
         assert rel_error(merged(**batch).logits, reference(**batch).logits) < 1e-5
+
+
+# --- --out never eats what is exported, and is replaced only once the export is whole ---------------------
+
+
+def _files(root: Path) -> dict[str, int]:
+    """Every file and dir under `root` with its size (dirs 0): what a refused export must leave as it was."""
+    return {str(p.relative_to(root)): p.stat().st_size if p.is_file() else 0 for p in root.rglob("*")}
+
+
+def _full_run(tmp_path: Path) -> Path:
+    """A run dir with its own adapter (not a link), records and a checkpoints dir, as `vela train` leaves it."""
+    base, adapter = make_base_and_adapter(tmp_path, "mixtral")
+    run = fake_run(tmp_path, base, None)
+    shutil.copytree(adapter, run / "adapter")
+    (run / "summary.json").write_text("{}")
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002" / "manifest.json").write_text("{}")
+    return run
+
+
+REFUSED_OUTS = [("run", "is"), ("run/adapter", "is"), ("run/checkpoints", "is"), ("run/summary.json", "is"),
+                (".", "holds"), ("run/adapter/x", "lies inside"), ("base", "is")]
+
+
+def test_force_is_refused_onto_the_run_its_files_above_it_or_the_model_and_nothing_is_touched(tmp_path, capsys):
+    run = _full_run(tmp_path)
+    before = _files(tmp_path)
+    capsys.readouterr()  # what save_pretrained printed
+    for out, where in REFUSED_OUTS:
+        assert main(["export", str(run), "--format", "peft", "--out", str(tmp_path / out), "--force"]) == 2, out
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1, err
+        assert f"--out {tmp_path / out} {where} " in err and "which this export reads" in err, err
+        assert f"give an --out apart from it, e.g. {tmp_path / 'run-peft'}" in err
+        assert _files(tmp_path) == before, out  # nothing deleted, nothing written
+    # an --out inside the run apart from its records is the user's to replace
+    exports = run / "exports" / "peft"
+    exports.mkdir(parents=True)
+    (exports / "old.txt").write_text("x")
+    assert main(["export", str(run), "--format", "peft", "--out", str(exports), "--force"]) == 0
+    assert sorted(p.name for p in exports.iterdir()) == sorted(p.name for p in (run / "adapter").iterdir())
+    assert {k: v for k, v in _files(tmp_path).items() if "exports" not in k} == before
+
+
+def test_a_forced_export_that_fails_midway_leaves_the_old_out_as_it_was(tmp_path, capsys):
+    run = _full_run(tmp_path)
+    # a file of the adapter that cannot be read, after the others were copied: the write fails half-way
+    os.symlink(tmp_path / "gone", run / "adapter" / "zz-unreadable")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("x")
+    for target in (out, tmp_path / "new"):
+        assert main(["export", str(run), "--format", "peft", "--out", str(target), "--force"]) == 1
+    assert [p.name for p in out.iterdir()] == ["old.txt"]  # not emptied, not half-written
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base", "out", "run"]  # no partial export left

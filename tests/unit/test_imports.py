@@ -28,7 +28,7 @@ LAYERS: list[list[str]] = [
     ["vela_ray.observability", "vela_ray.baselines", "vela_ray.export", "vela_ray.generate"],
     ["vela_ray.runtime"],
     ["actors"],
-    ["vela_ray.api", "vela_ray.cli", "vela_ray.demo"],
+    ["vela_ray.api", "vela_ray.cli", "vela_ray.demo", "vela_ray.local_ray"],
 ]
 MODEL_SIDE = ["placement", "vela_ray.model", "vela_ray.data", "vela_ray.training", "vela_ray.observability",
               "vela_ray.baselines", "vela_ray.runtime", "vela_ray.config", "vela_ray.export", "vela_ray.generate"]

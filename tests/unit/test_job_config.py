@@ -125,6 +125,23 @@ def test_cluster_resources_name_the_real_shortage(checkpoint, tmp_path, cluster,
             check_cluster_resources(config, available)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_job_a_local_ray_cannot_hold_is_refused_before_ray_starts(checkpoint, tmp_path):
+    """`vela train` without an address on a CPU machine, asking for GPU workers: refused from what the machine
+    has, in about a second, not after a local Ray's 15-20 s start."""
+    import time
+
+    import ray
+
+    from vela_ray.api import VelaJob
+
+    job = VelaJob(_config(checkpoint, tmp_path, cluster={"num_workers": 3, "num_gpus_per_worker": 1}))
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"needs 3 GPUs but the Ray cluster has 0; set cluster.num_gpus_per_worker"):
+        job.run()
+    assert not ray.is_initialized() and time.perf_counter() - started < 10
+
+
 def test_missing_model_path_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"model.path .*no config.json"):
         _config(tmp_path / "nowhere", tmp_path).preflight()

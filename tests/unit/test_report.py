@@ -21,7 +21,7 @@ from placement import PlacementProblem, step_time, synthetic_probs, worker_bytes
 from placement.cost import routing_mass
 from vela_ray.cli import main
 from vela_ray.observability.report import compare_comm, human_bytes, load_run, summary_text, tiers_text, write_report
-from vela_ray.training.summary import LinkRecord, PlacementRecord, RunSummary, StepRecord
+from vela_ray.training.summary import LinkRecord, PlacementRecord, ResumeRecord, RunSummary, StepRecord
 from vela_ray.training.tiers import TierCounters, TierSpeeds
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -64,7 +64,7 @@ def make_summary(table: np.ndarray = SPREAD, solved: bool = True, compute: bool 
         worker_nodes=["a", "b", "b"], master_node="a",
         placement=_placement(table, problem if solved else None, cost_model),
         links=[LinkRecord(latency_s=1e-4, bandwidth_bytes_per_s=b) for b in problem.bandwidths] if solved else [],
-        timings_s={"train_s": 7.0}, adapter_dir="runs/x/adapter")
+        timings_s={"train_s": 7.0}, adapter_dir="/runs/x/adapter")
 
 
 def make_run_dir(run_dir: Path, summary: RunSummary | None = None, profile: bool = False,
@@ -182,7 +182,7 @@ def test_summary_text_names_loss_placement_each_worker_and_the_outputs(tmp_path)
     text = summary_text(run_dir)
     assert text.startswith(f"run {run_dir}: 12 steps, loss 2.9000 -> 1.8000, eval loss 1.8500\n")
     assert "placement sequential" in text and "cross_node" in text
-    assert len(_worker_lines(text)) == 3 and text.endswith("\nadapter: runs/x/adapter")
+    assert len(_worker_lines(text)) == 3 and text.endswith("\nadapter: /runs/x/adapter")
     assert summary_text(RunSummary.load(run_dir)) == text.replace(f"run {run_dir}: ", "", 1)
 
 
@@ -192,6 +192,35 @@ def test_vela_report_prints_the_summary_and_writes_the_page(tmp_path, capsys):
     assert "report:" in capsys.readouterr().out and (tmp_path / "r.html").is_file()
     assert main(["report", str(tmp_path / "missing")]) == 2
 
+
+
+def test_a_moved_run_names_its_own_files_and_a_summary_written_before_loads_as_it_was(tmp_path, capsys):
+    old, elsewhere = tmp_path / "run", str(tmp_path / "elsewhere" / "step-000004")
+    summary = make_summary().model_copy(update={
+        "adapter_dir": str(old / "adapter"), "report": str(old / "report.html"),
+        "checkpoint": str(old / "checkpoints" / "step-000012"),
+        "resumes": [ResumeRecord(step=4, checkpoint=elsewhere, resumed_at=0.0),
+                    ResumeRecord(step=8, checkpoint="s3://bucket/run/checkpoints/step-000008", resumed_at=1.0)]})
+    make_run_dir(old, summary)
+    assert json.loads((old / "summary.json").read_text())["adapter_dir"] == "adapter"
+    moved = old.rename(tmp_path / "run.old-1").resolve()  # as `--overwrite` moves a run aside
+    loaded = RunSummary.load(moved)
+    assert (loaded.adapter_dir, loaded.report, loaded.checkpoint) == (
+        str(moved / "adapter"), str(moved / "report.html"), str(moved / "checkpoints" / "step-000012"))
+    # a checkpoint outside the run dir, or on object storage, is named as it was
+    assert [r.checkpoint for r in loaded.resumes] == [elsewhere, "s3://bucket/run/checkpoints/step-000008"]
+    assert loaded.model_dump_json() == summary.model_copy(update={  # JSON: the problem holds numpy arrays
+        "adapter_dir": loaded.adapter_dir, "report": loaded.report, "checkpoint": loaded.checkpoint}).model_dump_json()
+    assert main(["report", str(moved)]) == 0
+    text = capsys.readouterr().out
+    assert text.endswith(f"\nadapter: {moved / 'adapter'}\nreport: {moved / 'report.html'}\ncheckpoint: "
+                         f"{moved / 'checkpoints' / 'step-000012'}\nreport: {moved / 'report.html'}\n")
+    assert f"{old}/" not in text
+
+    before = tmp_path / "before"  # a summary.json as vela-ray wrote it before: absolute paths, kept as they are
+    before.mkdir()
+    (before / "summary.json").write_text(summary.model_dump_json(exclude={"paths_relative"}))
+    assert RunSummary.load(before).model_dump_json() == summary.model_dump_json()
 
 # --- the page in a real browser ------------------------------------------------------------------------
 

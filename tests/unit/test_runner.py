@@ -6,6 +6,7 @@ transformers + peft on the same batches; and a run in which a worker holds no ex
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -140,6 +141,39 @@ def test_a_stop_request_checkpoints_the_step_it_stopped_after_and_resume_finishe
                          load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))
 
 
+def _flip_bytes(path: Path, count: int = 5) -> None:
+    """`count` bytes near the end of `path` (tensor data) inverted in place: same size, another checksum."""
+    data = bytearray(path.read_bytes())
+    for i in range(count):
+        data[-1 - 7 * i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_resume_past_a_corrupt_newest_checkpoint_sets_it_aside_and_keeps_the_valid_one_before_it(
+        model_dir, tmp_path, caplog):
+    """keep 2, checkpoints of steps 2 and 3 (the stop's), step 3's files corrupted in place: the resume falls back
+    to step 2, and its next checkpoint (4) must not prune step 2 while the corrupt step 3 stays."""
+    job = job_dict(model_dir, tmp_path / "out", steps=STEPS, checkpoint={"every": 2, "keep": 2})
+    steps_seen = MemoryMetricsBackend()
+    with pytest.raises(RunInterrupted):
+        run_in_process(JobConfig.from_dict(job), metrics=MetricsSink(steps_seen),
+                       should_stop=lambda: "stop" if steps_seen.value("vela_train_step") == 3 else None)
+    root = tmp_path / "out" / "checkpoints"
+    assert [p.name for p in checkpoint.valid_checkpoints(root)] == ["step-000002", "step-000003"]
+    for part in (root / "step-000003" / "experts").iterdir():
+        _flip_bytes(part)
+
+    with caplog.at_level("WARNING", logger="vela_ray.training.checkpoint"):
+        resumed, _ = _run({**job, "checkpoint": {**job["checkpoint"], "resume": "latest"}})
+    assert [r.step for r in resumed.resumes] == [2]
+    kept = checkpoint.valid_checkpoints(root)
+    assert [p.name for p in kept] == ["step-000002", "step-000004"]
+    for path in kept:
+        checkpoint.verify(path)  # checksums too: only valid checkpoints are kept
+    aside = [p.name for p in root.iterdir() if p.name.startswith("step-000003.corrupt-")]
+    assert len(aside) == 1 and caplog.text.count(f"moved aside to {aside[0]}") == 1  # said once, not deleted
+
+
 class _RecordingPool(InProcessPool):
     """InProcessPool that notes when the runner launches, starts and closes it."""
 
@@ -182,3 +216,26 @@ def test_a_master_gpu_without_cuda_is_refused_in_one_line_before_any_worker_star
     with pytest.raises(ValueError, match=r"cluster.master_gpus is 1 but the master's process sees no CUDA"):
         master_device(True)
     assert master_device(False).type == "cpu"
+
+
+def test_a_resumed_run_s_summary_counts_every_segment(model_dir, tmp_path):
+    """Stopped after step 2 and resumed: the summary's traffic by tier and worker, its prediction and its
+    training time are the whole run's, as an uninterrupted run's are (issue 49: they were the last segment's)."""
+    job = job_dict(model_dir, tmp_path / "full", steps=STEPS, checkpoint={"every": 2, "keep": 5},
+                   training={"optimizer": {"lr": 3e-3}})
+    full, _ = _run(job)
+    job["output"]["dir"] = str(tmp_path / "stopped")
+    config = JobConfig.from_dict(job)
+    steps_seen = MemoryMetricsBackend()
+    with pytest.raises(RunInterrupted):
+        run_in_process(config, metrics=MetricsSink(steps_seen),
+                       should_stop=lambda: "interrupted (Ctrl-C)" if steps_seen.value("vela_train_step") == 2 else None)
+    first = json.loads((tmp_path / "stopped" / "checkpoints" / "step-000002" / "trainer.json").read_text())
+    resumed, _ = _run({**job, "checkpoint": {**job["checkpoint"], "resume": "latest"}})
+    assert resumed.traffic_bytes_by_tier == full.traffic_bytes_by_tier
+    assert resumed.traffic_bytes_by_worker == full.traffic_bytes_by_worker
+    assert resumed.sent_bytes_by_worker == full.sent_bytes_by_worker
+    assert resumed.placement.problem.model_dump_json() == full.placement.problem.model_dump_json()  # kept
+    np.testing.assert_array_equal(resumed.placement.predicted_bytes_per_worker(),
+                                  full.placement.predicted_bytes_per_worker())
+    assert resumed.timings_s["train_s"] > first["records"]["totals"]["train_s"] > 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import job_dict, make_checkpoint, run_in_process, write_job
+from vela_ray.cli import main
 from vela_ray.config import JobConfig
 from vela_ray.errors import RunInterrupted
 from vela_ray.observability.report import summary_text
@@ -76,6 +77,29 @@ def test_a_second_run_into_a_dir_with_a_run_is_refused_in_one_line_and_nothing_i
     aside = out.with_name(f"out.old-{identity.run_id}")
     assert _listing(aside) == before
     assert second.run_id != first.run_id and (out / "summary.json").is_file()
+
+
+@pytest.mark.job
+def test_a_run_moved_aside_names_its_own_files_not_the_new_runs(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    job = job_dict(model_dir, out, steps=2, checkpoint={"every": 1}, output={"overwrite": True})
+    first = run_in_process(JobConfig.from_dict(job))
+    second = run_in_process(JobConfig.from_dict(job))
+    aside = out.with_name(f"out.old-{first.run_id}").resolve()
+    files = {"adapter_dir": aside / "adapter", "report": aside / "report.html",
+             "checkpoint": aside / "checkpoints" / "step-000002"}
+    moved = RunSummary.load(aside)
+    assert {name: Path(getattr(moved, name)) for name in files} == files
+    assert json.loads((aside / "summary.json").read_text())["checkpoint"] == "checkpoints/step-000002"
+    assert main(["report", str(aside)]) == 0  # `vela report` on it: its own files, none of the new run's
+    text = capsys.readouterr().out
+    assert all(f"{name}: {path}" in text for name, path in [("adapter", files["adapter_dir"]),
+                                                            ("checkpoint", files["checkpoint"])])
+    assert f"{out}/" not in text
+    # the new run in the dir, as it closes and as it loads, names its own
+    closing = summary_text(second)
+    assert f"adapter: {(out / 'adapter').resolve()}\n" in closing and f"{aside}/" not in closing
+    assert RunSummary.load(out).adapter_dir == second.adapter_dir == str((out / "adapter").resolve())
 
 
 def test_the_default_output_dir_is_the_config_files_name_not_one_shared_dir(model_dir, tmp_path):

@@ -218,8 +218,9 @@ def _expected_texts(plan: PlacementRecord) -> dict[str, str]:
 
 def summary_text(source: RunSummary | str | Path) -> str:
     """A few lines for the terminal: loss (and the method when zeroth-order), step time, placement, traffic by
-    tier, the expert tiers (when on), the data (`data_lines`), predicted vs measured, and where the adapter,
-    report and last checkpoint went. `source`: a run directory or its RunSummary."""
+    tier, the expert tiers (when on), the data (`data_lines`), predicted vs measured, the trackers
+    (`trackers_lines`), and where the adapter, report and last checkpoint went. `source`: a run directory or its
+    RunSummary."""
     run = load_run(source)
     s = run.summary
     expected = ", ".join(f"{label} {text}" for label, text in _expected_texts(s.placement).items())
@@ -251,9 +252,18 @@ def summary_text(source: RunSummary | str | Path) -> str:
               f"in {r.seconds:.2f} s" for r in s.recoveries]
     lines += [f"resumed after step {r.step} from {r.checkpoint}" for r in s.resumes]
     lines += samples_lines(SamplesRecord.read(run.dir))
+    lines += trackers_lines(s)
     lines += [f"{name}: {path}" for name, path in
               (("adapter", s.adapter_dir), ("report", s.report), ("checkpoint", s.checkpoint)) if path]
     return "\n".join(lines)
+
+
+def trackers_lines(s: RunSummary) -> list[str]:
+    """The experiment trackers (`training.report_to`) in one line: where each logged the run, or why it did not;
+    none for a run without trackers."""
+    if not s.trackers:
+        return []
+    return ["trackers: " + "; ".join(f"{name} {text}" for name, text in s.trackers.items())]
 
 
 def samples_lines(record: SamplesRecord | None) -> list[str]:

@@ -8,6 +8,7 @@ each binned by its own link tiers, and they are added here.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from vela_ray.config import JobConfig
 from vela_ray.data.locality import DriftTracker
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
-from vela_ray.runtime.state import Live, RunState
+from vela_ray.runtime.state import EarlierSegments, Live, RunState
 from vela_ray.training.summary import (
     CondensationRecord, DataRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown,
 )
@@ -36,6 +37,17 @@ def _counters(live: Live) -> tuple[list[int], list[float]]:
     """Each worker's received bytes and compute seconds so far, from one round of reports."""
     reports = live.workers.reports()
     return [r.received_bytes for r in reports], [r.compute_s for r in reports]
+
+
+def segment_totals(live: Live, state: RunState) -> EarlierSegments:
+    """What this segment of the run counted so far: every master's expert traffic since it started (all
+    passes), by link tier and by worker, and the seconds since training began."""
+    traffics = [live.master.dispatcher.counter.snapshot(), *live.peers.traffic()]
+    return EarlierSegments(
+        bytes_by_tier=added([t.bytes_by_tier() for t in traffics]),
+        bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
+        sent_by_worker=np.sum([t.bytes_by_worker(("dispatch", "grad_dispatch")) for t in traffics], axis=0).tolist(),
+        train_s=0.0 if state.train_started is None else time.perf_counter() - state.train_started)
 
 
 def added(dicts: list[dict[str, int]]) -> dict[str, int]:
@@ -125,8 +137,11 @@ class StepAccounting:
         return added([live.migration.take_stats().as_dict(), *(p["sequence_moves"] for p in peer_steps)])
 
     def summary(self, live: Live, master_node: str, out_dir: Path) -> RunSummary:
+        """The run's summary; a resumed run's totals and training time count its earlier segments too."""
         state, config, dispatcher = self.state, self.config, live.master.dispatcher
-        traffics = [dispatcher.counter.snapshot(), *live.peers.traffic()]
+        totals = state.earlier.plus(segment_totals(live, state))
+        timings = {**state.timings_s, **({"train_s": state.timings_s["train_s"] + state.earlier.train_s}
+                                         if "train_s" in state.timings_s else {})}
         history, routed = state.history, state.tokens_routed_LE
         return RunSummary(
             mode="vela", method=config.training.method, row_format=config.data_plane.row_format,
@@ -135,18 +150,16 @@ class StepAccounting:
             eval_loss=history[-1].eval_loss if history else None,
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
             history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),
-            traffic_bytes_by_tier=added([t.bytes_by_tier() for t in traffics]),
-            traffic_bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
-            sent_bytes_by_worker=np.sum([t.bytes_by_worker(("dispatch", "grad_dispatch")) for t in traffics],
-                                        axis=0).tolist(),
-            worker_received_bytes=state.received_bytes,
+            traffic_bytes_by_tier=totals.bytes_by_tier, traffic_bytes_by_worker=totals.bytes_by_worker,
+            sent_bytes_by_worker=totals.sent_by_worker, worker_received_bytes=state.received_bytes,
             tokens_routed=[] if routed is None else routed.astype(int).tolist(),
-            worker_tiers=list(traffics[0].worker_tiers), worker_nodes=live.hosted.node_ids, master_node=master_node,
+            worker_tiers=list(dispatcher.counter.snapshot().worker_tiers), worker_nodes=live.hosted.node_ids,
+            master_node=master_node,
             master_nodes=live.peers.nodes, master_tp=config.cluster.master_tp,
             allreduce_bytes_per_step=history[-1].allreduce_bytes if live.peers.num_masters > 1 and history else None,
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),
-            links=state.links, timings_s=state.timings_s,
+            links=state.links, timings_s=timings,
             adapter_dir=str((out_dir / "adapter").resolve()),
             checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
             data=DataRecord.of(config.data, live.backbone.train_set),

@@ -28,6 +28,7 @@ import torch
 
 from vela_ray.config import JobConfig
 from vela_ray.errors import CheckpointWriteError, ExpertWorkerError, first_line
+from vela_ray.runtime.accounting import segment_totals
 from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.state import Live, ResumePoint, RunState
 from vela_ray.training import checkpoint
@@ -84,7 +85,7 @@ class CheckpointWriter:
             "placement": state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
             "profile": None if state.placed_probs is None else np.asarray(state.placed_probs).tolist(),
             "condenser": condenser.state() if condenser is not None else None,
-            "run": state.identity.model_dump(), "records": state.records(),
+            "run": state.identity.model_dump(), "records": state.records(segment_totals(live, state)),
         }
         return tensors, trainer
 

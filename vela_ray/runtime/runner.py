@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -34,7 +35,8 @@ from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.observability.trackers import Trackers, flat_params
 from vela_ray.observability.report import write_report
-from vela_ray.runs import RunIdentity, move_aside
+from vela_ray.preflight import check_output_free
+from vela_ray.runs import RunIdentity, hold_output_dir, move_aside
 from vela_ray.runtime.accounting import StepAccounting
 from vela_ray.runtime.checkpointing import CheckpointWriter
 from vela_ray.runtime.features import condenser_for, run_features, stepper_for
@@ -63,9 +65,12 @@ class JobRunner:
     """Runs one job over `pool`; see the module docstring for the stages."""
 
     def __init__(self, config: JobConfig, pool: WorkerPool, metrics: MetricsSink | None = None,
-                 should_stop: StopCheck = lambda: None):
+                 should_stop: StopCheck = lambda: None, hold_output: bool = True):
+        """`hold_output`: hold output.dir for the run (`runs.hold_output_dir`) and check it again under the hold;
+        False where the process that started this runner holds it (the driver, `VelaJob.run`, for the master)."""
         self.config = config
         self.pool = pool
+        self.hold_output = hold_output
         self.metrics = metrics or MetricsSink()
         self.spec = master_spec(config)  # the device check happens here, before any worker starts
         self.should_stop = should_stop
@@ -83,8 +88,16 @@ class JobRunner:
         self.metrics.set_method(config.training.method)
 
     def run(self) -> RunSummary:
+        """The run (module docstring), output.dir held throughout unless the driver holds it (`hold_output`)."""
+        held = hold_output_dir(self.out_dir, self.config.output.dir) if self.hold_output else nullcontext()
+        with held:
+            return self._run()
+
+    def _run(self) -> RunSummary:
         started = time.perf_counter()
-        resume = ResumePoint.of(self.config)
+        resume = ResumePoint.of(self.config)  # `latest` may set a corrupt checkpoint aside: under the hold
+        if self.hold_output:
+            check_output_free(self.config, resume.path if resume else None)  # since the caller's preflight
         self.state.identity = resume.run if resume and resume.run else RunIdentity.new(
             self.config.model_dump(mode="json"))
         table = self.state.tables = self.placer.initial_table(resume)
@@ -105,6 +118,7 @@ class JobRunner:
             for name, seconds in self.trackers.busy_s.items():
                 self.state.timings_s[f"tracker_{name}_busy_s"] = seconds
             summary = self.accounting.summary(live, self.pool.master_node, self.out_dir)
+            summary.trackers = self.trackers.described()
             summary.write(self.out_dir)  # the report reads it back
             write_report(self.out_dir)
             status = "FINISHED"
@@ -134,11 +148,12 @@ class JobRunner:
                            err, self.out_dir)
 
     def _open_trackers(self) -> None:
-        """`training.report_to`'s trackers, continuing a resumed run's; the resolved config as parameters."""
+        """`training.report_to`'s trackers, continuing a resumed run's (sent the checkpointed steps each lacks);
+        the resolved config as parameters."""
         cfg = self.config.training
         run_name = f"{self.out_dir.name}-{self.state.identity.run_id}"
         self.trackers = Trackers.open(cfg.report_to, self.out_dir, cfg.tracker_project, run_name,
-                                      first_step=self.state.start_step + 1)
+                                      first_step=self.state.start_step + 1, logged=self.state.tracked)
         self.trackers.params(flat_params(self.config.model_dump(mode="json")))
 
     def _start(self, backbone: Backbone, table, resume: ResumePoint | None) -> Live:
@@ -173,7 +188,7 @@ class JobRunner:
             self._checkpoint(live, step)  # to roll back to
             self.checkpoints.settle()  # published before any step: there always is one
         self.accounting.begin_training(live)
-        train_start = time.perf_counter()
+        self.state.train_started = time.perf_counter()
         try:
             while step < steps:
                 try:
@@ -187,7 +202,7 @@ class JobRunner:
                 step += 1
         finally:
             self.checkpoints.settle(failing=True)  # a failing run leaves none in flight (the last step's is settled)
-        self.state.timings_s["train_s"] = time.perf_counter() - train_start
+        self.state.timings_s["train_s"] = time.perf_counter() - self.state.train_started
         self.stepper.settle(live)  # eval and export read the adapters
         history = self.state.history
         if history and history[-1].eval_loss is None:
@@ -221,7 +236,7 @@ class JobRunner:
         self.state.history.append(record)
         if self.trackers.trackers:  # the training thread's share: the workers' report and a queued dict
             start = time.perf_counter()
-            self.trackers.step(step + 1, self.accounting.tracked(live, record, lr))
+            self.state.tracked[step + 1] = self.trackers.step(step + 1, self.accounting.tracked(live, record, lr))
             self.state.timings_s.setdefault("trackers_step_s", []).append(time.perf_counter() - start)
         if self.checkpoints.due(step + 1):
             self._checkpoint(live, step + 1)

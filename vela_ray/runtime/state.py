@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel, Field
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -140,6 +141,29 @@ class ResumePoint:
         return cls(path, manifest, trainer)
 
 
+class EarlierSegments(BaseModel):
+    """What a resumed run's earlier segments counted, as its checkpoint kept it: expert traffic by link tier and
+    by worker (all passes: profile, training, eval) and training seconds. The summary adds this segment's."""
+
+    bytes_by_tier: dict[str, int] = Field(default_factory=dict)
+    bytes_by_worker: list[int] = Field(default_factory=list)
+    sent_by_worker: list[int] = Field(default_factory=list)
+    train_s: float = 0.0
+
+    def plus(self, segment: EarlierSegments) -> EarlierSegments:
+        """Both together. Per worker only where the worker count is the same (a resume with another count
+        re-places the experts: worker n is another worker then, and the newer segment's counts stand)."""
+        def per_worker(mine: list[int], theirs: list[int]) -> list[int]:
+            return [a + b for a, b in zip(mine, theirs)] if len(mine) == len(theirs) else list(theirs)
+        tiers = dict(self.bytes_by_tier)
+        for tier, count in segment.bytes_by_tier.items():
+            tiers[tier] = tiers.get(tier, 0) + count
+        return EarlierSegments(bytes_by_tier=tiers, bytes_by_worker=per_worker(self.bytes_by_worker,
+                                                                                 segment.bytes_by_worker),
+                               sent_by_worker=per_worker(self.sent_by_worker, segment.sent_by_worker),
+                               train_s=self.train_s + segment.train_s)
+
+
 @dataclass
 class RunState:
     """What the run has decided and measured so far; each stage fills its part."""
@@ -164,6 +188,10 @@ class RunState:
     received_bytes: list[int] = field(default_factory=list)  # by each worker during training
     identity: RunIdentity | None = None  # the run's (a resume's is its checkpoint's)
     resumes: list[ResumeRecord] = field(default_factory=list)
+    # what each step sent the trackers (`training.report_to`): a resume sends a tracker the steps it lost
+    tracked: dict[int, dict[str, float]] = field(default_factory=dict)
+    earlier: EarlierSegments = field(default_factory=EarlierSegments)  # a resumed run's segments before this one
+    train_started: float | None = None  # perf_counter when this segment's training began
 
     def checkpointed(self, step: int) -> bool:
         """Whether the newest published checkpoint is of `step`."""
@@ -175,13 +203,18 @@ class RunState:
         routed = self.tokens_routed_LE
         self.tokens_routed_LE = counts_LE if routed is None else routed + counts_LE
 
-    def records(self) -> dict:
-        """What a checkpoint keeps of the run's record, for a resume to go on with (`restore_records`)."""
-        return {"history": [h.model_dump() for h in self.history],
+    def records(self, segment: EarlierSegments) -> dict:
+        """What a checkpoint keeps of the run's record, for a resume to go on with (`restore_records`):
+        `segment` is what this segment counted so far, added to the earlier ones'; and the placement problem, so
+        a resumed run that keeps its placement still has the prediction it was solved for."""
+        return {"totals": self.earlier.plus(segment).model_dump(),
+                "problem": None if self.problem is None else self.problem.model_dump(mode="json"),
+                "history": [h.model_dump() for h in self.history],
                 "migrations": [m.model_dump() for m in self.migrations],
                 "replans": [r.model_dump() for r in self.replans],
                 "recoveries": [r.model_dump() for r in self.recoveries],
                 "resumes": [r.model_dump() for r in self.resumes],
+                "tracked": {str(step): values for step, values in self.tracked.items()},
                 "tokens_routed": None if self.tokens_routed_LE is None else self.tokens_routed_LE.tolist()}
 
     def restore_records(self, saved: dict) -> None:
@@ -191,10 +224,15 @@ class RunState:
         self.replans = [ReplanRecord.model_validate(r) for r in saved.get("replans", [])]
         self.recoveries = [RecoveryRecord.model_validate(r) for r in saved.get("recoveries", [])]
         self.resumes = [ResumeRecord.model_validate(r) for r in saved.get("resumes", [])]
+        self.tracked = {int(step): values for step, values in saved.get("tracked", {}).items()}
+        self.earlier = EarlierSegments.model_validate(saved.get("totals") or {})
+        if self.problem is None and saved.get("problem") is not None:  # the placement was kept, not re-solved
+            self.problem = PlacementProblem.model_validate(saved["problem"])
         routed = saved.get("tokens_routed")
         self.tokens_routed_LE = self.routed_at_checkpoint = None if routed is None else np.asarray(routed)
 
     def roll_back_to(self, step: int) -> None:
         """Forget what the steps after `step` recorded (they are replayed from its checkpoint)."""
         self.history = [h for h in self.history if h.step <= step]
+        self.tracked = {done: values for done, values in self.tracked.items() if done <= step}
         self.tokens_routed_LE = self.routed_at_checkpoint

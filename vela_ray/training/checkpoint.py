@@ -16,7 +16,10 @@ Atomicity: everything goes into `<root>/.step-000120.tmp-<uuid>/`, files are
 fsynced, the manifest (with checksums) is written and fsynced last, then the
 directory is renamed into place and the parent fsynced. A directory without a
 valid manifest is never "the latest checkpoint", and `resolve("latest")` falls
-back past corrupt ones to the newest that passes its checksums. Staging
+back past corrupt ones to the newest that passes its checksums, setting each one it
+skips aside (`set_aside`: renamed `step-000120.corrupt-<id>`, kept, never resumed from
+nor counted toward `checkpoint.keep`: a corrupt file of unchanged size passes the size
+check `prune` makes, and would otherwise be kept in place of a valid older one). Staging
 directories a crash left behind are deleted by the next `prune`. Workers write
 their own parts in parallel into the staging directory; the master never holds
 expert state.
@@ -349,9 +352,11 @@ def resolve(spec: str | Path, root: str | Path) -> Path:
     """The checkpoint `checkpoint.resume` names, fully verified (sizes and sha256).
 
     `latest`: the newest checkpoint under `root` that verifies; corrupt newer ones are
-    skipped with a warning naming them, so a crash that damaged the last checkpoint
-    costs one interval, not the run. A path: that checkpoint, or an error saying
-    whether it does not exist, is a checkpoint root, or is damaged.
+    skipped with a warning naming them, and set aside (`set_aside`) where local, so a
+    crash that damaged the last checkpoint costs one interval, not the run, nor later
+    the valid checkpoint before it (pruned as older than the corrupt one). A path: that
+    checkpoint, or an error saying whether it does not exist, is a checkpoint root, or
+    is damaged.
     """
     if str(spec) == "latest":
         return local_copy(_newest_verified(root))
@@ -379,14 +384,18 @@ def resolve(spec: str | Path, root: str | Path) -> Path:
 
 
 def _newest_verified(root: str | Path) -> Path | str:
-    """The newest checkpoint under `root` that passes `verify`, warning about each newer one skipped."""
+    """The newest checkpoint under `root` that passes `verify`, warning once about each newer one skipped: a
+    local one is set aside, so no later call meets it again."""
     skipped = []
     for path in reversed(step_dirs(root)):
         try:
             verify(path)
         except ValueError as err:
-            logger.warning("skipping corrupt checkpoint %s (%s); trying the one before it", path, err)
             skipped.append(storage.name_of(path))
+            aside = set_aside(path) if not is_remote(path) else None
+            where = f": moved aside to {aside.name}, never to be resumed from nor kept in place of a valid one" \
+                if aside else ""
+            logger.warning("skipping corrupt checkpoint %s (%s)%s; trying the one before it", path, err, where)
             continue
         if skipped:
             logger.warning("resuming from %s, the newest valid checkpoint (skipped corrupt %s)",
@@ -395,6 +404,22 @@ def _newest_verified(root: str | Path) -> Path | str:
     corrupt = f" ({len(skipped)} corrupt: {', '.join(skipped)})" if skipped else ""
     raise ValueError(f"checkpoint.resume (--resume) latest: no valid checkpoint under {root}{corrupt}; "
                      "start without --resume")
+
+
+def set_aside(path: Path) -> Path | None:
+    """Local checkpoint `path`, which failed verification, renamed to `<step dir>.corrupt-<id>`: no longer a
+    step directory, so never resumed from nor counted toward `checkpoint.keep`, nor deleted by `prune` (kept for
+    a look). None when it is gone already (another process set it aside first) or cannot be renamed."""
+    target = path.with_name(f"{path.name}.corrupt-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # a root this user may only read (another run's checkpoints): skipped, left there
+        logger.warning("cannot set corrupt checkpoint %s aside (%s)", path, err.strerror or err)
+        return None
+    _fsync_dir(path.parent)
+    return target
 
 
 def verify(path: str | Path, checksums: bool = True) -> dict:

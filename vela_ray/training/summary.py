@@ -12,19 +12,26 @@ capacities, cost model), so predicted bytes and times come from `placement.cost`
 from numbers reconstructed after the fact. It is None when the run did not solve one
 (a resumed run that kept its placement, or the expert-parallel baseline).
 
+The fields that name the run's files (`RunSummary._paths`: the adapter, the report, the last checkpoint, the
+checkpoints it resumed from) are absolute in memory and stored relative to the run's dir when they lie in
+it, resolved against the dir `load` reads: a run moved aside (`vela_ray.runs.move_aside`), copied or
+downloaded names its own files, not those of whatever run took its old place.
+
 Shape legend: L = MoE layers, E = experts per layer, N = workers.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from placement import Placement, PlacementProblem, cost
 from vela_ray.model.traffic import RowFormat
+from vela_ray.paths import is_remote
 from vela_ray.training.tiers import TierCounters
 
 SUMMARY_FILE = "summary.json"
@@ -326,11 +333,17 @@ class RunSummary(_Record):
     """Each time the run went on from a checkpoint in a new process; `history` covers every step regardless."""
     run_id: str | None = None
     """The run's identity (`vela_ray.runs`): a resume continues the same run."""
+    trackers: dict[str, str] = Field(default_factory=dict)
+    """Each tracker of `training.report_to` and where it logged the run, or why it did not
+    (`vela_ray.observability.trackers.Trackers.described`)."""
     condensation: CondensationRecord | None = None
     """Token condensation (None: a run from before it existed, or the expert-parallel baseline: exact)."""
     expert_tiers: list[TierCounters] = Field(default_factory=list)
     """APTMoE's CPU/device tiers per worker (`expert_tiers`): experts and rows per tier, uploads,
     predictor accuracy, measured speeds; empty when the tiers are off."""
+    paths_relative: bool = False
+    """Whether the paths of the run's files (`_paths`) are relative to its dir, as `write` stores them; False in
+    memory (`load` resolves them) and in a summary.json written before, whose paths are as the run named them."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -356,17 +369,45 @@ class RunSummary(_Record):
         return values
 
     def write(self, out_dir: str | Path) -> Path:
+        """`out_dir/summary.json`, the paths of the run's files (`_paths`) relative to `out_dir` where in it."""
         path = Path(out_dir) / SUMMARY_FILE
-        path.write_text(self.model_dump_json(indent=1))
+        stored = self._paths(partial(_relative_to, Path(out_dir).resolve()), relative=True)
+        path.write_text(stored.model_dump_json(indent=1))
         return path
 
     @classmethod
     def load(cls, run_dir: str | Path) -> RunSummary:
-        """The summary of the run in `run_dir`; ValueError if there is none (the run did not finish)."""
+        """The summary of the run in `run_dir`, naming the files in `run_dir`; ValueError if there is none (the run
+        did not finish)."""
         path = Path(run_dir) / SUMMARY_FILE
         if not path.is_file():
             raise ValueError(f"{run_dir} has no {SUMMARY_FILE}: give the output.dir of a finished `vela train` run")
-        return cls.model_validate_json(path.read_text())
+        summary = cls.model_validate_json(path.read_text())
+        if not summary.paths_relative:  # written before summaries stored them relative: as the run named them
+            return summary
+        return summary._paths(partial(_resolved_in, Path(run_dir).resolve()), relative=False)
+
+    def _paths(self, convert: Callable[[str | None], str | None], relative: bool) -> RunSummary:
+        """A copy with `convert` applied to every path that names a file of the run: the adapter, the report, the
+        last checkpoint, the checkpoints it resumed from."""
+        resumes = [r.model_copy(update={"checkpoint": convert(r.checkpoint)}) for r in self.resumes]
+        return self.model_copy(update={"adapter_dir": convert(self.adapter_dir), "report": convert(self.report),
+                                       "checkpoint": convert(self.checkpoint), "resumes": resumes,
+                                       "paths_relative": relative})
+
+
+def _relative_to(run_dir: Path, path: str | None) -> str | None:
+    """`path` as summary.json stores it: relative to `run_dir` (resolved) when it lies in it, else absolute; a URI
+    on object storage as it is."""
+    if path is None or is_remote(path):
+        return path
+    absolute = Path(path).resolve()
+    return absolute.relative_to(run_dir).as_posix() if absolute.is_relative_to(run_dir) else str(absolute)
+
+
+def _resolved_in(run_dir: Path, path: str | None) -> str | None:
+    """A stored path (`_relative_to`) as a path: under `run_dir` when relative."""
+    return path if path is None or is_remote(path) else str(run_dir / path)
 
 
 def step_breakdown(history: list[StepRecord], worker_compute_s: list[float]) -> StepBreakdown | None:

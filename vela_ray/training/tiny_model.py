@@ -42,8 +42,9 @@ from vela_ray.quiet import no_progress_bars
 
 log = logging.getLogger(__name__)
 
-# bump when the build recipe changes, to invalidate cached models (2: chat template, 3: WikiText detokenised)
-BUILD_VERSION = 3
+# bump when the build recipe changes, to invalidate cached models (2: chat template, 3: WikiText detokenised,
+# 4: WikiText's <unk> left out)
+BUILD_VERSION = 4
 BUILD_INFO = "build_info.json"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 # ChatML-like: BOS, then each message as "<|role|>\n{content}" + "\n" (EOS right after an assistant's
@@ -166,7 +167,12 @@ class TinyModelConfig(BaseModel):
 # line). A model pre-trained on it as is never sees a comma, colon or newline right after a word, and
 # puts ~e^-17 on them in ordinary text: on Tiny Shakespeare it started at loss 9.1, above a uniform
 # guess (ln 4096 = 8.3); undone, 5.9. Ordinary text barely changes (13 of Tiny Shakespeare's 1.1M characters).
+# Its rare words are all one placeholder, "<unk>" (5% of WikiText-2's words): kept, it was the model's likeliest
+# word, and on Shakespeare's names and old words a greedy generation went "<unk> <unk> <unk> ...". Left out
+# (with a hyphen that joined it, and the quotes or brackets it alone filled), the text around it stays.
 _WIKITEXT_DETOKENISE = [
+    (re.compile(r"(?: @.@)? <unk>(?: @.@(?= ))?"), ""),  # a species of <unk> lobster -> a species of lobster
+    (re.compile(r' (?:" "|\( \))(?= )'), ""),  # called " <unk> " or ( <unk> ) , -> called ,
     (re.compile(r" @(.)@ "), r"\1"),  # 1 @,@ 000 -> 1,000; well @-@ known -> well-known; 0 @.@ 7 -> 0.7
     (re.compile(r" ([.,;:!?%)\]])(?=[\s.,;:!?'\")\]]|$)"), r"\1"),  # claws , and -> claws, and
     (re.compile(r"([(\[]) "), r"\1"),  # ( 24 in ) -> (24 in)
