@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Callable
@@ -53,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fail(args: argparse.Namespace, err: BaseException, code: int, hint: str = "") -> int:
     kind = "" if isinstance(err, ValueError) or type(err).__module__.startswith("vela_ray") else f"{type(err).__name__}: "
-    print(f"vela {args.command}: error: {kind}{first_line(err)}{hint}", file=sys.stderr)
+    message = first_line(err)
+    if getattr(args, "config", None):  # the resume command a run's error gives, with the config it was run with
+        message = message.replace("vela train --config ...", f"vela train --config {shlex.quote(args.config)}")
+    print(f"vela {args.command}: error: {kind}{message}{hint}", file=sys.stderr)
     return code
 
 

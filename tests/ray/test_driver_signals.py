@@ -91,7 +91,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_prints_the_resume_c
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     last = checkpoint.latest(tmp_path / "out" / "checkpoints")
     assert errors[0].startswith(f"vela train: error: {reason}: stopped after step {last.name[5:].lstrip('0')};")
-    assert errors[0].endswith(f"`vela train --config ... --resume {last}`")
+    assert errors[0].endswith(f"`vela train --config {tmp_path / 'out.yaml'} --resume {last}`")  # runnable as is
     checkpoint.verify(last)
     assert not list((tmp_path / "out" / "checkpoints").glob(".step-*"))  # no half-written staging dir
     assert _all_gone([processes["master_pid"], *processes["pids"]]) == []
