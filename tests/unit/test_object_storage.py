@@ -135,6 +135,9 @@ def test_sigkill_mid_checkpoint_then_resume_latest_from_the_bucket_ends_at_the_s
     assert [s.rsplit("/", 1)[1] for s in checkpoint.step_dirs(root)] == ["step-000004", "step-000006"]
     for step in checkpoint.step_dirs(root):
         checkpoint.verify(step)
+    # the killed segment never uploaded its outputs: the resumed run writes its profile from the checkpoint
+    for name in ("profile.json", "profile.npy"):
+        assert Remote(uri).read_bytes(name) == Remote("s3://bucket/straight").read_bytes(name), name
 
 
 def test_a_bucket_that_does_not_exist_or_a_uri_with_credentials_is_refused_before_the_run(s3, model_dir, cache):

@@ -84,6 +84,7 @@ class CheckpointWriter:
             "lr_next": lr_at(cfg.training.optimizer, step, cfg.training.steps),
             "placement": state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
             "profile": None if state.placed_probs is None else np.asarray(state.placed_probs).tolist(),
+            "access_profile": None if state.access_profile is None else state.access_profile.model_dump(mode="json"),
             "condenser": condenser.state() if condenser is not None else None,
             "run": state.identity.model_dump(), "records": state.records(segment_totals(live, state)),
         }

@@ -25,7 +25,7 @@ from placement import (
 from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import sequential_batches
-from vela_ray.data.locality import DriftTracker, profile_model, total_variation
+from vela_ray.data.locality import AccessProfile, DriftTracker, profile_model, total_variation
 from vela_ray.model.loading import moe_layout
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.migration import (
@@ -118,6 +118,8 @@ class Placer:
         state = self.state
         saved = self._saved_placement(resume)
         state.placed_probs = resume.profile if resume else None
+        if resume:
+            self._restore_profile(resume)
         if saved:
             state.plan = saved
         else:
@@ -144,6 +146,16 @@ class Placer:
         (self.out_dir / "workers.json").write_text(json.dumps(
             {"pids": self.pool.pids(), "nodes": live.hosted.node_ids, "master_pid": os.getpid(),
              "master_pids": [os.getpid(), *live.peers.pids()]}))
+
+    def _restore_profile(self, resume: ResumePoint) -> None:
+        """A resumed run's measured profile, from its checkpoint, into `profile.json`/`.npy` where the output dir
+        lacks them (a first segment killed before it uploaded its outputs to object storage)."""
+        saved = resume.trainer.get("access_profile")
+        if saved is None:
+            return
+        self.state.access_profile = AccessProfile.model_validate(saved)
+        if not (self.out_dir / "profile.json").exists():
+            self.state.access_profile.save(self.out_dir / "profile.json", npy_path=self.out_dir / "profile.npy")
 
     def _saved_placement(self, resume: ResumePoint | None) -> Placement | None:
         """A resumed run keeps its placement when the worker count is unchanged."""
@@ -206,6 +218,7 @@ class Placer:
         profile = profile_model(live.master.peft_model, batches, blocks=backbone.blocks,
                                 source=str(self.config.data.path))
         profile.save(self.out_dir / "profile.json", npy_path=self.out_dir / "profile.npy")
+        self.state.access_profile = profile
         return profile.probs_array()
 
     def _capacities(self, backbone: Backbone) -> list[int]:

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from placement import Placement, PlacementProblem, SharedLink
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, build_dataset
+from vela_ray.data.locality import AccessProfile
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 from vela_ray.runtime.masters import start_peers
 from vela_ray.runtime.pool import HostedExperts, PeerMasters, SoloMaster, WorkerPool, master_spec
@@ -172,6 +173,7 @@ class RunState:
     problem: PlacementProblem | None = None
     version: int = 1  # of the placement; each adopted re-placement adds one
     placed_probs: np.ndarray | None = None  # [L, E] the profile the current placement was solved for
+    access_profile: AccessProfile | None = None  # the measured one in full (profile.json), kept by checkpoints
     links: list[LinkRecord] = field(default_factory=list)
     shared_links: list[SharedLink] = field(default_factory=list)  # NICs the links share, measured with them
     start_step: int = 0
