@@ -19,6 +19,7 @@ import pytest
 
 from tests.fixtures import job_dict, make_checkpoint, run_in_process
 from vela_ray.config import JobConfig
+from vela_ray.observability.report import summary_text
 from vela_ray.storage import Remote, local_mirror
 from vela_ray.training import checkpoint
 
@@ -81,6 +82,10 @@ def test_a_job_writes_its_outputs_and_checkpoints_to_the_bucket(s3, model_dir, c
                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors"):
         assert name in files, name
     assert json.loads(remote.read_bytes("summary.json"))["losses"] == pytest.approx(summary.losses)
+    # the closing lines name the bucket's files, not the local mirror's
+    closing = summary_text(summary)
+    assert f"adapter: {uri}/adapter\n" in closing and f"report: {uri}/report.html\n" in closing
+    assert str(local_mirror(uri)) not in closing
     # keep: 2 -> steps 4 and 6, each published by its manifest, the workers' parts listed with their sha256
     steps = checkpoint.step_dirs(f"{uri}/checkpoints")
     assert [s.rsplit("/", 1)[1] for s in steps] == ["step-000004", "step-000006"]

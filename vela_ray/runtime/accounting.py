@@ -19,6 +19,7 @@ from vela_ray.data.locality import DriftTracker
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.state import EarlierSegments, Live, RunState
+from vela_ray.storage import is_remote
 from vela_ray.training.summary import (
     CondensationRecord, DataRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown,
 )
@@ -48,6 +49,14 @@ def segment_totals(live: Live, state: RunState) -> EarlierSegments:
         bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
         sent_by_worker=np.sum([t.bytes_by_worker(("dispatch", "grad_dispatch")) for t in traffics], axis=0).tolist(),
         train_s=0.0 if state.train_started is None else time.perf_counter() - state.train_started)
+
+
+def run_file(config: JobConfig, out_dir: Path, name: str) -> str:
+    """Where the run's file `name` ends up, as the summary and the closing lines name it: on object storage for
+    an `output.dir` there (the run writes a local mirror and uploads it), else in `out_dir`."""
+    if is_remote(config.output.dir):
+        return f"{config.output.dir}/{name}"
+    return str((out_dir / name).resolve())
 
 
 def added(dicts: list[dict[str, int]]) -> dict[str, int]:
@@ -160,12 +169,12 @@ class StepAccounting:
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),
             links=state.links, timings_s=timings,
-            adapter_dir=str((out_dir / "adapter").resolve()),
+            adapter_dir=run_file(config, out_dir, "adapter"),
             checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
             data=DataRecord.of(config.data, live.backbone.train_set),
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries, resumes=state.resumes,
             run_id=None if state.identity is None else state.identity.run_id,
             condensation=CondensationRecord.of(dispatcher.condenser),
             expert_tiers=[stats for stats in live.workers.tier_stats() if stats is not None],
-            report=str((out_dir / "report.html").resolve()),
+            report=run_file(config, out_dir, "report.html"),
         )
