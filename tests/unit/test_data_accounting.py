@@ -112,12 +112,16 @@ def test_split_and_subset_keep_the_whole_build_s_counts():
     assert rows.stats.examples == 11 and len(train) + len(held_out) == rows.stats.rows == 10  # 1 dropped
 
 
-def test_the_warning_names_the_fix_and_a_second_build_logs_it_at_info(caplog):
-    with caplog.at_level(logging.INFO, logger="vela_ray.data.examples"):
+def test_the_warning_names_the_fix_and_a_second_build_logs_it_at_debug(caplog):
+    """Once per run on the console: the master's second build (its INFO reaches the driver's console too) says
+    nothing above DEBUG."""
+    with caplog.at_level(logging.DEBUG, logger="vela_ray.data.examples"):
         padded_rows(_examples(), seq_len=8, pad_id=PAD, source="t")
         padded_rows(_examples(), seq_len=8, pad_id=PAD, source="t", warn=False)
     warnings = [r for r in caplog.records if "dropped or truncated" in r.getMessage()]
-    assert [r.levelno for r in warnings] == [logging.WARNING, logging.INFO]
+    assert [r.levelno for r in warnings] == [logging.WARNING, logging.DEBUG]
+    counts = [r for r in caplog.records if "examples read" in r.getMessage()]
+    assert [r.levelno for r in counts] == [logging.INFO, logging.DEBUG]
     assert ("80% of 5 examples dropped or truncated at data.seq_len=8: 1 truncated (data.truncation: right); "
             f"1 dropped ({CUT_AWAY}); 2 dropped ({EMPTY}); 47.1% of the supervised tokens cut; raise data.seq_len "
             "(14 holds 90% of the examples whole, the longest has 14 tokens) or set data.truncation: keep_answer"
@@ -198,16 +202,18 @@ def test_build_dataset_counts_a_real_tokenizer_s_examples(tmp_path):
 
 @pytest.mark.job
 def test_a_job_warns_once_and_records_the_counts(tmp_path, caplog):
-    """The driver's preflight and the master both build the data; only the first warns."""
+    """The driver's preflight and the master both build the data; only the first says so (issue 49: four times)."""
     model_dir = make_checkpoint(tmp_path / "model", max_position_embeddings=256)
     path = _records(tmp_path / "records.json")
     job = job_dict(model_dir, tmp_path / "out", steps=1, data={"kind": "instruct", "path": str(path), "seq_len": 256,
                                                               "limit": None})
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO):  # what a console shows: each line once
         checked = JobConfig.from_dict(job).preflight()
         summary = run_in_process(checked.config)
     warnings = [r for r in caplog.records if "dropped or truncated" in r.getMessage()]
-    assert [r.levelno for r in warnings] == [logging.WARNING, logging.INFO]
+    assert [r.levelno for r in warnings] == [logging.WARNING]
+    counts = [r for r in caplog.records if "examples read" in r.getMessage()]
+    assert [r.levelno for r in counts] == [logging.INFO]
     data = RunSummary.load(tmp_path / "out").data
     assert data == summary.data and data.examples == 40 and data.examples_truncated + sum(
         data.examples_dropped.values()) == 10

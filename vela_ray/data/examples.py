@@ -128,15 +128,16 @@ def fit(examples: list[Example], seq_len: int, truncation: Truncation, source: s
 
 
 def _finish(rows: TokenizedDataset, stats: DataStats, warn: bool) -> TokenizedDataset:
-    """`rows` with `stats` completed; the counts logged, and the warning (`DataStats.warning`) at WARNING when
-    `warn`, else at INFO (a second build of data already warned about: the master's after the preflight's)."""
+    """`rows` with `stats` completed; the counts logged (INFO), and the warning (`DataStats.warning`) at WARNING,
+    when `warn`; else both at DEBUG: a second build of data the driver's preflight already reported (the master's,
+    whose INFO lines reach the driver's console too: the same lines printed twice more)."""
     stats = replace(stats, rows=len(rows), padding_fraction=rows.padding_fraction)
-    log.info("%s: %d examples read, %d kept (%d truncated to seq_len=%d, %s), %d dropped; %d rows, %.1f%% padding",
+    log.log(logging.INFO if warn else logging.DEBUG, "%s: %d examples read, %d kept (%d truncated to seq_len=%d, %s), %d dropped; %d rows, %.1f%% padding",
              rows.source, stats.examples, stats.kept, stats.truncated, stats.seq_len, stats.truncation,
              stats.num_dropped, stats.rows, 100.0 * stats.padding_fraction)
     warning = stats.warning(rows.source)
     if warning is not None:
-        log.log(logging.WARNING if warn else logging.INFO, warning)
+        log.log(logging.WARNING if warn else logging.DEBUG, warning)
     return replace(rows, stats=stats)
 
 

@@ -381,11 +381,11 @@ PLACEHOLDER = re.compile(r"\{\{\s*[A-Za-z_][\w.]*\s*\}\}")
 def warn_placeholders(records: list[dict], path: Path, warn: bool = True) -> int:
     """Warn once if records hold unreplaced template placeholders such as LLaMA-Factory's identity.json
     ``{{name}}`` (they would be learned literally); the number of records holding one. `warn`: False logs at
-    INFO (a second build of data already warned about)."""
+    DEBUG (a second build of data already warned about)."""
     found = [(index, match) for index, record in enumerate(records) if (match := _placeholder(record))]
     if found:
         index, match = found[0]
-        log.log(logging.WARNING if warn else logging.INFO, "%s: %d of %d records hold unreplaced {{placeholders}} "
+        log.log(logging.WARNING if warn else logging.DEBUG, "%s: %d of %d records hold unreplaced {{placeholders}} "
                 "(record %d: %r), which the model would learn literally; replace them with their values before "
                 "training", path, len(found), len(records), index, match)
     return len(found)
@@ -425,7 +425,7 @@ def parse_each(records: list[dict], parse: Callable[[dict, str], T], path: Path,
                warn: bool = True) -> tuple[list[T], RecordCount]:
     """`parse(record, where)` of every record (`where` is ``"{path}: record {i}"``). A ValueError stops
     everything (``error``) or leaves the record out (``skip``): the skipped records are counted, and named
-    with their reasons (the first few) in one warning (INFO if not `warn`); all of them bad is still an error."""
+    with their reasons (the first few) in one warning (DEBUG if not `warn`); all of them bad is still an error."""
     parsed, reasons = [], []
     for index, record in enumerate(records):
         where = f"{path}: record {index}"
@@ -441,6 +441,6 @@ def parse_each(records: list[dict], parse: Callable[[dict, str], T], path: Path,
         more = f"; and {len(reasons) - SKIPPED_NAMED} more" if len(reasons) > SKIPPED_NAMED else ""
         if not parsed:
             raise ValueError(f"{path}: all {len(records)} records are bad (data.on_bad_record: skip): {named}{more}")
-        log.log(logging.WARNING if warn else logging.INFO, "%s: skipped %d of %d records (data.on_bad_record: "
+        log.log(logging.WARNING if warn else logging.DEBUG, "%s: skipped %d of %d records (data.on_bad_record: "
                 "skip): %s%s", path, len(reasons), len(records), named, more)
     return parsed, count
