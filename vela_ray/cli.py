@@ -279,17 +279,18 @@ def _run_families(args: argparse.Namespace) -> int:
 @_subcommand
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="fine-tune the tiny pre-trained MoE on Tiny Shakespeare over 3 workers")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the demo's, vela_ray.demo.DEMO_STEPS)")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.set_defaults(handler=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from vela_ray.api import VelaJob
-    from vela_ray.demo import demo_config
+    from vela_ray.demo import DEMO_STEPS, demo_config
     from vela_ray.observability.report import summary_text
 
-    print(summary_text(VelaJob(demo_config(args.out, args.steps)).run()))
+    steps = DEMO_STEPS if args.steps is None else args.steps
+    print(summary_text(VelaJob(demo_config(args.out, steps)).run()))
     return 0
 
 

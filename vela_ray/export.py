@@ -9,7 +9,13 @@ Formats (`FORMATS`):
   dtype and shards (`vela_ray.model.merging`); loads with `from_pretrained`.
 - `per-expert`: the adapter with its expert factors under the checkpoint's per-expert module names
   (`experts.{e}.w1`, `experts.{e}.gate_proj`, ...), as serving engines load MoE LoRA; where the checkpoint
-  stores its experts fused (gpt-oss, Qwen3.5-MoE), the fused adapter, and the note says so.
+  stores its experts fused (gpt-oss, Qwen3.5-MoE), the fused adapter, and the note says so. Either way at
+  one rank and one lora_alpha / r, each module's own scale baked into its B (rank and alpha patterns, rsLoRA),
+  and with its targets as a list of module names (`vela_ray.model.merging.serving_adapter`).
+
+Where vLLM cannot take an export as trained, one warning line names the export it can take
+(`_warn_for_vllm`): it refuses `modules_to_save` (a trained router: --format merged), and applies one
+lora_alpha / r to every module (a peft export with rank/alpha patterns: --format per-expert or merged).
 
 What is exported (`locate`): a run dir's `adapter/`; a run dir without one (interrupted), its newest
 verified checkpoint; a checkpoint dir (`step-*`), after its checksums pass. Bad input is one ValueError
@@ -27,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -35,12 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
 
+from peft import LoraConfig
 from safetensors.torch import save_file
 
 from vela_ray.config import LoraSection
 from vela_ray.model.adapters import ADAPTER_FILE, export_adapter, full_lora_config
 from vela_ray.model.loading import meta_model, moe_layout, register_model_code
-from vela_ray.model.merging import checkpoint_files, merge_checkpoint, per_expert_adapter, plan_merge
+from vela_ray.model.merging import checkpoint_files, merge_checkpoint, plan_merge, serving_adapter
 from vela_ray.runs import RUN_ARTEFACTS
 from vela_ray.training import checkpoint
 
@@ -116,17 +124,29 @@ def adapter_of(trained: Trained) -> Iterator[Path]:
 
 
 def _adapter_from_checkpoint(trained: Trained, out: Path) -> Path:
-    """The peft adapter of checkpoint `trained.checkpoint`: its backbone LoRA and every expert's factors."""
+    """The peft adapter of checkpoint `trained.checkpoint`: its backbone LoRA, the modules it trains in full
+    (`modules_to_save`) and every expert's factors."""
     skeleton = meta_model(trained.model_dir, trained.trust_remote_code)
     lora_config = full_lora_config(skeleton, LoraSection.model_construct(**trained.lora).spec())
     tensors = checkpoint.read_tensors(trained.checkpoint / "backbone.safetensors")
-    backbone = {name.replace(".default.weight", ".weight"): t for name, t in tensors.items()
-                if ".lora_" in name and name.endswith(".default.weight")}
+    backbone = {key: t for name, t in tensors.items() if (key := _adapter_key(name)) is not None}
     layers, experts = moe_layout(trained.model_dir, trained.trust_remote_code)
     manifest = checkpoint.verify(trained.checkpoint, checksums=False)
     keys = [(layer, e) for layer in range(layers) for e in range(experts)]
     states = checkpoint.read_expert_states(trained.checkpoint, manifest, keys)
     return export_adapter(out, skeleton.config, lora_config, backbone, states)
+
+
+# A checkpoint's backbone tensor -> its key in a peft adapter (as `get_peft_model_state_dict` names it): the
+# adapter name out of LoRA factors and of modules trained in full; optimizer state (`.exp_avg`, ...) has none.
+_ADAPTER_KEYS = ((re.compile(r"(.*\.lora_[AB])\.default(\.weight)"), r"\1\2"),
+                 (re.compile(r"(.*)\.modules_to_save\.default(\.(?:weight|bias))"), r"\1\2"))
+
+
+def _adapter_key(name: str) -> str | None:
+    """`X.lora_A.default.weight` -> `X.lora_A.weight`, `X.modules_to_save.default.weight` -> `X.weight`, else
+    None (`_ADAPTER_KEYS`)."""
+    return next((pattern.sub(key, name) for pattern, key in _ADAPTER_KEYS if pattern.fullmatch(name)), None)
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -233,6 +253,8 @@ def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | 
         register_model_code(str(trained.model_dir.resolve()))
     source = str(trained.adapter_dir or trained.checkpoint)
     with adapter_of(trained) as adapter_dir:
+        if fmt != "merged":
+            _warn_for_vllm(LoraConfig.from_pretrained(str(adapter_dir)), fmt)
         if fmt == "peft":
             with _staged(out) as staging:
                 shutil.copytree(adapter_dir, staging, dirs_exist_ok=True)
@@ -252,20 +274,27 @@ def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str) -
 
 def _export_per_expert(adapter_dir: Path, model_dir: Path, out: Path, source: str) -> Exported:
     family = json.loads((model_dir / "config.json").read_text()).get("model_type")
-    rewritten = None if family in SERVED_FUSED else per_expert_adapter(adapter_dir, model_dir)
+    config, state, per_expert = serving_adapter(adapter_dir, model_dir, fused=family in SERVED_FUSED)
     if family in SERVED_FUSED:
         note = (f"{family}: {SERVED_FUSED[family]} takes MoE LoRA in peft's fused layout (target_parameters on the "
                 "3-D expert stacks), so the fused adapter was written")
-    elif rewritten is None:
+    elif not per_expert:
         note = (f"{model_dir} stores its experts fused (3-D stacks), so serving engines take peft's fused layout "
                 "(target_parameters) for it: wrote that")
     else:
         note = "experts as per-expert linear modules, the checkpoint's names"
     with _staged(out) as staging:
-        if rewritten is None:
-            shutil.copytree(adapter_dir, staging, dirs_exist_ok=True)
-        else:
-            config, state = rewritten
-            save_file(state, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
-            config.save_pretrained(str(staging))
+        save_file(state, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+        config.save_pretrained(str(staging))
     return Exported(out, "per-expert", source, note=note)
+
+
+def _warn_for_vllm(config: LoraConfig, fmt: str) -> None:
+    """One warning line where vLLM cannot take the `fmt` export of an adapter with `config` as trained, naming
+    the export it can take (vLLM's peft_helper refuses modules_to_save, reads one lora_alpha / r for all)."""
+    if config.modules_to_save:
+        logger.warning("the run trains %s in full (lora.modules_to_save), which vLLM refuses in an adapter: for "
+                       "vLLM, export it with --format merged", ", ".join(config.modules_to_save))
+    elif fmt == "peft" and (config.rank_pattern or config.alpha_pattern):
+        logger.warning("the adapter has a rank_pattern/alpha_pattern, which vLLM ignores (one lora_alpha / r for "
+                       "every module): for vLLM, export it with --format per-expert or merged")

@@ -2,12 +2,13 @@
 
     vela generate --model MODEL_DIR [--adapter ADAPTER_DIR] --prompt "To be, or not"
 
-Generation is greedy (deterministic) and bounded (`max_new_tokens`). A chat model's prompt (its
-tokenizer has a chat template) goes in as one user turn under that template, ready for the assistant.
+Generation is greedy (deterministic), with a repetition penalty (`REPETITION_PENALTY`), and bounded
+(`max_new_tokens`). A chat model's prompt (its tokenizer has a chat template) goes in as one user turn
+under that template, ready for the assistant.
 
 At the end of a run, `add_samples(config)` (the driver, after the job) loads the base model on the
 driver's CPU, generates for a few prompts (`report.prompts`, else the start of a few evaluation rows:
-the tokens before the first supervised label, or a text row's first tokens) with the base model and
+the tokens before the first supervised label, or a text row's first whole lines) with the base model and
 with the run's exported adapter, and writes `output.dir/samples.json`, which the report shows side by
 side; models over `report.samples_max_params` parameters are skipped with the reason logged.
 """
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vela_ray.data.datasets import build_dataset
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.model.loading import meta_model
+from vela_ray.model.merging import peft_layout
 from vela_ray.observability.report import write_report
 from vela_ray.observability.samples import Sample, SamplesRecord
 from vela_ray.quiet import no_progress_bars
@@ -34,11 +36,18 @@ from vela_ray.storage import is_remote, pull_outputs, push_outputs
 
 logger = logging.getLogger(__name__)
 
-PROMPT_TOKENS = 24  # a text row's prompt: its first tokens
+PROMPT_TOKENS = 24  # a text row's prompt: its first whole lines, at most this many tokens
+# Greedy decoding of a small model falls into a loop it cannot leave ("AAAAAAAA...", "== Ray ==\n\n== Ray ==..."):
+# the argmax after a token is often that token again. CTRL's penalty (Keskar et al. 2019: 1.2, with greedy
+# decoding) scales down the scores of the tokens already in the text, so a loop loses to the next likeliest
+# token, and the output stays deterministic.
+REPETITION_PENALTY = 1.2
 
 
 def load(model_dir: str | Path, adapter_dir: str | Path | None = None, dtype: torch.dtype = torch.float32):
-    """(model in eval mode, tokenizer): `model_dir` with the peft adapter `adapter_dir` applied, if given."""
+    """(model in eval mode, tokenizer): `model_dir` with the adapter `adapter_dir` applied, if given: a peft
+    adapter, or a per-expert export (`vela export --format per-expert`), whose expert factors peft alone would
+    drop (`peft_layout` gathers them into peft's layout)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model {model_dir} is not a model directory (no config.json)")
@@ -48,7 +57,8 @@ def load(model_dir: str | Path, adapter_dir: str | Path | None = None, dtype: to
     with no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
+        with peft_layout(adapter_dir, model_dir) as applicable:
+            model = PeftModel.from_pretrained(model, str(applicable))
     return model.eval(), tokenizer
 
 
@@ -62,13 +72,16 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 @torch.no_grad()
-def continuation(model, tokenizer, ids: list[int], max_new_tokens: int = 64) -> list[int]:
-    """The greedy continuation of `ids`: at most `max_new_tokens` token ids, fewer at EOS."""
+def continuation(model, tokenizer, ids: list[int], max_new_tokens: int = 64,
+                 repetition_penalty: float = REPETITION_PENALTY) -> list[int]:
+    """The greedy continuation of `ids` under `repetition_penalty` (1: none): at most `max_new_tokens` token
+    ids, fewer at EOS."""
     if not ids:
         raise ValueError("the prompt is empty")
     input_ids = torch.tensor([ids], device=model.device)
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=_pad_id(tokenizer, model))
+                         repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
+                         pad_token_id=_pad_id(tokenizer, model))
     return out[0, len(ids):].tolist()
 
 
@@ -116,7 +129,7 @@ def text_prompt(tokenizer, ids: list[int], max_tokens: int = PROMPT_TOKENS) -> l
     A packed row starts wherever the one before it stopped, often mid-word ("itizen:"): a prompt cut there
     shows the model a fragment it never sees in text, and the reader a broken sample."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    rest = text[text.find("\n") + 1 or text.find(" ") + 1:]  # from a line start, else from a word start
+    rest = text[text.find("\n") + 1 or text.find(" ") + 1:].lstrip("\n")  # from a line start, else a word start
     line_ends = [m.end() for m in re.finditer("\n", rest)]  # the row's last line, cut by the row's end, is not one
     word_ends = [m.end() for m in re.finditer(r"\S+(?=\s)", rest.split("\n", 1)[0])]
     for ends in (line_ends, word_ends):
@@ -137,7 +150,8 @@ def model_params(model_dir: str | Path) -> int:
 
 def run_samples(model_dir: Path, adapter_dir: Path, prompts: list[list[int]] | list[str],
                 max_new_tokens: int) -> SamplesRecord:
-    """Greedy generations of the base model and of base + adapter for each prompt (text or token ids)."""
+    """Greedy generations (`continuation`) of the base model and of base + adapter for each prompt (text or token
+    ids)."""
     base, tokenizer = load(model_dir)
     ids = [prompt_ids(tokenizer, p) if isinstance(p, str) else p for p in prompts]
     start = time.perf_counter()
@@ -147,7 +161,7 @@ def run_samples(model_dir: Path, adapter_dir: Path, prompts: list[list[int]] | l
     seconds = time.perf_counter() - start
     texts = [p if isinstance(p, str) else tokenizer.decode(i, skip_special_tokens=False) for p, i in zip(prompts, ids)]
     return SamplesRecord(samples=[Sample(prompt=t, base=b, tuned=u) for t, b, u in zip(texts, base_out, tuned_out)],
-                         max_new_tokens=max_new_tokens, seconds=seconds)
+                         max_new_tokens=max_new_tokens, repetition_penalty=REPETITION_PENALTY, seconds=seconds)
 
 
 def add_samples(config) -> SamplesRecord | None:

@@ -20,33 +20,39 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tests.fixtures import REFUSED
 from vela_ray.cli import main
-from vela_ray.export import export_run
+from vela_ray.export import FORMATS, export_run
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model, moe_families
-from vela_ray.model.merging import merge_checkpoint, per_expert_adapter
+from vela_ray.model.merging import merge_checkpoint, peft_layout, serving_adapter
 from vela_ray.model.modeling import find_moe_blocks
 
 LORA = LoraSpec(r=4, alpha=8)
 
 
 def make_base_and_adapter(tmp_path: Path, family: str, dtype: torch.dtype = torch.float32,
-                          max_shard_size: str | int = "5GB", **overrides) -> tuple[Path, Path]:
-    """(base checkpoint dir, fused peft adapter dir) of `family`'s debug model."""
+                          max_shard_size: str | int = "5GB", lora: LoraSpec = LORA, **overrides) -> tuple[Path, Path]:
+    """(base checkpoint dir, fused peft adapter dir) of `family`'s debug model; the modules `lora` trains in full
+    (`modules_to_save`) moved off their base weights, as training moves them."""
     model = debug_model(family, **overrides).to(dtype)
     base = tmp_path / "base"
     model.save_pretrained(base, max_shard_size=max_shard_size)
-    lora_config = full_lora_config(model, LORA)
+    lora_config = full_lora_config(model, lora)
     lora_config.init_lora_weights = False  # random A and B: every expert's delta differs
     torch.manual_seed(7)
     adapter = tmp_path / "adapter"
-    get_peft_model(model, lora_config).save_pretrained(adapter)
+    peft_model = get_peft_model(model, lora_config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".modules_to_save." in name:
+                param.add_(torch.randn_like(param))
+    peft_model.save_pretrained(adapter)
     return base, adapter
 
 
@@ -277,7 +283,7 @@ def _set_path(root: nn.Module, path: str, module: nn.Module) -> None:
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
 def test_per_expert_adapter_computes_the_fused_adapters_expert_outputs(family, tmp_path):
     base, adapter = make_base_and_adapter(tmp_path, family)
-    config, state = per_expert_adapter(adapter, base)
+    config, state, _ = serving_adapter(adapter, base)
     fused = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
     reference = _per_expert_reference(AutoModelForCausalLM.from_pretrained(base), state, config).eval()
     x = torch.randn(5, fused.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -306,14 +312,13 @@ def test_every_per_expert_family_splits_each_experts_factors_exactly(family, tmp
     base, adapter = make_base_and_adapter(tmp_path, family)
     if family in MERGE_REFUSED and family != "lara_mini":  # lara_mini's refusal is a backbone tensor's
         with pytest.raises(ValueError, match=MERGE_REFUSED[family]):
-            per_expert_adapter(adapter, base)
+            serving_adapter(adapter, base)
         return
-    rewritten = per_expert_adapter(adapter, base)
-    if rewritten is None:  # the checkpoint stores its experts fused: so do serving engines, per the README
+    config, state, per_expert = serving_adapter(adapter, base)
+    if not per_expert:  # the checkpoint stores its experts fused: so do serving engines, per the README
         with safe_open(str(next(base.glob("*.safetensors"))), "pt") as f:
             assert not any(re.search(r"\.experts\.\d+\.", k) for k in f.keys())
         return
-    config, state = rewritten
     fused = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
     plain = AutoModelForCausalLM.from_pretrained(base)
     in_memory = {_layer(b.experts_path): b.experts_path for b in find_moe_blocks(plain)}
@@ -359,24 +364,160 @@ def _effective_stack(fused: PeftModel, experts_path: str, stack: str) -> torch.T
     raise AssertionError(f"no adapted {stack} under {experts_path}")
 
 
-def test_per_expert_uses_the_checkpoints_expert_names_and_targets_them(tmp_path):
+def test_per_expert_uses_the_checkpoints_expert_names_and_targets_them_by_a_list_of_names(tmp_path):
     base, adapter = make_base_and_adapter(tmp_path, "mixtral")
-    config, state = per_expert_adapter(adapter, base)
+    run = fake_run(tmp_path, base, adapter)
+    export_run(run, "per-expert", tmp_path / "out")
+    state = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.block_sparse_moe.experts.5.w3.lora_B.weight" in state
     assert not any(k.endswith("experts.lora_A.weight") for k in state)
-    assert config.target_parameters is None
-    assert re.fullmatch(config.target_modules, "model.layers.1.block_sparse_moe.experts.3.w2")
-    assert re.fullmatch(config.target_modules, "model.layers.1.self_attn.q_proj")
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["target_parameters"] is None
+    # module-name suffixes, as peft matches them and SGLang reads them (a regex is "all" to it, or refused)
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj", "w1", "w2", "w3"]
 
 
 def test_gpt_oss_stores_experts_fused_so_per_expert_writes_the_fused_layout(tmp_path):
     base, adapter = make_base_and_adapter(tmp_path, "gpt_oss")
-    assert per_expert_adapter(adapter, base) is None
+    assert serving_adapter(adapter, base)[2] is False
     run = fake_run(tmp_path, base, adapter)
     exported = export_run(run, "per-expert", tmp_path / "out")
     assert "fused" in exported.note
     assert load_file(tmp_path / "out" / "adapter_model.safetensors").keys() == \
         load_file(adapter / "adapter_model.safetensors").keys()
+    assert isinstance(json.loads((tmp_path / "out" / "adapter_config.json").read_text())["target_modules"], list)
+
+
+# --- a trained router, rank and alpha patterns, rsLoRA: every format as peft applies the adapter -----------------
+
+ROUTER_AND_PATTERNS = {"rank_pattern": {r"experts\.down_proj": 2, "q_proj": 6},
+                       "alpha_pattern": {r"experts\.gate_up_proj": 3.0, "o_proj": 16}, "use_rslora": True}
+ROUTERS = {"mixtral": "gate", "qwen3_moe": "gate", "phimoe": "router"}
+
+
+def _logits(model_dir: Path, adapter: Path | None = None) -> torch.Tensor:
+    """fp32 logits of `_batch` by the model in `model_dir`, with the peft adapter `adapter` if given (peft's own
+    loading, `PeftModel.from_pretrained`)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = (PeftModel.from_pretrained(model, str(adapter)) if adapter else model).eval()
+    with torch.no_grad():
+        return model(**_batch(model.config.get_text_config().vocab_size)).logits
+
+
+# mixtral and qwen3_moe: families peft's transformers-v4 conversion maps per-expert factors onto the fused experts
+# for; phimoe: one it does not (peft alone would apply the attention factors only)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "phimoe"])
+def test_a_router_and_rank_patterns_export_merged_and_per_expert_as_peft_applies_them(family, tmp_path):
+    lora = LoraSpec(r=4, alpha=8, modules_to_save=(ROUTERS[family],),
+                    **{k: tuple(v.items()) if isinstance(v, dict) else v for k, v in ROUTER_AND_PATTERNS.items()})
+    base, adapter = make_base_and_adapter(tmp_path, family, lora=lora)
+    run = fake_run(tmp_path, base, adapter)
+    export_run(run, "merged", tmp_path / "merged")
+    export_run(run, "per-expert", tmp_path / "per-expert")
+    want = _logits(base, adapter)
+    assert rel_error(_logits(base), want) > 1e-3
+    assert rel_error(_logits(tmp_path / "merged"), want) < 1e-5  # the trained router replaced, each module's scale
+    config = json.loads((tmp_path / "per-expert" / "adapter_config.json").read_text())
+    # one rank and one lora_alpha / r, as serving engines apply an adapter; the router as peft saves it
+    assert (config["r"], config["rank_pattern"], config["alpha_pattern"], config["use_rslora"]) == (6, {}, {}, False)
+    assert config["modules_to_save"] == [ROUTERS[family]]
+    with peft_layout(tmp_path / "per-expert", base) as gathered:  # what `vela generate --adapter` applies
+        assert rel_error(_logits(base, gathered), want) < 1e-5
+    if family != "phimoe":
+        assert rel_error(_logits(base, tmp_path / "per-expert"), want) < 1e-5
+
+
+@pytest.mark.parametrize("family", _sweep())
+def test_every_per_expert_export_applies_as_its_adapter(family, tmp_path):
+    """The per-expert export (or the fused one, where the checkpoint stores experts fused), applied as `vela
+    generate` applies an adapter (`peft_layout`), computes what the trained adapter computes."""
+    base, adapter = make_base_and_adapter(tmp_path, family)
+    if family in MERGE_REFUSED and family != "lara_mini":  # refused with the reason (the sweep above)
+        return
+    config, state, _ = serving_adapter(adapter, base)
+    save_file(state, str(tmp_path / "adapter_model.safetensors"))
+    config.save_pretrained(str(tmp_path))
+    with peft_layout(tmp_path, base) as applicable:
+        assert rel_error(_logits(base, applicable), _logits(base, adapter)) < 1e-5
+
+
+def test_vllm_is_named_where_it_cannot_take_an_export_as_trained(tmp_path, caplog):
+    patterns = {k: tuple(v.items()) for k, v in ROUTER_AND_PATTERNS.items() if isinstance(v, dict)}
+    base, adapter = make_base_and_adapter(tmp_path, "mixtral", lora=LoraSpec(r=4, alpha=8, **patterns))
+    run = fake_run(tmp_path, base, adapter)
+    for fmt in FORMATS:
+        caplog.clear()
+        export_run(run, fmt, tmp_path / fmt)
+        warned = [r.getMessage() for r in caplog.records if r.name == "vela_ray.export" and r.levelname == "WARNING"]
+        # vLLM applies one lora_alpha / r to every module: the per-expert export bakes each module's scale in
+        assert warned == (["the adapter has a rank_pattern/alpha_pattern, which vLLM ignores (one lora_alpha / r "
+                           "for every module): for vLLM, export it with --format per-expert or merged"]
+                          if fmt == "peft" else []), fmt
+
+
+def test_vela_generate_with_a_per_expert_export_applies_every_expert_as_the_merged_model(tmp_path, capsys):
+    from tests.fixtures import init_adapter, make_checkpoint
+    from vela_ray.generate import load
+
+    # phimoe: a family whose per-expert factors peft's own loading would drop, applying the attention ones only
+    model_dir = make_checkpoint(tmp_path / "model", family="phimoe")
+    run = fake_run(tmp_path, model_dir, init_adapter(model_dir, tmp_path / "adapter"))
+    for fmt in ("merged", "per-expert"):
+        export_run(run, fmt, tmp_path / fmt)
+    tuned, _ = load(model_dir, tmp_path / "per-expert")
+    merged, _ = load(tmp_path / "merged")
+    batch = _batch(merged.config.vocab_size)
+    with torch.no_grad():
+        assert rel_error(tuned(**batch).logits, merged(**batch).logits) < 1e-5
+    capsys.readouterr()
+    texts = []
+    for args in (["--model", str(tmp_path / "merged")],
+                 ["--model", str(model_dir), "--adapter", str(tmp_path / "per-expert")]):
+        assert main(["generate", *args, "--prompt", "To be, or not", "--max-new-tokens", "12"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.job
+def test_a_run_with_a_trained_router_and_rank_patterns_exports_and_generates_as_its_adapter(tmp_path, caplog):
+    from tests.fixtures import job_dict, make_checkpoint, run_in_process
+    from vela_ray.config import JobConfig
+    from vela_ray.generate import generate, load
+
+    torch.set_num_threads(1)
+    model_dir = make_checkpoint(tmp_path / "model")
+    lora = {"r": 8, "alpha": 16, "modules_to_save": ["gate"], "use_rslora": True,
+            "rank_pattern": {r"experts\.down_proj": 4, "q_proj": 4}, "alpha_pattern": {r"experts\.gate_up_proj": 4}}
+    config = JobConfig.from_dict(job_dict(model_dir, tmp_path / "run", steps=3, lora=lora, report={"samples": 0},
+                                          checkpoint={"every": 3},
+                                          training={"optimizer": {"lr": 3e-2, "warmup_steps": 1}}))
+    run_in_process(config)
+    # its last checkpoint exports the adapter the run wrote, the trained router with it
+    export_run(tmp_path / "run" / "checkpoints" / "step-000003", "peft", tmp_path / "from-checkpoint")
+    written = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    got = load_file(tmp_path / "from-checkpoint" / "adapter_model.safetensors")
+    assert got.keys() == written.keys() and all(torch.equal(got[k], v) for k, v in written.items())
+    caplog.clear()
+    for fmt in ("merged", "per-expert"):
+        assert main(["export", str(tmp_path / "run"), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.name == "vela_ray.export" and r.levelname == "WARNING"]
+    assert warned == ["the run trains gate in full (lora.modules_to_save), which vLLM refuses in an adapter: for "
+                      "vLLM, export it with --format merged"]  # on the per-expert export, not the merged one
+    adapter = tmp_path / "run" / "adapter"
+    want = _logits(model_dir, adapter)
+    assert rel_error(_logits(model_dir), want) > 1e-3
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    trained = load_file(tmp_path / "merged" / "model.safetensors")[router]
+    assert not torch.equal(trained, load_file(model_dir / "model.safetensors")[router])  # the router moved
+    assert rel_error(_logits(tmp_path / "merged"), want) < 1e-5
+    assert rel_error(_logits(model_dir, tmp_path / "per-expert"), want) < 1e-5  # peft loads the per-expert export
+    # `vela generate --adapter <per-expert export>`: every expert's factors, as the merged model
+    tuned, tokenizer = load(model_dir, tmp_path / "per-expert")
+    merged, _ = load(tmp_path / "merged")
+    batch = _batch(merged.config.vocab_size)
+    with torch.no_grad():
+        assert rel_error(tuned(**batch).logits, merged(**batch).logits) < 1e-5
+    assert generate(tuned, tokenizer, "To be, or not", 16) == generate(merged, tokenizer, "To be, or not", 16)
 
 
 # --- the command and bad input --------------------------------------------------------------------------

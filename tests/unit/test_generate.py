@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,14 @@ from vela_ray.config import JobConfig
 from vela_ray.data.config import DataConfig
 from vela_ray.data.datasets import build_dataset
 from vela_ray.data.examples import IGNORE_INDEX
-from vela_ray.generate import add_samples, continuation, eval_prompts, generate, load, prompt_ids, run_samples
+from vela_ray.generate import (REPETITION_PENALTY, add_samples, continuation, eval_prompts, generate, load,
+                                prompt_ids, run_samples, text_prompt)
 from vela_ray.observability.report import summary_text, write_report
 from vela_ray.observability.samples import Sample, SamplesRecord
 from vela_ray.paths import data_dir
-from vela_ray.training.tiny_model import CHAT_TEMPLATE
+from vela_ray.training.tiny_model import CHAT_TEMPLATE, tiny_model_path
+
+SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def test_the_adapter_changes_the_generation_and_samples_show_both(checkpoint, tm
     model, tokenizer = load(checkpoint, adapter)
     assert record.samples[0].tuned == generate(model, tokenizer, "To be, or not", 12)
     assert any(s.base != s.tuned for s in record.samples)
-    assert record.max_new_tokens == 12 and record.seconds > 0
+    assert record.max_new_tokens == 12 and record.repetition_penalty == REPETITION_PENALTY and record.seconds > 0
 
 
 def test_eval_prompts_stop_before_the_first_supervised_token(checkpoint):
@@ -69,6 +73,43 @@ def test_eval_prompts_stop_before_the_first_supervised_token(checkpoint):
         labels = data.labels[row][data.attention_mask[row].bool()]
         assert (labels[:len(prompt)] == IGNORE_INDEX).all() and labels[len(prompt)] != IGNORE_INDEX
         assert "Response" in tokenizer.decode(prompt)  # the Alpaca prompt, up to its response header
+
+
+def test_a_text_rows_prompt_is_whole_lines_from_a_line_start(checkpoint):
+    _, tokenizer = load(checkpoint)
+    data = build_dataset(DataConfig(kind="text", path=SHAKESPEARE, seq_len=128, limit=200), tokenizer, warn=False)
+    _, held_out = data.split(0.05, 0)  # packed rows start anywhere: the demo's first one at "itizen:"
+    source = SHAKESPEARE.read_text()
+    prompts = [tokenizer.decode(prompt) for prompt in eval_prompts(held_out, tokenizer, 8)]
+    for text in prompts:
+        at = source.find("\n" + text)
+        assert text.strip() and at >= 0, text  # from a line start of the data
+        assert text.endswith("\n") or source[at + 1 + len(text)].isspace(), text  # to a line's (or a word's) end
+
+
+def test_a_text_prompt_from_one_long_line_is_its_first_whole_words(checkpoint):
+    _, tokenizer = load(checkpoint)
+    row = "ord of the realm, and every man that hears me speak shall know my mind before the sun goes down"
+    prompt = text_prompt(tokenizer, tokenizer(row, add_special_tokens=False)["input_ids"], max_tokens=12)
+    text = tokenizer.decode(prompt)
+    assert 0 < len(prompt) <= 12 and text.startswith("of ") and f"ord {text} " in row, text
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The demo's base model, pre-trained on WikiText-2: built on first use (minutes) and cached, as test_tiers'."""
+    return load(tiny_model_path())
+
+
+def test_the_tiny_model_continues_shakespeare_without_unk_or_a_loop(tiny_model):
+    model, tokenizer = tiny_model
+    for line in ("Let us kill him, and we'll have corn at our own price.\n", "First Citizen:\nSpeak, speak.\n"):
+        ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+        tokens = continuation(model, tokenizer, ids, 32)
+        text = tokenizer.decode(tokens)
+        assert "<unk>" not in text, text  # WikiText-2's placeholder for rare words, once its likeliest word
+        fourgrams = Counter(tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3))
+        assert max(fourgrams.values()) <= 2, text  # pure greedy: "== Ray ==\n\n\n== Ray ==\n\n\n== Ray ..."
 
 
 def test_a_missing_model_or_adapter_is_one_line(checkpoint, tmp_path, capsys):
@@ -87,8 +128,9 @@ SAMPLES = SamplesRecord(samples=[Sample(prompt="To be, or <not>", base="the base
 
 def test_the_report_shows_samples_side_by_side(tmp_path):
     run_dir = make_run_dir(tmp_path / "run")
-    SAMPLES.write(run_dir)
+    SAMPLES.model_copy(update={"repetition_penalty": 1.2}).write(run_dir)
     page = write_report(run_dir).read_text()
+    assert "Greedy generations with repetition penalty 1.2, at most" in page
     assert '<section id="samples">' in page
     assert "<th>Prompt</th><th>Base model</th><th>Fine-tuned</th>" in page
     assert "To be, or &lt;not&gt;" in page and "the tuned model&#x27;s words" in page

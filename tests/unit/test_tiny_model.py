@@ -165,5 +165,11 @@ def test_wikitexts_tokenisation_is_undone_and_ordinary_text_is_all_but_unchanged
     assert len(shakespeare) - len(tiny_model.detokenise_wikitext(shakespeare)) < 20  # of 1.1M characters
 
 
+def test_wikitexts_unk_placeholder_is_left_out_of_the_pretraining_text():
+    wikitext = ' a species of <unk> lobster , <unk> @-@ based , well @-@ <unk> , called " <unk> " or ( <unk> ) . \n'
+    assert tiny_model.detokenise_wikitext(wikitext) == "a species of lobster, based, well, called or.\n"
+    assert "<unk>" not in tiny_model.corpus_text(TinyModelConfig())  # the default build's: the demo's model
+
+
 def test_the_build_uses_at_least_one_and_at_most_all_cores():
     assert 1 <= tiny_model.cpu_threads() <= (os.cpu_count() or 1)

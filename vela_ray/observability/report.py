@@ -649,9 +649,11 @@ def samples_section(record: SamplesRecord) -> str:
     rows = "".join(f"<tr><td><pre>{html.escape(s.prompt)}</pre></td><td><pre>{html.escape(s.base)}</pre></td>"
                    f"<td><pre>{html.escape(s.tuned)}</pre></td></tr>" for s in record.samples)
     table = f'<table class="samples"><tr><th>Prompt</th><th>Base model</th><th>Fine-tuned</th></tr>{rows}</table>'
+    penalty = f" with repetition penalty {record.repetition_penalty:g}" if record.repetition_penalty != 1 else ""
     return _section("samples", "Samples", table, html.escape(
-        f"Greedy generations, at most {record.max_new_tokens} new tokens per prompt and model, made on the driver "
-        f"after the run in {record.seconds:.1f} s (report.prompts, else the start of evaluation rows)."))
+        f"Greedy generations{penalty}, at most {record.max_new_tokens} new tokens per prompt and model, made on the "
+        f"driver after the run in {record.seconds:.1f} s (report.prompts, else the start of evaluation rows: a text "
+        f"row's first whole lines)."))
 
 
 def drift_table(history: list[StepRecord]) -> str:

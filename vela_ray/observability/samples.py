@@ -25,6 +25,7 @@ class SamplesRecord(BaseModel):
 
     samples: list[Sample] = Field(default_factory=list)
     max_new_tokens: int = 0
+    repetition_penalty: float = 1.0  # the generations' (1: none, as in records written before it was kept)
     seconds: float = 0.0  # generating all of them (loading the base model excluded)
     skipped: str | None = None  # why there are none
 
