@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -366,6 +367,84 @@ def missing_tracker_packages(names: list[str]) -> str | None:
     extras = ",".join(TRACKER_PACKAGES[name][1] for name in missing)
     return (f"training.report_to names {', '.join(missing)}, not installed here: pip install 'vela-ray[{extras}]' "
             "(or remove it from training.report_to)")
+
+
+def tracker_problem(names: list[str]) -> str | None:
+    """One line naming a tracker of `names` that could not log here, and the fix; None when each can.
+    Preflight asks before Ray starts: such a tracker would otherwise be dropped with a warning mid-run."""
+    checks = {"mlflow": _mlflow_problem, "wandb": _wandb_problem}
+    for name in names:
+        problem = checks[name]() if name in checks else None
+        if problem:
+            return f"training.report_to names {name}, but {problem}"
+    return None
+
+
+def _flag(name: str) -> bool | None:
+    """An environment variable as MLflow reads a boolean; None when unset."""
+    value = os.environ.get(name)
+    return None if value is None else value.strip().lower() in ("true", "1")
+
+
+def _mlflow_problem() -> str | None:
+    """Why MLflow could not open the store it would log to (`observability.trackers.mlflow_tracking_uri`), with
+    the fix; None when it can."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        if _flag("MLFLOW_ALLOW_FILE_STORE") is False:
+            return ("MLFLOW_ALLOW_FILE_STORE is false and forbids the file store in output.dir/mlruns it logs to "
+                    "without MLFLOW_TRACKING_URI: unset MLFLOW_ALLOW_FILE_STORE, or set MLFLOW_TRACKING_URI")
+        return None
+    problem = _mlflow_store_problem(uri)
+    return problem and f"{problem}, or unset MLFLOW_TRACKING_URI to log to a file store in output.dir/mlruns"
+
+
+def _mlflow_store_problem(uri: str) -> str | None:
+    """Why MLflow could not open the store at `uri` here, and the fix. Nothing is written: a database store is not
+    opened (that creates it), a server is not asked."""
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+    from mlflow.utils.uri import get_uri_scheme
+
+    scheme = get_uri_scheme(uri)
+    if scheme in ("", "file"):
+        return None if _flag("MLFLOW_ALLOW_FILE_STORE") else (
+            f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow opens only with MLFLOW_ALLOW_FILE_STORE=true: "
+            "set it")
+    if scheme.split("+")[0] in DATABASE_ENGINES:
+        import importlib.util
+
+        return None if importlib.util.find_spec("sqlalchemy") else (
+            f"MLFLOW_TRACKING_URI={uri} is a database store, which needs sqlalchemy (mlflow-skinny does not install "
+            "it): pip install sqlalchemy")
+    from mlflow import MlflowClient
+
+    try:
+        MlflowClient(uri)  # builds the store; a server is asked nothing yet
+    except Exception as err:
+        return f"MLflow cannot use MLFLOW_TRACKING_URI={uri} ({first_line(err)}): set a tracking server's URL"
+    return None
+
+
+def _wandb_problem() -> str | None:
+    """Why W&B could not log, with the fix: online (neither WANDB_MODE=offline nor disabled, here or in its
+    settings files) without an API key wandb finds (WANDB_API_KEY, `wandb login`'s netrc). None when it can,
+    or when this wandb has no `wbauth` to ask (wandb.init then says)."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate
+    except ImportError:
+        return None
+    settings = wandb_setup.singleton().settings  # what wandb.init in this process goes by
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return None
+    fix = ("set WANDB_API_KEY (or run `wandb login`), or WANDB_MODE=offline to log to output.dir/wandb and "
+           "upload it later with `wandb sync`")
+    try:
+        found = authenticate.authenticate_session(host=settings.base_url, source="vela preflight", prompt=False,
+                                                  update_session=False)
+    except Exception as err:  # a key of the wrong form, two sources at once
+        return f"W&B cannot use its credentials ({first_line(err)}): {fix}"
+    return None if found else f"W&B is online and has no API key here: {fix}"
 
 
 class TrainingSection(_Section):

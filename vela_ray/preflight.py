@@ -91,9 +91,8 @@ def preflight(config: JobConfig) -> Preflight:
 
 def check_trackers(config: JobConfig) -> None:
     """Every tracker of `training.report_to` is installed, else one line with the extra that installs it; and can
-    log here (`trackers.tracker_problem`: MLflow's store, W&B's key or offline mode), else one line with the fix."""
-    from vela_ray.config import missing_tracker_packages
-    from vela_ray.observability.trackers import tracker_problem
+    log here (`config.tracker_problem`: MLflow's store, W&B's key or offline mode), else one line with the fix."""
+    from vela_ray.config import missing_tracker_packages, tracker_problem
 
     problem = missing_tracker_packages(config.training.report_to) or tracker_problem(config.training.report_to)
     if problem:

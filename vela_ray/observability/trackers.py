@@ -19,7 +19,8 @@ packages. MLflow keeps that store in "maintenance mode" and opens it only with M
 which this process sets (when unset) for the store it chose; read it back with the same variable set
 (`MlflowClient("file:///.../mlruns")`). W&B where its environment says: online with an API key
 (WANDB_API_KEY, `wandb login`), or WANDB_MODE=offline into `output.dir/wandb`, uploaded later by
-`wandb sync`. Preflight refuses a tracker that could not log here (`tracker_problem`) before Ray starts.
+`wandb sync`. Preflight refuses a tracker that could not log here (`config.tracker_problem`) before Ray
+starts.
 Nothing here logs an environment variable.
 
 Resume, and a hard kill. A resume continues the same tracker runs (their ids are in `output.dir/trackers.json`),
@@ -67,84 +68,6 @@ def flat_params(value: object, prefix: str = "") -> dict[str, str]:
         return out
     text = value if isinstance(value, str) else json.dumps(value)
     return {prefix[:-1]: text[:6000]}  # MLflow's limit on a parameter's length
-
-
-# --- before Ray starts ----------------------------------------------------------------------------
-
-
-def tracker_problem(names: Iterable[str]) -> str | None:
-    """One line naming a tracker of `names` that could not log here, and the fix; None when each can.
-    Preflight asks before Ray starts: such a tracker would otherwise be dropped with a warning mid-run."""
-    checks = {"mlflow": _mlflow_problem, "wandb": _wandb_problem}
-    for name in names:
-        problem = checks[name]() if name in checks else None
-        if problem:
-            return f"training.report_to names {name}, but {problem}"
-    return None
-
-
-def _flag(name: str) -> bool | None:
-    """An environment variable as MLflow reads a boolean; None when unset."""
-    value = os.environ.get(name)
-    return None if value is None else value.strip().lower() in ("true", "1")
-
-
-def _mlflow_problem() -> str | None:
-    """Why MLflow could not open the store it would log to, with the fix; None when it can. Nothing is
-    written: a database store is not opened (that creates it), a server is not asked."""
-    from mlflow.store.db.db_types import DATABASE_ENGINES
-    from mlflow.utils.uri import get_uri_scheme
-
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    default = "unset MLFLOW_TRACKING_URI to log to a file store in output.dir/mlruns"
-    if not uri:
-        if _flag("MLFLOW_ALLOW_FILE_STORE") is False:
-            return ("MLFLOW_ALLOW_FILE_STORE is false and forbids the file store in output.dir/mlruns it logs to "
-                    "without MLFLOW_TRACKING_URI: unset MLFLOW_ALLOW_FILE_STORE, or set MLFLOW_TRACKING_URI")
-        return None
-    scheme = get_uri_scheme(uri)
-    if scheme in ("", "file"):
-        if _flag("MLFLOW_ALLOW_FILE_STORE"):
-            return None
-        return (f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow opens only with "
-                f"MLFLOW_ALLOW_FILE_STORE=true: set it, or {default}")
-    if scheme.split("+")[0] in DATABASE_ENGINES:
-        import importlib.util
-
-        if importlib.util.find_spec("sqlalchemy") is not None:
-            return None
-        return (f"MLFLOW_TRACKING_URI={uri} is a database store, which needs sqlalchemy (mlflow-skinny does not "
-                f"install it): pip install sqlalchemy, or {default}")
-    from mlflow import MlflowClient
-
-    try:
-        MlflowClient(uri)  # builds the store; a server is asked nothing yet
-    except Exception as err:
-        return (f"MLflow cannot use MLFLOW_TRACKING_URI={uri} ({first_line(err)}): set a tracking server's URL, "
-                f"or {default}")
-    return None
-
-
-def _wandb_problem() -> str | None:
-    """Why W&B could not log, with the fix: online (neither WANDB_MODE=offline nor disabled, here or in its
-    settings files) without an API key wandb finds (WANDB_API_KEY, `wandb login`'s netrc). None when it can,
-    or when this wandb has no `wbauth` to ask (wandb.init then says)."""
-    try:
-        from wandb.sdk import wandb_setup
-        from wandb.sdk.lib.wbauth import authenticate
-    except ImportError:
-        return None
-    settings = wandb_setup.singleton().settings  # what wandb.init in this process goes by
-    if settings.mode in ("offline", "dryrun", "disabled"):
-        return None
-    fix = ("set WANDB_API_KEY (or run `wandb login`), or WANDB_MODE=offline to log to output.dir/wandb and "
-           "upload it later with `wandb sync`")
-    try:
-        found = authenticate.authenticate_session(host=settings.base_url, source="vela preflight", prompt=False,
-                                                  update_session=False)
-    except Exception as err:  # a key of the wrong form, two sources at once
-        return f"W&B cannot use its credentials ({first_line(err)}): {fix}"
-    return None if found else f"W&B is online and has no API key here: {fix}"
 
 
 def mlflow_tracking_uri(out_dir: Path) -> str:
@@ -217,14 +140,17 @@ def wandb_last_step(path: Path) -> int:
 # --- the trackers ---------------------------------------------------------------------------------
 
 
-class _Tracker:
+class Tracker:
     """What each tracker shares: it says which values it holds (`holds`), so a resume sends it the checkpointed
-    steps it lacks (`catch_up`) and no step twice."""
+    steps it lacks (`catch_up`) and no step twice, and where it logged (`where`), for the run's closing lines."""
 
     name = ""
 
-    def ids(self) -> dict:
-        """What continues its run in a resumed process (`trackers.json`)."""
+    def where(self) -> str:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        """What a resumed process continues its run from (`trackers.json`)."""
         return {}
 
     def holds(self, step: int, key: str) -> bool:
@@ -241,7 +167,7 @@ class _Tracker:
                 self.metrics(step, values)
 
 
-class _TensorBoard(_Tracker):
+class _TensorBoard(Tracker):
     name = "tensorboard"
 
     def __init__(self, log_dir: Path, first_step: int, logged: Logged):
@@ -287,14 +213,14 @@ class _TensorBoard(_Tracker):
         self.writer.close()
 
 
-class _Mlflow(_Tracker):
+class _Mlflow(Tracker):
     name = "mlflow"
 
     def __init__(self, project: str, run_name: str, previous: dict, out_dir: Path):
         from mlflow import MlflowClient
 
         self.uri = mlflow_tracking_uri(out_dir)
-        if "MLFLOW_TRACKING_URI" not in os.environ:
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's opt-in to the store chosen here
         self.client = MlflowClient(self.uri)
         self.last: dict[str, int] = {}  # the last step of each metric the run holds
@@ -308,7 +234,7 @@ class _Mlflow(_Tracker):
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
 
-    def ids(self) -> dict:
+    def state(self) -> dict:
         return {"run_id": self.run_id}
 
     def holds(self, step: int, key: str) -> bool:
@@ -351,7 +277,7 @@ class _Mlflow(_Tracker):
         self.client.set_terminated(self.run_id, status)
 
 
-class _Wandb(_Tracker):
+class _Wandb(Tracker):
     name = "wandb"
 
     def __init__(self, project: str, run_name: str, previous: dict, out_dir: Path):
@@ -362,7 +288,8 @@ class _Wandb(_Tracker):
         self.run = wandb.init(project=project, name=run_name, id=self.run_id, resume="allow",
                               dir=str(out_dir), reinit="create_new",
                               settings=wandb.Settings(silent=True, console="off"))
-        self.last = self._last_step(out_dir) if previous.get("id") else 0  # the last step the run holds
+        # the last step the run holds; `through`: as a process that ended it (`finish`) left it
+        self.last = max(self._last_step(out_dir), previous.get("through", 0)) if previous.get("id") else 0
 
     def _last_step(self, out_dir: Path) -> int:
         """The last step W&B holds of this run: online, the server's; offline, the last one in the run files of
@@ -372,12 +299,14 @@ class _Wandb(_Tracker):
         if not self.run.offline:
             return max(self.run.starting_step - 1, 0)
         own = Path(self.run.settings.sync_dir).resolve()
-        files = [path for path in (out_dir / "wandb").glob(f"offline-run-*-{self.run_id}/run-{self.run_id}.wandb")
-                 if path.parent.resolve() != own]
+        files = [path for path in (out_dir / "wandb").glob(f"offline-run-*/run-{self.run_id}.wandb")
+                 if path.parent.resolve() != own]  # offline-run-<time>-<id>, a "-1" after it when the time is taken
         return max((wandb_last_step(path) for path in files), default=0)
 
-    def ids(self) -> dict:
-        return {"id": self.run_id}
+    def state(self) -> dict:
+        """The run's id and the last step it holds. After `finish` its service still writes the run's file for a
+        moment, so a resume in this same process may read the file short: it goes by this too."""
+        return {"id": self.run_id, "through": self.last}
 
     def holds(self, step: int, key: str) -> bool:
         return step <= self.last
@@ -414,11 +343,24 @@ class _Wandb(_Tracker):
 # --- the queue ----------------------------------------------------------------------------------
 
 
+def _read_state(out_dir: Path) -> dict:
+    """`trackers.json`: each tracker's `state`, as the run's last process left it; {} when there is none."""
+    path = out_dir / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_state(out_dir: Path, state: dict) -> None:
+    """`trackers.json`, replaced whole (a SIGKILL leaves the old one or the new one)."""
+    staging = out_dir / f"{STATE_FILE}.tmp"
+    staging.write_text(json.dumps(state, indent=1))
+    staging.replace(out_dir / STATE_FILE)
+
+
 class Trackers:
     """The run's trackers behind one background thread; see the module docstring. Empty `report_to`: every
     method is a no-op and no thread starts."""
 
-    def __init__(self, trackers: list, out_dir: Path, dropped: dict[str, str] | None = None):
+    def __init__(self, trackers: list[Tracker], out_dir: Path, dropped: dict[str, str] | None = None):
         self.trackers = trackers
         self.out_dir = out_dir
         self.dropped = dict(dropped or {})  # name -> why it logs no more
@@ -440,8 +382,7 @@ class Trackers:
         names, logged = list(dict.fromkeys(names)), logged or {}
         if not names:
             return cls([], out_dir)
-        state_file = out_dir / STATE_FILE
-        previous = json.loads(state_file.read_text()) if state_file.is_file() and first_step > 1 else {}
+        previous = _read_state(out_dir) if first_step > 1 else {}
         makers = {
             "tensorboard": lambda: _TensorBoard(out_dir / "tensorboard", first_step, logged),
             "mlflow": lambda: _Mlflow(project, run_name, previous.get("mlflow", {}), out_dir),
@@ -455,7 +396,7 @@ class Trackers:
                 dropped[name] = f"did not start: {type(err).__name__}: {first_line(err)}"
                 logger.warning("tracker %s did not start, the run goes on without it: %s: %s", name,
                                type(err).__name__, first_line(err))
-        state_file.write_text(json.dumps({t.name: t.ids() for t in trackers}, indent=1))
+        _write_state(out_dir, {t.name: t.state() for t in trackers})
         opened = cls(trackers, out_dir, dropped)
         if first_step > 1 and logged:
             opened._each("catch_up", logged)
@@ -496,6 +437,7 @@ class Trackers:
         if self._thread.is_alive():
             logger.warning("trackers %s still busy after %.0f s at the end of the run; not waiting longer",
                            ", ".join(self.names), FLUSH_TIMEOUT_S)
+        _write_state(self.out_dir, _read_state(self.out_dir) | {t.name: t.state() for t in self.trackers})
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Wait until everything queued so far has reached the trackers; False on timeout."""
