@@ -117,7 +117,8 @@ def test_a_worker_without_experts_trains_checkpoints_reports_and_resumes(model_d
 
 def test_a_stop_request_checkpoints_the_step_it_stopped_after_and_resume_finishes_the_run(model_dir, tmp_path):
     """What Ctrl-C / SIGTERM / a vanished driver do through the master: stop between steps, off the
-    checkpoint cadence, with a verified checkpoint of that step; resuming it ends where an unstopped run does."""
+    checkpoint cadence, with a verified checkpoint of that step; resuming it ends where an unstopped run does,
+    and its summary's totals are the whole run's."""
     job = job_dict(model_dir, tmp_path / "full", steps=STEPS, checkpoint={"every": 2, "keep": 5},
                    training={"optimizer": {"lr": 3e-3}})
     full, _ = _run(job)
@@ -139,6 +140,15 @@ def test_a_stop_request_checkpoints_the_step_it_stopped_after_and_resume_finishe
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses), rtol=1e-5, atol=0)
     _assert_same_adapter(load_file(tmp_path / "stopped" / "adapter" / "adapter_model.safetensors"),
                          load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors"))
+    # the summary counts both segments, as the unstopped run's does (issue 49: the last segment's only)
+    assert resumed.traffic_bytes_by_tier == full.traffic_bytes_by_tier
+    assert (resumed.traffic_bytes_by_worker, resumed.sent_bytes_by_worker) == (full.traffic_bytes_by_worker,
+                                                                               full.sent_bytes_by_worker)
+    assert resumed.placement.problem.model_dump_json() == full.placement.problem.model_dump_json()  # kept
+    np.testing.assert_array_equal(resumed.placement.predicted_bytes_per_worker(),
+                                  full.placement.predicted_bytes_per_worker())
+    first_segment_s = json.loads((last / "trainer.json").read_text())["records"]["totals"]["train_s"]
+    assert resumed.timings_s["train_s"] > first_segment_s > 0
 
 
 def _flip_bytes(path: Path, count: int = 5) -> None:
@@ -217,25 +227,3 @@ def test_a_master_gpu_without_cuda_is_refused_in_one_line_before_any_worker_star
         master_device(True)
     assert master_device(False).type == "cpu"
 
-
-def test_a_resumed_run_s_summary_counts_every_segment(model_dir, tmp_path):
-    """Stopped after step 2 and resumed: the summary's traffic by tier and worker, its prediction and its
-    training time are the whole run's, as an uninterrupted run's are (issue 49: they were the last segment's)."""
-    job = job_dict(model_dir, tmp_path / "full", steps=STEPS, checkpoint={"every": 2, "keep": 5},
-                   training={"optimizer": {"lr": 3e-3}})
-    full, _ = _run(job)
-    job["output"]["dir"] = str(tmp_path / "stopped")
-    config = JobConfig.from_dict(job)
-    steps_seen = MemoryMetricsBackend()
-    with pytest.raises(RunInterrupted):
-        run_in_process(config, metrics=MetricsSink(steps_seen),
-                       should_stop=lambda: "interrupted (Ctrl-C)" if steps_seen.value("vela_train_step") == 2 else None)
-    first = json.loads((tmp_path / "stopped" / "checkpoints" / "step-000002" / "trainer.json").read_text())
-    resumed, _ = _run({**job, "checkpoint": {**job["checkpoint"], "resume": "latest"}})
-    assert resumed.traffic_bytes_by_tier == full.traffic_bytes_by_tier
-    assert resumed.traffic_bytes_by_worker == full.traffic_bytes_by_worker
-    assert resumed.sent_bytes_by_worker == full.sent_bytes_by_worker
-    assert resumed.placement.problem.model_dump_json() == full.placement.problem.model_dump_json()  # kept
-    np.testing.assert_array_equal(resumed.placement.predicted_bytes_per_worker(),
-                                  full.placement.predicted_bytes_per_worker())
-    assert resumed.timings_s["train_s"] > first["records"]["totals"]["train_s"] > 0
