@@ -192,8 +192,8 @@ def _acquire(lock: Path, named: str | Path) -> int:
         except FileNotFoundError:  # its directory, made by a holder, removed as that holder let go
             continue
         except OSError as err:
-            raise ValueError(f"output.dir {named}: cannot create its lock file {lock} ({err.strerror or err}); "
-                             "choose an output.dir inside a directory this user can write") from None
+            raise ValueError(f"output.dir {named} cannot be created or written (its lock file {lock}: "
+                             f"{err.strerror or err}); choose a writable directory for output.dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

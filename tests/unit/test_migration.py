@@ -192,7 +192,9 @@ def test_an_elastic_resume_places_by_the_checkpoints_profile(model_dir, tmp_path
                    lora={"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")})
     job["checkpoint"]["resume"] = str(tmp_path / "a" / "checkpoints" / "step-000003")
     second = _run(JobConfig.from_dict(job))
-    assert not (tmp_path / "b" / "profile.npy").exists()  # nothing measured again
+    # the run's profile files are the checkpoint's (written for the resumed run, not measured again)
+    for name in ("profile.json", "profile.npy"):
+        assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), name
     np.testing.assert_array_equal(second.placement.problem.probs, first.placement.problem.probs)
     assert np.asarray(second.placement.expert_to_worker).max() == 1
     torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(first.losses), rtol=1e-5, atol=0)

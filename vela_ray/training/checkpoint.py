@@ -385,24 +385,27 @@ def resolve(spec: str | Path, root: str | Path) -> Path:
 
 def _newest_verified(root: str | Path) -> Path | str:
     """The newest checkpoint under `root` that passes `verify`, warning once about each newer one skipped: a
-    local one is set aside, so no later call meets it again."""
-    skipped = []
+    local one is set aside once a valid one is found, so no later call meets it again (where none is valid the
+    refusal changes nothing)."""
+    corrupt: list[tuple[Path | str, str]] = []
     for path in reversed(step_dirs(root)):
         try:
             verify(path)
         except ValueError as err:
-            skipped.append(storage.name_of(path))
-            aside = set_aside(path) if not is_remote(path) else None
+            corrupt.append((path, str(err)))
+            continue
+        for bad, err in corrupt:
+            aside = set_aside(bad) if not is_remote(bad) else None
             where = f": moved aside to {aside.name}, never to be resumed from nor kept in place of a valid one" \
                 if aside else ""
-            logger.warning("skipping corrupt checkpoint %s (%s)%s; trying the one before it", path, err, where)
-            continue
-        if skipped:
+            logger.warning("skipping corrupt checkpoint %s (%s)%s", bad, err, where)
+        if corrupt:
             logger.warning("resuming from %s, the newest valid checkpoint (skipped corrupt %s)",
-                           path, ", ".join(skipped))
+                           path, ", ".join(storage.name_of(bad) for bad, _ in corrupt))
         return path
-    corrupt = f" ({len(skipped)} corrupt: {', '.join(skipped)})" if skipped else ""
-    raise ValueError(f"checkpoint.resume (--resume) latest: no valid checkpoint under {root}{corrupt}; "
+    skipped = [storage.name_of(bad) for bad, _ in corrupt]
+    corrupt_text = f" ({len(skipped)} corrupt: {', '.join(skipped)})" if skipped else ""
+    raise ValueError(f"checkpoint.resume (--resume) latest: no valid checkpoint under {root}{corrupt_text}; "
                      "start without --resume")
 
 
