@@ -6,10 +6,10 @@
   tensors. Each shard is copied, then each adapted tensor is read, updated (in fp32, one expert at a time for
   a fused stack) and written over its own bytes, so memory stays near one tensor plus one expert stack
   whatever the model size.
-- `per_expert_adapter(adapter_dir, model_dir)`: the adapter's expert factors under the per-expert module
-  names of the checkpoint (`experts.{e}.w1`, `experts.{e}.gate_proj`, ...), the names serving engines'
-  model code loads experts by, at one rank and one scale (`_one_scale`); None where the checkpoint stores
-  its experts fused. `fused_adapter` is its inverse: peft's fused layout, which transformers' model loads.
+- `serving_adapter(adapter_dir, model_dir)`: the adapter as serving engines load it, its expert factors under
+  the per-expert module names of the checkpoint (`experts.{e}.w1`, `experts.{e}.gate_proj`, ...), at one rank
+  and one scale (`_one_scale`), or in peft's fused layout where the checkpoint stores its experts fused.
+  `fused_adapter` is its inverse: peft's fused layout, which transformers' model loads.
 
 Both map each on-disk tensor to the model parameter it loads into through `vela_ray.model.loading`'s
 reading of transformers' conversion mapping: a tensor stored whole (maybe renamed) takes the delta as it
