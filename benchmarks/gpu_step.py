@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="toy dimensions (2 layers, hidden 64) and batch 2 x 32")
     p.add_argument("--seed", type=int, default=0, help="weights, LoRA init and tokens")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="also profile one more step of each setup (torch.profiler, after the timed ones) and "
+                        "write its top operators by device and host time to PROFILE/<model>_<setup>.txt")
     args = p.parse_args(argv)
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 32)
@@ -270,6 +273,8 @@ def run_setup(name: str, model: str, args: argparse.Namespace, device: torch.dev
                 torch.cuda.synchronize()
             if i >= args.warmup:
                 seconds.append(time.perf_counter() - start)
+        if args.profile is not None:
+            profile_step(setup, batch, args.profile / f"{model}_{name}.txt", cuda)
     except torch.OutOfMemoryError as exc:
         return {"error": f"out of GPU memory: {str(exc).splitlines()[0]}"}
     except Exception as exc:  # noqa: BLE001  a setup that breaks is reported, and the others go on
@@ -288,6 +293,23 @@ def run_setup(name: str, model: str, args: argparse.Namespace, device: torch.dev
             "losses": losses, "build_s": build_s,
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
             "resident_gpu_gib": resident / gib if cuda else None}
+
+
+def profile_step(setup: Setup, batch: dict, out: Path, cuda: bool) -> None:
+    """One more step under torch.profiler: the top operators by self device time and by self host time (where
+    a step spends its time, and which host work the GPU waits on), outside the timed steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        setup.step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    tables = [events.table(sort_by=key, row_limit=30, max_name_column_width=60)
+              for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n\n".join(tables))
 
 
 def print_table(results: dict) -> None:

@@ -71,11 +71,14 @@ class Part:
     cpu_args: list[str] | None = None
 
     def argv(self, out: Path, cpu: bool) -> list[str]:
-        return [arg.replace("{out}", str(out)) for arg in [*self.command, *((self.cpu_args or []) if cpu else [])]]
+        """The command, run from ROOT: an `out` inside it is named relative to it, so the parts' JSONs (which
+        record their command) name no machine path."""
+        where = str(out.relative_to(ROOT) if out.is_absolute() and out.is_relative_to(ROOT) else out)
+        return [arg.replace("{out}", where) for arg in [*self.command, *((self.cpu_args or []) if cpu else [])]]
 
 
 PARTS = [
-    Part("env", [sys.executable, str(Path(__file__).resolve()), "--env-probe"], 45, cpu_args=[]),
+    Part("env", [sys.executable, "scripts/gpu_check.py", "--env-probe"], 45, cpu_args=[]),
     Part("exactness", [sys.executable, "scripts/gpu_exactness.py", "--out", "{out}/exactness.json"], 120,
          "exactness.json", cpu_args=["--device", "cpu"]),
     Part("speed", [sys.executable, "benchmarks/gpu_step.py", "--models", "olmoe", "--layers", "4", "--setups", "peft",
@@ -260,7 +263,7 @@ def run_part(part: Part, out_dir: Path, cpu: bool, left_s: float) -> dict:
         results_json.unlink()  # a stale file from an earlier run must not pass for this one's
     timeout_s = min(part.timeout_s, left_s)
     argv = part.argv(out_dir, cpu)
-    outcome: dict = {"command": " ".join(argv), "timeout_s": round(timeout_s)}
+    outcome: dict = {"command": " ".join(["python", *argv[1:]]), "timeout_s": round(timeout_s)}
     if cpu and part.cpu_args is None:
         status, reason = "failed", "needs a CUDA device (this part has no CPU form)"
     elif timeout_s < 5:

@@ -108,8 +108,8 @@ def test_grouped_mm_takes_host_counts_or_device_offsets_alike():
     torch.testing.assert_close(experts_mod.grouped_mm(x, w, experts_mod.GroupOffsets(offs, (3, 0, 4))), want)
 
 
-def cuda_syncs(hosted: int) -> int:
-    """Host syncs CUDA reports (`torch.cuda.set_sync_debug_mode`) in a bf16 forward and backward of a Mixtral
+def cuda_syncs(hosted: int) -> list[str]:
+    """The host syncs CUDA reports (`torch.cuda.set_sync_debug_mode`) in a bf16 forward and backward of a Mixtral
     layer hosting `hosted` experts, the ids on the host as the broker sends them."""
     from vela_ray.model.experts import LoraSpec
 
@@ -130,15 +130,16 @@ def cuda_syncs(hosted: int) -> int:
             shard.backward_rows("k", grad)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
 
 
 @pytest.mark.gpu
 def test_on_cuda_a_layer_calls_host_syncs_do_not_grow_with_its_experts_and_are_none_on_sm90():
     """Not yet run (written on a machine without a GPU). On sm90+ bf16 `torch._grouped_mm` is one kernel
     with no sync, so the call has none; elsewhere ATen's per-group loop may read the offsets, as often for
-    4 experts as for 32."""
+    4 experts as for 32. On the first H100 run the first layer measured (4 experts) reported 1 sync and the
+    second (32) none; the assertion messages say where each was, for the next GPU run to settle."""
     few, many = cuda_syncs(4), cuda_syncs(32)
-    assert few == many
+    assert len(few) == len(many), f"4 experts: {few}; 32 experts: {many}"
     if torch.cuda.get_device_capability() >= (9, 0):
-        assert few == 0
+        assert not few, few

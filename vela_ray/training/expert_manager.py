@@ -281,7 +281,10 @@ class ExpertManager:
         move = ExpertMove.between(self.worker, self.keys, keys, incoming)
         states = {**move.incoming, **self.expert_states(move.staying)}
         kept = self.shard.weights()
-        weights = {k: kept[k] for k in move.staying} | arriving_weights(self.spec, move.arriving)
+        # arriving weights are read to the CPU, staying ones are on the shard's device: one device to stack on
+        arriving = arriving_weights(self.spec, move.arriving)
+        weights = {k: kept[k] for k in move.staying} | {k: {name: t.to(self.device) for name, t in w.items()}
+                                                        for k, w in arriving.items()}
         self.shard.release()
         self.keys, self.shard, self.trainer, self.dtype, self.tiers = host_experts(
             self.spec, weights, self.prototypes, self.device, previous_tiers=self.tiers)
