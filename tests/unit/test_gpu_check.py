@@ -106,6 +106,16 @@ def test_env_part_alone_on_the_cpu_writes_the_json(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_commands_the_results_record_name_no_machine_path():
+    """The parts' JSONs are committed (benchmarks/results/gpu/): their commands name the results folder
+    relative to the repository and the interpreter as `python`."""
+    gpu_check = load_script("scripts/gpu_check.py")
+    for each in gpu_check.PARTS:
+        argv = each.argv(gpu_check.BATTERY_OUT.parent, cpu=False)
+        assert not [arg for arg in argv[1:] if str(ROOT) in arg], argv
+    assert "benchmarks/results/gpu/gpu_step.json" in gpu_check.PARTS[2].argv(gpu_check.BATTERY_OUT.parent, False)
+
+
 def part(gpu_check, code: str, timeout_s: int = 60, results_json: str | None = None, cpu_args=None):
     return gpu_check.Part("fake", [sys.executable, "-c", code], timeout_s, results_json, cpu_args)
 
