@@ -11,7 +11,8 @@ first; the tests import from the root already):
     if __name__ == "__main__":
         run(main)                                   # logging set up once, main's return the exit status
 
-`tiny_job` is the job dict the CPU benchmarks start from (the demo's model and data); `kill_when`
+`tiny_job` is the job dict the CPU benchmarks start from (the demo's model and data), `alpaca_mix` the
+Alpaca-format data set the paper's benchmarks share; `kill_when`
 SIGKILLs an ExpertManager or master of a running job (the checkpoint tests use it too).
 """
 
@@ -24,16 +25,20 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
+
+import numpy as np
 
 from vela_ray.paths import data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 WIKITEXT = data_dir() / "wikitext-2" / "valid.txt"
+ALPACA_MIX = Path(tempfile.gettempdir()) / "vela-paper-alpaca-seed-gsm8k.json"  # `alpaca_mix`
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 KILL_TIMEOUT_S = 900  # kill_when gives up after this long: a job that never gets ready must not hang a run
 
@@ -112,6 +117,27 @@ def benchmark_device(name: str, script: str):
           f"CUDA GPU, or pass `--device cpu` (`python benchmarks/{script}.py --device cpu --tiny`: a smoke run)",
           file=sys.stderr)
     return None
+
+
+def alpaca_mix(path: Path = ALPACA_MIX, limit: int = 1500, seed: int = 0) -> Path:
+    """Write the Alpaca-format mix (idempotent): every Alpaca seed task (its first instance as input/output)
+    and GSM8K's Alpaca records up to `limit` in all, shuffled with `seed`. Here because two scripts read it:
+    `vela_vs_ep.py --paper` fine-tunes on it and `paper_scale.py --routing real32` profiles it."""
+    instruct = data_dir() / "instruct"
+    seeds = []
+    for line in (instruct / "alpaca_seed_tasks.jsonl").read_text().splitlines():
+        if line.strip():
+            task = json.loads(line)
+            first = task["instances"][0]
+            seeds.append({"instruction": task["instruction"], "input": first.get("input", ""),
+                          "output": first["output"]})
+    gsm8k = json.loads((instruct / "gsm8k_alpaca.json").read_text())
+    records = seeds + gsm8k[:max(0, limit - len(seeds))]
+    np.random.default_rng(seed).shuffle(records)
+    text = json.dumps(records)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
 
 def tiny_job(out_dir: Path | str, model_dir: Path | str | None = None, **sections: dict | None) -> dict:

@@ -77,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/paper_scale.py`: the root, for benchmarks._harness
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import parser, run, write_results  # noqa: E402
+from benchmarks._harness import WIKITEXT, alpaca_mix, parser, run, write_results  # noqa: E402
 from placement import (  # noqa: E402
     PlacementProblem,
     cost_report,
@@ -145,8 +145,6 @@ def real32_profiles(out: Path, pretrain_steps: int = 500, profile_batches: int =
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks._harness import WIKITEXT
-    from benchmarks.vela_vs_ep import alpaca_mix
     from vela_ray.data.config import DataConfig
     from vela_ray.data.datasets import build_dataset, sequential_batches
     from vela_ray.data.locality import profile_model

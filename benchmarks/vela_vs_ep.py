@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/vela_vs_ep.py`: the r
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import vela_vs_ep_report as report  # noqa: E402
-from benchmarks._harness import WIKITEXT, parser, run, tiny_job, write_results  # noqa: E402
+from benchmarks._harness import ALPACA_MIX, WIKITEXT, alpaca_mix, parser, run, tiny_job, write_results  # noqa: E402
 from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, set_cross_rate, wire_bytes  # noqa: E402
 from vela_ray.paths import data_dir  # noqa: E402
 
@@ -70,33 +70,12 @@ PAPER_RESULTS = ROOT / "benchmarks" / "results" / "vela_paper"
 METHODS = ("ep", "sequential", "random", "vela", "improved", "per_node", "tp2")
 PAPER_METHODS = ("ep", "sequential", "random", "vela", "improved")
 PAPER_INTRA_MBIT = 1600.0  # --paper's intra-node rate: 200 MB/s, what 2 cores carry with room to spare
-ALPACA_MIX = Path(tempfile.gettempdir()) / "vela-paper-alpaca-seed-gsm8k.json"
 DATASETS = {
     "wikitext": {"kind": "text", "path": WIKITEXT},
     "gsm8k_alpaca": {"kind": "instruct", "path": data_dir() / "instruct" / "gsm8k_alpaca.json"},
     # --paper's Alpaca: the 175 Alpaca seed tasks (first instance each) + GSM8K in Alpaca format, shuffled
     "alpaca": {"kind": "instruct", "path": ALPACA_MIX},
 }
-
-
-def alpaca_mix(path: Path = ALPACA_MIX, limit: int = 1500, seed: int = 0) -> Path:
-    """Write the Alpaca-format mix --paper fine-tunes on (idempotent): every Alpaca seed task (its first
-    instance as input/output) and GSM8K's Alpaca records up to `limit` in all, shuffled with `seed`."""
-    instruct = data_dir() / "instruct"
-    seeds = []
-    for line in (instruct / "alpaca_seed_tasks.jsonl").read_text().splitlines():
-        if line.strip():
-            task = json.loads(line)
-            first = task["instances"][0]
-            seeds.append({"instruction": task["instruction"], "input": first.get("input", ""),
-                          "output": first["output"]})
-    gsm8k = json.loads((instruct / "gsm8k_alpaca.json").read_text())
-    records = seeds + gsm8k[:max(0, limit - len(seeds))]
-    np.random.default_rng(seed).shuffle(records)
-    text = json.dumps(records)
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
-    return path
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import paper_scale, vela_vs_ep  # noqa: E402
+from benchmarks._harness import alpaca_mix  # noqa: E402
 from benchmarks import vela_vs_ep_report as report  # noqa: E402
 from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, ShapingUnavailable, check_can_shape  # noqa: E402
 
@@ -66,13 +67,13 @@ def test_job_dict_with_paper_uses_the_paper_placement(tmp_path, monkeypatch):
 
 
 def test_alpaca_mix_holds_every_seed_task_then_gsm8k(tmp_path):
-    path = vela_vs_ep.alpaca_mix(tmp_path / "mix.json", limit=300)
+    path = alpaca_mix(tmp_path / "mix.json", limit=300)
     records = json.loads(path.read_text())
     assert len(records) == 300
     assert all({"instruction", "input", "output"} <= set(r) for r in records)
     seeds = sum(1 for r in records if "####" not in r["output"])  # GSM8K answers end in "#### <n>"
     assert seeds >= 170
-    assert vela_vs_ep.alpaca_mix(tmp_path / "mix.json", limit=300).read_text() == path.read_text()  # idempotent
+    assert alpaca_mix(tmp_path / "mix.json", limit=300).read_text() == path.read_text()  # idempotent
 
 
 def _fake_results() -> dict:
