@@ -14,6 +14,7 @@ from tests.ray.helpers import HIDDEN, SYNTHETIC_CONFIG, synthetic_weights
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, find_moe_blocks
+from vela_ray.training import checkpoint
 
 LORA = LoraSpec(r=4, alpha=8)
 
@@ -71,7 +72,7 @@ def test_seconds_per_row_times_an_expert_without_touching_training_state():
 def test_worker_without_experts_still_steps_and_reports_zero_norm():
     manager = _manager([], worker=5)
     assert manager.grad_sq_norm() == 0.0
-    manager.step(1e-3, 1.0), manager.zero_grad()
+    manager.step(1e-3, 1.0)
     assert manager.lora_state() == {}
     assert manager.forward_rows(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, HIDDEN)).shape == (0, HIDDEN)
     assert manager.report().bytes_per_expert is None  # nothing to size experts by
@@ -84,6 +85,31 @@ def test_load_lora_state_takes_its_own_experts_and_names_missing_ones():
     torch.testing.assert_close(manager.lora_state()[(0, 2)]["lora_A_down"], donor[(0, 2)]["lora_A_down"])
     with pytest.raises(ExpertWorkerError, match=r"expert worker 1: adapter state lacks hosted experts \[\(0, 2\)\]"):
         manager.load_lora_state({(1, 1): donor[(1, 1)]})
+
+
+def _mid_step(manager: ExpertManager) -> None:
+    """A step in progress: a finished backward's gradients and a forward whose graph waits for its backward."""
+    experts = torch.tensor([e for _, e in manager.keys] * 4)
+    manager.forward_rows(0, experts, torch.randn(len(experts), HIDDEN), "done")
+    manager.backward_rows("done", torch.ones(len(experts), HIDDEN))
+    manager.forward_rows(0, experts, torch.randn(len(experts), HIDDEN), "waiting")
+    assert any(grad.abs().sum() > 0 for named in manager.lora_grads().values() for grad in named.values())
+
+
+@pytest.mark.parametrize("load", ["load_lora_state", "load_checkpoint"])
+def test_loading_state_drops_the_step_in_progress(load, tmp_path):
+    """A recovery loads the last checkpoint over a failed step's gradients and graphs: none may survive."""
+    manager = _manager([(0, 0), (0, 2)], worker=1)
+    staging = checkpoint.begin(tmp_path, step=1)
+    manager.snapshot_checkpoint_part(str(staging))
+    manager.finish_checkpoint_part()
+    saved = {"load_lora_state": manager.lora_state(),
+             "load_checkpoint": str(checkpoint.finalize(staging, step=1, meta={}))}[load]
+    _mid_step(manager)
+    getattr(manager, load)(saved)
+    assert all(grad.abs().sum() == 0 for named in manager.lora_grads().values() for grad in named.values())
+    with pytest.raises(ExpertWorkerError, match="backward of key 'waiting'"):
+        manager.backward_rows("waiting", torch.ones(8, HIDDEN))
 
 
 def test_topology_outside_ray():

@@ -87,8 +87,7 @@ def backend(request, reference) -> Backend:
         built = _in_process_backend()
     else:
         built = _ray_backend(request.param, request.getfixturevalue("synthetic_cluster"))
-    built.workers.load_lora_state(random_lora_state(reference.keys))
-    built.workers.zero_grad()
+    built.workers.load_lora_state(random_lora_state(reference.keys))  # and no grads, no saved graphs
     reference.zero_grad(set_to_none=True)
     reference.release()
     yield built

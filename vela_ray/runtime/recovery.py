@@ -76,8 +76,8 @@ class Recovery:
         live.master.dispatcher.rebind(live.master.dispatcher.expert_to_worker, live.hosted.transport)
         live.start_peers(self.config, self.pool, state.tables)
         self.placer.write_workers(live)
-        live.master.optimizer.zero_grad(set_to_none=False)  # the failed step's partial gradients
-        live.workers.zero_grad()  # ... and the survivors' (their saved graphs go with them)
+        # the failed step's partial gradients (the workers drop theirs, and their saved graphs, as they load)
+        live.master.optimizer.zero_grad(set_to_none=False)
         done = self.checkpoints.restore(live, last)
         state.roll_back_to(done)
         state.recoveries.append(RecoveryRecord(step=step + 1, workers=lost.workers, checkpoint_step=done,

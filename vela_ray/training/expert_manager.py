@@ -22,10 +22,12 @@ is one method of this class; what is not about rows and steps lives in delegates
   master over torch.distributed (`vela_ray.model.collective`, which calls the same two methods); with
   several masters' sequence migration also `collect_rows` and `backward_rows(..., master=)`
   (`transport.RowRelay`: rows answered to a master other than the sender, held in `held`);
-- control plane: `grad_sq_norm`, `step`, `zero_grad`, `lora_state`, `load_lora_state`, `lora_grads` and
+- control plane: `grad_sq_norm`, `step`, `lora_state`, `load_lora_state`, `lora_grads` and
   `set_lora_grads` (replicated experts); `zo_apply` for zeroth-order training (`vela_ray.training.zo`);
 - checkpoints (`checkpoint_parts`, `vela_ray.training.checkpoint_parts`): `snapshot_checkpoint_part`
-  (copies, then writes on a thread), `finish_checkpoint_part` (polled by the master), `load_checkpoint`;
+  (copies, then writes on a thread), `finish_checkpoint_part` (polled by the master), `load_checkpoint`.
+  Loading state (`load_lora_state`, `load_checkpoint`) starts the worker at a step boundary: a step in
+  progress, its gradients, saved graphs and held rows, is dropped (a recovery's failed step);
 - live migration (`vela_ray.training.rehosting`, planned by `vela_ray.runtime.migration`):
   `expert_states` (what a leaving expert carries), `rehost` (host a new key set, reading arriving
   experts' weights from the checkpoint);
@@ -198,11 +200,6 @@ class ExpertManager:
         if self.trainer:
             self.trainer.step(lr, clip_coef)
 
-    def zero_grad(self) -> None:
-        self.held.release()
-        if self.trainer:
-            self.trainer.zero_grad()
-
     def zo_apply(self, terms: list[ZoTerm]) -> None:
         """Zeroth-order training (`vela_ray.training.zo`): add each (step seed, coefficient) term's noise to
         every hosted expert's LoRA. Each tensor's noise comes from its logical checkpoint name, so any
@@ -233,12 +230,21 @@ class ExpertManager:
                     p.grad.copy_(named[name].to(p.grad.device))
 
     def load_lora_state(self, state: LoraState) -> None:
-        """Load this worker's experts from `state` (a full or partial dict keyed by (layer, expert))."""
+        """Load this worker's experts from `state` (a full or partial dict keyed by (layer, expert)), dropping
+        any step in progress."""
         missing = [key for key in self.keys if key not in state]
         if missing:
             raise ExpertWorkerError(self.worker, f"adapter state lacks hosted experts {missing[:8]} "
                                                  f"(of {len(missing)}); load an adapter of the same model")
+        self._drop_step()
         self.shard.load_lora_state({key: state[key] for key in self.keys})
+
+    def _drop_step(self) -> None:
+        """Forget the step in progress: its gradients, saved graphs and held rows. Loading state does this, so
+        that the adapters and their gradients never belong to two different steps."""
+        self.held.release()
+        if self.trainer:
+            self.trainer.zero_grad()
 
     def _not_counted_here(self, not_counted: NotCounted | None) -> set[ExpertKey]:
         return {tuple(k) for k in (not_counted or {}).get(self.worker, [])}
@@ -260,7 +266,9 @@ class ExpertManager:
         return self.checkpoint_parts.finish(timeout_s)
 
     def load_checkpoint(self, checkpoint_dir: str) -> None:
-        """Load LoRA and AdamW state of the experts this worker hosts, whichever worker wrote them."""
+        """Load LoRA and AdamW state of the experts this worker hosts, whichever worker wrote them, dropping
+        any step in progress (a recovery's failed step: the checkpoint is of a step boundary)."""
+        self._drop_step()
         load_expert_states(self.shard, self.trainer, read_part_states(checkpoint_dir, self.keys))
 
     # -- live migration (`rehosting`): between steps, with no graph in flight -----------------

@@ -52,7 +52,7 @@ LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
 class ExpertWorkers:
     """The control plane over every expert worker (the data plane is the Transport).
 
-    Each call fans out to all workers and gathers their answers, so the workers step, zero
+    Each call fans out to all workers and gathers their answers, so the workers step, load
     and report in parallel. One class for every runtime; only the fan-out differs:
     `ExpertWorkers.in_process(objs)` calls objects in this process (ExpertManagers, or
     ShardTrainers in tests), `actors.workers.actor_workers(handles)` calls Ray actors.
@@ -110,9 +110,6 @@ class ExpertWorkers:
 
     def step(self, lr: float, clip_coef: float) -> None:
         self._call_all("step", lr, clip_coef)
-
-    def zero_grad(self) -> None:
-        self._call_all("zero_grad")
 
     def zo_apply(self, terms: list[tuple[int, float]]) -> None:
         """Zeroth-order training (`vela_ray.training.zo`): every worker adds each (step seed, coefficient)
