@@ -185,7 +185,14 @@ def pull_outputs(uri: str, mirror: Path, *, fresh: bool) -> Path:
     return mirror
 
 
-def push_outputs(uri: str, mirror: Path) -> None:
-    """The mirror's files to `uri` (its checkpoints went there directly)."""
-    count = Remote(uri).upload_tree(mirror, skip=OUTPUTS_SKIP)
+def push_outputs(uri: str, mirror: Path, *, failing: bool = False) -> None:
+    """The mirror's files to `uri` (its checkpoints went there directly). `failing`: the run is failing already
+    and its own error is the one to see, so an upload error is logged, not raised over it."""
+    try:
+        count = Remote(uri).upload_tree(mirror, skip=OUTPUTS_SKIP)
+    except OSError as err:
+        if not failing:
+            raise
+        logger.warning("uploading the outputs to %s failed (%s); they are in %s", uri, err, mirror)
+        return
     logger.info("uploaded %d output files to %s", count, uri)

@@ -20,7 +20,7 @@ import pytest
 from tests.fixtures import job_dict, make_checkpoint, run_in_process
 from vela_ray.config import JobConfig
 from vela_ray.observability.report import summary_text
-from vela_ray.storage import Remote, local_mirror
+from vela_ray.storage import Remote, local_mirror, push_outputs
 from vela_ray.training import checkpoint
 
 pytestmark = pytest.mark.job
@@ -178,3 +178,16 @@ def test_vela_report_and_export_read_a_run_and_a_checkpoint_on_the_bucket(s3, mo
     assert all(bool((from_checkpoint[k] == from_run[k]).all()) for k in from_run)
     assert main(["export", f"{uri}/checkpoints/step-000009", "--format", "peft", "--out", str(tmp_path / "x")]) == 2
     assert "step-000009: no manifest.json" in capsys.readouterr().err
+
+
+def test_an_upload_error_is_raised_unless_the_run_is_failing_already(tmp_path, monkeypatch, caplog):
+    """A failing run's own error is the one to see: its outputs' upload error is then a warning."""
+    def unreachable(self, local, skip=()):
+        raise ConnectionError("bucket unreachable")
+
+    monkeypatch.setattr(Remote, "upload_tree", unreachable)
+    uri = (tmp_path / "bucket").as_uri()
+    with pytest.raises(ConnectionError, match="bucket unreachable"):
+        push_outputs(uri, tmp_path)
+    push_outputs(uri, tmp_path, failing=True)
+    assert f"uploading the outputs to {uri} failed (bucket unreachable); they are in {tmp_path}" in caplog.text

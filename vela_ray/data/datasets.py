@@ -145,6 +145,11 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """`batch` copied to `device` without waiting for the copy (the forward that reads it is queued after)."""
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
 # --- plain text ------------------------------------------------------------------
 
 

@@ -10,11 +10,12 @@ one place (`runtime.state`: `RunState`, and `Live`, what it trains with):
      move the experts between the live workers) and the features told (`runtime.features`);
   5. the start state (`runtime.checkpointing.CheckpointWriter.start_state`), then the steps: a
      `Stepper` step (first-order or ZO), its record and metrics (`runtime.accounting`), each
-     feature's hook, eval, a checkpoint when the writer says one is due, a stop when asked, a
-     re-placement when the placer's policy says so; a lost worker is named or, with
-     `fault_tolerance.on_worker_loss: recover`, replaced in place and the run rolled back
-     (`runtime.recovery`);
-  6. the peft adapter exported, `summary.json` (`RunSummary`) and `report.html` written.
+     feature's hook, eval, the trackers' values (`runtime.tracking`), a checkpoint when the writer
+     says one is due, a stop when asked, a re-placement when the placer's policy says so; a lost
+     worker is named or, with `fault_tolerance.on_worker_loss: recover`, replaced in place and the
+     run rolled back (`runtime.recovery`);
+  6. the peft adapter exported, `summary.json` (`RunSummary`) and `report.html` written, the trackers
+     finished and, for an `output.dir` on object storage, the outputs uploaded (`storage.push_outputs`).
 
 The MasterActor (`actors.master`) is a thin shell that runs this over `RayWorkerPool`;
 tests run it in one process over `InProcessPool`.
@@ -27,13 +28,10 @@ import time
 from contextlib import nullcontext
 from typing import Callable
 
-import torch
-
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import batch_rows, micro_batches, sequential_batches
+from vela_ray.data.datasets import batch_rows, micro_batches, on_device, sequential_batches
 from vela_ray.errors import RunInterrupted, WorkerLostError
 from vela_ray.observability.metrics import MetricsSink
-from vela_ray.observability.trackers import Trackers, flat_params
 from vela_ray.observability.report import write_report
 from vela_ray.preflight import check_output_free
 from vela_ray.runs import RunIdentity, hold_output_dir, move_aside
@@ -46,6 +44,7 @@ from vela_ray.runtime.placer import Placer
 from vela_ray.runtime.pool import WorkerPool, master_spec
 from vela_ray.runtime.recovery import Recovery
 from vela_ray.runtime.state import Backbone, Live, ResumePoint, RunState
+from vela_ray.runtime.tracking import RunTracking
 from vela_ray.storage import is_remote, pull_outputs, push_outputs
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import lr_at
@@ -55,10 +54,6 @@ from vela_ray.training.summary import RunSummary
 logger = logging.getLogger(__name__)
 
 StopCheck = Callable[[], "str | None"]  # why the run should stop now, or None to go on
-
-
-def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
 
 
 class JobRunner:
@@ -84,7 +79,7 @@ class JobRunner:
         self.features = run_features(config, self.metrics, self.condenser)
         self.recovery = Recovery(config, pool, self.state, self.checkpoints, self.placer, self.features)
         self.live: Live | None = None  # from the master's build to the end of the run
-        self.trackers = Trackers([], self.out_dir)  # `training.report_to`'s, opened once the first step is known
+        self.tracking = RunTracking(config, self.state, self.accounting, self.out_dir)  # opened at the first step
         self.metrics.set_method(config.training.method)
 
     def run(self) -> RunSummary:
@@ -111,50 +106,27 @@ class JobRunner:
             self.placer.publish(live)
             self.state.start_step = self.checkpoints.start_state(live, resume)
             self.state.timings_s["startup_s"] = time.perf_counter() - started  # until the first step
-            self._open_trackers()
+            self.tracking.open()
             self._train(live)
             export(live.master, live.workers, self.out_dir / "adapter")
-            self.trackers.flush()  # the steps' metrics sent: their background time goes into the summary
-            for name, seconds in self.trackers.busy_s.items():
-                self.state.timings_s[f"tracker_{name}_busy_s"] = seconds
+            self.tracking.flush()  # the steps' metrics sent: their background time goes into the summary
             summary = self.accounting.summary(live, self.pool.master_node, self.out_dir)
-            summary.trackers = self.trackers.described()
+            summary.trackers = self.tracking.described()
             summary.write(self.out_dir)  # the report reads it back
             write_report(self.out_dir)
             status = "FINISHED"
-            self.trackers.finish(summary.tracked(), [self.out_dir / name for name in
-                                                     ("report.html", "placement.json", "summary.json")], status)
+            self.tracking.finish(summary, status)
             return summary
         except RunInterrupted:
             status = "KILLED"
             raise
         finally:
-            self.trackers.finish(None, [], status)  # flushed on every way out (a no-op after the one above)
-            if is_remote(self.config.output.dir) and self.out_dir.is_dir():
-                self._upload_outputs(failing=status != "FINISHED")
+            self.tracking.finish(None, status)  # flushed on every way out (a no-op after the one above)
+            if is_remote(self.config.output.dir) and self.out_dir.is_dir():  # what the run got to write
+                push_outputs(self.config.output.dir, self.out_dir, failing=status != "FINISHED")
             if self.live is not None:
                 self.live.peers.close()
             self.pool.close()
-
-    def _upload_outputs(self, failing: bool) -> None:
-        """What the run got to write, to `output.dir` on object storage. When the run is failing already its own
-        error is the one to see: an upload error is then logged, not raised over it."""
-        try:
-            push_outputs(self.config.output.dir, self.out_dir)
-        except OSError as err:
-            if not failing:
-                raise
-            logger.warning("uploading the outputs to %s failed (%s); they are in %s", self.config.output.dir,
-                           err, self.out_dir)
-
-    def _open_trackers(self) -> None:
-        """`training.report_to`'s trackers, continuing a resumed run's (sent the checkpointed steps each lacks);
-        the resolved config as parameters."""
-        cfg = self.config.training
-        run_name = f"{self.out_dir.name}-{self.state.identity.run_id}"
-        self.trackers = Trackers.open(cfg.report_to, self.out_dir, cfg.tracker_project, run_name,
-                                      first_step=self.state.start_step + 1, logged=self.state.tracked)
-        self.trackers.params(flat_params(self.config.model_dump(mode="json")))
 
     def _start(self, backbone: Backbone, table, resume: ResumePoint | None) -> Live:
         """The workers up, master 0 built over them, the other masters started; `config.json` written."""
@@ -234,10 +206,7 @@ class JobRunner:
             self.stepper.settle(live)
             record.eval_loss = self._eval(live)  # after the step's record: its routing is not counted
         self.state.history.append(record)
-        if self.trackers.trackers:  # the training thread's share: the workers' report and a queued dict
-            start = time.perf_counter()
-            self.state.tracked[step + 1] = self.trackers.step(step + 1, self.accounting.tracked(live, record, lr))
-            self.state.timings_s.setdefault("trackers_step_s", []).append(time.perf_counter() - start)
+        self.tracking.step(live, record, lr)
         if self.checkpoints.due(step + 1):
             self._checkpoint(live, step + 1)
         if step + 1 == cfg.steps:
