@@ -107,7 +107,7 @@ class RankActor:
         loss = (eval_loss(replica.master, eval_batches, loss_fn=replica.loss, replicas=replica.replicas)
                 if eval_batches else None)  # every rank filters the same batches: the collectives still pair
         return {"history": history, "eval_loss": loss,
-                "traffic": replica.master.dispatcher.counter.snapshot().model_dump(),
+                "traffic": replica.master.dispatcher.traffic().model_dump(),
                 "control_bytes": replica.transport.control_bytes, "received_bytes": replica.experts.received_bytes,
                 "data_plane": replica.transport.describe()}
 
@@ -115,8 +115,8 @@ class RankActor:
         cfg, replica = self.config.training, self.replica
         rows = batch_rows(self.train_set, step, cfg.batch_size, cfg.seed)
         micro = micro_batches(self.train_set.rows(rows), cfg.micro_batch_size or cfg.batch_size)
-        counter = replica.master.dispatcher.counter
-        before, grad_bytes_before = counter.snapshot(), replica.replicas.grad_bytes
+        dispatcher = replica.master.dispatcher
+        before, grad_bytes_before = dispatcher.traffic(), replica.replicas.grad_bytes
         dist.barrier()
         start = time.perf_counter()
         loss = train_step(replica.master, replica.workers, micro, lr_at(cfg.optimizer, step, cfg.steps),
@@ -126,7 +126,7 @@ class RankActor:
             logger.info("step %d/%d loss %.4f (%.2fs on rank 0)", step + 1, cfg.steps, loss, step_time)
         return {"step": step + 1, "loss": loss, "step_time_s": step_time,
                 "tokens": int(self.train_set.attention_mask[rows].sum()),
-                "bytes_by_tier": (counter.snapshot() - before).bytes_by_tier(),
+                "bytes_by_tier": (dispatcher.traffic() - before).bytes_by_tier(),
                 "allreduce_bytes": replica.replicas.grad_bytes - grad_bytes_before}
 
     def adapter_parts(self) -> dict:

@@ -118,10 +118,10 @@ class MasterReplica:
 
     def train_step(self, micro_batches: list[dict], lr: float, max_grad_norm: float | None) -> dict:
         """This master's share of one step (see `vela_ray.runtime.masters`); its `peer_step` record."""
-        before = self.master.dispatcher.counter.snapshot()
+        before = self.master.dispatcher.traffic()
         train_step(self.master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm, loss_fn=self.loss_fn,
                    replicas=self.replicas)
-        return peer_step(self.master.dispatcher.counter.snapshot() - before, self.migration)
+        return peer_step(self.master.dispatcher.traffic() - before, self.migration)
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_master_state(self.master, tensors)
@@ -130,10 +130,10 @@ class MasterReplica:
         self.master.dispatcher.rebind(master_table(table, self.rank))
 
     def traffic(self) -> TrafficSnapshot:
-        return self.master.dispatcher.counter.snapshot()
+        return self.master.dispatcher.traffic()
 
     def reset_traffic(self) -> None:
-        self.master.dispatcher.counter.reset()
+        self.master.dispatcher.reset_traffic()
 
 
 def group_size(config: JobConfig, kind: str) -> int:

@@ -127,7 +127,7 @@ def _vela_master(args, seq_len: int, checkpointed: bool):
         return float(loss)
 
     def rows() -> int:
-        return int(np.asarray(master.dispatcher.counter.snapshot().rows)[:, :, 0].sum())
+        return int(np.asarray(master.dispatcher.traffic().rows)[:, :, 0].sum())
 
     return step, rows, lambda: (transport.close(), server.join(30))
 

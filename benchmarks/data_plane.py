@@ -157,7 +157,7 @@ def child(args) -> dict:
     transport.close()
     ray.shutdown()
     return {"seconds": seconds[3:], "rows_per_worker": [e - s for _, s, e in plan.worker_rows],
-            "bytes_per_trip": int(dispatcher.counter.bytes.sum()) // len(seconds)}
+            "bytes_per_trip": dispatcher.traffic().total_bytes() // len(seconds)}
 
 
 def rdt_gloo(args, table, worker_specs, hidden_TD, top_k) -> dict:

@@ -134,7 +134,7 @@ def time_layer(run: Callable, inputs, warmup: int, iters: int) -> dict[str, floa
 def time_broker(transport, table: torch.Tensor, inputs, args) -> dict[str, float]:
     dispatcher = ExpertDispatcher(table, transport)
     result = time_layer(ExpertBroker(0, dispatcher), inputs, args.warmup, args.iters)
-    result["mb_moved_per_iter"] = dispatcher.counter.snapshot().total_bytes() / (args.warmup + args.iters) / 2**20
+    result["mb_moved_per_iter"] = dispatcher.traffic().total_bytes() / (args.warmup + args.iters) / 2**20
     return result
 
 

@@ -116,10 +116,10 @@ def setup(args):
 def measure(args) -> dict:
     torch.set_num_threads(1)
     master, workers, batch, parameter_ptrs = setup(args)
-    counter, zo = master.dispatcher.counter, ZoTrainer(args.eps, seed=0)
+    dispatcher, zo = master.dispatcher, ZoTrainer(args.eps, seed=0)
     steps = []
     for step in range(args.steps):
-        before, saved = counter.snapshot(), SavedForBackward(parameter_ptrs)
+        before, saved = dispatcher.traffic(), SavedForBackward(parameter_ptrs)
         rss_before = status_kib("VmRSS")
         reset_peak()
         start = time.perf_counter()
@@ -130,7 +130,7 @@ def measure(args) -> dict:
                 loss = train_step(master, workers, [batch], args.lr, max_grad_norm=1.0)
         seconds = time.perf_counter() - start
         peak = status_kib("VmHWM")
-        moved = np.asarray((counter.snapshot() - before).bytes).sum(axis=(0, 1))
+        moved = np.asarray((dispatcher.traffic() - before).bytes).sum(axis=(0, 1))
         steps.append({"loss": loss, "seconds": seconds, "rss_before_MiB": rss_before / 1024,
                       "step_peak_MiB": (peak - rss_before) / 1024, "saved_for_backward_MiB": saved.nbytes / MiB,
                       "bytes": {d: int(b) for d, b in zip(DIRECTIONS, moved)}})

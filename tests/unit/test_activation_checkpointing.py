@@ -29,7 +29,7 @@ def checkpointed(pair):
 
 def _rows(pair) -> torch.Tensor:
     """Rows counted on every (layer, worker, direction) so far."""
-    return torch.tensor(pair.master.dispatcher.counter.snapshot().rows)
+    return torch.tensor(pair.master.dispatcher.traffic().rows)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -55,7 +55,7 @@ def test_checkpointed_training_equals_peft_and_sends_each_row_once(family, tmp_p
     assert _rows(pair)[:, :, 0].sum() > 0
     assert all(not trainer.shard._saved for trainer in pair.trainers)
     # routing counted once per forward
-    assert pair.master.dispatcher.counter.snapshot().routed == plain.master.dispatcher.counter.snapshot().routed
+    assert pair.master.dispatcher.traffic().routed == plain.master.dispatcher.traffic().routed
 
 
 def test_a_layer_that_is_checkpointed_really_recomputes():
@@ -89,7 +89,7 @@ def test_a_model_checkpointed_by_the_user_gets_the_broker_replay():
     model.train()
     ids = torch.randint(3, 100, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
-    rows = torch.tensor(dispatcher.counter.snapshot().rows)
+    rows = torch.tensor(dispatcher.traffic().rows)
     assert torch.equal(rows[:, :, 0], rows[:, :, 2])  # dispatched once, gradients once
     assert not shard._saved
 
@@ -128,11 +128,11 @@ def _job(model_dir, out, sections: dict, checkpointing: bool):
 @pytest.mark.parametrize("combination", COMBINATIONS)
 def test_checkpointed_jobs_train_and_send_like_unchecked_ones(model_dir, tmp_path, combination, monkeypatch):
     from tests.fixtures import run_in_process
-    from vela_ray.model import broker
+    from vela_ray.model import checkpoint_replay
 
     replayed = []
-    replay = broker._LayerCalls.replay
-    monkeypatch.setattr(broker._LayerCalls, "replay", lambda self: replayed.append(1) or replay(self))
+    replay = checkpoint_replay._LayerCalls.replay
+    monkeypatch.setattr(checkpoint_replay._LayerCalls, "replay", lambda self: replayed.append(1) or replay(self))
     runs = {}
     for on in (False, True):
         runs[on] = run_in_process(_job(model_dir, tmp_path / str(on), COMBINATIONS[combination], on),

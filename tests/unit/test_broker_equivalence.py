@@ -157,10 +157,12 @@ def test_broker_counts_exactly_the_rows_it_dispatched():
     for block in find_moe_blocks(model):
         block.block.experts.register_forward_pre_hook(
             lambda mod, args, layer=block.index: routed.__setitem__(layer, args[1].clone()))
-    counter = pair.master.dispatcher.counter
-    counter.reset()
+    dispatcher = pair.master.dispatcher
+    dispatcher.reset_traffic()
     batch = micro_batches(0)[0]
     model(**batch).loss.backward()
+    counted = dispatcher.traffic()
+    rows_counted, bytes_counted = torch.tensor(counted.rows), torch.tensor(counted.bytes)
 
     hidden = model.config.hidden_size
     for layer, top_k_index in routed.items():
@@ -168,6 +170,6 @@ def test_broker_counts_exactly_the_rows_it_dispatched():
         for worker in range(3):
             rows = int(rows_per_worker[worker])
             # dispatch, gather, grad_dispatch, grad_gather: same rows each way, fp32
-            assert counter.rows[layer, worker].tolist() == [rows] * 4
-            assert counter.bytes[layer, worker].tolist() == [rows * hidden * 4] * 4
-    assert counter.rows.sum() == 4 * sum(t.numel() for t in routed.values())
+            assert rows_counted[layer, worker].tolist() == [rows] * 4
+            assert bytes_counted[layer, worker].tolist() == [rows * hidden * 4] * 4
+    assert rows_counted.sum() == 4 * sum(t.numel() for t in routed.values())

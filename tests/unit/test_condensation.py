@@ -194,8 +194,8 @@ class LinearExperts:
 
 def _broker(condenser: Condenser | None) -> tuple[ExpertBroker, LinearExperts, ExpertDispatcher]:
     experts = LinearExperts(torch.randn(2, D, D, generator=torch.Generator().manual_seed(0)))
-    dispatcher = ExpertDispatcher(torch.zeros(1, 2, dtype=torch.long), InProcessTransport([experts]))
-    dispatcher.condenser = condenser
+    dispatcher = ExpertDispatcher(torch.zeros(1, 2, dtype=torch.long), InProcessTransport([experts]),
+                                  condenser=condenser)
     return ExpertBroker(0, dispatcher).train(), experts, dispatcher
 
 
@@ -223,7 +223,7 @@ def test_the_condensed_forward_and_its_gradient_match_the_hand_derived_ones():
     torch.testing.assert_close(w.grad[:, 0], (c * (reps @ W)).sum(1))
 
     # what travelled: 2 rows each way instead of 4; what the condenser says it saved is the rest
-    rows_by_direction = dispatcher.counter.rows.sum(axis=(0, 1)).tolist()
+    rows_by_direction = torch.tensor(dispatcher.traffic().rows).sum(dim=(0, 1)).tolist()
     assert rows_by_direction == [2, 2, 2, 2]
     assert dispatcher.condenser.bytes_saved == dict.fromkeys(DIRECTIONS, 2 * D * 4)
 
@@ -238,7 +238,8 @@ def test_eval_and_no_grad_forwards_stay_exact():
     broker.eval()
     torch.testing.assert_close(broker(x, index, w).detach(), exact)
     assert condenser.rows_seen == 0
-    assert dispatcher.counter.rows[:, :, DIRECTIONS.index("dispatch")].sum() == 2 + 2  # both rows, both times
+    rows = torch.tensor(dispatcher.traffic().rows)
+    assert rows[:, :, DIRECTIONS.index("dispatch")].sum() == 2 + 2  # both rows, both times
 
 
 # --- whole jobs in one process ---------------------------------------------------------------------------
@@ -301,8 +302,8 @@ def test_a_grouped_call_keys_history_by_the_models_token_not_by_the_sent_row():
     # expert 0. Layer 1: token 2 on expert 0 and tokens 0, 1 (now orthogonal) on expert 1, so the rows sent
     # are x[2], x[3], x[4]: by position tokens 0 and 1 would be keys 1 and 2, by token they are 0 and 1.
     experts = LinearExperts(torch.randn(2, D, D, generator=torch.Generator().manual_seed(0)))
-    dispatcher = ExpertDispatcher(torch.zeros(2, 2, dtype=torch.long), InProcessTransport([experts]))
-    dispatcher.condenser = _condenser(0.9)
+    dispatcher = ExpertDispatcher(torch.zeros(2, 2, dtype=torch.long), InProcessTransport([experts]),
+                                  condenser=_condenser(0.9))
     layout = SimpleNamespace(call="grouped", num_experts=2)
     brokers = [ExpertBroker(layer, dispatcher, layout).train() for layer in range(2)]
     first = torch.zeros(6, D)

@@ -37,7 +37,7 @@ h_t = 1 / (1 + exp(l_norm)), l_norm = (l_ini - l_{t-1}) / l_ini, which starts at
 falls as the loss does (`Condenser.observe_loss` after each step).
 
     condenser = Condenser(config.training.condensation)
-    master.dispatcher.condenser = condenser      # the brokers select, send and expand
+    ExpertDispatcher(table, transport, condenser=condenser)   # its `Condensation` stage selects and expands
     ...; condenser.observe_loss(loss)            # after each training step
 
 Legend: R = routed rows of one layer, D = hidden, n = rows of one expert group,
@@ -48,14 +48,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from vela_ray.model.traffic import DIRECTIONS
+
+if TYPE_CHECKING:
+    from vela_ray.model.dispatch_stages import BrokerCall
 
 BLOCK = 1024
 """Rows per side of one similarity matmul: bounds the temporaries at [BLOCK, BLOCK]."""
@@ -342,6 +345,27 @@ class Condenser:
     def _saved(self, directions: tuple[str, ...], nbytes: int) -> None:
         for direction in directions:
             self.bytes_saved[direction] += nbytes
+
+
+class Condensation:
+    """The dispatcher's condensation stage (`dispatch_stages`): a training forward sends only the representatives
+    of its rows, and every row takes its representative's output. Eval and no-grad forwards choose nothing, so
+    they stay exact; a checkpoint's recompute takes its first forward's selection (`CheckpointReplay`)."""
+
+    def __init__(self, condenser: Condenser):
+        self.condenser = condenser
+
+    def dispatch(self, call: BrokerCall) -> BrokerCall:
+        if call.replayed_RD is not None or not (call.track_grad and call.training):
+            return call
+        plan = call.plan
+        rows_RD = call.hidden_TD.detach().index_select(0, plan.token_idx_R.to(call.hidden_TD.device))
+        token_R = plan.token_idx_R if call.token_T is None else call.token_T.cpu()[plan.token_idx_R]
+        selection = self.condenser.select(call.layer, rows_RD, plan.expert_ids_R, token_R)
+        return replace(call, selection=selection, sent=plan.subset(selection.kept_R))
+
+    def combine(self, call: BrokerCall, out: torch.Tensor) -> torch.Tensor:
+        return out if call.selection is None else self.condenser.expand(call.selection, out)
 
 
 def _row_bytes(rows: torch.Tensor) -> int:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vela_ray.model.broker import ExpertBroker, recompute_contexts
+from vela_ray.model.broker import ExpertBroker
+from vela_ray.model.checkpoint_replay import recompute_contexts
 from vela_ray.model.experts import ExpertsCall, experts_call, weight_stacks
 
 def _register_unmapped_causal_lms() -> None:

@@ -48,7 +48,7 @@ In the runtime (`cluster.master_tp`, `actors.masters.RayPeers`)
 -------------------------------------------------------------
 A master's ranks join one mesh (`join_mesh`: dims "dp" x "tp", the process's default group). The routed experts
 are the ExpertManagers', reached through brokers: on a TP rank each broker sends only its share of the layer's
-tokens (`routed_share`: `_ShareRows` in, `_GatherRows` out, an all-gather each way), so the group's rows leave
+tokens (`TensorParallelShare`: `_ShareRows` in, `_GatherRows` out, an all-gather each way), so the group's rows leave
 once. Checkpoints hold full tensors (`merge_shards` on rank 0, `shard_of` on load), so a run resumes at any TP
 size. With several data-parallel masters, `shard_frozen` (FSDP2, `masters.shard_frozen_backbone`) also shards
 every decoder layer's frozen weights over "dp", LoRA left whole.
@@ -65,13 +65,16 @@ import contextlib
 import inspect
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+
+if TYPE_CHECKING:
+    from vela_ray.model.dispatch_stages import BrokerCall
 
 logger = logging.getLogger(__name__)
 
@@ -524,7 +527,7 @@ def grad_sq_norm(model: nn.Module, plan: TensorParallelPlan) -> float:
 
 
 def refuse_grouped_experts(layouts: list, size: int) -> None:
-    """A master split over `size` ranks shares each MoE layer's rows among them (`routed_share`), which needs
+    """A master split over `size` ranks shares each MoE layer's rows among them (`TensorParallelShare`), which needs
     experts called on routed rows: ValueError (one line) for a model whose experts are called on rows grouped by
     expert (`modeling.ExpertsLayout.call`, e.g. Llama 4)."""
     grouped = [layout for layout in layouts if layout.call != "routed"]
@@ -652,21 +655,30 @@ class _GatherRows(torch.autograd.Function):
         return None, None, None, None, grad[lo:hi]
 
 
-def routed_share(experts: Any, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
-                 top_k_weights_TK: torch.Tensor, plan: TensorParallelPlan) -> torch.Tensor:
-    """`experts(hidden, index, weights)` of a MoE block whose inputs are replicated over the TP group: this rank
-    runs it on its share of the tokens (`row_bounds`), so the group's rows leave through all its ranks, each row
-    once, and the combined outputs are gathered (one all-gather forward; one for the hidden states' and routing
-    weights' gradients backward). Exact: every token's output is computed once, by one rank, as it would be
-    whole; the experts' LoRA gradients reach the workers once."""
-    if plan.size == 1:
-        return experts(hidden_TD, top_k_index_TK, top_k_weights_TK)
-    group, rank, size = plan.group, plan.rank, plan.size
-    lo, hi = row_bounds(hidden_TD.shape[0], rank, size)
-    share_TD = _ShareRows.apply(group, rank, size, hidden_TD)
-    weights_TK = _ShareRows.apply(group, rank, size, top_k_weights_TK)
-    out_TD = experts(share_TD, top_k_index_TK[lo:hi], weights_TK)
-    return _GatherRows.apply(group, rank, size, hidden_TD.shape[0], out_TD)
+class TensorParallelShare:
+    """The broker's first stage on a rank of a tensor-parallel master (`ExpertDispatcher.share_rows`), for MoE
+    blocks whose inputs are replicated over the TP group: this rank dispatches its share of the tokens
+    (`row_bounds`), so the group's rows leave through all its ranks, each row once, and the combined outputs are
+    gathered (one all-gather forward; one for the hidden states' and routing weights' gradients backward).
+    Exact: every token's output is computed once, by one rank, as it would be whole; the experts' LoRA gradients
+    reach the workers once. Experts called on grouped rows are refused beforehand (`refuse_grouped_experts`)."""
+
+    def __init__(self, plan: TensorParallelPlan):
+        self.plan = plan
+
+    def dispatch(self, call: BrokerCall) -> BrokerCall:
+        if self.plan.size == 1:
+            return call
+        group, rank, size = self.plan.group, self.plan.rank, self.plan.size
+        lo, hi = row_bounds(call.whole_tokens, rank, size)
+        return replace(call, hidden_TD=_ShareRows.apply(group, rank, size, call.hidden_TD),
+                       top_k_index_TK=call.top_k_index_TK[lo:hi],
+                       top_k_weights_TK=_ShareRows.apply(group, rank, size, call.top_k_weights_TK))
+
+    def combine(self, call: BrokerCall, out_TD: torch.Tensor) -> torch.Tensor:
+        if self.plan.size == 1:
+            return out_TD
+        return _GatherRows.apply(self.plan.group, self.plan.rank, self.plan.size, call.whole_tokens, out_TD)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _counters(live: Live) -> tuple[list[int], list[float]]:
 def segment_totals(live: Live, state: RunState) -> EarlierSegments:
     """What this segment of the run counted so far: every master's expert traffic since it started (all
     passes), by link tier and by worker, and the seconds since training began."""
-    traffics = [live.master.dispatcher.counter.snapshot(), *live.peers.traffic()]
+    traffics = [live.master.dispatcher.traffic(), *live.peers.traffic()]
     return EarlierSegments(
         bytes_by_tier=added([t.bytes_by_tier() for t in traffics]),
         bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
@@ -92,7 +92,7 @@ class StepAccounting:
     @staticmethod
     def begin_step(live: Live) -> StepMark:
         dispatcher = live.master.dispatcher
-        return StepMark(dispatcher.counter.snapshot(), sum(dispatcher.round_trip_s.values()),
+        return StepMark(dispatcher.traffic(), sum(dispatcher.round_trip_s.values()),
                         live.peers.replicas.grad_bytes)
 
     def end_step(self, live: Live, mark: StepMark, step: int, loss: float, step_time_s: float, tokens: int,
@@ -100,7 +100,7 @@ class StepAccounting:
         """Step `step`'s record (1-based), from master 0's counters since `mark` and the other masters'
         `peer_step` records; sent to the metrics."""
         dispatcher = live.master.dispatcher
-        own = dispatcher.counter.snapshot() - mark.traffic
+        own = dispatcher.traffic() - mark.traffic
         traffic = [own, *(p["traffic"] for p in peer_steps)]  # each master's rows, by its own link tiers
         counts_LE = np.sum([t.routed_LE for t in traffic], axis=0)  # every master's routing
         self.state.add_routed(counts_LE)
@@ -162,7 +162,7 @@ class StepAccounting:
             traffic_bytes_by_tier=totals.bytes_by_tier, traffic_bytes_by_worker=totals.bytes_by_worker,
             sent_bytes_by_worker=totals.sent_by_worker, worker_received_bytes=state.received_bytes,
             tokens_routed=[] if routed is None else routed.astype(int).tolist(),
-            worker_tiers=list(dispatcher.counter.snapshot().worker_tiers), worker_nodes=live.hosted.node_ids,
+            worker_tiers=list(dispatcher.traffic().worker_tiers), worker_nodes=live.hosted.node_ids,
             master_node=master_node,
             master_nodes=live.peers.nodes, master_tp=config.cluster.master_tp,
             allreduce_bytes_per_step=history[-1].allreduce_bytes if live.peers.num_masters > 1 and history else None,

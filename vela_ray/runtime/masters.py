@@ -82,7 +82,7 @@ class ThreadPeers:
 
     def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
         self._errors = []
-        befores = [m.dispatcher.counter.snapshot() for m in self.masters]
+        befores = [m.dispatcher.traffic() for m in self.masters]
         self._threads = [threading.Thread(target=self._step, args=(rank, m, micro_batches, lr, max_grad_norm),
                                           name=f"vela-master-{rank}", daemon=True)
                          for rank, m in enumerate(self.masters, start=1)]
@@ -93,7 +93,7 @@ class ThreadPeers:
             self._join()
             if self._errors:
                 raise self._errors[0]
-            return [peer_step(m.dispatcher.counter.snapshot() - before, migration)
+            return [peer_step(m.dispatcher.traffic() - before, migration)
                     for m, before, migration in zip(self.masters, befores, self.migrations)]
         return wait
 
@@ -130,11 +130,11 @@ class ThreadPeers:
             master.dispatcher.rebind(master_table(table, rank))
 
     def traffic(self) -> list:
-        return [m.dispatcher.counter.snapshot() for m in self.masters]
+        return [m.dispatcher.traffic() for m in self.masters]
 
     def reset_traffic(self) -> None:
         for master in self.masters:
-            master.dispatcher.counter.reset()
+            master.dispatcher.reset_traffic()
 
     def pids(self) -> list[int]:
         return [os.getpid()] * len(self.masters)

@@ -152,7 +152,7 @@ class JobRunner:
     def _train(self, live: Live) -> None:
         """The training loop, from `state.start_step` to `training.steps`."""
         steps = self.config.training.steps
-        live.master.dispatcher.counter.reset()
+        live.master.dispatcher.reset_traffic()
         live.peers.reset_traffic()  # what the training moves: a tensor-parallel master's ranks profiled too
         self.state.last_checkpoint = checkpoint.latest(self.config.checkpoint_root)
         step = self.state.start_step

@@ -11,7 +11,7 @@ the same, only bytes move differently.
 
 Where the layer's expert outputs are combined (`masters.sequence_migration_combine`):
   * "new_master" (LUFFY's, the default): the decision is taken from the layer's plan, before its rows
-    leave (`reply_to`, the brokers' `RowRouter`); the workers answer the rows of a sequence that leaves
+    leave (`reply_to`, the dispatcher's `RelayRows` stage); the workers answer the rows of a sequence that leaves
     this master to its new master (`transport.RowRelay`), and the old master combines the others. After
     the layer the sequence's hidden state moves without the relayed rows' share, with each relayed row's
     place and routing weight; the new master collects the outputs from the workers and adds them in
@@ -54,17 +54,19 @@ masters), so all of them compute the same moves without a coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from dataclasses import asdict, dataclass, field, replace
-from typing import Literal
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
 from placement.sequences import contiguous_masters, migrate_sequences
-from vela_ray.model.broker import DispatchPlan, ExpertBroker, ExpertDispatcher
+from vela_ray.model.broker import ExpertBroker, ExpertDispatcher
+from vela_ray.model.dispatch_stages import DispatchPlan
 from vela_ray.model.transport import RowRelay
 from vela_ray.training.replicas import Batch, Exchanger, ReplicaShare
 
@@ -171,7 +173,7 @@ class SequenceMigration:
         if refusal is not None and rank == 0:
             logger.info("sequence migration: sequences move after the combine on their old master: %s", refusal)
         self.combine: Combine = "home" if refusal is not None else combine
-        dispatcher.router = self
+        dispatcher.relay_rows(self)
 
     def loss_fn(self, share: ReplicaShare, exchanger: Exchanger):
         """`share.loss` with this master's sequences migrating during the forward (the backward follows)."""
@@ -214,34 +216,31 @@ class SequenceMigration:
 
     def _probe(self, model: nn.Module, full: Batch) -> dict[int, dict]:
         """What every decoder layer is given for the whole micro-batch (attention masks, positions), read by
-        running the model's forward up to its layers on all the sequences, which every master has: a moved
+        running the model's forward up to its last layer on all the sequences, which every master has: a moved
         padded sequence then gets its own rows of them wherever it is, and no mask crosses the network. The
-        model builds masks row by row, so a sequence's rows are the ones it gets unmoved."""
+        model builds masks row by row, so a sequence's rows are the ones it gets unmoved. The brokers answer
+        zeros meanwhile (`ExpertDispatcher.probing`: no row sent or counted), in eval mode (no draw of torch's
+        RNG), without grad."""
         seen: dict[int, dict] = {}
-        own = {index: layer.__dict__.get("forward") for index, layer in enumerate(self._stack)}  # patched by others
 
-        def recorder(index: int):
-            def forward(hidden, *args, **kwargs):
-                seen[index] = kwargs
+        def record(index: int):
+            def hook(module: nn.Module, args, kwargs):
+                seen[index] = dict(kwargs)
                 if index == len(self._stack) - 1:
                     raise _ProbeDone
-                return hidden
-            return forward
+            return hook
 
         batch, self._batch = self._batch, None  # no hooks of ours during the probe
+        handles = [layer.register_forward_pre_hook(record(index), with_kwargs=True)
+                   for index, layer in enumerate(self._stack)]
         try:
-            for index, layer in enumerate(self._stack):
-                layer.forward = recorder(index)
-            with torch.no_grad():
+            with self.dispatcher.probing(torch.zeros_like), _evaluating(model), torch.no_grad():
                 model(**full, use_cache=False)
         except _ProbeDone:
             pass
         finally:
-            for index, layer in enumerate(self._stack):
-                if own[index] is None:
-                    del layer.forward  # the class's forward again
-                else:
-                    layer.forward = own[index]
+            for handle in handles:
+                handle.remove()
             self._batch = batch
         return seen
 
@@ -258,7 +257,7 @@ class SequenceMigration:
             return args, {k: _rows_of(whole.get(k, v), rows, total) if k in whole else v for k, v in kwargs.items()}
         return hook
 
-    # -- the broker's `RowRouter` -----------------------------------------------------------------
+    # -- the dispatcher's `RowRouter` (its `RelayRows` stage) ---------------------------------------------
 
     def reply_to(self, plan: DispatchPlan, token_T: torch.Tensor | None, hidden_size: int) -> torch.Tensor | None:
         """Sees every plan of a training forward. Combining on the new master, it decides here, before the
@@ -569,8 +568,8 @@ def combine_refusal(model: nn.Module, dispatcher: ExpertDispatcher, stack: list[
 
 def adds_expert_outputs(model: nn.Module, stack: list[nn.Module], decoder: int) -> bool:
     """Whether decoder layer `decoder`'s output moves by exactly what its expert broker returns: run the model
-    on a few tokens with every broker returning zeros, then that layer again on the same inputs with its broker
-    returning a pattern, and compare. No row is sent anywhere."""
+    on a few tokens with every broker answering zeros, then that layer again on the same inputs with its broker
+    answering a pattern (`ExpertDispatcher.probing`), and compare. No row is sent anywhere."""
     layer = stack[decoder]
     brokers = [m for m in layer.modules() if isinstance(m, ExpertBroker)]
     others = [m for m in model.modules() if isinstance(m, ExpertBroker)]
@@ -580,7 +579,7 @@ def adds_expert_outputs(model: nn.Module, stack: list[nn.Module], decoder: int) 
     def pattern(n: int, device) -> torch.Tensor:  # values -1 .. 1 in steps of 0.5: exact in any float dtype
         return (torch.remainder(torch.arange(n, device=device), 5) - 2) * 0.5
 
-    def broker_forward(hidden_TD, *args, **kwargs):
+    def answer(hidden_TD: torch.Tensor) -> torch.Tensor:
         if not shift:
             return torch.zeros_like(hidden_TD)
         return pattern(hidden_TD.numel(), hidden_TD.device).view_as(hidden_TD).to(hidden_TD.dtype)
@@ -598,24 +597,32 @@ def adds_expert_outputs(model: nn.Module, stack: list[nn.Module], decoder: int) 
         seen["ok"] = bool(torch.allclose(delta, pattern(delta.numel(), delta.device).float(), atol=0.05, rtol=0))
         raise _ProbeDone
 
-    for broker in others:
-        broker.forward = broker_forward
     handle = layer.register_forward_hook(check, with_kwargs=True)
-    modes = [(m, m.training) for m in model.modules()]
     device = next(model.parameters()).device
     try:
-        model.eval()  # no dropout: both runs see the same numbers, and torch's RNG is left alone
-        with torch.no_grad():
+        with contextlib.ExitStack() as probes:
+            for dispatcher in {id(b.dispatcher): b.dispatcher for b in others}.values():
+                probes.enter_context(dispatcher.probing(answer))
+            probes.enter_context(_evaluating(model))  # no dropout: both runs see the same numbers, RNG left alone
+            probes.enter_context(torch.no_grad())
             model(input_ids=torch.arange(1, 5, device=device)[None], use_cache=False)
     except _ProbeDone:
         pass
     finally:
         handle.remove()
+    return bool(brokers) and seen.get("ok", False)
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode within the block, every module's training mode put back after it."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
         for module, training in modes:
             module.training = training
-        for broker in others:
-            del broker.forward
-    return bool(brokers) and seen.get("ok", False)
 
 
 def _decoder_layers(model: nn.Module) -> tuple[dict[int, tuple[int, nn.Module]], tuple[int, nn.Module],
