@@ -3,7 +3,9 @@
 `masters.count` = M data-parallel masters, each `cluster.master_tp` = T tensor-parallel ranks: M*T processes,
 rank (m, t) a MasterReplica actor on master m's node (the workers' nodes other than master 0's, in the order the
 workers fill them; round robin when there are more masters than nodes), except (0, 0), master 0 in the
-MasterActor. Every rank loads the backbone and sends rows to the same ExpertManagers over Ray object refs.
+MasterActor. Every rank holds the backbone (or its shards) and sends rows to the same ExpertManagers over Ray
+object refs; the master processes of one node form a node group in which each backbone tensor is read once and
+sent to the others (`vela_ray.model.sharded_loading`).
   - data-parallel: the ranks of one TP index t form a gloo group of their own (master 0's at rank 0) for the
     backbone gradient sum (`ProcessGroupReplicas`), each master m taking its share of every micro-batch;
   - tensor-parallel: the T ranks of master m form its TP group (each process's default group, gloo or NCCL;
@@ -42,13 +44,13 @@ from vela_ray.runtime.pool import Wait, master_spec
 from vela_ray.training.replicas import SINGLE, ProcessGroupReplicas, Replicas
 from vela_ray.training.sequence_migration import NodeMap
 from vela_ray.training.step import (
-    STEPPED_ELSEWHERE, MasterModel, build_master_replica, build_master_shard, load_master_state, read_own_shards,
-    shard_master, shard_state, train_step,
+    STEPPED_ELSEWHERE, MasterModel, build_master_rank, load_master_state, shard_and_read, shard_state, train_step,
 )
 
 logger = logging.getLogger(__name__)
 
 Rendezvous = tuple[str, int]  # a group's TCPStore (host, port), master 0's process listening
+NodeRendezvous = tuple[Rendezvous, int, int]  # a node group's store, this process's place in it, its size
 
 
 GROUP_TIMEOUT_S = 300.0  # a master that never reaches the gradient sum (it failed) is given up after this
@@ -76,20 +78,19 @@ class MasterReplica:
         return os.getpid()
 
     def join(self, rendezvous: dict[str, Rendezvous], handles: list, worker_nodes: list[str],
-             master_nodes: list[str], table: list) -> None:
-        """Join its groups (`join_groups`; `rendezvous`: each one's store), load the backbone (only its shards
-        under tensor parallelism), build brokers over `table` to `handles`, and shard the frozen backbone over the
-        data-parallel masters with `masters.shard_frozen_backbone`."""
+             master_nodes: list[str], table: list, node: NodeRendezvous | None = None) -> None:
+        """Join its groups (`join_groups`; `rendezvous`: each one's store) and its node's (`join_node`), load the
+        backbone (only its shards under tensor parallelism, each read once per node), build brokers over `table`
+        to `handles`, and shard the frozen backbone over the data-parallel masters with
+        `masters.shard_frozen_backbone`."""
         cfg = self.config
         stores = {kind: make_store(host, port, group_size(cfg, kind), is_master=False, timeout_s=GROUP_TIMEOUT_S)
                   for kind, (host, port) in rendezvous.items()}
         self.replicas, tp_mesh, dp_mesh = join_groups(cfg, self.rank, self.tp_rank, stores, self.spec.device)
+        node_group = join_node(node)  # issue 51: the backbone is read once per node
         table, transport = master_table(table, self.rank), self._transport(handles, worker_nodes)
         rank = self.rank * cfg.cluster.master_tp + self.tp_rank  # its place among the workers' masters
-        if tp_mesh is None:
-            self.master = build_master_replica(self.spec, table, transport, rank=rank)
-        else:  # reads only its shards
-            self.master, _ = build_master_shard(self.spec, table, transport, tp_mesh, rank=rank)
+        self.master, _ = build_master_rank(self.spec, table, transport, tp_mesh, rank=rank, node=node_group)
         if dp_mesh is not None:
             shard_frozen(self.master.peft_model, dp_mesh)
         self.migration = sequence_migration(cfg, self.rank, self.master, NodeMap.of(master_nodes, worker_nodes))
@@ -160,6 +161,16 @@ def join_groups(config: JobConfig, rank: int, tp_rank: int, stores: dict[str, di
         replicas = ProcessGroupReplicas(make_group(stores["dp"], rank, masters, GROUP_TIMEOUT_S, address))
     tp_mesh = join_mesh(stores["tp"], tp_rank, 1, ranks, device, GROUP_TIMEOUT_S)["tp"] if "tp" in stores else None
     return replicas, tp_mesh, None
+
+
+def join_node(rendezvous: NodeRendezvous | None) -> dist.ProcessGroup | None:
+    """The gloo group of the master processes on this node (issue 51), None for a process alone on its node: its
+    first member reads each backbone tensor once and sends the others their shards (`step.shard_and_read`)."""
+    if rendezvous is None:
+        return None
+    (host, port), member, members = rendezvous
+    store = make_store(host, port, members, is_master=False, timeout_s=GROUP_TIMEOUT_S)
+    return make_group(store, member, members, GROUP_TIMEOUT_S, ray.util.get_node_ip_address())
 
 
 def _to(value, device):
@@ -239,17 +250,36 @@ class RayPeers:
                 return {"world": world}
             return {**({"dp": dp[t]} if dp else {}), **({"tp": tp[m]} if tp else {})}
 
+        nodes = self._node_stores(address)  # issue 51: one group per node hosting several master processes
+        self._stores += [store for store, member, _ in nodes.values() if member == 0]
         joins = [a.join.remote({k: (s.host, s.port) for k, s in stores_of(m, t).items()}, handles, worker_nodes,
-                               self.nodes, np.asarray(table).tolist())
+                               self.nodes, np.asarray(table).tolist(),
+                               ((nodes[m, t][0].host, nodes[m, t][0].port), *nodes[m, t][1:]) if (m, t) in nodes
+                               else None)
                  for a, (m, t) in zip(self.actors, self.ranks)]
         replicas, tp_mesh, dp_mesh = join_groups(cfg, 0, 0, stores_of(0, 0), leader_device(leader))
-        if tp_mesh is not None:  # master 0 was built on the backbone's unread skeleton (`runtime.state.Backbone.load`)
-            shard_master(leader, tp_mesh)
-            read_own_shards(leader, master_spec(cfg))
+        # issue 51: master 0 reads its shards once its group exists (`runtime.state.Backbone.load` built it on the
+        # unread skeleton), or, holding the whole backbone (no TP), sends it to the other masters on its node
+        node = make_group(nodes[0, 0][0], 0, nodes[0, 0][2], GROUP_TIMEOUT_S, address) if (0, 0) in nodes else None
+        if tp_mesh is not None or node is not None:
+            shard_and_read(leader, master_spec(cfg), tp_mesh, node, holds_backbone=tp_mesh is None)
         if dp_mesh is not None:
             shard_frozen(leader.peft_model, dp_mesh)
         ray.get(joins)
         return replicas
+
+    def _node_stores(self, address: str) -> dict[tuple[int, int], tuple[dist.Store, int, int]]:
+        """Issue 51: for each master process on a node that hosts several, (its node group's rendezvous, listening
+        at `address`, its place in it, the group's size), master 0 first on its node."""
+        by_node: dict[str, list[tuple[int, int]]] = {}
+        for m, t in [(0, 0), *self.ranks]:
+            by_node.setdefault(self.nodes[m], []).append((m, t))
+        out = {}
+        for ranks in by_node.values():
+            if len(ranks) > 1:
+                store = make_store(address, 0, len(ranks), is_master=True, timeout_s=GROUP_TIMEOUT_S)
+                out.update({rank: (store, member, len(ranks)) for member, rank in enumerate(ranks)})
+        return out
 
     def _mirror(self, module, args, kwargs) -> None:
         """Master 0's forward pre-hook: a forward without gradients (eval, the routing profile) runs on its

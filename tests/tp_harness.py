@@ -268,28 +268,36 @@ def comm_counts(family: str, group: dist.ProcessGroup, lora: bool) -> dict[str, 
             "backward_elements": bwd.elements, "replicated_elements": replicated}
 
 
-def shard_loading(model_dir: str, group: dist.ProcessGroup) -> dict[str, Any]:
-    """A runtime rank built two ways from the checkpoint in `model_dir`: whole then sharded (`build_master_replica`
-    + `shard_master`) and reading only its shards (`build_master_shard`). {"mismatched": names whose tensors
-    differ, "read": bytes the second read, "backbone": bytes of the whole backbone}."""
-    from vela_ray.model.loading import meta_model
+def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | None) -> dict[str, Any]:
+    """A runtime rank of a `dp` x `tp` mesh of master processes (this process's default group, tp fastest) built two
+    ways from the checkpoint in `model_dir`: whole then sharded (`build_master_replica` + `shard_master`) and by
+    `build_master_rank`, which reads each tensor once per `node` group (None: this rank alone reads its shards).
+    {"mismatched": names whose tensors differ, "read": bytes the second read (`loading.BACKBONE_READS`, the
+    benchmark's counter), "received", "backbone": bytes of the whole backbone}."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vela_ray.model.loading import BACKBONE_READS, meta_model
     from vela_ray.model.modeling import find_moe_blocks
     from vela_ray.model.sharded_loading import backbone_specs
     from vela_ray.model.transport import InProcessTransport
-    from vela_ray.training.step import MasterSpec, build_master_replica, build_master_shard, shard_master
+    from vela_ray.training.step import MasterSpec, build_master_rank, build_master_replica, shard_master
 
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))["tp"] if tp > 1 else None
     spec = MasterSpec(model_dir=Path(model_dir), dtype=torch.float32, lora=LORA, optim=OPTIM, seed=3)
     blocks = find_moe_blocks(meta_model(model_dir))
     table = torch.zeros(len(blocks), blocks[0].layout.num_experts, dtype=torch.long)
     whole = build_master_replica(spec, table, InProcessTransport([object()]))
-    shard_master(whole, group)
-    lean, read = build_master_shard(spec, table, InProcessTransport([object()]), group)
+    if mesh is not None:
+        shard_master(whole, mesh)
+    before = BACKBONE_READS.bytes
+    lean, stats = build_master_rank(spec, table, InProcessTransport([object()]), mesh, node=node)
+    read = BACKBONE_READS.bytes - before
     want = whole.peft_model.state_dict()
     got = lean.peft_model.state_dict()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     mismatched = [k for k in want if want[k].device.type != "meta" and not torch.equal(local(want[k]), local(got[k]))]
-    backbone = sum(int(torch.Size(s.shape).numel()) * 4 for s in backbone_specs(model_dir))
-    return {"mismatched": mismatched, "read": read.bytes_read, "backbone": backbone}
+    backbone = sum(int(torch.Size(s.shape).numel()) * 4 for s in backbone_specs(model_dir, lambda name: None))
+    return {"mismatched": mismatched, "read": read, "received": stats.bytes_received, "backbone": backbone}
 
 
 def _worker(rank: int, world: int, port: int, job: str, families: list[str], out: str) -> None:
@@ -306,12 +314,14 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
                 from torch.distributed.device_mesh import init_device_mesh
 
                 results[family] = mesh_run(family, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
-            elif job == "load":  # `family` is a checkpoint directory
-                results[family] = {rank: shard_loading(family, group)}
+            elif job.startswith("load"):  # "load:DPxTP[:node]"; `family` is a checkpoint directory
+                dp, tp = map(int, job.split(":")[1].split("x"))
+                node = dist.new_group(backend="gloo") if job.endswith(":node") else None  # one node: all ranks
+                results[family] = {rank: shard_loading(family, dp, tp, node)}
             else:
                 results[family] = {"lora": comm_counts(family, group, True),
                                    "plain": comm_counts(family, group, False)}
-        if job == "load":  # every rank's own figures
+        if job.startswith("load"):  # every rank's own figures
             torch.save(results, f"{out}.{rank}")
         elif rank == 0:
             torch.save(results, out)
@@ -323,9 +333,9 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
 
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
-    """Run `job` ("step": `tp_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load": `shard_loading`,
-    `families` then being checkpoint directories, and every rank's results) on `size` gloo ranks; rank 0's results
-    by family."""
+    """Run `job` ("step": `tp_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load:DPxTP[:node]":
+    `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone, `families` then being
+    checkpoint directories, and every rank's results) on `size` gloo ranks; rank 0's results by family."""
     families = families or FAMILIES
     # a forked rank would inherit the parent's default group and fail to create its own
     assert not dist.is_initialized(), "a test left a torch.distributed process group initialized in this process"
@@ -338,6 +348,6 @@ def spawn(size: int, job: str = "step", families: list[str] | None = None) -> di
     except Exception as exc:
         errors = sorted(Path(out).parent.glob("results.pt.error*"))
         raise RuntimeError(errors[0].read_text() if errors else str(exc)) from exc
-    if job == "load":
+    if job.startswith("load"):
         return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(size)]
     return torch.load(out, weights_only=False)

@@ -201,14 +201,14 @@ def test_preflight_refuses_a_model_that_cannot_split_over_master_tp(tmp_path, fa
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_rank_reading_only_its_shards_holds_what_a_whole_load_then_sharded_holds(tmp_path, size):
-    """`step.build_master_shard` (the runtime's TP ranks): every tensor equals the whole-load-then-shard rank's,
-    LoRA draws included, and a rank reads its shards, not the whole backbone (thesis §3.3)."""
+    """`step.build_master_rank` (the runtime's TP ranks), each alone on its node: every tensor equals the
+    whole-load-then-shard rank's, LoRA draws included, and a rank reads its shards, not the whole backbone."""
     from tests.fixtures import make_checkpoint
 
     # a vocabulary of 264 splits over 4 ranks: embedding and LM head vocab-parallel, as a real model's are
     dirs = [str(make_checkpoint(tmp_path / family, family, vocab=264, **OVERRIDES[family]))
             for family in ("mixtral", "deepseek_v3")]
-    ranks = tp_harness.spawn(size, "load", dirs)
+    ranks = tp_harness.spawn(size, f"load:1x{size}", dirs)
     for model_dir in dirs:
         figures = [ranks[r][model_dir][r] for r in range(size)]
         assert all(f["mismatched"] == [] for f in figures), (model_dir, [f["mismatched"][:3] for f in figures])

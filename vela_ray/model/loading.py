@@ -258,6 +258,25 @@ def _convert_one_expert(files, ckpt: CheckpointLayout, source: TensorSource, tar
     return rows[0]
 
 
+@dataclass
+class ReadCount:
+    """Bytes and tensors read from checkpoint files by this process for the master's backbone: every backbone read
+    (`load_backbone`, `sharded_loading.read_backbone`) adds what it read, so a benchmark or a test sees what a
+    process, and a node's processes together, read (`benchmarks/master_loading.py`)."""
+
+    bytes: int = 0
+    tensors: int = 0
+
+    def add(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.tensors += 1
+        return tensor
+
+
+BACKBONE_READS = ReadCount()
+"""This process's backbone reads, from its start."""
+
+
 class OpenFiles(contextlib.ExitStack):
     """safe_open handles, opened once per file."""
 
@@ -299,7 +318,7 @@ def backbone_skeleton(model_dir: str | Path, dtype: torch.dtype | None = None,
     """The model with its backbone tensors allocated but neither initialised nor read (transformers'
     `no_init_weights`: no random draws, so torch's generator is where it was, as after `from_pretrained`; untouched
     memory costs no host pages) and its experts unallocated (meta): what `load_backbone` fills, or a tensor-parallel
-    rank shards and then fills with its shards only (`sharded_loading.read_tp_shards`)."""
+    rank shards and then fills with its shards only (`sharded_loading.read_backbone`)."""
     config = AutoConfig.from_pretrained(str(model_key(model_dir, trust_remote_code)))
     return _skeleton(config, torch_dtype(dtype or getattr(config, "dtype", None) or torch.float32))
 
@@ -346,7 +365,7 @@ def _read_backbone_tensors(model_dir, model: torch.nn.Module, dtype: torch.dtype
             if target.startswith(experts) or target != source.first_target:  # a Split's others come with the first
                 continue
             if source.converter is None:
-                state[target] = files.get(source.files[0]).get_tensor(source.names[0]).to(dtype)
+                state[target] = BACKBONE_READS.add(files.get(source.files[0]).get_tensor(source.names[0])).to(dtype)
             else:
                 state.update({name: t.to(dtype) for name, t in convert_whole(files, source, model).items()})
     return state
@@ -358,7 +377,7 @@ def convert_whole(files, source: TensorSource, model: torch.nn.Module) -> dict[s
     order, then every operation with the model and its config at hand (Split reads its targets' sizes there)."""
     converter = copy.deepcopy(source.converter)  # it collects tensors: never fill the cached one
     for name, path, pattern in zip(source.names, source.files, source.patterns):
-        converter.add_tensor(source.first_target, name, pattern, files.get(path).get_tensor(name))
+        converter.add_tensor(source.first_target, name, pattern, BACKBONE_READS.add(files.get(path).get_tensor(name)))
     return converter.convert(source.first_target, model=model, config=model.config)
 
 

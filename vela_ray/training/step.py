@@ -28,7 +28,6 @@ from vela_ray.model.adapters import (
     backbone_lora_config, backbone_state_of, export_adapter, full_lora_config, resolve_expert_lora,
 )
 from vela_ray.model.broker import ExpertDispatcher
-from vela_ray.model.loading import load_backbone
 from vela_ray.model.experts import ExpertKey, LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
@@ -221,14 +220,20 @@ class MasterSpec:
 
 def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
     """The model, read after seeding torch (reading draws nothing): the LoRA that `build_master` then draws is
-    the same in every replica and in peft's reference, which seeds and builds in this order. Without `read`, its
-    unread skeleton (`loading.backbone_skeleton`), which a tensor-parallel rank fills with its shards only
-    (`read_own_shards`)."""
+    the same in every replica and in peft's reference, which seeds and builds in this order. Read into its skeleton
+    by slice (`sharded_loading.read_backbone`: what `load_backbone` gives, without a second copy in host memory);
+    without `read`, the unread skeleton (`loading.backbone_skeleton`), which a master rank fills
+    (`shard_and_read`)."""
     from vela_ray.model.loading import backbone_skeleton
+    from vela_ray.model.sharded_loading import load_record, read_backbone
 
     torch.manual_seed(spec.seed)
-    load = load_backbone if read else backbone_skeleton
-    return load(spec.model_dir, spec.dtype, spec.trust_remote_code)
+    if not read:
+        return backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
+    with load_record("seeded_backbone") as record:
+        record["model"] = model = backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
+        read_backbone(model, None, spec.model_dir, spec.dtype, spec.trust_remote_code)
+    return model.eval()
 
 
 def build_master_replica(spec: MasterSpec, expert_to_worker, transport: Transport, *, rank: int = 0,
@@ -267,30 +272,40 @@ def shard_master(master: MasterModel, group, config: TensorParallelConfig | None
     return plan
 
 
-def build_master_shard(spec: MasterSpec, expert_to_worker, transport: Transport, mesh, *, rank: int = 0
-                       ) -> tuple[MasterModel, "ReadStats"]:
-    """A tensor-parallel rank's master that reads only its shards (the thesis's zero-redundancy loading): the
+def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, mesh=None, *, rank: int = 0,
+                      node=None) -> tuple[MasterModel, "ReadStats"]:
+    """A master process's master (every rank of `actors.masters` but master 0, which `RayPeers` fills itself): the
     backbone's unread skeleton built into a master as `build_master_replica` builds one (same seed, so the same
-    LoRA draws), sharded over `mesh` (`shard_master`), filled with its shards (`read_own_shards`) and moved to
-    `spec.device`. Returns it and what it read."""
+    LoRA draws), then sharded over the TP `mesh` if any and filled, each tensor read once per `node` group
+    (`shard_and_read`), and moved to `spec.device`. Returns it and what it read and received."""
     model = seeded_backbone(spec, read=False)
     master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
                           num_masters=spec.num_masters, row_format=spec.row_format,
                           activation_checkpointing=spec.activation_checkpointing)
-    shard_master(master, mesh)
-    stats = read_own_shards(master, spec)
+    stats = shard_and_read(master, spec, mesh, node)
     master.peft_model.to(spec.device)
     return master, stats
 
 
-def read_own_shards(master: MasterModel, spec: MasterSpec) -> "ReadStats":
-    """Fill a sharded master built on the unread skeleton (`seeded_backbone(read=False)`) with its TP rank's shard
-    of each backbone tensor, read by slice from `spec.model_dir` (`sharded_loading.read_tp_shards`)."""
-    from vela_ray.model.sharded_loading import read_tp_shards
+def shard_and_read(master: MasterModel, spec: MasterSpec, mesh=None, node=None, holds_backbone: bool = False
+                   ) -> "ReadStats":
+    """Shard a master built on the unread skeleton (`seeded_backbone(read=False)`) over the TP `mesh` if any
+    (`shard_master`) and fill it with its TP rank's shard of each backbone tensor from `spec.model_dir`, each read
+    once per `node` group (the master processes of this node; None: alone) (`sharded_loading.read_backbone`).
+    `holds_backbone`: this master read the whole backbone already (master 0 without TP) and sends it to its node
+    group."""
+    from vela_ray.model.sharded_loading import load_record, read_backbone
 
-    stats = read_tp_shards(master.peft_model, master.tp, spec.model_dir, spec.dtype, spec.trust_remote_code)
-    logger.info("tensor-parallel rank %d of %d read %.1f MB of the backbone (its shards) in %.2f s", master.tp.rank,
-                master.tp.size, stats.bytes_read / 1e6, stats.seconds)
+    with load_record("shard_and_read") as record:
+        if mesh is not None:
+            shard_master(master, mesh)
+        stats = read_backbone(master.peft_model, master.tp, spec.model_dir, spec.dtype, spec.trust_remote_code,
+                              node, holds_backbone)
+        record.update(model=master.peft_model, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
+                      node_rank=node.rank() if node is not None else 0, tp_rank=master.tp.rank if master.tp else 0)
+    logger.info("master rank (tp %d) read %.1f MB of the backbone, received %.1f MB, sent %.1f MB in %.2f s",
+                master.tp.rank if master.tp else 0, stats.bytes_read / 1e6, stats.bytes_received / 1e6,
+                stats.bytes_sent / 1e6, stats.seconds)
     return stats
 
 
