@@ -130,15 +130,16 @@ def cuda_syncs(hosted: int) -> list[str]:
             shard.backward_rows("k", grad)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    # torch's own one-time notice that the debug mode is a prototype also says "Synchronization": not a sync
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message)]
 
 
 @pytest.mark.gpu
 def test_on_cuda_a_layer_calls_host_syncs_do_not_grow_with_its_experts_and_are_none_on_sm90():
     """Not yet run (written on a machine without a GPU). On sm90+ bf16 `torch._grouped_mm` is one kernel
     with no sync, so the call has none; elsewhere ATen's per-group loop may read the offsets, as often for
-    4 experts as for 32. On the first H100 run the first layer measured (4 experts) reported 1 sync and the
-    second (32) none; the assertion messages say where each was, for the next GPU run to settle."""
+    4 experts as for 32. On an H100 (2026-11-27) neither reported a sync; the one warning the first call saw was
+    torch's notice that the debug mode is a prototype, which the count leaves out."""
     few, many = cuda_syncs(4), cuda_syncs(32)
     assert len(few) == len(many), f"4 experts: {few}; 32 experts: {many}"
     if torch.cuda.get_device_capability() >= (9, 0):
