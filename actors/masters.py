@@ -43,9 +43,9 @@ from vela_ray.runtime.migration import master_table
 from vela_ray.runtime.pool import Wait, master_spec
 from vela_ray.training.replicas import SINGLE, ProcessGroupReplicas, Replicas
 from vela_ray.training.sequence_migration import NodeMap
-from vela_ray.training.step import (
-    STEPPED_ELSEWHERE, MasterModel, build_master_rank, load_master_state, shard_and_read, shard_state, train_step,
-)
+from vela_ray.training.expert_workers import STEPPED_ELSEWHERE
+from vela_ray.training.master import MasterModel, build_master_rank, load_master_state, shard_and_read, shard_state
+from vela_ray.training.step import train_step
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def join_groups(config: JobConfig, rank: int, tp_rank: int, stores: dict[str, di
 
 def join_node(rendezvous: NodeRendezvous | None) -> dist.ProcessGroup | None:
     """The gloo group of the master processes on this node (issue 51), None for a process alone on its node: its
-    first member reads each backbone tensor once and sends the others their shards (`step.shard_and_read`)."""
+    first member reads each backbone tensor once and sends the others their shards (`master.shard_and_read`)."""
     if rendezvous is None:
         return None
     (host, port), member, members = rendezvous

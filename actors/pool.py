@@ -34,7 +34,7 @@ from vela_ray.runtime.pool import (
 )
 from vela_ray.runtime.local import IN_PROCESS_LINK
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec, MigrationStats
-from vela_ray.training.step import MasterModel
+from vela_ray.training.master import MasterModel
 from vela_ray.training.summary import LinkRecord
 from vela_ray.training.worker_report import hosted_bytes_per_expert
 

@@ -1,4 +1,4 @@
-"""The control plane (`vela_ray.training.step.ExpertWorkers`) over ExpertManager actors.
+"""The control plane (`vela_ray.training.expert_workers.ExpertWorkers`) over ExpertManager actors.
 
 Every call fans out with one `.remote` per worker and waits with one `ray.get`, so the
 workers step, zero and report their grad norms in parallel:
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import ray
 
-from vela_ray.training.step import ExpertWorkers
+from vela_ray.training.expert_workers import ExpertWorkers
 
 
 def actor_workers(handles: Sequence[Any], timeout_s: float | None = None, local: Sequence[Any] = ()

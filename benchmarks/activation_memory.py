@@ -47,7 +47,7 @@ from vela_ray.model.experts import ExpertShard, LoraSpec  # noqa: E402
 from vela_ray.model.families import debug_model  # noqa: E402
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks  # noqa: E402
 from vela_ray.training.schedule import OptimizerConfig  # noqa: E402
-from vela_ray.training.step import build_master  # noqa: E402
+from vela_ray.training.master import build_master  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "activation_memory.json"
 SETUPS = ("vela", "vela_checkpointed", "peft", "peft_checkpointed")

@@ -468,7 +468,8 @@ class VelaHost:
         from vela_ray.model.transport import InProcessTransport
         from vela_ray.training.expert_manager import ExpertManager
         from vela_ray.training.schedule import OptimizerConfig
-        from vela_ray.training.step import ExpertWorkers, build_master
+        from vela_ray.training.expert_workers import ExpertWorkers
+        from vela_ray.training.master import build_master
         from vela_ray.training.tiers import ExpertTiersConfig
 
         cache, self.info = cache_experts_for(args, config, dtype)

@@ -195,7 +195,9 @@ def build_vela(config, dtype, device, args, cpu_workers: bool) -> Setup:
     from vela_ray.model.transport import InProcessTransport
     from vela_ray.training.expert_manager import ExpertManager
     from vela_ray.training.schedule import OptimizerConfig
-    from vela_ray.training.step import ExpertWorkers, build_master, train_step
+    from vela_ray.training.expert_workers import ExpertWorkers
+    from vela_ray.training.master import build_master
+    from vela_ray.training.step import train_step
 
     close: Callable[[], None] = lambda: None
     if cpu_workers:

@@ -248,7 +248,8 @@ def serial_compute(args, dataset: str) -> dict:
     from vela_ray.data.datasets import batch_at, build_dataset
     from placement import sequential_table
     from vela_ray.model.experts import LoraSpec
-    from vela_ray.training.step import build_local, train_step
+    from vela_ray.training.master import build_local
+    from vela_ray.training.step import train_step
 
     config = JobConfig.from_dict(job_dict(args, dataset, "sequential", args.steps, Path(tempfile.gettempdir())))
     train_set, _ = build_dataset(config.data, AutoTokenizer.from_pretrained(config.model.path)).split(0.05, 0)

@@ -50,7 +50,8 @@ from vela_ray.model.experts import LoraSpec  # noqa: E402
 from vela_ray.model.modeling import find_moe_blocks  # noqa: E402
 from vela_ray.model.traffic import DIRECTIONS  # noqa: E402
 from vela_ray.training.schedule import OptimizerConfig  # noqa: E402
-from vela_ray.training.step import build_local, train_step  # noqa: E402
+from vela_ray.training.master import build_local  # noqa: E402
+from vela_ray.training.step import train_step  # noqa: E402
 from vela_ray.training.tiny_model import tiny_model_path  # noqa: E402
 from vela_ray.training.zo import ZoTrainer  # noqa: E402
 

@@ -280,7 +280,7 @@ def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | No
     from vela_ray.model.modeling import find_moe_blocks
     from vela_ray.model.sharded_loading import backbone_specs
     from vela_ray.model.transport import InProcessTransport
-    from vela_ray.training.step import MasterSpec, build_master_rank, build_master_replica, shard_master
+    from vela_ray.training.master import MasterSpec, build_master_rank, build_master_replica, shard_master
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))["tp"] if tp > 1 else None
     spec = MasterSpec(model_dir=Path(model_dir), dtype=torch.float32, lora=LORA, optim=OPTIM, seed=3)

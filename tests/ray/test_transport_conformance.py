@@ -29,7 +29,8 @@ from vela_ray.model import wire
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_config
 from vela_ray.training.expert_manager import ExpertManager
-from vela_ray.training.step import ExpertWorkers, export
+from vela_ray.training.adapter_io import export
+from vela_ray.training.expert_workers import ExpertWorkers
 from vela_ray.model.transport import ForwardRequest, InProcessTransport
 
 BACKENDS = ["in_process", "object_refs", "collective"]
@@ -40,7 +41,7 @@ RAY_TRANSPORTS = {"object_refs": RayObjectRefTransport, "collective": collective
 class Backend:
     name: str
     transport: object  # vela_ray.model.transport.Transport
-    workers: object  # vela_ray.training.step.ExpertWorkers
+    workers: object  # vela_ray.training.expert_workers.ExpertWorkers
     lora_grads: Callable[[], dict]
     close: Callable[[], None]
 

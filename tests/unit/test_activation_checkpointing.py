@@ -13,7 +13,7 @@ import torch
 
 from tests.equivalence import build_pair, run_both
 from vela_ray.model.modeling import enable_activation_checkpointing, find_moe_blocks
-from vela_ray.training.step import export
+from vela_ray.training.adapter_io import export
 from safetensors.torch import load_file
 
 FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]

@@ -21,7 +21,7 @@ from transformers import CONFIG_MAPPING
 from tests.equivalence import build_pair, micro_batches, reference_adapter_state, run_both
 from vela_ray.model.adapters import ADAPTER_FILE, linear_targets
 from vela_ray.model.families import debug_model
-from vela_ray.training.step import export
+from vela_ray.training.adapter_io import export
 
 ALL_MOE = {"mlp_layer_types": ["sparse"] * 3}  # Beam's debug model has 3 layers; the default's first is dense
 

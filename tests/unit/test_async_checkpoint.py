@@ -26,7 +26,8 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import OptimizerConfig
-from vela_ray.training.step import build_local, master_state, train_step
+from vela_ray.training.master import build_local, master_state
+from vela_ray.training.step import train_step
 
 STEPS = 4
 

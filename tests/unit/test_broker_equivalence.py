@@ -14,7 +14,7 @@ from tests.equivalence import build_pair, micro_batches, reference_adapter_state
 from vela_ray.model.adapters import ADAPTER_FILE, fuse_expert_factors
 from vela_ray.model.families import FAMILIES, debug_model
 from vela_ray.model.modeling import find_moe_blocks
-from vela_ray.training.step import export
+from vela_ray.training.adapter_io import export
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -139,7 +139,7 @@ def test_adapter_reimports_into_a_different_placement_with_identical_outputs():
     out = tempfile.mkdtemp()
     export(first.master, first.workers, out)
     second = build_pair("olmoe", num_workers=2)  # other worker count, other placement
-    from vela_ray.training.step import import_adapter
+    from vela_ray.training.adapter_io import import_adapter
     import_adapter(second.master, second.workers, out)
     batch = micro_batches(3)[0]
     first.master.peft_model.eval(), second.master.peft_model.eval()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from tests.equivalence import build_pair, micro_batches, reference_adapter_state, run_both
 from tests.fixtures import KNOWN_FAILURES, REFUSED
 from vela_ray.model.families import debug_model, moe_families
-from vela_ray.training.step import export
+from vela_ray.training.adapter_io import export
 
 def _params() -> list:
     return [pytest.param(family, id=family, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[family])]

@@ -19,7 +19,9 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.loading import moe_layout
 from vela_ray.model.traffic import LOCAL_NODE, link_tiers
 from vela_ray.training.schedule import OptimizerConfig
-from vela_ray.training.step import build_local, eval_loss, export, import_adapter, train_step
+from vela_ray.training.adapter_io import export, import_adapter
+from vela_ray.training.master import build_local
+from vela_ray.training.step import eval_loss, train_step
 
 LORA = LoraSpec(r=4, alpha=8)
 OPTIM = OptimizerConfig(lr=1e-2, max_grad_norm=0.5, warmup_steps=1)

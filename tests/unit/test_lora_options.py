@@ -26,7 +26,7 @@ from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.training import equivalence
 from vela_ray.training.schedule import OptimizerConfig
-from vela_ray.training.step import build_local
+from vela_ray.training.master import build_local
 
 OPTIONS = {
     "expert_stacks_down_only": LoraSpec(r=4, alpha=8, expert_stacks=("down_proj",)),

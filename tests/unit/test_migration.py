@@ -22,7 +22,8 @@ from vela_ray.runtime.local import InProcessPool
 from vela_ray.runtime.migration import MigrationPlan
 from vela_ray.runtime.runner import Backbone
 from vela_ray.training.schedule import lr_at
-from vela_ray.training.step import build_master, train_step
+from vela_ray.training.master import build_master
+from vela_ray.training.step import train_step
 from vela_ray.training.summary import LinkRecord, RunSummary
 
 STEPS, MOVE_AT = 6, 3

@@ -22,7 +22,9 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.quiet import RAY_TOKEN_AUTH_LOGGER, silence_known_warnings
 from vela_ray.training.schedule import OptimizerConfig
-from vela_ray.training.step import build_local, eval_loss, export, import_adapter, train_step
+from vela_ray.training.adapter_io import export, import_adapter
+from vela_ray.training.master import build_local
+from vela_ray.training.step import eval_loss, train_step
 
 
 def _local_run(out_dir) -> None:

@@ -25,7 +25,7 @@ from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.training import checkpoint
-from vela_ray.training.step import master_device
+from vela_ray.training.master import master_device
 from vela_ray.training.summary import RunSummary
 
 pytestmark = pytest.mark.job  # every test here runs whole jobs

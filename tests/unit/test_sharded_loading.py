@@ -1,5 +1,5 @@
 """Loading a master rank's backbone (issues 37, 51): slice reads, each tensor read once per node over a node group of
-DP x TP master processes (the runtime's rank builder, `step.build_master_rank`), and what it loads equal to what
+DP x TP master processes (the runtime's rank builder, `master.build_master_rank`), and what it loads equal to what
 `load_backbone` (+ `parallelize_backbone`) gives.
 
 Bytes are counted by `loading.BACKBONE_READS`, the counter every backbone read adds to and that

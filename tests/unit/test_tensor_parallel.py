@@ -160,7 +160,7 @@ def test_row_shares_tile_the_rows_in_rank_order(rows, size):
 
 
 def test_a_state_merged_from_shards_reshards_to_any_size():
-    """`merge_shards` / `shard_of` on `step.master_state`'s layout: a sharded parameter and its AdamW moments are
+    """`merge_shards` / `shard_of` on `master.master_state`'s layout: a sharded parameter and its AdamW moments are
     split along the parameter's dim, its scalar `step` and replicated tensors are not."""
     from vela_ray.model.tensor_parallel import TensorParallelPlan, merge_shards, shard_of
 
@@ -201,7 +201,7 @@ def test_preflight_refuses_a_model_that_cannot_split_over_master_tp(tmp_path, fa
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_rank_reading_only_its_shards_holds_what_a_whole_load_then_sharded_holds(tmp_path, size):
-    """`step.build_master_rank` (the runtime's TP ranks), each alone on its node: every tensor equals the
+    """`master.build_master_rank` (the runtime's TP ranks), each alone on its node: every tensor equals the
     whole-load-then-shard rank's, LoRA draws included, and a rank reads its shards, not the whole backbone."""
     from tests.fixtures import make_checkpoint
 

@@ -31,7 +31,8 @@ from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
 from vela_ray.training.optim import zo_noise
 from vela_ray.training.schedule import OptimizerConfig
-from vela_ray.training.step import build_local, export, import_adapter
+from vela_ray.training.adapter_io import export, import_adapter
+from vela_ray.training.master import build_local
 from vela_ray.training.zo import ZoTrainer, step_seed
 
 LORA = LoraSpec(r=4, alpha=8)

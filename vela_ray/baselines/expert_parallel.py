@@ -64,9 +64,9 @@ from vela_ray.model.transport import ForwardRequest
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.replicas import ProcessGroupReplicas, ReplicaShare
-from vela_ray.training.step import (
-    ExpertWorkers, MasterModel, MasterSpec, build_master_replica, import_adapter, seeded_backbone,
-)
+from vela_ray.training.adapter_io import import_adapter
+from vela_ray.training.expert_workers import ExpertWorkers
+from vela_ray.training.master import MasterModel, MasterSpec, build_master_replica, seeded_backbone
 
 logger = logging.getLogger(__name__)
 

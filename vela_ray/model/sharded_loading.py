@@ -1,6 +1,6 @@
 """Filling a master rank's backbone from safetensors, each tensor read once per node (issues 37, 51; thesis §3.3).
 
-What the runtime does. Every master process (`training.step.build_master_rank`; master 0 through
+What the runtime does. Every master process (`training.master.build_master_rank`; master 0 through
 `actors.masters.RayPeers`) builds the backbone's unread skeleton (`loading.backbone_skeleton`), wraps it (brokers,
 peft) and, under tensor parallelism, shards it over its TP group (`tensor_parallel.parallelize_backbone`). Then
 `read_backbone` fills it:

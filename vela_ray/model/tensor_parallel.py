@@ -696,7 +696,7 @@ def _sharded_dim(key: str, value: torch.Tensor, plan: TensorParallelPlan) -> int
 
 
 def merge_shards(states: list[dict[str, torch.Tensor]], plan: TensorParallelPlan) -> dict[str, torch.Tensor]:
-    """One state (parameters and optimizer slots by name, e.g. `step.master_state`) of the unsharded model from
+    """One state (parameters and optimizer slots by name, e.g. `master.master_state`) of the unsharded model from
     every rank's, in rank order: sharded tensors concatenated along their dim, replicated ones taken from rank 0.
     What a checkpoint holds, so it resumes at any TP size (`shard_of`)."""
     if len(states) != plan.size:

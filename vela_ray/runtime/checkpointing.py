@@ -33,7 +33,9 @@ from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.state import Live, ResumePoint, RunState
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import lr_at
-from vela_ray.training.step import ExpertWorkers, import_adapter, load_master_state, master_state
+from vela_ray.training.adapter_io import import_adapter
+from vela_ray.training.expert_workers import ExpertWorkers
+from vela_ray.training.master import load_master_state, master_state
 from vela_ray.training.summary import ResumeRecord
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from vela_ray.runtime.pool import (
     HostedExperts, PeerMasters, SoloMaster, capacity_from_memory, fill_unmeasured, manager_specs,
 )
 from vela_ray.training.expert_manager import ExpertManager, MigrationStats
-from vela_ray.training.step import ExpertWorkers, MasterModel
+from vela_ray.training.expert_workers import ExpertWorkers
+from vela_ray.training.master import MasterModel
 from vela_ray.training.summary import LinkRecord
 from vela_ray.training.worker_report import hosted_bytes_per_expert
 

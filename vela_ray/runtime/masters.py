@@ -41,9 +41,9 @@ from vela_ray.runtime.pool import PeerMasters, Wait, WorkerPool, master_spec
 from vela_ray.training.expert_manager import ExpertManager
 from vela_ray.training.replicas import Exchanger, ReplicaShare, ThreadGroup
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
-from vela_ray.training.step import (
-    STEPPED_ELSEWHERE, LossFn, MasterModel, build_master_replica, load_master_state, train_step,
-)
+from vela_ray.training.expert_workers import STEPPED_ELSEWHERE
+from vela_ray.training.master import MasterModel, build_master_replica, load_master_state
+from vela_ray.training.step import LossFn, train_step
 
 def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
     """Nodes of masters 1..M-1: the workers' nodes other than master 0's, in order; round robin over

@@ -29,7 +29,9 @@ from vela_ray.model.traffic import LinkTier, TrafficSnapshot
 from vela_ray.model.transport import Transport
 from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
 from vela_ray.training.replicas import SINGLE, Replicas
-from vela_ray.training.step import Batch, ExpertWorkers, MasterModel, MasterSpec, master_device
+from vela_ray.training.expert_workers import ExpertWorkers
+from vela_ray.training.master import MasterModel, MasterSpec, master_device
+from vela_ray.training.step import Batch
 from vela_ray.training.summary import LinkRecord
 
 
@@ -66,7 +68,7 @@ class PeerMasters(Protocol):
         ...
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Backbone LoRA and AdamW state (`step.master_state` of master 0) into every peer."""
+        """Backbone LoRA and AdamW state (`master.master_state` of master 0) into every peer."""
         ...
 
     def rebind(self, table: np.ndarray) -> None:
@@ -197,7 +199,7 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
 
 
 def master_spec(config: JobConfig) -> MasterSpec:
-    """What every master replica of this job is built from (`step.build_master_replica`)."""
+    """What every master replica of this job is built from (`master.build_master_replica`)."""
     return MasterSpec(
         model_dir=config.model.path, dtype=config.torch_dtype, lora=config.lora_spec, optim=config.training.optimizer,
         seed=config.training.seed, trust_remote_code=config.model.trust_remote_code,

@@ -5,7 +5,7 @@ one place (`runtime.state`: `RunState`, and `Live`, what it trains with):
   1. the resume point (`ResumePoint.of`), verified before anything is written;
   2. `pool.launch(table)`: the workers start loading the resumed placement's experts, or the
      sequential one's, while this process loads tokenizer, data and backbone (`Backbone`);
-  3. `pool.start(table)`, master 0 built (`step.build_master_replica`), the other masters started;
+  3. `pool.start(table)`, master 0 built (`master.build_master_replica`), the other masters started;
   4. the placement settled (`runtime.placer.Placer`: profile, links, compute, capacities, solve,
      move the experts between the live workers) and the features told (`runtime.features`);
   5. the start state (`runtime.checkpointing.CheckpointWriter.start_state`), then the steps: a
@@ -48,7 +48,9 @@ from vela_ray.runtime.tracking import RunTracking
 from vela_ray.storage import is_remote, pull_outputs, push_outputs
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import lr_at
-from vela_ray.training.step import LossFn, build_master_replica, eval_loss, export, model_loss
+from vela_ray.training.adapter_io import export
+from vela_ray.training.master import build_master_replica
+from vela_ray.training.step import LossFn, eval_loss, model_loss
 from vela_ray.training.summary import RunSummary
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from vela_ray.runtime.masters import start_peers
 from vela_ray.runtime.pool import HostedExperts, PeerMasters, SoloMaster, WorkerPool, master_spec
 from vela_ray.training import checkpoint
 from vela_ray.training.sequence_migration import SequenceMigration
-from vela_ray.training.step import ExpertWorkers, MasterModel, MasterSpec, seeded_backbone
+from vela_ray.training.expert_workers import ExpertWorkers
+from vela_ray.training.master import MasterModel, MasterSpec, seeded_backbone
 from vela_ray.runs import RunIdentity, check_same_math
 from vela_ray.storage import name_of
 from vela_ray.training.summary import (

@@ -35,7 +35,10 @@ from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.training.optim import ShardTrainer, make_adamw
 from vela_ray.training.schedule import OptimizerConfig, lr_at
-from vela_ray.training.step import ExpertWorkers, MasterModel, build_master, export, import_adapter, train_step
+from vela_ray.training.adapter_io import export, import_adapter
+from vela_ray.training.expert_workers import ExpertWorkers
+from vela_ray.training.master import MasterModel, build_master
+from vela_ray.training.step import train_step
 
 LORA = LoraSpec(r=4, alpha=8)
 OPTIM = OptimizerConfig(lr=1e-2, max_grad_norm=0.5, warmup_steps=1)
@@ -162,7 +165,7 @@ def start_adapter(pair: Pair) -> dict[str, torch.Tensor]:
 
 
 def exported_adapter(pair: Pair) -> dict[str, torch.Tensor]:
-    """vela-ray's adapter now, exported as peft's (`vela_ray.training.step.export`), by peft key."""
+    """vela-ray's adapter now, exported as peft's (`vela_ray.training.adapter_io.export`), by peft key."""
     out = tempfile.mkdtemp(prefix="vela-eq-export-")
     export(pair.master, pair.workers, out)
     return load_file(f"{out}/{ADAPTER_FILE}")

@@ -2,7 +2,7 @@
 
 A plain class with no Ray in it (Ray Train v2 style): `actors.cluster.spawn_expert_managers`
 is the one place that turns it into a Ray actor (one per GPU, or per CPU bundle in tests);
-`vela_ray.training.step.build_local` and the in-process job runtime
+`vela_ray.training.master.build_local` and the in-process job runtime
 (`vela_ray.runtime.local`) build it in this process.
 
     spec = ExpertManagerSpec(worker=0, model_dir="/ckpt", keys=[(0, 3), (1, 5)])

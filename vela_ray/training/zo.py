@@ -38,7 +38,9 @@ import torch
 from torch import nn
 
 from vela_ray.training.optim import ZoTerm, apply_zo_terms, zo_tensor_seed
-from vela_ray.training.step import Batch, ExpertWorkers, LossFn, MasterModel, model_loss
+from vela_ray.training.expert_workers import ExpertWorkers
+from vela_ray.training.master import MasterModel
+from vela_ray.training.step import Batch, LossFn, model_loss
 
 
 @dataclass(frozen=True)

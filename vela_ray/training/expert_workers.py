@@ -1,0 +1,137 @@
+"""The control plane over every expert worker (`ExpertWorkers`; the data plane is the Transport), and the
+workers as a data-parallel master other than master 0 sees them (`STEPPED_ELSEWHERE`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from vela_ray.model.experts import ExpertKey
+
+
+
+
+LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
+
+
+class ExpertWorkers:
+    """The control plane over every expert worker (the data plane is the Transport).
+
+    Each call fans out to all workers and gathers their answers, so the workers step, load
+    and report in parallel. One class for every runtime; only the fan-out differs:
+    `ExpertWorkers.in_process(objs)` calls objects in this process (ExpertManagers, or
+    ShardTrainers in tests), `actors.workers.actor_workers(handles)` calls Ray actors.
+    """
+
+    def __init__(self, call_all: Callable[..., list[Any]], num_workers: int):
+        self._call_all = call_all  # (method name, *args) -> one result per worker
+        self.num_workers = num_workers
+        # Replicated experts (several masters, each using its nearest copy): {expert: its workers}. The
+        # first worker of each counts it in norms and checkpoints; the others' copies are `not_counted`.
+        self.copies: dict[ExpertKey, list[int]] = {}
+
+    @classmethod
+    def in_process(cls, workers: Sequence[Any]) -> "ExpertWorkers":
+        workers = list(workers)
+        return cls(lambda method, *args: [getattr(w, method)(*args) for w in workers], len(workers))
+
+    def set_copies(self, copies: dict[ExpertKey, list[int]]) -> None:
+        """The replicated experts of the placement the workers now host (`migration.copies_of`)."""
+        self.copies = dict(copies)
+
+    @property
+    def not_counted(self) -> dict[int, list[ExpertKey]]:
+        out: dict[int, list[ExpertKey]] = {}
+        for key, workers in self.copies.items():
+            for worker in workers[1:]:
+                out.setdefault(worker, []).append(key)
+        return out
+
+    def grad_sq_norm(self) -> float:
+        """Sum over workers of their experts' squared gradient norms, each expert once.
+
+        Called after every master's backward: first the copies of each replicated expert get the sum
+        of all copies' gradients (the gradient of the one expert they stand for), so that they take
+        the same optimizer step and stay identical."""
+        if not self.copies:
+            return float(sum(self._call_all("grad_sq_norm")))
+        self._sum_copies()
+        return float(sum(self._call_all("grad_sq_norm", self.not_counted)))
+
+    def _sum_copies(self) -> None:
+        by_worker: dict[int, list[ExpertKey]] = {}
+        for key, workers in self.copies.items():
+            for worker in workers:
+                by_worker.setdefault(worker, []).append(key)
+        summed: LoraState = {}
+        for part in self._call_all("lora_grads", by_worker):  # in worker order: every copy sums alike
+            for key, named in part.items():
+                if key in summed:
+                    for name, grad in named.items():
+                        summed[key][name] += grad
+                else:
+                    summed[key] = named
+        self._call_all("set_lora_grads", summed)
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        self._call_all("step", lr, clip_coef)
+
+    def zo_apply(self, terms: list[tuple[int, float]]) -> None:
+        """Zeroth-order training (`vela_ray.training.zo`): every worker adds each (step seed, coefficient)
+        term's noise to its own experts' LoRA, drawing the noise itself; only the scalars travel."""
+        self._call_all("zo_apply", terms)
+
+    def lora_state(self) -> LoraState:
+        """All experts' adapters, keyed by logical (layer, expert)."""
+        state: LoraState = {}
+        for part in self._call_all("lora_state"):
+            state.update(part)
+        return state
+
+    def load_lora_state(self, state: LoraState) -> None:
+        """Each worker takes its own experts from `state`."""
+        self._call_all("load_lora_state", state)
+
+    def save_checkpoint_parts(self, staging_dir: str) -> list[str]:
+        """Every worker writes its experts' LoRA and AdamW state into the staging directory (a replicated
+        expert once, by the worker that counts it)."""
+        self.snapshot_checkpoint_parts(staging_dir)
+        return self.finish_checkpoint_parts()
+
+    def snapshot_checkpoint_parts(self, staging_dir: str) -> None:
+        """`save_checkpoint_parts` in two halves: every worker copies its state now and writes it into the
+        staging directory on a thread of its own; `finish_checkpoint_parts` waits for the files."""
+        self._call_all("snapshot_checkpoint_part", staging_dir, self.not_counted)
+
+    def finish_checkpoint_parts(self, poll_s: float | None = None) -> list[str]:
+        """Every worker's part file once written (a failed write raises). `poll_s`: ask every `poll_s`
+        seconds instead of waiting inside the workers, which would hold up their data plane meanwhile."""
+        if poll_s is None:
+            return self._call_all("finish_checkpoint_part")
+        while True:
+            parts = self._call_all("finish_checkpoint_part", 0.0)
+            if all(part is not None for part in parts):
+                return parts
+            time.sleep(poll_s)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        self._call_all("load_checkpoint", checkpoint_dir)
+
+    def reports(self) -> list:
+        """Per worker: its `worker_report.WorkerReport` (where it runs, its sizing, its counters so far)."""
+        return self._call_all("report")
+
+    def tier_stats(self) -> list:
+        """Per worker: its `tiers.TierCounters` (`expert_tiers`), None where untiered."""
+        return [report.tiers for report in self.reports()]
+
+    def set_predictor(self, state: dict[str, torch.Tensor], top_k: int) -> None:
+        """Every tiered worker forecasts next-layer demand with this `popularity.PopularityPredictor` state."""
+        self._call_all("set_predictor", state, top_k)
+
+
+STEPPED_ELSEWHERE = ExpertWorkers(lambda method, *args: [], 0)
+"""The workers as a data-parallel master other than master 0 sees them (`vela_ray.runtime.masters`):
+master 0 reads their gradient norm and steps them, so here both are no-ops (a norm of 0 in the sum)."""
