@@ -22,6 +22,7 @@ from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.runner import JobRunner
 from vela_ray.training.equivalence import peft_losses
 from vela_ray.paths import data_dir
+from vela_ray.training.step import step_seed
 from vela_ray.training.summary import RunSummary
 from vela_ray.training.tiny_model import train_tokenizer
 
@@ -102,10 +103,11 @@ def run_in_process(config: JobConfig, *, pool: WorkerPool | None = None, metrics
     return JobRunner(config, pool, metrics, should_stop=should_stop).run()
 
 
-def init_adapter(model_dir: Path, out: Path) -> Path:
-    """A random (non-zero B) adapter both sides start from."""
+def init_adapter(model_dir: Path, out: Path, lora: LoraSpec = LoraSpec(r=4, alpha=8)) -> Path:
+    """A random (non-zero B) adapter both sides start from (`lora`: e.g. `expert_stacks=()` for none on the
+    experts)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    cfg = full_lora_config(model, LoraSpec(r=4, alpha=8))
+    cfg = full_lora_config(model, lora)
     cfg.init_lora_weights = False
     torch.manual_seed(5)
     get_peft_model(model, cfg).save_pretrained(out)
@@ -113,13 +115,16 @@ def init_adapter(model_dir: Path, out: Path) -> Path:
 
 
 def reference_losses(config: JobConfig, device: str = "cpu") -> tuple[list[float], dict]:
-    """Plain transformers + peft over the very batches, learning rates and clipping of the job."""
+    """Plain transformers + peft over the very batches, learning rates, clipping, step seeds and LoRA dropout of
+    the job."""
     train = config.training
     train_set, _ = build_dataset(config.data, AutoTokenizer.from_pretrained(config.model.path)).split(
         train.eval_fraction, train.seed)
     steps = [micro_batches(batch_at(train_set, step, train.batch_size, train.seed),
                            train.micro_batch_size or train.batch_size) for step in range(train.steps)]
-    return peft_losses(config.model.path, config.lora.init_adapter, steps, train.optimizer, device)
+    return peft_losses(config.model.path, config.lora.init_adapter, steps, train.optimizer, device,
+                       step_seeds=[step_seed(train.seed, step) for step in range(train.steps)],
+                       lora_dropout=config.lora.lora_dropout)
 
 
 # The MoE families of the installed transformers that vela-ray refuses, with what the refusal says,

@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.ray.head import free_port
 from vela_ray.model.adapters import full_lora_config
 from vela_ray.model.families import debug_model
-from vela_ray.model.tensor_parallel import (TensorParallelPlan, clip_grad_norm_, decoder_layers, gather_lora_state_dict,
-                                            load_lora_state_dict, parallelize_backbone)
+from vela_ray.model.tensor_parallel import (TensorParallelPlan, agree_on_rng, clip_grad_norm_, decoder_layers,
+                                            gather_lora_state_dict, load_lora_state_dict, parallelize_backbone)
 from vela_ray.training.equivalence import LORA, OPTIM, micro_batches
 from vela_ray.training.optim import make_adamw
 from vela_ray.training.schedule import OptimizerConfig, lr_at
@@ -47,13 +47,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 FAMILIES = sorted(OVERRIDES)
 
 
-def build_peft(family: str, lora: bool = True) -> nn.Module:
-    """`family`'s seeded debug model with the random-B adapter every rank and the reference share (or none)."""
+def build_peft(family: str, lora: bool = True, dropout: float = 0.0) -> nn.Module:
+    """`family`'s seeded debug model with the random-B adapter every rank and the reference share (or none);
+    with `dropout`, peft's LoRA dropout on the backbone's adapters (peft refuses it on the experts')."""
     model = debug_model(family, seed=0, **OVERRIDES[family])
     if not lora:
         return model
     cfg = full_lora_config(model, LORA)
     cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
+    if dropout:
+        cfg.lora_dropout, cfg.target_parameters = dropout, None
     torch.manual_seed(1)
     return get_peft_model(model, cfg)
 
@@ -164,6 +167,42 @@ def tp_run(family: str, group: dist.ProcessGroup) -> dict[str, Any]:
     plan = parallelize_backbone(fresh, group)
     load_lora_state_dict(fresh, out["adapter"], plan)
     out["roundtrip"] = gather_lora_state_dict(fresh, plan)
+    return out
+
+
+DROPOUT, DROPOUT_SEED = 0.3, 7
+
+
+def dropout_step(model: nn.Module) -> dict[str, Any]:
+    """A training forward and backward of step 0's first micro-batch, from torch's RNG as the caller left it:
+    {"loss", "grads" (by parameter name), "rng" (torch's RNG state after: how much the dropouts drew)}."""
+    model.train()
+    loss = model(**micro_batches(0)[0]).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"loss": float(loss.detach()), "grads": grads, "rng": torch.get_rng_state()}
+
+
+def dropout_reference(family: str) -> dict[str, Any]:
+    """`dropout_step` of single-process peft with LoRA dropout, from seed DROPOUT_SEED."""
+    model = build_peft(family, dropout=DROPOUT)
+    torch.manual_seed(DROPOUT_SEED)
+    return dropout_step(model)
+
+
+def dropout_run(family: str, group: dist.ProcessGroup) -> dict[str, Any]:
+    """`dropout_step` sharded over `group`, each rank starting from an RNG state of its own (rank 0 from
+    DROPOUT_SEED) until `agree_on_rng` gives them all rank 0's: gathered grads and the ranks' RNG states after."""
+    model = build_peft(family, dropout=DROPOUT)
+    plan = parallelize_backbone(model, group)
+    torch.manual_seed(DROPOUT_SEED if plan.rank == 0 else DROPOUT_SEED + 1000 * plan.rank)
+    agree_on_rng(plan)
+    out = dropout_step(model)
+    out["grads"] = _gathered_grads(out["grads"], plan)
+    states = [torch.empty_like(out["rng"]) for _ in range(plan.size)]
+    dist.all_gather(states, out["rng"], group=plan.group)
+    out["rng_of_ranks"] = states
+    out["draws_dropout"] = plan.draws_dropout
     return out
 
 
@@ -310,6 +349,8 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
         for family in families:
             if job == "step":
                 results[family] = tp_run(family, group)
+            elif job == "dropout":
+                results[family] = dropout_run(family, group)
             elif job == "mesh":  # 4 ranks: 2 data-parallel masters of 2 TP ranks
                 from torch.distributed.device_mesh import init_device_mesh
 
@@ -333,7 +374,7 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
 
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
-    """Run `job` ("step": `tp_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load:DPxTP[:node]":
+    """Run `job` ("step": `tp_run`, "dropout": `dropout_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load:DPxTP[:node]":
     `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone, `families` then being
     checkpoint directories, and every rank's results) on `size` gloo ranks; rank 0's results by family."""
     families = families or FAMILIES

@@ -608,8 +608,6 @@ class JobConfig(_Section):
                                                  "other ranks cannot reach ExpertManagers in rank 0's process): use 0"),
             (self.data_plane.transport != "object_ref", f"data_plane.transport: {self.data_plane.transport} (its "
                                                         "group has one master process): use object_ref"),
-            (self.lora.lora_dropout > 0, f"lora.lora_dropout: {self.lora.lora_dropout} (each rank would draw its own "
-                                         "mask for a replicated input): use 0"),
         ]
         for unsupported, what in refused:
             if unsupported:

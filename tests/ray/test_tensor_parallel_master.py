@@ -22,6 +22,7 @@ from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_lo
 from vela_ray.api import VelaJob
 from vela_ray.config import JobConfig
 from vela_ray.errors import WorkerLostError
+from vela_ray.model.experts import LoraSpec
 from vela_ray.observability.report import summary_text
 
 STEPS, EVERY = 4, 2
@@ -117,6 +118,24 @@ def test_a_tensor_parallel_deepseek_v3_master_trains_equal_to_peft(ray_session, 
     _assert_close_to_scale(_adapter(summary), ref_state)
 
 
+def test_a_tensor_parallel_master_with_lora_dropout_trains_equal_to_peft(ray_session, tmp_path):
+    """LoRA dropout on the backbone (the experts frozen, as peft requires): master 0 seeds each step by
+    (training.seed, step), its second rank takes master 0's RNG state, and a row-parallel lora_A's rank applies its
+    columns of the whole mask, so the job draws peft's masks: the losses of peft seeded alike."""
+    model_dir = make_checkpoint(tmp_path / "model", "mixtral")
+    start = init_adapter(model_dir, tmp_path / "init", LoraSpec(r=4, alpha=8, expert_stacks=()))
+    lora = {"r": 4, "alpha": 8, "init_adapter": str(start), "expert_stacks": [], "lora_dropout": 0.3}
+    job = job_dict(model_dir, tmp_path / "out", steps=2, lora=lora, cluster={"master_tp": 2},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    config = JobConfig.from_dict(job)
+    summary = VelaJob(config).run()
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    plain_losses, _ = reference_losses(config.model_copy(update={"lora": config.lora.model_copy(
+        update={"lora_dropout": 0.0})}))
+    assert plain_losses[0] != ref_losses[0]  # dropout was on
+
+
 def test_a_checkpoint_holds_full_tensors_whatever_the_tp_degree(runs):
     saved = {tp: load_file(runs["root"] / f"tp{tp}" / "checkpoints" / f"step-{EVERY:06d}" / "backbone.safetensors")
              for tp in (1, 2)}
@@ -164,3 +183,6 @@ def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_
         with pytest.raises(ValueError, match=f"cluster.master_tp: 2 does not support {named}"):
             JobConfig.from_dict(job)
     assert JobConfig.from_dict(base).data_plane.transport == "object_ref"  # its default, as for several masters
+    dropout = json.loads(json.dumps(base))
+    dropout["lora"] = {"expert_stacks": [], "lora_dropout": 0.1}
+    assert JobConfig.from_dict(dropout).lora.lora_dropout == 0.1  # the ranks draw one mask (no longer refused)

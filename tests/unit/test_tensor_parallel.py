@@ -128,17 +128,42 @@ def test_refuses_heads_not_divisible_by_the_tp_size():
         check_tensor_parallel(model, 8)
 
 
-def test_refuses_lora_dropout():
-    from peft import get_peft_model
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_sharded_dropout_applies_its_columns_of_peft_s_mask(size):
+    """Each rank of a row-parallel lora_A draws the whole input's mask, as peft's nn.Dropout does from the same
+    RNG state, and keeps its columns: the ranks' outputs side by side are peft's output, and every rank's RNG
+    ends where peft's does (the streams stay in step for the next draw)."""
+    from vela_ray.model.tensor_parallel import ShardedDropout
 
-    from vela_ray.model.adapters import full_lora_config
+    x = torch.randn(3, 5, 16)
+    torch.manual_seed(11)
+    want = torch.nn.Dropout(0.3).train()(x)
+    after = torch.get_rng_state()
+    parts = []
+    for rank in range(size):
+        torch.manual_seed(11)
+        width = 16 // size
+        parts.append(ShardedDropout(0.3, rank * width, (rank + 1) * width, 16).train()(x[..., rank * width:][..., :width]))
+        assert torch.equal(torch.get_rng_state(), after)
+    assert torch.equal(torch.cat(parts, -1), want)
+    assert bool((want == 0).any()) and not torch.equal(want, x)  # it dropped something
 
-    model = debug_model("mixtral", **OVERRIDES["mixtral"])
-    cfg = full_lora_config(model, LORA)
-    cfg.lora_dropout = 0.1
-    cfg.target_parameters = None  # peft itself refuses dropout on the experts' ParamWrapper
-    with pytest.raises(ValueError, match="lora_dropout=0.1 is not supported under tensor parallelism"):
-        check_tensor_parallel(get_peft_model(model, cfg), 2)
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_lora_dropout_draws_peft_s_masks_on_every_rank(family, size):
+    """LoRA dropout on every backbone adapter (colwise q/k/v and gate/up: replicated inputs; rowwise o and
+    down: sharded inputs). Each rank starts from an RNG state of its own; `agree_on_rng` gives them rank 0's,
+    so they draw one mask per input: the loss and gradients are peft's from rank 0's seed, and the ranks' RNG
+    streams end in step with peft's."""
+    got, want = _run(size, "dropout")[family], tp_harness.dropout_reference(family)
+    assert got["draws_dropout"]
+    torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), rtol=RTOL, atol=0)
+    _assert_close_to_scale(got["grads"], want["grads"], "grad")
+    assert all(torch.equal(state, want["rng"]) for state in got["rng_of_ranks"])
+    torch.manual_seed(tp_harness.DROPOUT_SEED)
+    plain = tp_harness.dropout_step(tp_harness.build_peft(family))
+    assert plain["loss"] != want["loss"]  # dropout was on
 
 
 def test_config_is_strict():

@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 from typing import Protocol, Sequence
 
+import torch
+
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import sequential_batches
 from vela_ray.model.condensation import Condenser
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.state import Live
 from vela_ray.training.popularity import PopularityPredictor, routing_pairs
-from vela_ray.training.step import Batch, LossFn, train_step
+from vela_ray.training.step import Batch, LossFn, step_seed, train_step
 from vela_ray.training.summary import StepRecord
 from vela_ray.training.zo import ZoTrainer
 
@@ -38,12 +40,15 @@ class Stepper(Protocol):
 
 
 class GradientSteps:
-    """First-order steps: `train_step` with the masters' gradient sum and clipping."""
+    """First-order steps: `train_step` with the masters' gradient sum and clipping, each from torch seeded by
+    (`seed`, step) (`step_seed`; a tensor-parallel master's ranks take master 0's state in `train_step`)."""
 
-    def __init__(self, max_grad_norm: float | None):
+    def __init__(self, max_grad_norm: float | None, seed: int):
         self.max_grad_norm = max_grad_norm
+        self.seed = seed
 
     def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
+        torch.manual_seed(step_seed(self.seed, step))
         return train_step(live.master, live.workers, micro_batches, lr, self.max_grad_norm, loss_fn=loss_fn,
                           replicas=live.peers.replicas)
 
@@ -69,7 +74,7 @@ def stepper_for(config: JobConfig) -> Stepper:
     training = config.training
     if training.method == "zo":
         return ZoSteps(training.zo.eps, training.seed)
-    return GradientSteps(training.optimizer.max_grad_norm)
+    return GradientSteps(training.optimizer.max_grad_norm, training.seed)
 
 
 class RunFeature:

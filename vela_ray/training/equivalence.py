@@ -263,19 +263,29 @@ def rounding_excess(drifts: Drifts) -> list[str]:
 # -- whole jobs ---------------------------------------------------------------------------------------------
 
 def peft_losses(model_dir: str, adapter_dir: str, step_batches: Sequence[list[dict[str, torch.Tensor]]],
-                optim: OptimizerConfig, device: str | torch.device = "cpu") -> tuple[list[float], dict]:
+                optim: OptimizerConfig, device: str | torch.device = "cpu", step_seeds: Sequence[int] | None = None,
+                lora_dropout: float = 0.0) -> tuple[list[float], dict]:
     """Plain transformers + peft from `model_dir` and the start adapter `adapter_dir`, a step per entry of
     `step_batches` (its micro-batches, the loss of each divided by their number), global-norm clipping,
-    `optim`'s AdamW and schedule: the reference a whole job is held to. (losses, the adapter's state after)."""
+    `optim`'s AdamW and schedule: the reference a whole job is held to. (losses, the adapter's state after).
+    `step_seeds`: torch's seed at each step's start (the job's `step.step_seed`), so `lora_dropout` (the job's,
+    replacing the start adapter's) draws the job's masks."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, use_cache=False)  # as vela-ray's master: packed rows
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True).to(device)
+    if lora_dropout:
+        for module in model.modules():
+            if isinstance(getattr(module, "lora_dropout", None), nn.ModuleDict):
+                for name in module.lora_dropout:
+                    module.lora_dropout[name] = nn.Dropout(lora_dropout)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
     model.train()
     losses = []
     for step, batches in enumerate(step_batches):
+        if step_seeds is not None:
+            torch.manual_seed(step_seeds[step])
         total = 0.0
         for micro in batches:
             loss = model(**{k: v.to(device) for k, v in micro.items()}).loss / len(batches)

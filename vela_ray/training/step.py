@@ -37,6 +37,13 @@ def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(**batch).loss
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed of training step `step` of a run seeded `seed` (`training.seed`): a step's random draws
+    (LoRA dropout's masks) depend on (seed, step) alone, so a resumed run and peft's reference
+    (`equivalence.peft_losses`) draw the same. `hash` of a tuple of ints does not depend on PYTHONHASHSEED."""
+    return hash((seed, step)) % (2**31)
+
+
 def train_step(
     master: MasterModel, workers: ExpertWorkers, micro_batches: Sequence[Batch], lr: float,
     max_grad_norm: float | None, *, loss_fn: LossFn = model_loss, replicas: Replicas = SINGLE,
@@ -50,6 +57,8 @@ def train_step(
     """
     model = master.peft_model
     model.train()
+    if master.tp is not None and master.tp.draws_dropout:
+        tensor_parallel.agree_on_rng(master.tp)  # the group's ranks draw the dropout masks one master would
     total_loss = 0.0
     for batch in micro_batches:
         loss = loss_fn(model, batch) / len(micro_batches)
