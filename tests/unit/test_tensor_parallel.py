@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests import tp_harness
-from tests.tp_harness import FAMILIES, LORA, OVERRIDES
+from tests.tp_harness import FAMILIES, OVERRIDES
 from vela_ray.model.families import debug_model
 from vela_ray.model.tensor_parallel import TensorParallelConfig, check_tensor_parallel
 

@@ -40,8 +40,8 @@ def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 def step_seed(seed: int, step: int) -> int:
     """The torch seed of training step `step` of a run seeded `seed` (`training.seed`): a step's random draws
     (LoRA dropout's masks) depend on (seed, step) alone, so a resumed run and peft's reference
-    (`equivalence.peft_losses`) draw the same. `hash` of a tuple of ints does not depend on PYTHONHASHSEED."""
-    return hash((seed, step)) % (2**31)
+    (`equivalence.peft_losses`) draw the same, whatever the process or Python version."""
+    return (seed * 1_000_003 + step) % 2**31
 
 
 def train_step(
