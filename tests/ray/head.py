@@ -33,7 +33,7 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> 
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError(f"nothing listens on port {port} after {timeout_s} s")
 
 

@@ -150,7 +150,7 @@ def test_a_sigkilled_driver_leaves_no_process_of_the_ray_it_started(model_dir, t
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while checkpoint.latest(tmp_path / "out" / "checkpoints") is None:  # training: every Ray process is up
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
-        time.sleep(0.5)
+        time.sleep(0.1)
     reaper = [p for p in psutil.Process(proc.pid).children() if "sys.stdin.buffer.read()" in " ".join(p.cmdline())]
     ray_processes = [p for p in psutil.Process(proc.pid).children(recursive=True) if p not in reaper]
     assert len(reaper) == 1 and {"gcs_server", "raylet"} <= {p.name() for p in ray_processes}

@@ -84,7 +84,7 @@ def _scrape_until(port: int, ready, timeout_s: float = 60) -> list:
             samples = []
         if ready(samples):
             return samples
-        time.sleep(1)
+        time.sleep(0.2)
     names = sorted({n for n, _, _ in samples if "vela" in n})
     raise TimeoutError(f"vela metrics incomplete after {timeout_s} s; vela series seen: {names}")
 
