@@ -274,13 +274,14 @@ class PlanRows:
             key = self.dispatcher.new_key(call.layer) if call.track_grad else None
             call = replace(call, plan=plan, sent=plan, key=key)
         device = call.hidden_TD.device
-        weights_R = call.top_k_weights_TK[call.plan.token_idx_R.to(device), call.plan.k_pos_R.to(device)]
-        return replace(call, weights_R=weights_R)
+        token_idx_R = call.plan.token_idx_R.to(device)
+        weights_R = call.top_k_weights_TK[token_idx_R, call.plan.k_pos_R.to(device)]
+        return replace(call, weights_R=weights_R, token_idx_R=token_idx_R)
 
     def combine(self, call: BrokerCall, out_RD: torch.Tensor) -> torch.Tensor:
         hidden_TD = call.hidden_TD
         weighted_RD = (out_RD * call.weights_R[:, None]).to(hidden_TD.dtype)
-        return torch.zeros_like(hidden_TD).index_add(0, call.plan.token_idx_R.to(hidden_TD.device), weighted_RD)
+        return torch.zeros_like(hidden_TD).index_add(0, call.token_idx_R, weighted_RD)
 
 
 class SendRows:

@@ -83,6 +83,7 @@ class BrokerCall:
     key: tuple[int, int] | None = None  # the forward the workers save for its backward
     selection: object | None = None  # `condensation.Selection`, or None
     weights_R: torch.Tensor | None = None  # [R] the plan rows' routing weights, in the graph
+    token_idx_R: torch.Tensor | None = None  # [R] the plan rows' tokens on hidden_TD's device (copied there once)
     replayed_RD: torch.Tensor | None = None  # a recompute's copy of the first forward's outputs of `sent`
     expert_out_RD: torch.Tensor | None = None  # the outputs of `sent`'s rows, once sent
 
