@@ -164,7 +164,7 @@ def test_a_killed_tensor_parallel_rank_stops_the_run_naming_it_and_the_checkpoin
     out = tmp_path / "out"
     job["output"]["dir"], job["training"]["steps"] = str(out), 40
     killer, killed = kill_when(out, (out / "checkpoints" / "step-000002").is_dir, delay_s=0.2, victim="master_pids")
-    with pytest.raises(WorkerLostError, match=r"^another master process \(MasterReplica: a data-parallel master or a "
+    with pytest.raises(WorkerLostError, match=r"^another master process \(a MasterRank: a data-parallel master or a "
                                               r"tensor-parallel rank\) died during step \d+; .*--resume"):
         VelaJob(JobConfig.from_dict(job)).run()
     killer.join(timeout=10)

@@ -43,7 +43,7 @@ def _counters(live: Live) -> tuple[list[int], list[float]]:
 def segment_totals(live: Live, state: RunState) -> EarlierSegments:
     """What this segment of the run counted so far: every master's expert traffic since it started (all
     passes), by link tier and by worker, and the seconds since training began."""
-    traffics = [live.master.dispatcher.traffic(), *live.peers.traffic()]
+    traffics = [live.master.dispatcher.traffic(), *live.masters.traffic()]
     return EarlierSegments(
         bytes_by_tier=added([t.bytes_by_tier() for t in traffics]),
         bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
@@ -93,7 +93,7 @@ class StepAccounting:
     def begin_step(live: Live) -> StepMark:
         dispatcher = live.master.dispatcher
         return StepMark(dispatcher.traffic(), sum(dispatcher.round_trip_s.values()),
-                        live.peers.replicas.grad_bytes)
+                        live.masters.replicas.grad_bytes)
 
     def end_step(self, live: Live, mark: StepMark, step: int, loss: float, step_time_s: float, tokens: int,
                  peer_steps: list[dict], drift: DriftTracker | None) -> StepRecord:
@@ -109,7 +109,7 @@ class StepAccounting:
                             expert_round_trip_s=sum(dispatcher.round_trip_s.values()) - mark.waited_s,
                             bytes_by_tier=added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_steps]]),
                             bytes_by_worker=sum(traffic[1:], own).bytes_by_worker(),
-                            allreduce_bytes=live.peers.replicas.grad_bytes - mark.allreduce_bytes,
+                            allreduce_bytes=live.masters.replicas.grad_bytes - mark.allreduce_bytes,
                             sequence_moves=self._sequence_moves(live, peer_steps),
                             routing_drift=None if drift_L is None else [round(float(d), 5) for d in drift_L])
         self.metrics.record_step(step, loss, step_time_s, tokens=tokens, traffic_delta=traffic,
@@ -134,7 +134,7 @@ class StepAccounting:
             "placement/version": self.state.version, "eval/loss": record.eval_loss,
         }
         values.update({f"bytes/{tier}": count for tier, count in record.bytes_by_tier.items()})
-        if live.peers.num_masters > 1:
+        if live.masters.num_masters > 1:
             values["bytes/allreduce"] = record.allreduce_bytes
         return values
 
@@ -164,8 +164,8 @@ class StepAccounting:
             tokens_routed=[] if routed is None else routed.astype(int).tolist(),
             worker_tiers=list(dispatcher.traffic().worker_tiers), worker_nodes=live.hosted.node_ids,
             master_node=master_node,
-            master_nodes=live.peers.nodes, master_tp=config.cluster.master_tp,
-            allreduce_bytes_per_step=history[-1].allreduce_bytes if live.peers.num_masters > 1 and history else None,
+            master_nodes=live.masters.nodes, master_tp=config.cluster.master_tp,
+            allreduce_bytes_per_step=history[-1].allreduce_bytes if live.masters.num_masters > 1 and history else None,
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),
             links=state.links, timings_s=timings,

@@ -3,8 +3,8 @@
 A step is a first-order `train_step` or, with `training.method: zo`, a ZO-SGD step (`Stepper`:
 `GradientSteps`, `ZoSteps`). Optional features are `RunFeature`s in one list (`run_features`): the
 runner calls every feature's hook at its point of the run, so a feature is added here, never as a
-flag check in the loop. The others plug in where they belong: several masters through
-`PeerMasters` (`SoloMaster` for one), re-placement and replicas in the `Placer`'s policy,
+flag check in the loop. The others plug in where they belong: several masters and tensor-parallel
+ranks through the `MasterGroup` (`runtime.masters`), re-placement and replicas in the `Placer`'s policy,
 recovery in `Recovery`.
 """
 
@@ -50,7 +50,7 @@ class GradientSteps:
     def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
         torch.manual_seed(step_seed(self.seed, step))
         return train_step(live.master, live.workers, micro_batches, lr, self.max_grad_norm, loss_fn=loss_fn,
-                          replicas=live.peers.replicas)
+                          replicas=live.masters.replicas)
 
     def settle(self, live: Live) -> None:
         pass

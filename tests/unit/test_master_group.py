@@ -1,0 +1,72 @@
+"""The masters as one group in one process (`runtime.masters.MasterGroup` over `runtime.local.ThreadRanks`): a
+tensor-parallel master, and data-parallel masters of tensor-parallel ranks, each rank a thread with gloo groups of
+its own, train equal to single-process transformers + peft, with the bytes one master sends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
+from vela_ray.config import JobConfig
+from vela_ray.runtime.masters import MasterMesh
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    model = make_checkpoint(tmp_path_factory.mktemp("model") / "mixtral", "mixtral")
+    init_adapter(model, model.parent / "adapter")
+    return model
+
+
+def _config(model_dir: Path, out: Path, masters: int = 1, tp: int = 1, **sections) -> JobConfig:
+    sections.setdefault("lora", {"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")})
+    training = {"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}, "batch_size": 4,
+                "micro_batch_size": 2, "eval_every": 2}
+    return JobConfig.from_dict(job_dict(model_dir, out, steps=STEPS, training=training, masters={"count": masters},
+                                        cluster={"master_tp": tp}, data_plane={"transport": "object_ref"},
+                                        **sections))
+
+
+def _adapter(summary) -> dict[str, torch.Tensor]:
+    return load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
+
+
+def test_the_mesh_numbers_master_zero_first_then_each_masters_ranks():
+    mesh = MasterMesh(dp=2, tp=3)
+    assert mesh.ranks()[:4] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert [mesh.flat(m, t) for m, t in mesh.ranks()] == list(range(6))
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("masters,tp", [(1, 2), (2, 2)])
+def test_tensor_parallel_ranks_in_one_process_train_equal_to_peft(model_dir, tmp_path, masters, tp):
+    one = run_in_process(_config(model_dir, tmp_path / "one"))
+    config = _config(model_dir, tmp_path / "tp", masters, tp)
+    split = run_in_process(config)
+    ref_losses, ref_state = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(split.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    evals = [[h.eval_loss for h in s.history if h.eval_loss is not None] for s in (one, split)]
+    torch.testing.assert_close(torch.tensor(evals[1]), torch.tensor(evals[0]), rtol=1e-5, atol=0)
+    exported = _adapter(split)
+    assert exported.keys() == ref_state.keys()
+    for key, value in _adapter(one).items():  # AdamW's first steps amplify a different summation order
+        assert float((exported[key] - value).abs().max()) <= 2e-3 * float(value.abs().max()), key
+    # each routed row went once, from one rank: the workers saw what one master sends them
+    assert split.traffic_bytes_by_worker == one.traffic_bytes_by_worker
+    assert split.tokens_routed == one.tokens_routed
+    assert split.master_tp == tp
+
+
+def test_a_setting_threads_cannot_host_is_refused_with_its_fix(model_dir, tmp_path):
+    config = JobConfig.from_dict(job_dict(model_dir, tmp_path / "fsdp", steps=1,
+                                          masters={"count": 2, "shard_frozen_backbone": True},
+                                          data_plane={"transport": "object_ref"},
+                                          training={"batch_size": 2}))
+    with pytest.raises(ValueError, match="masters.shard_frozen_backbone.*VelaJob"):
+        run_in_process(config)
