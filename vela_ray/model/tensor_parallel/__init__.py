@@ -21,9 +21,15 @@ rank 0, `shard_of` on load), so a run resumes at any TP size. With several data-
 (FSDP2, `masters.shard_frozen_backbone`) also shards every decoder layer's frozen weights over "dp", LoRA left
 whole.
 
+A TP group is a 1-D DeviceMesh or a process group, registered with torch.distributed (`join_mesh`'s) or not
+(one made directly, as `collective.make_group` makes them, so that a group's ranks may be threads of one
+process): everything runs on the group's own `rank()`/`size()` and plain all-reduces and all-gathers, but the
+vocab-parallel embedding and LM head, DTensors on a DeviceMesh, which stay replicated over an unregistered group.
+
 The package, one concern a module (each module's docstring says why it is as it is)
 -----------------------------------------------------------------------------------
   plan       what a split is: its options (`TensorParallelConfig`) and what it did (`TensorParallelPlan`)
+  group      the TP group, registered with torch.distributed or not: where its collectives run
   backbone   sharding the backbone (`parallelize_backbone`), what is refused (`check_tensor_parallel`), MLA
   regions    the TP regions' operators (Megatron's `f` and `g`): why LoRA adds no collective
   dropout    LoRA dropout drawing peft's masks on every rank (`ShardedDropout`, `agree_on_rng`)

@@ -28,10 +28,10 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from vela_ray.model.tensor_parallel.dropout import shard_dropout
+from vela_ray.model.tensor_parallel.group import group_of, is_registered
 from vela_ray.model.tensor_parallel.plan import Style, TensorParallelConfig, TensorParallelPlan
 from vela_ray.model.tensor_parallel.regions import Region
 from vela_ray.model.tensor_parallel.vocab import shard_vocab
@@ -201,17 +201,6 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
             _check_lora(module, path)
 
 
-def _group_of(mesh_or_group: Any) -> tuple[dist.ProcessGroup, Any]:
-    """(process group, device mesh or None) from a 1-D DeviceMesh or a ProcessGroup."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(mesh_or_group, DeviceMesh):
-        if mesh_or_group.ndim != 1:
-            raise ValueError(f"tensor parallelism takes a 1-D device mesh, got {mesh_or_group.ndim}-D")
-        return mesh_or_group.get_group(), mesh_or_group
-    return mesh_or_group, None
-
-
 def parallelize_backbone(model: nn.Module, mesh_or_group: Any,
                          config: TensorParallelConfig | None = None) -> TensorParallelPlan:
     """Shard `model` (a transformers causal LM, plain or peft-wrapped, every rank holding the same full weights)
@@ -223,8 +212,8 @@ def parallelize_backbone(model: nn.Module, mesh_or_group: Any,
     config = config or TensorParallelConfig()
     if getattr(model, "_vela_tp_plan", None) is not None:
         raise ValueError(f"{type(model).__name__} is already tensor-parallel")
-    group, mesh = _group_of(mesh_or_group)
-    plan = TensorParallelPlan(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+    group, mesh = group_of(mesh_or_group)
+    plan = TensorParallelPlan(group=group, rank=group.rank(), size=group.size())  # registered with torch or not
     check_tensor_parallel(model, plan.size)
     regions: list[tuple[str, nn.Module]] = []
     for path, module in list(model.named_modules()):
@@ -249,7 +238,11 @@ def parallelize_backbone(model: nn.Module, mesh_or_group: Any,
         module.forward = region  # type: ignore[method-assign]
         plan.regions.append(path)
         plan.replicated[path] = list(region.replicated)
-    if plan.size > 1 and config.shard_vocab:
+    if plan.size > 1 and config.shard_vocab and mesh is None and not is_registered(group):
+        logger.info("embedding and LM head replicated over the %d TP ranks: their group is not registered with "
+                    "torch.distributed (made directly, as collective.make_group makes one), and torch's "
+                    "vocab-parallel plans need a DeviceMesh of a registered group", plan.size)
+    elif plan.size > 1 and config.shard_vocab:
         shard_vocab(model, mesh, group, plan)
     model._vela_tp_plan = plan  # type: ignore[assignment]
     logger.info("tensor parallel over %d ranks: %d regions, %d sharded linears, vocab-parallel %s",

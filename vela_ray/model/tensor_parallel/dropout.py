@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vela_ray.model.tensor_parallel.group import collective_device
 from vela_ray.model.tensor_parallel.plan import Style, TensorParallelPlan
 
 
@@ -55,13 +56,17 @@ def shard_dropout(module: nn.Module, adapter: str, style: Style, plan: TensorPar
 
 def agree_on_rng(plan: TensorParallelPlan) -> None:
     """Every rank of the group takes its first rank's torch RNG state (the host's, and this GPU's when the group
-    runs on GPUs): one broadcast over the host, before a training step, so the ranks draw the same dropout masks
-    (the first rank's state is the one a single master has: seeded per step, saved in checkpoints)."""
+    runs on GPUs): one all-gather, before a training step, so the ranks draw the same dropout masks (the first
+    rank's state is the one a single master has: seeded per step, saved in checkpoints). An all-gather, not a
+    broadcast from the first rank: torch's broadcast names its source by global rank, which only a group
+    registered with torch.distributed has; the all-gather runs on any (`group`)."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # alike on every rank: all on GPUs or none
     states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
     lengths = [len(s) for s in states]
-    flat = torch.cat(states)
-    dist.broadcast(flat, src=dist.get_global_rank(plan.group, 0), group=plan.group)
-    torch.set_rng_state(flat[: lengths[0]].clone())
+    flat = torch.cat(states).to(collective_device(plan.group))
+    parts = [torch.empty_like(flat) for _ in range(plan.size)]
+    dist.all_gather(parts, flat, group=plan.group)
+    first = parts[0].cpu()
+    torch.set_rng_state(first[: lengths[0]].clone())
     if cuda:
-        torch.cuda.set_rng_state(flat[lengths[0]:].clone())
+        torch.cuda.set_rng_state(first[lengths[0]:].clone())

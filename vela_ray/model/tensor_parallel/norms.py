@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vela_ray.model.tensor_parallel.group import collective_device
 from vela_ray.model.tensor_parallel.plan import TensorParallelPlan
 
 
@@ -30,15 +31,9 @@ def grad_sq_norm(model: nn.Module, plan: TensorParallelPlan) -> float:
 def all_sum(value: float, plan: TensorParallelPlan) -> float:
     """`value` summed over the TP group (every rank gets the sum): e.g. the experts' squared gradient norm, which
     only the group's first rank reads from the workers, the others adding 0."""
-    buf = torch.tensor([value], dtype=torch.float64, device=_device_of(plan))
+    buf = torch.tensor([value], dtype=torch.float64, device=collective_device(plan.group))
     dist.all_reduce(buf, group=plan.group)
     return float(buf.item())
-
-
-def _device_of(plan: TensorParallelPlan) -> torch.device:
-    """Where the group's collectives run: NCCL's on this rank's GPU, gloo's on the host."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(plan.group) == "nccl" \
-        else torch.device("cpu")
 
 
 def clip_grad_norm_(model: nn.Module, plan: TensorParallelPlan, max_norm: float | None) -> torch.Tensor:

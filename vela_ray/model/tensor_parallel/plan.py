@@ -19,8 +19,9 @@ class TensorParallelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    shard_vocab: bool = Field(True, description="vocab-parallel embedding and LM head (torch's plans); "
-                                                "False keeps both replicated")
+    shard_vocab: bool = Field(True, description="vocab-parallel embedding and LM head (torch's plans, over a "
+                                                "group registered with torch.distributed: replicated over "
+                                                "another); False keeps both replicated")
 
 
 @dataclass

@@ -3,7 +3,9 @@
 LoRA does not adapt them, so nothing forces explicit regions here (`regions`): the embedding is vocab-parallel
 `RowwiseParallel` and the LM head `ColwiseParallel` gathering the logits, both exact (a sum with zeros and a
 concatenation), so transformers' loss sees the full logits. Tied, or with a vocabulary the TP size does not
-divide, both stay replicated (`vocab_shardable`; exact too, only their memory is not split).
+divide, both stay replicated (`vocab_shardable`; exact too, only their memory is not split); so they do over a
+group torch.distributed does not know (`group`): torch's plans are DTensor's, on a DeviceMesh, which needs a
+registered group (`parallelize_backbone` decides, and logs why).
 """
 
 from __future__ import annotations
