@@ -4,9 +4,17 @@ Every rank of a group starts a step from its first rank's RNG state (`agree_on_r
 column-parallel lora_A's) gets the same mask on every rank, drawn as peft draws it; a row-parallel lora_A's
 sharded input gets its slice of the full mask (`ShardedDropout` draws the whole input's mask, as peft does, and
 keeps its columns), so the ranks' RNG streams stay in step with peft's.
+
+On the host that needs each rank in a process of its own: ranks that are threads of one process (over a group
+made with `collective.make_group`) share its one host generator, so each thread's draw advances the stream the
+others draw from, and their masks differ from each other's and from peft's. `agree_on_rng` refuses them, in one
+line. On GPUs the masks come from each rank's own device's generator: no refusal there.
 """
 
 from __future__ import annotations
+
+import os
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -14,6 +22,10 @@ from torch import nn
 
 from vela_ray.model.tensor_parallel.group import collective_device
 from vela_ray.model.tensor_parallel.plan import Style, TensorParallelPlan
+
+# with the pid, tells this process from any other: another host's process may have the same pid (a forked one,
+# which inherits this token, has another)
+_PROCESS_TOKEN = uuid.uuid4().int >> 65
 
 
 class ShardedDropout(nn.Module):
@@ -59,14 +71,21 @@ def agree_on_rng(plan: TensorParallelPlan) -> None:
     runs on GPUs): one all-gather, before a training step, so the ranks draw the same dropout masks (the first
     rank's state is the one a single master has: seeded per step, saved in checkpoints). An all-gather, not a
     broadcast from the first rank: torch's broadcast names its source by global rank, which only a group
-    registered with torch.distributed has; the all-gather runs on any (`group`)."""
+    registered with torch.distributed has; the all-gather runs on any (`group`). RuntimeError for ranks on the host
+    that are threads of one process (see the module docstring)."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # alike on every rank: all on GPUs or none
     states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
-    lengths = [len(s) for s in states]
-    flat = torch.cat(states).to(collective_device(plan.group))
+    process = torch.tensor([_PROCESS_TOKEN, os.getpid()], dtype=torch.int64).view(torch.uint8)
+    flat = torch.cat([*states, process]).to(collective_device(plan.group))
     parts = [torch.empty_like(flat) for _ in range(plan.size)]
     dist.all_gather(parts, flat, group=plan.group)
+    processes = set() if cuda else {tuple(part[-len(process):].tolist()) for part in parts}  # on the host
+    if not cuda and len(processes) < plan.size:
+        raise RuntimeError(f"LoRA dropout under tensor parallelism: {plan.size} ranks on the host in "
+                           f"{len(processes)} process(es); threads of one process share its host RNG, so they "
+                           "cannot draw one mask each: run the ranks as processes, or set lora_dropout: 0")
     first = parts[0].cpu()
-    torch.set_rng_state(first[: lengths[0]].clone())
+    host = len(states[0])
+    torch.set_rng_state(first[:host].clone())
     if cuda:
-        torch.cuda.set_rng_state(first[lengths[0]:].clone())
+        torch.cuda.set_rng_state(first[host:len(first) - len(process)].clone())
