@@ -595,8 +595,6 @@ class JobConfig(_Section):
             return self
         refused = [
             (self.mode != "vela", f"mode: {self.mode} (the master's ranks split its backbone): use mode: vela"),
-            (self.masters.sequence_migration, "masters.sequence_migration (a sequence would move between "
-                                              "groups of ranks mid-forward): turn it off"),
             (self.training.method != "first_order", f"training.method: {self.training.method} (one master draws "
                                                     "the backbone's perturbation): use first_order"),
             (self.training.condensation.enabled, "training.condensation.enabled (it groups a layer's rows, which "

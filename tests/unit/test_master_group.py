@@ -70,3 +70,30 @@ def test_a_setting_threads_cannot_host_is_refused_with_its_fix(model_dir, tmp_pa
                                           training={"batch_size": 2}))
     with pytest.raises(ValueError, match="masters.shard_frozen_backbone.*VelaJob"):
         run_in_process(config)
+
+
+@pytest.mark.job
+def test_tensor_parallel_masters_migrate_sequences_as_one_master_per_group_does(model_dir, tmp_path):
+    """Sequence migration over 3 masters of 2 TP ranks: each master's ranks decide together on their shares'
+    routing (the same moves as TP 1), every rank moves its own copy of the hidden states (T times the bytes), and
+    the losses equal peft's. The combine happens at home: the ranks gather a layer's outputs among themselves."""
+    nodes = ["node-a", "node-b", "node-c"]
+
+    def run(tp: int, out: Path):
+        config = JobConfig.from_dict(job_dict(
+            model_dir, out, steps=3, training={"optimizer": {"lr": 5e-3, "warmup_steps": 1}, "batch_size": 6,
+                                               "micro_batch_size": 6},
+            lora={"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")},
+            masters={"count": 3, "sequence_migration": True}, cluster={"master_tp": tp},
+            data_plane={"transport": "object_ref"}))
+        return config, run_in_process(config, master_node=nodes[0], worker_nodes=nodes)
+
+    config, split = run(2, tmp_path / "tp2")
+    _, whole = run(1, tmp_path / "tp1")
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(split.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    moves, one = split.sequence_moves, whole.sequence_moves
+    assert moves["moves"] == one["moves"] > 0 and moves["micro_batches"] == one["micro_batches"]
+    # TP 1 combines on the new master (it relays rows besides moving hidden states); TP 2 at home
+    assert moves["sent_bytes"] == 2 * (one["sent_bytes"] - one["relay_bytes"]) and moves["relayed_rows"] == 0
+    assert split.traffic_bytes_by_worker == whole.traffic_bytes_by_worker

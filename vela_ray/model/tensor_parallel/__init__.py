@@ -12,7 +12,7 @@ its output dim; on a row-parallel W, `lora_A` is sharded on its input dim and `l
 is sharded (their parameters become the local shards, their forward is peft's): the adapter stays peft's, and
 `gather_lora_state_dict` gives back peft's full adapter whatever the TP size.
 
-In the runtime (`cluster.master_tp`, `actors.masters.RayPeers`)
+In the runtime (`cluster.master_tp`, `runtime.masters.MasterGroup`)
 -------------------------------------------------------------
 A master's ranks join one mesh (`join_mesh`: dims "dp" x "tp", the process's default group). The routed experts
 are the ExpertManagers', reached through brokers: on a TP rank each broker sends only its share of the layer's

@@ -1,4 +1,4 @@
-"""A master process joining its mesh of masters (`cluster.master_tp`, `actors.masters.RayPeers`).
+"""A master process joining its mesh of masters (`cluster.master_tp`, `runtime.masters.MasterGroup`).
 
 A master's ranks join one mesh (dims "dp" x "tp") whose group is the process's default group: torch's DTensor
 plans (`vocab`) and FSDP2 (`frozen`) take a DeviceMesh, hence a group torch.distributed knows.

@@ -87,7 +87,8 @@ class TensorParallelShare:
             return call
         group, rank, size = self.plan.group, self.plan.rank, self.plan.size
         lo, hi = row_bounds(call.whole_tokens, rank, size)
-        return replace(call, hidden_TD=_ShareRows.apply(group, rank, size, call.hidden_TD),
+        token_T = torch.arange(lo, hi) if call.token_T is None else call.token_T[lo:hi]  # the model's tokens
+        return replace(call, hidden_TD=_ShareRows.apply(group, rank, size, call.hidden_TD), token_T=token_T,
                        top_k_index_TK=call.top_k_index_TK[lo:hi],
                        top_k_weights_TK=_ShareRows.apply(group, rank, size, call.top_k_weights_TK))
 
