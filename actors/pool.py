@@ -22,7 +22,7 @@ import ray
 from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
 from actors.masters import RayRanks
 from actors.placement_service import spawn_placement_service
-from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
+from actors.transports import data_plane_env, master_transport
 from actors.workers import actor_workers
 from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
@@ -96,10 +96,9 @@ class RayWorkerPool:
         """The actors' data plane; None without actors (every worker in this process: nothing to form)."""
         if not self.cluster.handles:
             return None
-        tiers = self.cluster.worker_tiers(self.master_node)
-        if self.config.data_plane.transport == "collective":  # rows over NCCL where master and workers have GPUs
-            return collective_transport(self.cluster.handles, tiers, device=self.local_device)
-        return RayObjectRefTransport(self.cluster.handles, tiers, zero_copy=self.config.data_plane.zero_copy_tensors)
+        # master 0's: the one path every master process takes (the others' in `actors.masters.MasterReplica`)
+        return master_transport(self.config, self.cluster.handles, self.cluster.worker_tiers(self.master_node),
+                                master=0, device=self.local_device)
 
     def rank_hosts(self, mesh: MasterMesh, nodes: list[str]) -> RayRanks:
         """MasterRank actors for the ranks other than master 0, with rows to the ExpertManager actors."""

@@ -181,9 +181,11 @@ class DataPlaneSection(_Section):
         "collective", description="how rows travel. collective: torch.distributed point-to-point to each "
                                   "ExpertManager's serving loop, NCCL between GPUs and gloo through host memory "
                                   "otherwise, no Ray task per layer (the faster: benchmarks/data_plane.py). "
-                                  "object_ref: Ray tasks and objects, for several masters and for clusters whose "
-                                  "nodes reach each other only on Ray's ports. Default: collective with one "
-                                  "master, object_ref with several (masters.count)")
+                                  "object_ref: Ray tasks and objects, for clusters whose nodes reach each other "
+                                  "only on Ray's ports, and the one that answers rows to another master (sequence "
+                                  "migration's new-master combine). Several master processes each form collective "
+                                  "planes of their own with the workers. Default: collective with one master "
+                                  "process, object_ref with several (masters.count, cluster.master_tp)")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
@@ -581,10 +583,6 @@ class JobConfig(_Section):
         if self.cluster.workers_on_master and count > 1:
             raise ValueError(f"cluster.workers_on_master needs masters.count: 1 (it is {count}): the other "
                              "masters could not reach ExpertManagers in master 0's process")
-        if count > 1 and self.data_plane.transport != "object_ref":
-            raise ValueError(f"masters.count is {count} but data_plane.transport is "
-                             f"{self.data_plane.transport!r}, whose group has one master: use "
-                             "data_plane.transport: object_ref")
         return self
 
     @model_validator(mode="after")

@@ -270,10 +270,9 @@ def test_rows_travel_the_collective_plane_by_default_and_over_object_refs_with_s
 
     assert JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out")).data_plane.transport == "collective"
     assert transport() == "collective"
-    assert transport(masters=2) == "object_ref"  # the collective group has one master
+    assert transport(masters=2) == "object_ref"  # the default with several masters
     assert transport(transport="object_ref") == "object_ref"
-    with pytest.raises(ValueError, match=r"masters.count is 2 but data_plane.transport is 'collective'"):
-        transport(masters=2, transport="collective")
+    assert transport(masters=2, transport="collective") == "collective"  # each master forms planes of its own
 
 
 # Each key issue 32 moved out of `cluster`, an old value for it, and where it now lives.
@@ -337,8 +336,9 @@ def test_old_keys_keep_the_defaults_and_checks_of_their_new_places(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="vela_ray.config"):
         config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2}))
     assert (config.masters.count, config.data_plane.transport) == (2, "object_ref")
-    with pytest.raises(ValueError, match=r"masters.count is 2 but data_plane.transport is 'collective'"):
-        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2, "transport": "collective"}))
+    config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2,
+                                                                               "transport": "collective"}))
+    assert (config.masters.count, config.data_plane.transport) == (2, "collective")
     with pytest.raises(ValueError, match=r"cluster.workers_on_master needs masters.count: 1 \(it is 2\)"):
         JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2, "workers_on_master": 1}))
     with pytest.raises(ValueError, match=r"masters.sequence_migration moves sequences between masters: set "

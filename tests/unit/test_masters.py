@@ -87,8 +87,6 @@ def test_thread_group_sums_agree_bitwise_on_every_thread():
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"masters": {"count": 2}, "data_plane": {"transport": "collective"}},
-     r"masters.count is 2 but data_plane.transport is 'collective'.*use data_plane.transport: object_ref"),
     ({"masters": {"count": 3}, "training": {"steps": 1, "batch_size": 4, "micro_batch_size": 2}},
      r"a micro-batch of 2 rows cannot feed masters.count = 3 masters"),
     ({"masters": {"count": 2}, "training": {"steps": 1, "condensation": {"enabled": True}}},
