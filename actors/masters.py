@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.transports import RayObjectRefTransport, data_plane_env
+from actors.transports import data_plane_env, master_transport
 from vela_ray.config import JobConfig
 from vela_ray.model.collective import make_group, make_store
 from vela_ray.model.tensor_parallel import join_mesh
 from vela_ray.model.traffic import link_tiers
+from vela_ray.model.transport import Transport
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.runtime.masters import MasterMesh, MasterRank, Pending, RankGroups
 from vela_ray.training.replicas import SINGLE, ProcessGroupReplicas, Replicas
@@ -55,15 +56,16 @@ class MasterRankActor(MasterRank):
 
 @dataclass
 class RayRows:
-    """A Ray rank's data plane: object refs to the ExpertManager actors, counted by its node's link tiers."""
+    """A Ray rank's data plane to the ExpertManager actors, `data_plane.transport`'s (`master_transport`: its own
+    collective planes, or object refs), counted by its node's link tiers."""
 
+    config: JobConfig
     handles: list
     worker_nodes: list[str]
-    zero_copy: bool
 
-    def transport(self, node: str) -> RayObjectRefTransport:
-        return RayObjectRefTransport(self.handles, link_tiers(ray.get_runtime_context().get_node_id(),
-                                                              self.worker_nodes), zero_copy=self.zero_copy)
+    def transport(self, rank: int, node: str, device: torch.device) -> Transport:
+        tiers = link_tiers(ray.get_runtime_context().get_node_id(), self.worker_nodes)
+        return master_transport(self.config, self.handles, tiers, master=rank, device=device)
 
 
 @dataclass
@@ -146,7 +148,7 @@ class RayRanks:
 
     def __init__(self, config: JobConfig, mesh: MasterMesh, nodes: list[str], handles: list, worker_nodes: list[str]):
         self.config, self.mesh, self.nodes = config, mesh, nodes
-        self._rows = RayRows(list(handles), list(worker_nodes), config.data_plane.zero_copy_tensors)
+        self._rows = RayRows(config, list(handles), list(worker_nodes))
         env = data_plane_env(config.data_plane.inline_bytes, config.data_plane.zero_copy_tensors)
         self.ranks = mesh.ranks()[1:]
         self.actors = [

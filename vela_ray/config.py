@@ -183,9 +183,8 @@ class DataPlaneSection(_Section):
                                   "otherwise, no Ray task per layer (the faster: benchmarks/data_plane.py). "
                                   "object_ref: Ray tasks and objects, for clusters whose nodes reach each other "
                                   "only on Ray's ports, and the one that answers rows to another master (sequence "
-                                  "migration's new-master combine). Several master processes each form collective "
-                                  "planes of their own with the workers. Default: collective with one master "
-                                  "process, object_ref with several (masters.count, cluster.master_tp)")
+                                  "migration's new-master combine). Every master process (masters.count x "
+                                  "cluster.master_tp) forms collective planes of its own with the workers")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
@@ -571,11 +570,11 @@ class JobConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_keys_then_defaults(cls, data: object) -> object:
-        """Old keys in their new places first (`MOVED`), so the defaults below see every key where it now is."""
+    def _old_keys(cls, data: object) -> object:
+        """Old keys in their new places first (`MOVED`), so the validators below see every key where it now is."""
         if not isinstance(data, dict):
             return data
-        return _transport_for_masters(_move_old_keys(data))
+        return _move_old_keys(data)
 
     @model_validator(mode="after")
     def _masters_share_the_data_plane(self) -> "JobConfig":
@@ -602,8 +601,6 @@ class JobConfig(_Section):
                                                                "from the checkpoint it names"),
             (self.cluster.workers_on_master > 0, f"cluster.workers_on_master: {self.cluster.workers_on_master} (the "
                                                  "other ranks cannot reach ExpertManagers in rank 0's process): use 0"),
-            (self.data_plane.transport != "object_ref", f"data_plane.transport: {self.data_plane.transport} (its "
-                                                        "group has one master process): use object_ref"),
         ]
         for unsupported, what in refused:
             if unsupported:
@@ -819,17 +816,6 @@ def _section_copy(data: dict, path: tuple[str, ...], create: bool = False) -> di
         node[name] = child = dict(child)
         node = child
     return node
-
-
-def _transport_for_masters(data: dict) -> dict:
-    """The collective plane has one master process in its group: several masters, or a tensor-parallel master's
-    ranks, default to object refs."""
-    masters, plane, cluster = data.get("masters"), data.get("data_plane", {}), data.get("cluster")
-    count = masters.get("count", 1) if isinstance(masters, dict) else getattr(masters, "count", 1)
-    tp = cluster.get("master_tp", 1) if isinstance(cluster, dict) else getattr(cluster, "master_tp", 1)
-    if (str(count) == "1" and str(tp) == "1") or not isinstance(plane, dict) or "transport" in plane:
-        return data
-    return {**data, "data_plane": {**plane, "transport": "object_ref"}}
 
 
 def _read_yaml(path: Path) -> object:

@@ -16,7 +16,8 @@ import pytest
 import ray
 import torch
 
-from actors.transports import RayObjectRefTransport, collective_transport, master_processes, master_transport
+from vela_ray.runtime.masters import MasterMesh
+from actors.transports import RayObjectRefTransport, collective_transport, master_transport
 from actors.workers import actor_workers
 from tests.equivalence import scattered_placement
 from tests.ray.helpers import (
@@ -167,7 +168,7 @@ def test_master_transport_gives_each_master_process_the_configured_plane(two_wor
                                             data_plane={"transport": transport}))
 
     collective_config = config("collective")
-    assert master_processes(collective_config) == 2
+    assert MasterMesh.of(collective_config).size == 2
     planes = [ray_pool.track(master_transport(collective_config, handles, tiers, master=m)) for m in range(2)]
     assert all(isinstance(p, CollectiveTransport) for p in planes)
     assert _serving(handles, 0) == _serving(handles, 1) == [True] * WORKERS

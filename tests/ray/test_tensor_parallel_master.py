@@ -1,5 +1,5 @@
-"""A tensor-parallel master through Ray (`cluster.master_tp`): master 0's backbone sharded over MasterReplica
-ranks on its node (gloo here, NCCL on GPUs), each rank sending its share of every MoE layer's rows.
+"""A tensor-parallel master through Ray (`cluster.master_tp`): master 0's backbone sharded over MasterRank actors
+on its node (gloo here, NCCL on GPUs), each rank sending its share of every MoE layer's rows.
 
 Against single-process transformers + peft and against the same job with one master process: equal losses,
 eval losses and exported adapter; the same bytes to every worker (each row sent once, by one rank, so the
@@ -36,8 +36,10 @@ def runs(ray_session, tmp_path_factory):
     lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, root / "init"))}
 
     def job(tp: int, out: Path) -> dict:
+        # one master over object refs, its TP ranks each over collective planes of their own: the same numbers
         return job_dict(model_dir, out, steps=STEPS, lora=lora, cluster={"master_tp": tp},
-                        data_plane={"transport": "object_ref"}, checkpoint={"every": EVERY, "keep": 10},
+                        data_plane={"transport": "collective" if tp > 1 else "object_ref"},
+                        checkpoint={"every": EVERY, "keep": 10},
                         training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1},
                                   "eval_every": EVERY})
 
@@ -174,15 +176,12 @@ def test_a_killed_tensor_parallel_rank_stops_the_run_naming_it_and_the_checkpoin
 
 def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_path):
     base = job_dict(tmp_path / "model", tmp_path / "out", cluster={"master_tp": 2})
-    for section, values, named in [("masters", {"count": 2, "sequence_migration": True},
-                                    "masters.sequence_migration"),
-                                   ("training", {"method": "zo"}, "training.method: zo"),
-                                   ("data_plane", {"transport": "collective"}, "data_plane.transport: collective")]:
+    for section, values, named in [("training", {"method": "zo"}, "training.method: zo")]:
         job = json.loads(json.dumps(base))
         job[section] = {**job.get(section, {}), **values}
         with pytest.raises(ValueError, match=f"cluster.master_tp: 2 does not support {named}"):
             JobConfig.from_dict(job)
-    assert JobConfig.from_dict(base).data_plane.transport == "object_ref"  # its default, as for several masters
+    assert JobConfig.from_dict(base).data_plane.transport == "collective"  # every rank forms planes of its own
     dropout = json.loads(json.dumps(base))
     dropout["lora"] = {"expert_stacks": [], "lora_dropout": 0.1}
     assert JobConfig.from_dict(dropout).lora.lora_dropout == 0.1  # the ranks draw one mask (no longer refused)

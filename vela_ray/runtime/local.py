@@ -155,7 +155,7 @@ class ThreadRows:
     lock: threading.Lock
     worker_nodes: list[str]
 
-    def transport(self, node: str) -> InProcessTransport:
+    def transport(self, rank: int, node: str, device) -> InProcessTransport:
         return InProcessTransport(self.managers, self.lock, link_tiers(node, self.worker_nodes))
 
 

@@ -106,9 +106,10 @@ class Rendezvous(Protocol):
 
 
 class RowsTo(Protocol):
-    """How a hosted rank reaches the workers: its data plane, counted by the link tiers of its `node`."""
+    """How a hosted rank reaches the workers: the data plane of master process `rank` (its flat place in the mesh)
+    on `device`, counted by the link tiers of its `node`."""
 
-    def transport(self, node: str) -> Transport: ...
+    def transport(self, rank: int, node: str, device: torch.device) -> Transport: ...
 
 
 Pending = list  # calls started on hosted ranks (Ray object refs, futures): `RankHosts.wait` waits for them
@@ -173,7 +174,8 @@ class MasterRank:
         groups = rendezvous.join(self.m, self.t, self.spec.device)
         self.replicas = groups.replicas
         self.master, _ = build_master_rank(
-            self.spec, master_table(np.asarray(table), self.m), rows.transport(self.node), groups.tp,
+            self.spec, master_table(np.asarray(table), self.m),
+            rows.transport(self.mesh.flat(self.m, self.t), self.node, self.spec.device), groups.tp,
             rank=self.mesh.flat(self.m, self.t), node=groups.node, dp_mesh=groups.dp_mesh)
         self.migration = sequence_migration(self.config, self.m, self.master, NodeMap.of(nodes, worker_nodes))
         self.loss_fn = master_loss(self.config, self.m, self.master, self.migration, self.replicas,
