@@ -33,7 +33,6 @@ import torch
 from vela_ray.errors import ClusterError, first_line
 from vela_ray.model.collective import Backend, CollectiveTransport, form_data_plane, make_group, make_store
 from vela_ray.model.traffic import LinkTier
-from vela_ray.runtime.masters import MasterMesh
 from vela_ray.model.transport import ForwardRequest, relay_kwargs
 
 logger = logging.getLogger(__name__)
@@ -182,9 +181,9 @@ def master_transport(config, handles: Sequence, worker_tiers: Sequence[LinkTier]
     says: its own collective planes (`collective_transport`, rows over NCCL where it and the workers have GPUs)
     or Ray object refs. Every master process calls it, master 0 (`actors.pool.RayWorkerPool`) and each other rank
     (`actors.masters.RayRanks`), with `master` its place among the master processes: data-parallel master m's
-    tensor-parallel rank t is m * cluster.master_tp + t (`MasterMesh.flat`; `MasterMesh.size` in all), the number
+    tensor-parallel rank t is m * cluster.master_tp + t (`MasterMesh.flat`; `config.master_processes` in all), the number
     its dispatcher's keys are counted by. `device`: this process's, where its rows are (its GPU, or the CPU)."""
     if config.data_plane.transport == "collective":
         return collective_transport(handles, worker_tiers, device=device, master=master,
-                                    num_masters=MasterMesh.of(config).size)
+                                    num_masters=config.master_processes)
     return RayObjectRefTransport(handles, worker_tiers, zero_copy=config.data_plane.zero_copy_tensors)

@@ -338,7 +338,7 @@ def test_old_keys_keep_the_defaults_and_checks_of_their_new_places(tmp_path, cap
     config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2,
                                                                                "transport": "collective"}))
     assert (config.masters.count, config.data_plane.transport) == (2, "collective")
-    with pytest.raises(ValueError, match=r"cluster.workers_on_master needs masters.count: 1 \(it is 2\)"):
+    with pytest.raises(ValueError, match=r"cluster.workers_on_master and several master processes .* do not combine"):
         JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2, "workers_on_master": 1}))
     with pytest.raises(ValueError, match=r"masters.sequence_migration moves sequences between masters: set "
                                          r"masters.count above 1"):
@@ -361,3 +361,19 @@ def test_config_strings_become_runtime_objects_through_one_translation_each(tmp_
     assert torch_dtype(torch.float16) is torch.float16  # a torch dtype (a checkpoint's config) passes through
     with pytest.raises(ValueError, match=r"dtype 'int4' is not one vela-ray knows: use one of float32, bfloat16"):
         torch_dtype("int4")
+
+
+def test_every_refusal_is_declared_by_its_feature_and_listed_in_the_readme():
+    """Combinations that do not work are declared by the section of the feature that cannot combine (`Refusal`),
+    at most 8 of them, each in README's "What does not combine" with its reason."""
+    from vela_ray.config import JobConfig, _Section
+
+    def sections(cls):
+        return [cls, *(s for sub in cls.__subclasses__() for s in sections(sub))]
+    declared = [(cls.__name__, r) for cls in sections(_Section) for r in cls.refusals]
+    assert 0 < len(declared) <= 8
+    assert not JobConfig.__dict__.get("_tensor_parallel_where_it_runs")  # no central list left
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("### What does not combine"):]
+    for owner, refusal in declared:
+        assert refusal.settings in table and refusal.why in table, (owner, refusal.settings)
