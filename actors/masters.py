@@ -73,7 +73,7 @@ class ProcessRendezvous:
     """Where the mesh's process groups meet: each kind's store (host, port) by index, and the node groups'. Pickled
     to every rank; the stores listen in master 0's process (`RayRanks.rendezvous` keeps them)."""
 
-    config: JobConfig
+    mesh: MasterMesh
     world: Rendezvous | None
     dp: list[Rendezvous]  # by TP index
     tp: list[Rendezvous]  # by master
@@ -82,22 +82,21 @@ class ProcessRendezvous:
     def join(self, m: int, t: int, device: torch.device) -> RankGroups:
         """Rank (m, t)'s groups (`join_groups`) and its node group (`join_node`)."""
         def client(address: Rendezvous, kind: str) -> dist.Store:
-            return make_store(*address, group_size(self.config, kind), is_master=False, timeout_s=GROUP_TIMEOUT_S)
+            return make_store(*address, group_size(self.mesh, kind), is_master=False, timeout_s=GROUP_TIMEOUT_S)
         stores = ({"world": client(self.world, "world")} if self.world else
                   {**({"dp": client(self.dp[t], "dp")} if self.dp else {}),
                    **({"tp": client(self.tp[m], "tp")} if self.tp else {})})
-        replicas, tp_mesh, dp_mesh = join_groups(self.config, m, t, stores, device)
+        replicas, tp_mesh, dp_mesh = join_groups(self.mesh, m, t, stores, device)
         return RankGroups(replicas, tp_mesh, dp_mesh, join_node(self.nodes.get((m, t))))
 
 
-def group_size(config: JobConfig, kind: str) -> int:
+def group_size(mesh: MasterMesh, kind: str) -> int:
     """Ranks of a group `kind`: "world" (every master process, the (dp, tp) mesh), "dp" (the data-parallel masters'
     ranks of one TP index) or "tp" (one master's ranks)."""
-    return {"world": config.masters.count * config.cluster.master_tp, "dp": config.masters.count,
-            "tp": config.cluster.master_tp}[kind]
+    return {"world": mesh.size, "dp": mesh.dp, "tp": mesh.tp}[kind]
 
 
-def join_groups(config: JobConfig, rank: int, tp_rank: int, stores: dict[str, dist.Store], device: torch.device
+def join_groups(mesh: MasterMesh, rank: int, tp_rank: int, stores: dict[str, dist.Store], device: torch.device
                 ) -> tuple[Replicas, object | None, object | None]:
     """Rank (`rank`, `tp_rank`)'s groups: (its data-parallel `Replicas`, its master's TP mesh or None, the
     data-parallel mesh FSDP2 shards the frozen backbone over or None), from `stores` by kind (`group_size`).
@@ -105,7 +104,7 @@ def join_groups(config: JobConfig, rank: int, tp_rank: int, stores: dict[str, di
     otherwise a "dp" store makes a gloo group of its own (the data-parallel masters' gradient sum, watched for a
     failed master) and a "tp" store this master's TP mesh."""
     address = ray.util.get_node_ip_address()
-    masters, ranks = config.masters.count, config.cluster.master_tp
+    masters, ranks = mesh.dp, mesh.tp
     if "world" in stores:
         mesh = join_mesh(stores["world"], rank * ranks + tp_rank, masters, ranks, device, GROUP_TIMEOUT_S, address)
         return ProcessGroupReplicas(mesh["dp"].get_group()), mesh["tp"] if ranks > 1 else None, mesh["dp"]
@@ -166,7 +165,7 @@ class RayRanks:
         cfg, address = self.config, ray.util.get_node_ip_address()
 
         def listen(kind: str, world_size: int | None = None) -> dist.Store:
-            store = make_store(address, 0, world_size or group_size(cfg, kind), is_master=True,
+            store = make_store(address, 0, world_size or group_size(self.mesh, kind), is_master=True,
                                timeout_s=GROUP_TIMEOUT_S)
             self._stores.append(store)
             return store
@@ -183,7 +182,7 @@ class RayRanks:
                 node_groups.update({rank: ((address, store.port), member, len(ranks))
                                     for member, rank in enumerate(ranks)})
         where = lambda store: (address, store.port)  # noqa: E731
-        return ProcessRendezvous(cfg, where(world) if world else None, [where(s) for s in dp], [where(s) for s in tp],
+        return ProcessRendezvous(self.mesh, where(world) if world else None, [where(s) for s in dp], [where(s) for s in tp],
                                  node_groups)
 
     def rows(self) -> RayRows:

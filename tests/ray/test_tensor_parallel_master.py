@@ -104,22 +104,6 @@ def test_two_data_parallel_masters_of_tp_ranks_train_equal_to_peft(runs, tmp_pat
     assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["master_pids"])) == 2 * tp
 
 
-def test_a_tensor_parallel_deepseek_v3_master_trains_equal_to_peft(ray_session, tmp_path):
-    """MLA attention split by heads (its low-rank q/kv projections replicated), a dense first layer and shared
-    experts beside the brokers, through the runtime; with activation checkpointing (each rank recomputes its
-    layers, their collectives again, and replays the experts' outputs), as the deploy job trains."""
-    model_dir = make_checkpoint(tmp_path / "model", "deepseek_v3")
-    lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))}
-    job = job_dict(model_dir, tmp_path / "out", steps=3, lora=lora, cluster={"master_tp": 2},
-                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1},
-                             "activation_checkpointing": True})
-    config = JobConfig.from_dict(job)
-    summary = VelaJob(config).run()
-    ref_losses, ref_state = reference_losses(config)
-    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    _assert_close_to_scale(_adapter(summary), ref_state)
-
-
 def test_a_tensor_parallel_master_with_lora_dropout_trains_equal_to_peft(ray_session, tmp_path):
     """LoRA dropout on the backbone (the experts frozen, as peft requires): master 0 seeds each step by
     (training.seed, step), its second rank takes master 0's RNG state, and a row-parallel lora_A's rank applies its

@@ -97,3 +97,22 @@ def test_tensor_parallel_masters_migrate_sequences_as_one_master_per_group_does(
     # TP 1 combines on the new master (it relays rows besides moving hidden states); TP 2 at home
     assert moves["sent_bytes"] == 2 * (one["sent_bytes"] - one["relay_bytes"]) and moves["relayed_rows"] == 0
     assert split.traffic_bytes_by_worker == whole.traffic_bytes_by_worker
+
+
+@pytest.mark.job
+def test_a_tensor_parallel_deepseek_v3_master_trains_equal_to_peft(tmp_path):
+    """MLA attention split by heads (its low-rank q/kv projections replicated), a dense first layer and shared
+    experts beside the brokers; with activation checkpointing (each rank recomputes its layers, their collectives
+    again, and replays the experts' outputs), as the deploy job trains."""
+    model = make_checkpoint(tmp_path / "model", "deepseek_v3")
+    lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model, tmp_path / "init"))}
+    config = JobConfig.from_dict(job_dict(
+        model, tmp_path / "out", steps=3, lora=lora, cluster={"master_tp": 2},
+        training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1},
+                  "activation_checkpointing": True}))
+    summary = run_in_process(config)
+    ref_losses, ref_state = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    exported = _adapter(summary)
+    for key, value in ref_state.items():
+        assert float((exported[key] - value).abs().max()) <= 2e-3 * float(value.abs().max()), key
