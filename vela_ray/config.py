@@ -594,8 +594,6 @@ class JobConfig(_Section):
             (self.mode != "vela", f"mode: {self.mode} (the master's ranks split its backbone): use mode: vela"),
             (self.training.method != "first_order", f"training.method: {self.training.method} (one master draws "
                                                     "the backbone's perturbation): use first_order"),
-            (self.training.condensation.enabled, "training.condensation.enabled (it groups a layer's rows, which "
-                                                 "the ranks split): turn it off"),
             (self.fault_tolerance.on_worker_loss == "recover", "fault_tolerance.on_worker_loss: recover (its ranks "
                                                                "would have to re-form mid-run): use stop and resume "
                                                                "from the checkpoint it names"),
@@ -634,9 +632,6 @@ class JobConfig(_Section):
         if self.mode != "vela":
             raise ValueError("training.condensation.enabled is for mode: vela (the master's brokers condense); "
                              "the expert-parallel baseline trains exactly: turn it off")
-        if self.masters.count > 1:
-            raise ValueError(f"training.condensation.enabled needs masters.count: 1 (it is "
-                             f"{self.masters.count}): only master 0's brokers condense; turn one off")
         return self
 
     @model_validator(mode="after")
