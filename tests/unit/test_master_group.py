@@ -174,3 +174,25 @@ def test_a_resumed_run_condenses_on_every_rank_at_the_threshold_it_had(model_dir
     resumed = run_in_process(JobConfig.from_dict(job))
     assert resumed.condensation.rows_condensed > 0
     assert len(thresholds) == 2 and {t for values in thresholds.values() for t in values} == at_step_3
+
+
+@pytest.mark.job
+def test_condensing_masters_migrate_sequences(model_dir, tmp_path, monkeypatch):
+    """Condensation with sequence migration (each master condenses the rows of the sequences it holds; the
+    combine happens at home): a moved sequence's rows are not taken for the ones before by the next layer's
+    history, which each master forgets when its sequences move."""
+    forgot = []
+    forget = Condenser.forget_history
+    monkeypatch.setattr(Condenser, "forget_history", lambda self: (forgot.append(id(self)), forget(self)))
+    config = JobConfig.from_dict(job_dict(
+        model_dir, tmp_path / "out", steps=3, training={"optimizer": {"lr": 5e-3, "warmup_steps": 1},
+                                                        "batch_size": 6, "micro_batch_size": 6,
+                                                        "condensation": {"enabled": True}},
+        lora={"r": 4, "alpha": 8, "init_adapter": str(model_dir.parent / "adapter")},
+        masters={"count": 3, "sequence_migration": True}, data_plane={"transport": "object_ref"}))
+    summary = run_in_process(config, master_node="node-a", worker_nodes=["node-a", "node-b", "node-c"])
+    assert all(math.isfinite(loss) for loss in summary.losses)
+    assert summary.sequence_moves["moves"] > 0 and summary.sequence_moves["relayed_rows"] == 0
+    record = summary.condensation
+    assert 0 < record.rows_condensed < record.rows_seen == sum(map(sum, summary.tokens_routed))
+    assert len(set(forgot)) >= 2  # a master gives as many sequences as it takes: movers come in twos or more

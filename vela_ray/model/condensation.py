@@ -345,6 +345,11 @@ class Condenser:
         return CondenserCounts(self.rows_seen, self.rows_condensed, self.pairs_computed, self.pairs_from_history,
                                self.select_seconds, dict(self.bytes_saved))
 
+    def forget_history(self) -> None:
+        """The forward's rows changed tokens (sequence migration moved sequences between masters after a layer):
+        the next layer compares all its pairs, as history is keyed by the token's place in this forward."""
+        self._previous = None
+
     def state(self) -> dict:
         """What a checkpoint keeps: the losses the adaptive threshold follows."""
         return {"first_loss": self._first_loss, "last_loss": self._last_loss}
