@@ -3,7 +3,7 @@ masters' all-reduce and sequence moves) into the history and the metrics, and th
 built from the state at the end (`StepAccounting`).
 
 Master 0 counts its own rows; the other masters' steps hand theirs over (`runtime.masters.peer_step`),
-each binned by its own link tiers, and they are added here.
+each binned by its own link tiers, and they are added here; so are their condensers' counters.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from vela_ray.config import JobConfig
 from vela_ray.data.locality import DriftTracker
+from vela_ray.model.condensation import CondenserCounts
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.state import EarlierSegments, Live, RunState
@@ -78,6 +79,8 @@ class StepAccounting:
         self.metrics = metrics
         self.workers_at_start: tuple[list[int], list[float]] = ([], [])  # received bytes, compute seconds
         self._compute_mark: list[float] = []  # the workers' compute seconds at the last tracked step
+        # what the hosted ranks' condensers counted in this segment's steps (master 0's condenser counts its own)
+        self.peers_condensed = CondenserCounts()
 
     def begin_training(self, live: Live) -> None:
         """The workers' counters now (again after a recovery: new workers count from zero)."""
@@ -104,6 +107,8 @@ class StepAccounting:
         traffic = [own, *(p["traffic"] for p in peer_steps)]  # each master's rows, by its own link tiers
         counts_LE = np.sum([t.routed_LE for t in traffic], axis=0)  # every master's routing
         self.state.add_routed(counts_LE)
+        self.peers_condensed = sum((p["condensation"] for p in peer_steps if p["condensation"] is not None),
+                                   self.peers_condensed)
         drift_L = drift.record_step(counts_LE) if drift else None
         record = StepRecord(step=step, loss=loss, step_time_s=step_time_s, tokens=tokens,
                             expert_round_trip_s=sum(dispatcher.round_trip_s.values()) - mark.waited_s,
@@ -174,7 +179,7 @@ class StepAccounting:
             data=DataRecord.of(config.data, live.backbone.train_set),
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries, resumes=state.resumes,
             run_id=None if state.identity is None else state.identity.run_id,
-            condensation=CondensationRecord.of(dispatcher.condenser),
+            condensation=CondensationRecord.of(dispatcher.condenser, self.peers_condensed),
             expert_tiers=[stats for stats in live.workers.tier_stats() if stats is not None],
             report=run_file(config, out_dir, "report.html"),
         )

@@ -116,8 +116,10 @@ class CheckpointWriter:
         load_master_state(live.master, tensors)
         live.masters.load_state(tensors)  # the checkpoint's full tensors: every master, or rank, takes its own
         condenser = live.master.dispatcher.condenser
-        if condenser is not None:
-            condenser.load_state(json.loads((path / "trainer.json").read_text()).get("condenser"))
+        if condenser is not None:  # master 0's losses, into every rank's condenser: one threshold
+            saved = json.loads((path / "trainer.json").read_text()).get("condenser")
+            condenser.load_state(saved)
+            live.masters.load_condenser_state(saved)
         checkpoint.restore_rng_state(tensors)
         return int(checkpoint.verify(path, checksums=False)["step"])
 

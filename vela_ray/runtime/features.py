@@ -92,8 +92,9 @@ class RunFeature:
 
 
 class Condensation(RunFeature):
-    """LUFFY's token condensation (LOSSY, `training.condensation.enabled`): master 0's brokers condense
-    (`vela_ray.model.condensation`); its adaptive threshold follows the loss."""
+    """LUFFY's token condensation (LOSSY, `training.condensation.enabled`): every master rank's brokers condense
+    (`vela_ray.model.condensation`); master 0's adaptive threshold follows the loss here, the other ranks' in
+    their `MasterRank.train_step`, from the same loss."""
 
     def __init__(self, condenser: Condenser):
         self.condenser = condenser
@@ -131,12 +132,6 @@ class ExpertTiers(RunFeature):
     def workers_replaced(self, live: Live) -> None:
         if self.predictor is not None:  # the new workers' tiers forecast as the old ones did
             live.workers.set_predictor(*self.predictor)
-
-
-def condenser_for(config: JobConfig) -> Condenser | None:
-    """Token condensation (LOSSY) with `training.condensation.enabled`; it lives in master 0's brokers only."""
-    cfg = config.training.condensation
-    return Condenser(cfg) if cfg.enabled else None
 
 
 def run_features(config: JobConfig, metrics: MetricsSink, condenser: Condenser | None) -> list[RunFeature]:

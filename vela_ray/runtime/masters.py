@@ -13,13 +13,15 @@ by `MasterGroup.start`, the others by `MasterRank.join`. The group then runs wha
     gradients accumulate on the workers from every master's rows, and master 0 alone reads their norm and steps them
     (the others see the workers as `STEPPED_ELSEWHERE`) after the gradient sum, when every backward has returned;
     so the losses equal one master's on the whole batch. A master's TP ranks shard its backbone and send disjoint
-    shares of its rows. Each rank numbers the forwards it saves on the workers in its own residue class
+    shares of its rows. With `training.condensation` (LOSSY) every rank condenses the rows it sends with a
+    `Condenser` of its own, whose adaptive threshold follows the whole batch's loss as master 0's does. Each rank
+    numbers the forwards it saves on the workers in its own residue class
     (`ExpertDispatcher(master=, num_masters=)`); with `masters.sequence_migration` each master's loss moves its
     sequences among the masters during the forward (`master_loss`);
   - master 0's forwards without gradients (`evaluate`, `profile`): its TP ranks, and every rank with
     `masters.shard_frozen_backbone` (each layer all-gathered from all), run the same forwards beside it;
   - the state master 0 changes other than by a step (start, resume, recovery: `load_state`, every rank taking
-    its share of the full tensors), a new table after a migration (`rebind`), traffic, pids, and recovery's new
+    its share of the full tensors, and `load_condenser_state`), a new table after a migration (`rebind`), traffic, pids, and recovery's new
     ranks over new workers (`restart_ranks`).
 
 One master is the 1 x 1 mesh: no hosted rank, nothing to sum or to tell. A pipeline axis (APTMoE's stages) is one
@@ -44,6 +46,7 @@ import torch
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import on_device
 from vela_ray.data.locality import AccessProfile, profile_forwards, profile_model
+from vela_ray.model.condensation import Condenser, CondenserCounts
 from vela_ray.model.modeling import MoeBlock
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.model.transport import Transport
@@ -176,17 +179,25 @@ class MasterRank:
         self.master, _ = build_master_rank(
             self.spec, master_table(np.asarray(table), self.m),
             rows.transport(self.mesh.flat(self.m, self.t), self.node, self.spec.device), groups.tp,
-            rank=self.mesh.flat(self.m, self.t), node=groups.node, dp_mesh=groups.dp_mesh)
+            rank=self.mesh.flat(self.m, self.t), node=groups.node, dp_mesh=groups.dp_mesh,
+            condenser=condenser_for(self.config))
         self.migration = sequence_migration(self.config, self.m, self.master, NodeMap.of(nodes, worker_nodes))
         self.loss_fn = master_loss(self.config, self.m, self.master, self.migration, self.replicas,
                                    self.spec.device)
 
     def train_step(self, micro_batches: list[Batch], lr: float, max_grad_norm: float | None) -> dict:
-        """This rank's share of one step; its `peer_step` record."""
-        before = self.master.dispatcher.traffic()
-        train_step(self.master, STEPPED_ELSEWHERE, [on_device(m, self.spec.device) for m in micro_batches], lr,
-                   max_grad_norm, loss_fn=self.loss_fn, replicas=self.replicas)
-        return peer_step(self.master.dispatcher.traffic() - before, self.migration)
+        """This rank's share of one step; its `peer_step` record. The loss it returns is the whole batch's (summed
+        over the data-parallel masters), the one master 0's `features.Condensation` gives its condenser after the
+        step: this rank's condenser observes it too, so every rank condenses the next step at one threshold."""
+        dispatcher = self.master.dispatcher
+        before = dispatcher.traffic()
+        condensed = dispatcher.condenser.counts() if dispatcher.condenser is not None else None
+        loss = train_step(self.master, STEPPED_ELSEWHERE, [on_device(m, self.spec.device) for m in micro_batches],
+                          lr, max_grad_norm, loss_fn=self.loss_fn, replicas=self.replicas)
+        if dispatcher.condenser is not None:
+            dispatcher.condenser.observe_loss(loss)
+            condensed = dispatcher.condenser.counts() - condensed
+        return peer_step(dispatcher.traffic() - before, self.migration, condensed)
 
     def evaluate(self, batches: list[Batch]) -> float:
         """Master 0's evaluation, computed with it (`MasterGroup.evaluate`)."""
@@ -202,6 +213,10 @@ class MasterRank:
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_master_state(self.master, tensors)
+
+    def load_condenser_state(self, state: dict | None) -> None:
+        if self.master.dispatcher.condenser is not None:
+            self.master.dispatcher.condenser.load_state(state)
 
     def rebind(self, table: list) -> None:
         self.master.dispatcher.rebind(master_table(np.asarray(table), self.m))
@@ -360,6 +375,12 @@ class MasterGroup:
         if self.hosts is not None:
             self.hosts.wait(self.hosts.call("load_state", tensors))
 
+    def load_condenser_state(self, state: dict | None) -> None:
+        """Master 0's condenser's losses (`Condenser.state`, a resume's or a recovery's) into every hosted rank's
+        condenser, so all go on at master 0's threshold."""
+        if self.hosts is not None:
+            self.hosts.wait(self.hosts.call("load_condenser_state", state))
+
     def rebind(self, table) -> None:
         """Every hosted rank's brokers to a new table, or to its master's routes (after a migration)."""
         if self.hosts is not None:
@@ -409,6 +430,13 @@ def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) ->
     return [cycle[i % len(cycle)] for i in range(num_peers)]
 
 
+def condenser_for(config: JobConfig) -> Condenser | None:
+    """A master rank's own `Condenser` (token condensation, LOSSY) with `training.condensation.enabled`: one per
+    dispatcher, each rank's condensing the rows it sends."""
+    cfg = config.training.condensation
+    return Condenser(cfg) if cfg.enabled else None
+
+
 def sequence_migration(config: JobConfig, rank: int, master: MasterModel, nodes: NodeMap) -> SequenceMigration | None:
     """Master `rank`'s `SequenceMigration` (hooks on its model) with `masters.sequence_migration`, else None."""
     if not config.masters.sequence_migration:
@@ -433,8 +461,11 @@ def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: to
     return ReplicaShare(rank, num_masters, coef, device)
 
 
-def peer_step(traffic: TrafficSnapshot, migration: SequenceMigration | None = None) -> dict:
+def peer_step(traffic: TrafficSnapshot, migration: SequenceMigration | None = None,
+              condensed: CondenserCounts | None = None) -> dict:
     """What master 0's step record takes from a hosted rank's step: its traffic (with the tokens it routed to each
-    expert), its bytes by its own link tiers, and what its sequence migration moved."""
+    expert), its bytes by its own link tiers, what its sequence migration moved, and what its condenser counted in
+    the step (None: condensation off)."""
     moves = (migration.take_stats() if migration is not None else SequenceMoveStats()).as_dict()
-    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "sequence_moves": moves}
+    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "sequence_moves": moves,
+            "condensation": condensed}

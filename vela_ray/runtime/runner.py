@@ -38,8 +38,8 @@ from vela_ray.preflight import check_output_free
 from vela_ray.runs import RunIdentity, hold_output_dir, move_aside
 from vela_ray.runtime.accounting import StepAccounting
 from vela_ray.runtime.checkpointing import CheckpointWriter
-from vela_ray.runtime.features import condenser_for, run_features, stepper_for
-from vela_ray.runtime.masters import MasterGroup, master_spec
+from vela_ray.runtime.features import run_features, stepper_for
+from vela_ray.runtime.masters import MasterGroup, condenser_for, master_spec
 from vela_ray.runtime.migration import copies_of
 from vela_ray.runtime.placer import Placer
 from vela_ray.runtime.pool import WorkerPool

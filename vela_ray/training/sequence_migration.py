@@ -319,6 +319,8 @@ class SequenceMigration:
             weights = relay.plan_weights if relay is not None else hidden.new_zeros(0)
             moved = _Move.apply(hidden, weights, exchange)
             batch.slots = target
+            if self.dispatcher.condenser is not None:  # its history is keyed by the slots' tokens, which moved
+                self.dispatcher.condenser.forget_history()
             return (moved, *output[1:]) if isinstance(output, tuple) else moved
         return hook
 
