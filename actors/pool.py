@@ -96,7 +96,7 @@ class RayWorkerPool:
         """The actors' data plane; None without actors (every worker in this process: nothing to form)."""
         if not self.cluster.handles:
             return None
-        # master 0's: the one path every master process takes (the others' in `actors.masters.MasterReplica`)
+        # master 0's: the one path every master process takes (the other ranks' in `runtime.masters.MasterRank.join`)
         return master_transport(self.config, self.cluster.handles, self.cluster.worker_tiers(self.master_node),
                                 master=0, device=self.local_device)
 
