@@ -88,13 +88,20 @@ def test_two_data_parallel_masters_of_tp_ranks_train_equal_to_peft(runs, tmp_pat
     every micro-batch's rows, the backbone gradients are summed between the masters' ranks of one TP index; with
     `masters.shard_frozen_backbone` each master also keeps half of every decoder layer's frozen weights (of its TP
     shard) with FSDP2 and all-gathers them from the other as it runs the layer, eval and the routing profile
-    included."""
+    included. The 2x2 mesh runs with the features it composes with."""
     one = runs["summaries"][1]
     job = json.loads(json.dumps(runs["jobs"][2]))
-    job["masters"] = {"count": 2, "shard_frozen_backbone": shard_frozen}
+    # without FSDP2 the features compose on the mesh: every rank on its own collective planes, sequences migrating
+    # between the masters (each master's ranks deciding together), condensation on every rank (exact at 1.0)
+    composed = not shard_frozen
+    job["masters"] = {"count": 2, "shard_frozen_backbone": shard_frozen, "sequence_migration": composed}
+    if composed:
+        job["training"]["condensation"] = {"enabled": True, "threshold": 1.0}
     job["cluster"]["master_tp"] = tp
     job["output"]["dir"] = str(tmp_path / "out")
     summary = VelaJob(JobConfig.from_dict(job)).run()
+    if composed:
+        assert summary.sequence_moves["micro_batches"] > 0 and summary.condensation.rows_seen > 0
     ref_losses, ref_state = reference_losses(JobConfig.from_dict(job))
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     evals = [[h.eval_loss for h in s.history if h.eval_loss is not None] for s in (one, summary)]
