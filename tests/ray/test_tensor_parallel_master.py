@@ -165,6 +165,30 @@ def test_a_killed_tensor_parallel_rank_stops_the_run_naming_it_and_the_checkpoin
     assert time.monotonic() - killed["at"] < 60  # named well before the group's 300 s timeout
 
 
+def test_a_tensor_parallel_master_recovers_from_a_killed_worker_and_a_killed_rank(runs, tmp_path):
+    """`on_worker_loss: recover` with master 0 over 2 TP ranks: an ExpertManager SIGKILLed after the step-2
+    checkpoint, then master 0's second rank after the step-4 one. Each time the master group is formed again
+    (master 0 rebuilt the one way every rank is, its TP group with it), the run rolls back and replays, and it
+    trains as peft does."""
+    job = json.loads(json.dumps(runs["jobs"][2]))
+    out = tmp_path / "out"
+    job["output"]["dir"], job["training"]["steps"] = str(out), 6
+    job["fault_tolerance"] = {"on_worker_loss": "recover"}
+    job["data_plane"] = {"transport": "object_ref"}  # a recovery over collective planes is refused (README)
+    checkpoints = out / "checkpoints"
+    killers = [kill_when(out, (checkpoints / "step-000002").is_dir, delay_s=0.2, victim="pids"),
+               kill_when(out, (checkpoints / "step-000004").is_dir, delay_s=0.2, victim="master_pids")]
+    config = JobConfig.from_dict(job)
+    summary = VelaJob(config).run()
+    for killer, killed in killers:
+        killer.join(timeout=10)
+        assert killed, "a victim was never killed"
+    assert [r.workers for r in summary.recoveries] == [[1], []]
+    assert [h.step for h in summary.history] == list(range(1, 7))
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
 def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_path):
     base = job_dict(tmp_path / "model", tmp_path / "out", cluster={"master_tp": 2})
     for section, values, named in [("training", {"method": "zo"}, "training.method: zo")]:
@@ -172,7 +196,7 @@ def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_
         job[section] = {**job.get(section, {}), **values}
         with pytest.raises(ValueError, match=f"{named} and several master processes .* do not combine"):
             JobConfig.from_dict(job)
-    assert JobConfig.from_dict(base).data_plane.transport == "collective"  # every rank forms planes of its own
+    assert JobConfig.from_dict(base).data_plane.transport == "object_ref"  # the default with several processes
     dropout = json.loads(json.dumps(base))
     dropout["lora"] = {"expert_stacks": [], "lora_dropout": 0.1}
     assert JobConfig.from_dict(dropout).lora.lora_dropout == 0.1  # the ranks draw one mask (no longer refused)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import on_device
@@ -253,6 +254,7 @@ class MasterGroup:
     replicas: Replicas = SINGLE  # master 0's member of the data-parallel masters' group
     migration: SequenceMigration | None = None  # master 0's, with masters.sequence_migration
     _steps: Pending = field(default_factory=list)  # the hosted ranks' train_step calls of the step in flight
+    _leader_extras: dict = field(default_factory=dict)  # what master 0 was built with beyond its spec (a rebuild's)
 
     @classmethod
     def start(cls, config: JobConfig, pool: RankPool, transport: Transport, worker_nodes: list[str], table,
@@ -276,7 +278,8 @@ class MasterGroup:
             if hosts:
                 hosts.close()
             raise
-        group = cls(config, mesh, leader, nodes, worker_nodes, hosts, groups.replicas)
+        group = cls(config, mesh, leader, nodes, worker_nodes, hosts, groups.replicas,
+                    _leader_extras={"latency": latency, "condenser": condenser})
         group.migration = group._leader_migration()
         if mesh.tp > 1:
             leader.tp_states = group._follower_states
@@ -292,9 +295,11 @@ class MasterGroup:
             return None
         return sequence_migration(self.config, 0, self.leader, NodeMap.of(self.nodes, self.worker_nodes))
 
-    def restart_ranks(self, pool: RankPool, worker_nodes: list[str], table) -> None:
+    def restart_ranks(self, pool: RankPool, transport: Transport, worker_nodes: list[str], table) -> None:
         """New hosted ranks over new workers (recovery: the old ones may be stuck in the failed step's gradient
-        sum, so they go first); master 0 keeps its model and joins the new data-parallel group."""
+        sum, so they go first, and the caller restores a checkpoint after). Master 0 joins the new groups: it keeps
+        its model, or, holding TP shards, whose group went with the ranks, it is built again the one way every rank
+        is (`build_master_rank`) over `transport`: its state comes back with the checkpoint."""
         if self.hosts is None:
             return
         self.close()
@@ -303,7 +308,18 @@ class MasterGroup:
         rendezvous = self.hosts.rendezvous()
         joins = self.hosts.call("join", rendezvous, self.hosts.rows(), np.asarray(table).tolist(), self.nodes,
                                 worker_nodes)
-        groups = rendezvous.join(0, 0, _device(self.leader))
+        device = _device(self.leader)
+        if self.mesh.tp > 1 or self.config.masters.shard_frozen_backbone:
+            if dist.is_initialized():  # the old mesh was this process's default group: one per process
+                dist.destroy_process_group()
+            groups = rendezvous.join(0, 0, device)
+            self.leader, _ = build_master_rank(master_spec(self.config), master_table(np.asarray(table)), transport,
+                                               groups.tp, node=groups.node, dp_mesh=groups.dp_mesh,
+                                               **self._leader_extras)
+            if self.mesh.tp > 1:
+                self.leader.tp_states = self._follower_states
+        else:
+            groups = rendezvous.join(0, 0, device)
         self.replicas = groups.replicas
         self.hosts.wait(joins)
         self.migration = self._leader_migration()

@@ -74,7 +74,7 @@ class Recovery:
         for feature in self.features:
             feature.workers_replaced(live)
         live.master.dispatcher.rebind(live.master.dispatcher.expert_to_worker, live.hosted.transport)
-        live.masters.restart_ranks(self.pool, live.hosted.node_ids, state.tables)
+        live.masters.restart_ranks(self.pool, live.hosted.transport, live.hosted.node_ids, state.tables)
         self.placer.write_workers(live)
         # the failed step's partial gradients (the workers drop theirs, and their saved graphs, as they load)
         live.master.optimizer.zero_grad(set_to_none=False)
