@@ -204,15 +204,6 @@ class ClusterSection(_Section):
 class DataPlaneSection(_Section):
     """How rows, expert results and their gradients travel between the masters and the ExpertManagers."""
 
-    refusals = (
-        Refusal("several master processes on data_plane.transport: collective and fault_tolerance.on_worker_loss: "
-                "recover", "a recovery of a killed master process over collective planes hung in a data-plane send "
-                "to it (found in testing, not yet fixed)", "use data_plane.transport: object_ref (the default with "
-                "several master processes), or on_worker_loss: stop",
-                lambda job: job.master_processes > 1 and job.data_plane.transport == "collective"
-                and job.fault_tolerance.on_worker_loss == "recover"),
-    )
-
     transport: TransportName = Field(
         "collective", description="how rows travel. collective: torch.distributed point-to-point to each "
                                   "ExpertManager's serving loop, NCCL between GPUs and gloo through host memory "
@@ -220,8 +211,7 @@ class DataPlaneSection(_Section):
                                   "object_ref: Ray tasks and objects, for clusters whose nodes reach each other "
                                   "only on Ray's ports, and the one that answers rows to another master (sequence "
                                   "migration's new-master combine). Every master process (masters.count x "
-                                  "cluster.master_tp) forms collective planes of its own with the workers. "
-                                  "Default: collective with one master process, object_ref with several")
+                                  "cluster.master_tp) forms collective planes of its own with the workers.")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
@@ -635,10 +625,10 @@ class JobConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _old_keys(cls, data: object) -> object:
-        """Old keys in their new places first (`MOVED`), so the defaults below see every key where it now is."""
+        """Old keys in their new places first (`MOVED`), so the validators below see every key where it now is."""
         if not isinstance(data, dict):
             return data
-        return _transport_for_masters(_move_old_keys(data))
+        return _move_old_keys(data)
 
     @model_validator(mode="after")
     def _features_combine(self) -> "JobConfig":
@@ -829,17 +819,6 @@ def _section_copy(data: dict, path: tuple[str, ...], create: bool = False) -> di
         node[name] = child = dict(child)
         node = child
     return node
-
-
-def _transport_for_masters(data: dict) -> dict:
-    """Several master processes (masters.count or cluster.master_tp above 1) default to object refs: the
-    collective plane serves them too (a plane per master process), but a recovery over it is refused."""
-    masters, plane, cluster = data.get("masters"), data.get("data_plane", {}), data.get("cluster")
-    count = masters.get("count", 1) if isinstance(masters, dict) else getattr(masters, "count", 1)
-    tp = cluster.get("master_tp", 1) if isinstance(cluster, dict) else getattr(cluster, "master_tp", 1)
-    if (str(count) == "1" and str(tp) == "1") or not isinstance(plane, dict) or "transport" in plane:
-        return data
-    return {**data, "data_plane": {**plane, "transport": "object_ref"}}
 
 
 def _read_yaml(path: Path) -> object:

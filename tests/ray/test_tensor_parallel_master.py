@@ -174,7 +174,7 @@ def test_a_tensor_parallel_master_recovers_from_a_killed_worker_and_a_killed_ran
     out = tmp_path / "out"
     job["output"]["dir"], job["training"]["steps"] = str(out), 6
     job["fault_tolerance"] = {"on_worker_loss": "recover"}
-    job["data_plane"] = {"transport": "object_ref"}  # a recovery over collective planes is refused (README)
+    job["data_plane"] = {"transport": "object_ref"}  # test_checkpoint_resume recovers 2 masters' collective planes
     checkpoints = out / "checkpoints"
     killers = [kill_when(out, (checkpoints / "step-000002").is_dir, delay_s=0.2, victim="pids"),
                kill_when(out, (checkpoints / "step-000004").is_dir, delay_s=0.2, victim="master_pids")]
@@ -196,7 +196,7 @@ def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_
         job[section] = {**job.get(section, {}), **values}
         with pytest.raises(ValueError, match=f"{named} and several master processes .* do not combine"):
             JobConfig.from_dict(job)
-    assert JobConfig.from_dict(base).data_plane.transport == "object_ref"  # the default with several processes
+    assert JobConfig.from_dict(base).data_plane.transport == "collective"  # every rank forms planes of its own
     dropout = json.loads(json.dumps(base))
     dropout["lora"] = {"expert_stacks": [], "lora_dropout": 0.1}
     assert JobConfig.from_dict(dropout).lora.lora_dropout == 0.1  # the ranks draw one mask (no longer refused)

@@ -263,16 +263,15 @@ def test_the_master_gets_a_gpu_the_workers_leave_free(tmp_path):
         master_gpus(job(master_tp=2, master_gpus=1), {"CPU": 16, "GPU": 2}, {"CPU": 8, "GPU": 1}, "n0")
 
 
-def test_rows_travel_the_collective_plane_by_default_and_over_object_refs_with_several_masters(tmp_path):
+def test_rows_travel_the_collective_plane_by_default_with_any_number_of_master_processes(tmp_path):
     def transport(masters: int = 1, tp: int = 1, **data_plane) -> str:
         job = job_dict(tmp_path, tmp_path / "out", masters={"count": masters}, cluster={"master_tp": tp},
                        data_plane=data_plane)
         return JobConfig.from_dict(job).data_plane.transport
 
     assert JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out")).data_plane.transport == "collective"
-    assert transport() == "collective"
-    assert transport(masters=2) == transport(tp=2) == "object_ref"  # the default with several master processes
-    assert transport(masters=2, tp=2, transport="collective") == "collective"  # each forms planes of its own
+    assert transport() == transport(masters=2) == transport(tp=2) == "collective"  # each forms planes of its own
+    assert transport(masters=2, tp=2, transport="object_ref") == "object_ref"
 
 
 # Each key issue 32 moved out of `cluster`, an old value for it, and where it now lives.

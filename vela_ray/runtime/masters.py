@@ -54,7 +54,7 @@ from vela_ray.model.transport import Transport
 from vela_ray.runtime.migration import master_table
 from vela_ray.training.expert_workers import STEPPED_ELSEWHERE
 from vela_ray.training.master import (
-    MasterModel, MasterSpec, build_master_rank, load_master_state, master_device, shard_state,
+    MasterModel, MasterSpec, build_master_rank, load_master_state, master_device, shard_and_read, shard_state,
 )
 from vela_ray.training.replicas import SINGLE, Exchanger, ReplicaShare, Replicas
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
@@ -320,6 +320,8 @@ class MasterGroup:
                 self.leader.tp_states = self._follower_states
         else:
             groups = rendezvous.join(0, 0, device)
+            if groups.node is not None:  # the new ranks on its node read the backbone from it, as at the start
+                shard_and_read(self.leader, master_spec(self.config), None, groups.node, holds_backbone=True)
         self.replicas = groups.replicas
         self.hosts.wait(joins)
         self.migration = self._leader_migration()
