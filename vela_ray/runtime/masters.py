@@ -313,11 +313,11 @@ class MasterGroup:
             if dist.is_initialized():  # the old mesh was this process's default group: one per process
                 dist.destroy_process_group()
             groups = rendezvous.join(0, 0, device)
-            self.leader, _ = build_master_rank(master_spec(self.config), master_table(np.asarray(table)), transport,
-                                               groups.tp, node=groups.node, dp_mesh=groups.dp_mesh,
-                                               **self._leader_extras)
+            leader, _ = build_master_rank(master_spec(self.config), master_table(np.asarray(table)), transport,
+                                          groups.tp, node=groups.node, dp_mesh=groups.dp_mesh, **self._leader_extras)
             if self.mesh.tp > 1:
-                self.leader.tp_states = self._follower_states
+                leader.tp_states = self._follower_states
+            self.leader = leader
         else:
             groups = rendezvous.join(0, 0, device)
             if groups.node is not None:  # the new ranks on its node read the backbone from it, as at the start
