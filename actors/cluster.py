@@ -62,7 +62,7 @@ class ExpertCluster:
 
     handles: list[Any]
     node_ids: list[str]
-    placement_group: PlacementGroup
+    placement_group: PlacementGroup | None  # None without actors (every worker in the master's process)
 
     def worker_tiers(self, master_node_id: str | None = None) -> list[LinkTier]:
         """Link tier of each worker from `master_node_id` (default: the caller's node)."""
@@ -86,7 +86,8 @@ class ExpertCluster:
         """Kill the actors and release their placement group."""
         for handle in self.handles:
             ray.kill(handle, no_restart=True)
-        remove_placement_group(self.placement_group)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
 
 
 def spawn_expert_managers(

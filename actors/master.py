@@ -2,13 +2,14 @@
 
 It runs on the driver's node and holds the backbone; the ExpertManagers are a
 `RayWorkerPool` (with `cluster.workers_on_master`, some of them in this process on the master's
-device), or with every worker there an `InProcessPool` (one GPU runs a whole job, rows passed
-by direct call); metrics go to Ray's
+device), or with every worker there and one master process an `InProcessPool` (one GPU runs a whole job, rows
+passed by direct call); metrics go to Ray's
 exporter. All of the run's logic is the runner's, which tests drive in one process over
 `InProcessPool`.
 
-The actor takes two calls at once (`max_concurrency=2` in `vela_ray.api`): `run`, and
-`stop(reason)` from the driver on Ctrl-C or SIGTERM. The runner checks between steps and
+The actor takes several calls at once (`max_concurrency` in `vela_ray.api`): `run`; `stop(reason)` from the
+driver on Ctrl-C or SIGTERM; and with several master processes and `cluster.workers_on_master`, the other
+processes' calls of the ExpertManagers in this one (`call_local`). The runner checks between steps and
 stops after a checkpoint. It also stops when its driver process is gone (a SIGKILLed
 `vela train`), instead of training on until Ray notices the owner died.
 """
@@ -39,6 +40,7 @@ class MasterActor:
         self.driver_pid = driver_pid  # on this node: the actor is pinned to the driver's node
         self._stop_reason: str | None = None
         self._stop = threading.Event()
+        self._pool: RayWorkerPool | None = None
 
     def ready(self) -> bool:
         """Returns at once: the driver waits on it, with a deadline, to know the actor was scheduled."""
@@ -49,14 +51,19 @@ class MasterActor:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # INFO lines reach the driver's terminal
         silence_known_warnings()
         node = ray.get_runtime_context().get_node_id()
-        if self.config.cluster.num_worker_actors == 0:  # the one-GPU configuration: experts beside the backbone
+        # the one-GPU configuration: experts beside the backbone, and no other master process to reach them
+        if self.config.cluster.num_worker_actors == 0 and self.config.master_processes == 1:
             pool = InProcessPool(self.config, device="cuda" if self.config.cluster.master_gpus else "cpu",
                                  master_node=node)
         else:
-            pool = RayWorkerPool(self.config, node)
+            pool = self._pool = RayWorkerPool(self.config, node, home=ray.get_runtime_context().current_actor)
         runner = JobRunner(self.config, pool, MetricsSink(RayMetricsBackend()), should_stop=self.stop_reason,
                            hold_output=False)  # the driver holds output.dir (`VelaJob.run`)
         return runner.run()
+
+    def call_local(self, worker: int, method: str, *args, **kwargs):
+        """Another master process's call of an ExpertManager in this process (`actors.workers.HomeWorker`)."""
+        return self._pool.call_local(worker, method, *args, **kwargs)
 
     def stop(self, reason: str) -> None:
         """Ask the run to stop after the step in flight (and its checkpoint)."""

@@ -8,7 +8,9 @@ measured by the PlacementService on the master's node. A dead actor shows up as 
 With `cluster.workers_on_master: K` the last K workers are ExpertManagers in this (the master's)
 process on its device: `SplitTransport` serves them by direct call while the actors' rows travel,
 their link is a function call's, and they die only with the master. Workers 0..A-1 are the actors,
-so an actor's position in the cluster is its worker number.
+so an actor's position in the cluster is its worker number. The other master processes (data-parallel masters,
+tensor-parallel ranks) reach those K through the actor this pool runs in (`home`, the MasterActor:
+`actors.workers.HomeWorker`), over either data plane.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, r
 from actors.masters import RayRanks
 from actors.placement_service import spawn_placement_service
 from actors.transports import data_plane_env, master_transport
-from actors.workers import actor_workers
+from actors.workers import HomeWorker, actor_workers
 from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
 from vela_ray.model.transport import InProcessTransport, SplitTransport, Transport
@@ -44,8 +46,11 @@ PING_TIMEOUT_S = 10
 class RayWorkerPool:
     """`WorkerPool` of ExpertManager actors laid out by `config.cluster`, seen from `master_node`."""
 
-    def __init__(self, config: JobConfig, master_node: str):
+    def __init__(self, config: JobConfig, master_node: str, home: Any = None):
+        """`home`: the handle of the actor this pool runs in (the MasterActor), whose `call_local` the other master
+        processes call to reach the ExpertManagers in this process (`cluster.workers_on_master`)."""
         self.config = config
+        self.home = home
         self.master_node = master_node
         cluster = config.cluster
         self.env_vars = data_plane_env(config.data_plane.inline_bytes, config.data_plane.zero_copy_tensors)
@@ -66,11 +71,13 @@ class RayWorkerPool:
         self.close()
         self.table = np.array(table)
         self.placement_service = spawn_placement_service(self.master_node, self.env_vars)
-        self.cluster = launch_expert_managers(self._specs(), self.spawn_config)
+        # no actors: every worker in this process, with other master processes to serve (`actors.master`)
+        self.cluster = (launch_expert_managers(self._specs(), self.spawn_config) if self.num_actors
+                        else ExpertCluster([], [], None))
 
     def start(self, table: np.ndarray) -> HostedExperts:
         """Wait for the actors `launch` started for `table` (launching them now if it did not)."""
-        waiting = self.cluster is not None and not self.cluster.node_ids  # launched, not yet waited for
+        waiting = self.cluster is not None and len(self.cluster.node_ids) < self.num_actors  # launched, not waited for
         if not (waiting and np.array_equal(self.table, table)):
             self.launch(table)
         self.cluster.wait_ready(self.spawn_config.ready_timeout_s)
@@ -101,8 +108,18 @@ class RayWorkerPool:
                                 master=0, device=self.local_device)
 
     def rank_hosts(self, mesh: MasterMesh, nodes: list[str]) -> RayRanks:
-        """MasterRank actors for the ranks other than master 0, with rows to the ExpertManager actors."""
-        return RayRanks(self.config, mesh, nodes, self.cluster.handles, self.cluster.node_ids)
+        """MasterRank actors for the ranks other than master 0, with rows to every ExpertManager: the actors, and
+        those in this process through `home`."""
+        if self.local and self.home is None:
+            raise RuntimeError("the ExpertManagers in the master's process (cluster.workers_on_master) serve other "
+                               "master processes only through the actor the pool runs in: pass RayWorkerPool's home")
+        here = [HomeWorker(self.home, n) for n in range(self.num_actors, self.num_actors + len(self.local))]
+        return RayRanks(self.config, mesh, nodes, [*self.cluster.handles, *here],
+                        [*self.cluster.node_ids, *[self.master_node] * len(here)])
+
+    def call_local(self, worker: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`method` of worker `worker`, one of those in this process, for another master process (`HomeWorker`)."""
+        return getattr(self.local[worker - self.num_actors], method)(*args, **kwargs)
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         """Worker-to-worker: each receiver gets its senders' object refs, so the state travels from the

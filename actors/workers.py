@@ -11,6 +11,7 @@ The data plane (rows and gradients) goes through a transport (`actors.transports
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
@@ -32,3 +33,28 @@ def actor_workers(handles: Sequence[Any], timeout_s: float | None = None, local:
         return ray.get(refs, timeout=timeout_s) + here
 
     return ExpertWorkers(call_all, len(handles) + len(local))
+
+
+@dataclass(frozen=True)
+class HomeWorker:
+    """ExpertManager `worker`, one in master 0's process (`cluster.workers_on_master`), as another master process
+    calls it: like an actor handle, each method has a `.remote` that returns an ObjectRef, here of the MasterActor
+    `home`'s `call_local`. So the transports (object refs, the collective plane's joins) treat it as any worker."""
+
+    home: Any
+    worker: int
+
+    def __getattr__(self, method: str) -> _HomeCall:
+        if method.startswith("_"):  # pickling and copying probe dunder methods: not a worker's
+            raise AttributeError(method)
+        return _HomeCall(self.home, self.worker, method)
+
+
+@dataclass(frozen=True)
+class _HomeCall:
+    home: Any
+    worker: int
+    method: str
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.home.call_local.remote(self.worker, self.method, *args, **kwargs)

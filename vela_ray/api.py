@@ -104,7 +104,7 @@ class VelaJob:
         cluster, data_plane = self.config.cluster, self.config.data_plane
         master = ray.remote(MasterActor).options(
             num_cpus=0, num_gpus=cluster.master_gpus or 0, max_restarts=0,
-            max_concurrency=2,  # `stop` must get through while `run` works
+            max_concurrency=_master_calls(self.config),
             runtime_env={"env_vars": data_plane_env(data_plane.inline_bytes, data_plane.zero_copy_tensors)},
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(self.config, os.getpid())
@@ -225,3 +225,9 @@ def _stop_requests() -> Iterator[_StopRequest]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _master_calls(config: JobConfig) -> int:
+    """Calls the MasterActor takes at once: `run`, `stop` (it must get through while `run` works), and each other
+    master process's calls of the ExpertManagers in its process (one per such worker at a time)."""
+    return 2 + (config.master_processes - 1) * config.cluster.workers_on_master

@@ -168,13 +168,6 @@ class ClusterSection(_Section):
                              "same_process link tier, the fastest the placement sees) while the other workers' "
                              "rows travel. K = num_workers: the one-GPU configuration, no worker actors")
 
-    refusals = (
-        Refusal("cluster.workers_on_master and several master processes (masters.count or cluster.master_tp above 1)",
-                "the other master processes cannot reach ExpertManagers in master 0's process",
-                "set cluster.workers_on_master: 0, or masters.count and cluster.master_tp: 1",
-                lambda job: job.cluster.workers_on_master > 0 and job.master_processes > 1),
-    )
-
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):

@@ -95,8 +95,9 @@ def test_two_data_parallel_masters_of_tp_ranks_train_equal_to_peft(runs, tmp_pat
     # between the masters (each master's ranks deciding together), condensation on every rank (exact at 1.0)
     composed = not shard_frozen
     job["masters"] = {"count": 2, "shard_frozen_backbone": shard_frozen, "sequence_migration": composed}
-    if composed:
+    if composed:  # and an ExpertManager in master 0's process, which the 3 other ranks' planes reach through it
         job["training"]["condensation"] = {"enabled": True, "threshold": 1.0}
+        job["cluster"]["workers_on_master"] = 1
     job["cluster"]["master_tp"] = tp
     job["output"]["dir"] = str(tmp_path / "out")
     summary = VelaJob(JobConfig.from_dict(job)).run()
@@ -111,14 +112,16 @@ def test_two_data_parallel_masters_of_tp_ranks_train_equal_to_peft(runs, tmp_pat
     assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["master_pids"])) == 2 * tp
 
 
-def test_a_tensor_parallel_master_with_lora_dropout_trains_equal_to_peft(ray_session, tmp_path):
+def test_a_tensor_parallel_master_with_lora_dropout_and_a_worker_beside_it_trains_equal_to_peft(ray_session, tmp_path):
     """LoRA dropout on the backbone (the experts frozen, as peft requires): master 0 seeds each step by
     (training.seed, step), its second rank takes master 0's RNG state, and a row-parallel lora_A's rank applies its
     columns of the whole mask, so the job draws peft's masks: the losses of peft seeded alike."""
     model_dir = make_checkpoint(tmp_path / "model", "mixtral")
     start = init_adapter(model_dir, tmp_path / "init", LoraSpec(r=4, alpha=8, expert_stacks=()))
     lora = {"r": 4, "alpha": 8, "init_adapter": str(start), "expert_stacks": [], "lora_dropout": 0.3}
-    job = job_dict(model_dir, tmp_path / "out", steps=2, lora=lora, cluster={"master_tp": 2},
+    # with an ExpertManager in master 0's process, which the second rank's object refs reach through it
+    job = job_dict(model_dir, tmp_path / "out", steps=2, lora=lora, cluster={"master_tp": 2, "workers_on_master": 1},
+                   data_plane={"transport": "object_ref"},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)
     summary = VelaJob(config).run()

@@ -338,8 +338,9 @@ def test_old_keys_keep_the_defaults_and_checks_of_their_new_places(tmp_path, cap
     config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2,
                                                                                "transport": "collective"}))
     assert (config.masters.count, config.data_plane.transport) == (2, "collective")
-    with pytest.raises(ValueError, match=r"cluster.workers_on_master and several master processes .* do not combine"):
-        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2, "workers_on_master": 1}))
+    with pytest.raises(ValueError, match=r"training.method: zo and several master processes .* do not combine"):
+        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2},
+                                     training={"method": "zo"}))
     with pytest.raises(ValueError, match=r"masters.sequence_migration moves sequences between masters: set "
                                          r"masters.count above 1"):
         JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"sequence_migration": True}))
