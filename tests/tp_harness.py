@@ -312,9 +312,12 @@ def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | No
     ways from the checkpoint in `model_dir`: whole then sharded (`build_master_replica` + `shard_master`) and by
     `build_master_rank`, which reads each tensor once per `node` group (None: this rank alone reads its shards).
     {"mismatched": names whose tensors differ, "read": bytes the second read (`loading.BACKBONE_READS`, the
-    benchmark's counter), "received", "backbone": bytes of the whole backbone}."""
+    benchmark's counter), "received", "backbone": bytes of the whole backbone, "staged": the most host bytes its
+    `read_backbone` held beyond the model by its own account (`ReadStats.staged_bytes`), "allocated": the most
+    torch allocated meanwhile by the profiler's (`allocation_peak`), "chunk": its chunk size}."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from vela_ray.model import sharded_loading
     from vela_ray.model.loading import BACKBONE_READS, meta_model
     from vela_ray.model.modeling import find_moe_blocks
     from vela_ray.model.sharded_loading import backbone_specs
@@ -328,15 +331,44 @@ def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | No
     whole = build_master_replica(spec, table, InProcessTransport([object()]))
     if mesh is not None:
         shard_master(whole, mesh)
-    before = BACKBONE_READS.bytes
-    lean, stats = build_master_rank(spec, table, InProcessTransport([object()]), mesh, node=node)
+    before, peaks, read_backbone = BACKBONE_READS.bytes, [], sharded_loading.read_backbone
+
+    def profiled(*args, **kwargs):
+        stats, peak = allocation_peak(lambda: read_backbone(*args, **kwargs))
+        peaks.append(peak)
+        return stats
+
+    sharded_loading.read_backbone = profiled  # what build_master_rank calls
+    try:
+        lean, stats = build_master_rank(spec, table, InProcessTransport([object()]), mesh, node=node)
+    finally:
+        sharded_loading.read_backbone = read_backbone
     read = BACKBONE_READS.bytes - before
     want = whole.peft_model.state_dict()
     got = lean.peft_model.state_dict()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     mismatched = [k for k in want if want[k].device.type != "meta" and not torch.equal(local(want[k]), local(got[k]))]
     backbone = sum(int(torch.Size(s.shape).numel()) * 4 for s in backbone_specs(model_dir, lambda name: None))
-    return {"mismatched": mismatched, "read": read, "received": stats.bytes_received, "backbone": backbone}
+    return {"mismatched": mismatched, "read": read, "received": stats.bytes_received, "backbone": backbone,
+            "staged": stats.staged_bytes, "allocated": peaks[0], "chunk": sharded_loading.chunk_bytes(backbone)}
+
+
+def allocation_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn(), the most host bytes torch's allocator held meanwhile above any earlier level within the call), from
+    the profiler's memory events: what a load allocates, whatever it frees around it. It sees torch's allocations
+    only (not, say, safetensors' own buffers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type().name == "CPU")
+    level = low = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        low = min(low, level)
+        peak = max(peak, level - low)
+    return out, peak
 
 
 def _worker(rank: int, world: int, port: int, job: str, families: list[str], out: str) -> None:

@@ -103,7 +103,8 @@ def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
         return backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
     with load_record("seeded_backbone") as record:
         record["model"] = model = backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
-        read_backbone(model, None, spec.model_dir, spec.dtype, spec.trust_remote_code)
+        record["staged_bytes"] = read_backbone(model, None, spec.model_dir, spec.dtype,
+                                               spec.trust_remote_code).staged_bytes
     return model.eval()
 
 
@@ -173,6 +174,7 @@ def shard_and_read(master: MasterModel, spec: MasterSpec, mesh=None, node=None, 
         stats = read_backbone(master.peft_model, master.tp, spec.model_dir, spec.dtype, spec.trust_remote_code,
                               node, holds_backbone)
         record.update(model=master.peft_model, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
+                      staged_bytes=stats.staged_bytes,
                       node_rank=node.rank() if node is not None else 0, tp_rank=master.tp.rank if master.tp else 0)
     logger.info("master rank (tp %d) read %.1f MB of the backbone, received %.1f MB, sent %.1f MB in %.2f s",
                 master.tp.rank if master.tp else 0, stats.bytes_read / 1e6, stats.bytes_received / 1e6,
