@@ -20,8 +20,9 @@ the load (VmHWM, reset as the load starts), the host bytes its load staged beyon
   peak: the processes' peaks need not coincide), which includes the backbone each keeps, any checkpoint pages a
   reader maps (none since the reader reads with pread(2): the page cache holds them, charged to no process) and
   the code pages a process touches for the first time;
-- resident / model: the backbone bytes the node's processes keep (without FSDP2 each data-parallel master keeps
-  its copy on the host: CPU masters; a GPU master keeps it on its GPU);
+- resident / model: the bytes the node's processes keep of what their loads brought about (`loaded_bytes`: the
+  backbone or its TP shards, and the LoRA shards TP sharding re-cuts; without FSDP2 each data-parallel master
+  keeps its copy on the host: CPU masters; a GPU master keeps it on its GPU);
 - transient / model: peak minus resident, what loading needs beyond what it leaves, in three parts: freed_by_end
   (the peak above the load's end: memory it held and freed), file_backed (RssFile and RssShmem growth: code and
   shared-library pages paged in, e.g. torch's DTensor and gloo code, shared by every process on the node) and
@@ -102,7 +103,9 @@ def node_figures(loads: list[dict], model_bytes: int) -> dict:
         growth = load["memory_after"]["VmHWM"] - load["memory_before"]["VmRSS"]
         if growth >= peak.get(load["pid"], {}).get("growth", -1):
             peak[load["pid"]] = dict(growth=growth, load=load)
-    resident = {load["pid"]: load["resident_bytes"] for load in loads}  # the last load's: what it keeps
+    # what the peak's load brought about and keeps: its backbone (or TP shards, and the LoRA shards TP sharding
+    # re-cut), not what the process held before (master 0's backbone when it only sends, LoRA peft drew before)
+    resident = {pid: p["load"].get("loaded_bytes", p["load"]["resident_bytes"]) for pid, p in peak.items()}
     grown = lambda field: sum(p["load"]["memory_after"].get(field, 0) - p["load"]["memory_before"].get(field, 0)  # noqa: E731
                               for p in peak.values())
     node = dict(processes=len(peak), bytes_read=sum(load["bytes_read"] for load in loads),
@@ -186,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                  "readers": "loads that read anything (1: one process read for the node)",
                  "peak_growth": "sum over the node's master processes of VmHWM during the load (reset as it "
                                 "starts) minus VmRSS before it: an upper bound of the node's peak growth",
-                 "resident": "backbone bytes the node's master processes hold after loading (host memory here)",
+                 "resident": "bytes of the tensors each master process's load (its peak one) brought about and holds "
+                             "after it, summed: its backbone or TP shards (host memory here; and the LoRA shards "
+                             "TP sharding re-cuts), not LoRA drawn before the load (loaded_bytes of load_record)",
                  "transient": "peak_growth minus resident: host memory loading needs beyond what it leaves",
                  "freed_by_end": "sum of VmHWM minus VmRSS at the load's end: memory held during the load and freed",
                  "file_backed": "sum of RssFile + RssShmem growth during the load: code and shared-library pages "

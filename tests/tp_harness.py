@@ -307,7 +307,8 @@ def comm_counts(family: str, group: dist.ProcessGroup, lora: bool) -> dict[str, 
             "backward_elements": bwd.elements, "replicated_elements": replicated}
 
 
-def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | None) -> dict[str, Any]:
+def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | None,
+                  dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A runtime rank of a `dp` x `tp` mesh of master processes (this process's default group, tp fastest) built two
     ways from the checkpoint in `model_dir`: whole then sharded (`build_master_replica` + `shard_master`) and by
     `build_master_rank`, which reads each tensor once per `node` group (None: this rank alone reads its shards).
@@ -325,7 +326,7 @@ def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | No
     from vela_ray.training.master import MasterSpec, build_master_rank, build_master_replica, shard_master
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))["tp"] if tp > 1 else None
-    spec = MasterSpec(model_dir=Path(model_dir), dtype=torch.float32, lora=LORA, optim=OPTIM, seed=3)
+    spec = MasterSpec(model_dir=Path(model_dir), dtype=dtype, lora=LORA, optim=OPTIM, seed=3)
     blocks = find_moe_blocks(meta_model(model_dir))
     table = torch.zeros(len(blocks), blocks[0].layout.num_experts, dtype=torch.long)
     whole = build_master_replica(spec, table, InProcessTransport([object()]))
@@ -388,9 +389,11 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
                 results[family] = mesh_run(family, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
             elif job.startswith("load"):  # "load:DPxTP[:node]"; `family` is a checkpoint directory
-                dp, tp = map(int, job.split(":")[1].split("x"))
-                node = dist.new_group(backend="gloo") if job.endswith(":node") else None  # one node: all ranks
-                results[family] = {rank: shard_loading(family, dp, tp, node)}
+                parts = job.split(":")  # "load:DPxTP[:node][:DTYPE]"
+                dp, tp = map(int, parts[1].split("x"))
+                node = dist.new_group(backend="gloo") if "node" in parts else None  # one node: all ranks
+                dtype = getattr(torch, parts[-1]) if parts[-1] not in ("node", parts[1]) else torch.float32
+                results[family] = {rank: shard_loading(family, dp, tp, node, dtype)}
             else:
                 results[family] = {"lora": comm_counts(family, group, True),
                                    "plain": comm_counts(family, group, False)}
@@ -406,8 +409,8 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
 
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
-    """Run `job` ("step": `tp_run`, "dropout": `dropout_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load:DPxTP[:node]":
-    `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone, `families` then being
+    """Run `job` ("step": `tp_run`, "dropout": `dropout_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load:DPxTP[:node][:DTYPE]":
+    `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone, in DTYPE (float32), `families` then being
     checkpoint directories, and every rank's results) on `size` gloo ranks; rank 0's results by family."""
     families = families or FAMILIES
     # a forked rank would inherit the parent's default group and fail to create its own

@@ -102,6 +102,23 @@ def test_a_node_of_dp_by_tp_master_processes_reads_each_tensor_once(tmp_path, mo
     assert all(f["staged"] == 0 and f["allocated"] <= step for f in figures[1:]), figures[1:]
 
 
+def test_a_node_group_loads_through_its_buffers_when_ranks_cannot_take_the_chunks_in_place(tmp_path, monkeypatch):
+    """What a GPU master 0 (its shards on its GPU) and a cast (a float32 checkpoint loaded in bfloat16) make the
+    node group do: every chunk read, sent and received through staging buffers, none straight into a tensor. The
+    ranks still hold exactly what a whole load then sharded holds, from one backbone's bytes read."""
+    from tests.fixtures import make_checkpoint
+    from vela_ray.model import sharded_loading
+
+    monkeypatch.setattr(sharded_loading, "MIN_CHUNK_BYTES", 2048)
+    monkeypatch.setattr(sharded_loading, "_is_host_buffer", lambda tensor: False)  # the forked ranks inherit both
+    model_dir = str(make_checkpoint(tmp_path / "mixtral", "mixtral", vocab=264, **tp_harness.OVERRIDES["mixtral"]))
+    ranks = tp_harness.spawn(4, "load:2x2:node:bfloat16", [model_dir])
+    figures = [ranks[r][model_dir][r] for r in range(4)]
+    assert all(f["mismatched"] == [] for f in figures), [f["mismatched"][:3] for f in figures]
+    assert figures[0]["read"] == figures[0]["backbone"] and all(f["read"] == 0 for f in figures[1:])
+    assert all(f["staged"] > 0 for f in figures)
+
+
 def test_a_lone_rank_streams_the_checkpoint_into_its_tensors(tmp_path, monkeypatch):
     """A rank alone on its node (master 0's `seeded_backbone`) reads each tensor straight into its parameter, in
     chunks: nothing staged when the checkpoint's dtype is the model's, one chunk's rows as stored when it is cast

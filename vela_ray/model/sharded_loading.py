@@ -469,20 +469,30 @@ def _serve(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp: 
 def _host_rows(tensor: torch.Tensor, rows: tuple[int, int], staging: _Staging) -> torch.Tensor:
     """`rows` of a tensor the root holds, as a contiguous host tensor to send: the rows themselves when they are one."""
     part = _rows(tensor, rows)
-    if part.device.type == "cpu" and part.is_contiguous():
+    if _is_host_buffer(part):
         return part
     return staging.buffer("send", part.shape, part.dtype).copy_(part)
 
 
-def _fill_own(own: list[torch.Tensor], rows: tuple[int, int], value: torch.Tensor) -> torch.Tensor:
-    """Copy `value` into `rows` of each of this rank's tensors that does not hold it already; returns the rows of
-    its first tensor (what it sends to members of its own TP rank)."""
+def _fill_own(own: list[torch.Tensor], rows: tuple[int, int], value: torch.Tensor, staging: _Staging
+              ) -> torch.Tensor:
+    """Copy `value` (host) into `rows` of each of this rank's tensors that does not hold it already; returns them as
+    a contiguous host tensor of their dtype (what it sends to members of its own TP rank): its first tensor's rows
+    where they are one (a GPU master 0's are not: it fills its GPU shards from host chunks)."""
     first = _rows(own[0], rows)
     for tensor in own:
         part = _rows(tensor, rows)
         if part.data_ptr() != value.data_ptr() or part.stride() != value.stride():
             part.copy_(value)
-    return first if first.is_contiguous() else value.clone(memory_format=torch.contiguous_format)
+    if _is_host_buffer(first):
+        return first
+    if value.dtype == first.dtype and value.is_contiguous():
+        return value
+    return staging.buffer("own", first.shape, first.dtype).copy_(value)
+
+
+def _is_host_buffer(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
 def _pieces_of(whole: torch.Tensor, spec: TensorSpec, tp: int, rows: tuple[int, int], wanted: list[int],
@@ -492,7 +502,7 @@ def _pieces_of(whole: torch.Tensor, spec: TensorSpec, tp: int, rows: tuple[int, 
     for t in wanted:
         part = _rows(_shard_of(whole, spec.dim, tp, t), rows)
         if t == tp_rank:
-            pieces[t] = _fill_own(own, rows, part if part.is_contiguous() else part.contiguous())
+            pieces[t] = _fill_own(own, rows, part, staging)
         else:
             pieces[t] = part if part.is_contiguous() else staging.buffer(("send", t), part.shape, part.dtype).copy_(part)
     return pieces
@@ -521,7 +531,7 @@ def _read_pieces(reader: ShardReader, spec: TensorSpec, tp: int, rows: tuple[int
         for t in wanted:
             part = _shard_of(full, 1, tp, t)
             if t == tp_rank:
-                pieces[t] = _fill_own(own, rows, part)
+                pieces[t] = _fill_own(own, rows, part, staging)
             else:
                 pieces[t] = staging.buffer(("send", t), shape, spec.dtype).copy_(part)
         return pieces
@@ -534,15 +544,17 @@ def _read_pieces(reader: ShardReader, spec: TensorSpec, tp: int, rows: tuple[int
         elif spec.dim == 1:
             cols = shard_range(stored.shape[1], tp, t)
         mine = _rows(own[0], rows) if t == tp_rank else None
-        if mine is not None and mine.is_contiguous() and stored.dtype == spec.dtype:
+        if mine is not None and _is_host_buffer(mine) and stored.dtype == spec.dtype:
             dest = mine
-        elif t != tp_rank and stored.dtype == spec.dtype:
+        elif mine is not None:  # cast, or a GPU rank's: through a buffer of its own (sent from, if need be)
+            dest = staging.buffer("own-read", shape, stored.dtype)
+        elif stored.dtype == spec.dtype:
             dest = staging.buffer(("send", t), shape, spec.dtype)
         else:
             dest = staging.buffer("rows", shape, stored.dtype)
         reader.read_rows(spec.file, spec.source, file_rows, dest, cols)
         if t == tp_rank:
-            pieces[t] = _fill_own(own, rows, dest)
+            pieces[t] = _fill_own(own, rows, dest, staging)
         elif dest.dtype != spec.dtype:
             pieces[t] = staging.buffer(("send", t), shape, spec.dtype).copy_(dest)
         else:
@@ -563,9 +575,9 @@ def _receive(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp
         for rows in _chunks(spec, tp, chunk):
             tag += 1
             mine = _rows(own[0], rows)
-            buffer = mine if mine.is_contiguous() else staging.buffer("recv", mine.shape, mine.dtype)
+            buffer = mine if _is_host_buffer(mine) else staging.buffer("recv", mine.shape, mine.dtype)
             node.recv([buffer], 0, tag).wait()
-            _fill_own(own, rows, buffer)
+            _fill_own(own, rows, buffer, staging)
             stats.bytes_received += buffer.numel() * buffer.element_size()
 
 
@@ -605,22 +617,41 @@ def _memory() -> dict[str, int]:
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")}
 
 
+def host_storages(model: nn.Module) -> dict[int, tuple[int, bool]]:
+    """{storage address: (bytes, whether a frozen parameter uses it)} of the tensors `model` holds in host memory
+    (each storage once; DTensors' local shards)."""
+    out: dict[int, tuple[int, bool]] = {}
+    tensors = [(p, not p.requires_grad) for p in model.parameters()] + [(b, False) for b in model.buffers()]
+    for tensor, frozen in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.device.type == "cpu":
+            ptr = local.untyped_storage().data_ptr()
+            nbytes, was_frozen = out.get(ptr, (local.untyped_storage().nbytes(), False))
+            out[ptr] = (nbytes, was_frozen or frozen)
+    return out
+
+
 def _resident_bytes(model: nn.Module) -> int:
     """Bytes of the tensors `model` holds in host memory (each storage once; DTensors' local shards)."""
-    seen, total = set(), 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        if local.device.type == "cpu" and local.untyped_storage().data_ptr() not in seen:
-            seen.add(local.untyped_storage().data_ptr())
-            total += local.untyped_storage().nbytes()
-    return total
+    return sum(nbytes for nbytes, _ in host_storages(model).values())
+
+
+def _loaded_bytes(model: nn.Module, at_start: dict[int, tuple[int, bool]], filled: bool) -> int:
+    """Bytes of the tensors `model` holds in host memory that came to be during a load: storages it did not hold at
+    its start (`at_start`: `host_storages` then; a model built during the load has none), and, when the load
+    `filled` the model's frozen parameters, theirs (an unread skeleton's pages are first touched by the load).
+    What the load's peak growth is to be compared with: not the LoRA peft drew before it, say."""
+    return sum(nbytes for ptr, (nbytes, frozen) in host_storages(model).items()
+               if ptr not in at_start or (filled and frozen))
 
 
 @contextlib.contextmanager
 def load_record(what: str) -> Iterator[dict]:
     """Around one backbone load: with $VELA_LOAD_RECORD set (a directory), write what this process read from the
-    checkpoint meanwhile (`loading.BACKBONE_READS`), its host memory before and after (VmHWM: its peak) and the
-    backbone it then holds (the caller puts its model under "model" in the yielded dict), one JSON file per load.
+    checkpoint meanwhile (`loading.BACKBONE_READS`), its host memory before and after (VmHWM: its peak), the tensors
+    it then holds (the caller puts its model under "model" in the yielded dict: `resident_bytes`) and of those the
+    ones the load brought about (`loaded_bytes`; the caller puts `host_storages` of a model that existed before
+    under "storages_at_start", and "filled": False if the load only sent from it), one JSON file per load.
     Switching it on resets the process's VmHWM as each load starts.
     How `benchmarks/master_loading.py` and the tests see each master process's load inside a real job."""
     directory = os.environ.get(LOAD_RECORD_ENV)
@@ -632,8 +663,10 @@ def load_record(what: str) -> Iterator[dict]:
     if not directory:
         return
     model = record.pop("model", None)
+    at_start, filled = record.pop("storages_at_start", {}), record.pop("filled", True)
     out = dict(what=what, pid=os.getpid(), host=socket.gethostname(), bytes_read=BACKBONE_READS.bytes - reads[0],
                tensors_read=BACKBONE_READS.tensors - reads[1], memory_before=before, memory_after=_memory(),
-               resident_bytes=_resident_bytes(model) if model is not None else 0, **record)
+               resident_bytes=_resident_bytes(model) if model is not None else 0,
+               loaded_bytes=_loaded_bytes(model, at_start, filled) if model is not None else 0, **record)
     path = Path(directory) / f"{os.getpid()}-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(out))
