@@ -75,7 +75,8 @@ def make_model(out: Path, layers: int) -> int:
     from vela_ray.training.tiny_model import tiny_model_path
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(MixtralConfig(**{**CONFIG, "num_hidden_layers": layers})).save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
+    config = MixtralConfig(**{**CONFIG, "num_hidden_layers": layers})
+    AutoModelForCausalLM.from_config(config).save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_path() / name, out / name)
     return sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in backbone_specs(out, lambda name: None))
@@ -106,8 +107,11 @@ def node_figures(loads: list[dict], model_bytes: int) -> dict:
     # what the peak's load brought about and keeps: its backbone (or TP shards, and the LoRA shards TP sharding
     # re-cut), not what the process held before (master 0's backbone when it only sends, LoRA peft drew before)
     resident = {pid: p["load"].get("loaded_bytes", p["load"]["resident_bytes"]) for pid, p in peak.items()}
-    grown = lambda field: sum(p["load"]["memory_after"].get(field, 0) - p["load"]["memory_before"].get(field, 0)  # noqa: E731
-                              for p in peak.values())
+
+    def grown(field: str) -> int:
+        return sum(p["load"]["memory_after"].get(field, 0) - p["load"]["memory_before"].get(field, 0)
+                   for p in peak.values())
+
     node = dict(processes=len(peak), bytes_read=sum(load["bytes_read"] for load in loads),
                 bytes_sent=sum(load.get("bytes_sent", 0) for load in loads),
                 bytes_received=sum(load.get("bytes_received", 0) for load in loads),

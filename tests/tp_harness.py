@@ -409,9 +409,10 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
 
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
-    """Run `job` ("step": `tp_run`, "dropout": `dropout_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load:DPxTP[:node][:DTYPE]":
-    `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone, in DTYPE (float32), `families` then being
-    checkpoint directories, and every rank's results) on `size` gloo ranks; rank 0's results by family."""
+    """Run `job` ("step": `tp_run`, "dropout": `dropout_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks;
+    "load:DPxTP[:node][:DTYPE]": `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone,
+    in DTYPE (float32), `families` then being checkpoint directories, and every rank's results) on `size` gloo
+    ranks; rank 0's results by family."""
     families = families or FAMILIES
     # a forked rank would inherit the parent's default group and fail to create its own
     assert not dist.is_initialized(), "a test left a torch.distributed process group initialized in this process"

@@ -12,7 +12,8 @@ peft) and, under tensor parallelism, shards it over its TP group (`tensor_parall
   point to point; a member receives straight into its parameter (or into its vocab-parallel DTensor's local
   tensor), so receiving costs no host memory beyond the model it keeps;
 - a root that already holds the whole backbone (master 0 without TP: `runtime.state.Backbone.load` read it with
-  `training.master.seeded_backbone`, alone, before the other masters existed) sends from it instead of reading the checkpoint again;
+  `training.master.seeded_backbone`, alone, before the other masters existed) sends from it instead of reading the
+  checkpoint again;
 - a process alone on its node (one master per node and no TP) reads its own shards by slice.
 
 So the bytes a node reads are one model's (its members' TP shards of every backbone tensor, each once), for any
@@ -36,7 +37,8 @@ stay one model's, but a node hosting several data-parallel masters holds their c
 
 A backbone tensor that transformers *converts* (lara_mini's fused in_proj split in four, inkling2's padded lm_head)
 needs its whole source tensors: the root reads them whole, converts them with `loading.convert_whole` and takes the
-shards (the converted tensor is held whole meanwhile, and counted in `ReadStats.staged_bytes`). Experts are never read here: the master does not hold them (ExpertManagers do).
+shards (the converted tensor is held whole meanwhile, and counted in `ReadStats.staged_bytes`). Experts are never
+read here: the master does not hold them (ExpertManagers do).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import os
 import re
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +109,8 @@ class ReadStats:
 _STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                   "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                   "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-                  **{f"U{bits}": getattr(torch, f"uint{bits}") for bits in (16, 32, 64) if hasattr(torch, f"uint{bits}")}}
+                  **{f"U{bits}": getattr(torch, f"uint{bits}") for bits in (16, 32, 64)
+                     if hasattr(torch, f"uint{bits}")}}
 
 
 @dataclass(frozen=True)
@@ -504,7 +508,8 @@ def _pieces_of(whole: torch.Tensor, spec: TensorSpec, tp: int, rows: tuple[int, 
         if t == tp_rank:
             pieces[t] = _fill_own(own, rows, part, staging)
         else:
-            pieces[t] = part if part.is_contiguous() else staging.buffer(("send", t), part.shape, part.dtype).copy_(part)
+            pieces[t] = (part if part.is_contiguous()
+                         else staging.buffer(("send", t), part.shape, part.dtype).copy_(part))
     return pieces
 
 
@@ -617,32 +622,40 @@ def _memory() -> dict[str, int]:
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")}
 
 
-def host_storages(model: nn.Module) -> dict[int, tuple[int, bool]]:
-    """{storage address: (bytes, whether a frozen parameter uses it)} of the tensors `model` holds in host memory
-    (each storage once; DTensors' local shards)."""
-    out: dict[int, tuple[int, bool]] = {}
+def _host_tensors(model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(tensor, its host local tensor, whether it is a frozen parameter) for `model`'s parameters and buffers in host
+    memory (a DTensor's local shard)."""
     tensors = [(p, not p.requires_grad) for p in model.parameters()] + [(b, False) for b in model.buffers()]
     for tensor, frozen in tensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if local.device.type == "cpu":
-            ptr = local.untyped_storage().data_ptr()
-            nbytes, was_frozen = out.get(ptr, (local.untyped_storage().nbytes(), False))
-            out[ptr] = (nbytes, was_frozen or frozen)
-    return out
+            yield tensor, local, frozen
 
 
 def _resident_bytes(model: nn.Module) -> int:
     """Bytes of the tensors `model` holds in host memory (each storage once; DTensors' local shards)."""
-    return sum(nbytes for nbytes, _ in host_storages(model).values())
+    storages = {local.untyped_storage().data_ptr(): local.untyped_storage().nbytes()
+                for _, local, _ in _host_tensors(model)}
+    return sum(storages.values())
 
 
-def _loaded_bytes(model: nn.Module, at_start: dict[int, tuple[int, bool]], filled: bool) -> int:
-    """Bytes of the tensors `model` holds in host memory that came to be during a load: storages it did not hold at
-    its start (`at_start`: `host_storages` then; a model built during the load has none), and, when the load
-    `filled` the model's frozen parameters, theirs (an unread skeleton's pages are first touched by the load).
-    What the load's peak growth is to be compared with: not the LoRA peft drew before it, say."""
-    return sum(nbytes for ptr, (nbytes, frozen) in host_storages(model).items()
-               if ptr not in at_start or (filled and frozen))
+def model_tensors(model: nn.Module) -> dict[int, weakref.ref]:
+    """{id: weak reference} of `model`'s parameters and buffers: which tensors it holds now (`load_record`'s
+    "tensors_at_start"), without keeping them alive."""
+    return {id(t): weakref.ref(t) for t in [*model.parameters(), *model.buffers()]}
+
+
+def _loaded_bytes(model: nn.Module, at_start: dict[int, weakref.ref], filled: bool) -> int:
+    """Bytes of the tensors `model` holds in host memory that came to be during a load: tensors it did not hold at
+    its start (`at_start`: `model_tensors` then; a model built during the load has none), and, when the load
+    `filled` the model's frozen parameters, those (an unread skeleton's pages are first touched by the load). What
+    the load's peak growth is to be compared with: not the LoRA peft drew before it, say. Each storage once."""
+    storages = {}
+    for tensor, local, frozen in _host_tensors(model):
+        ref = at_start.get(id(tensor))
+        if ref is None or ref() is not tensor or (filled and frozen):
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 @contextlib.contextmanager
@@ -650,8 +663,8 @@ def load_record(what: str) -> Iterator[dict]:
     """Around one backbone load: with $VELA_LOAD_RECORD set (a directory), write what this process read from the
     checkpoint meanwhile (`loading.BACKBONE_READS`), its host memory before and after (VmHWM: its peak), the tensors
     it then holds (the caller puts its model under "model" in the yielded dict: `resident_bytes`) and of those the
-    ones the load brought about (`loaded_bytes`; the caller puts `host_storages` of a model that existed before
-    under "storages_at_start", and "filled": False if the load only sent from it), one JSON file per load.
+    ones the load brought about (`loaded_bytes`; the caller puts `model_tensors` of a model that existed before
+    under "tensors_at_start", and "filled": False if the load only sent from it), one JSON file per load.
     Switching it on resets the process's VmHWM as each load starts.
     How `benchmarks/master_loading.py` and the tests see each master process's load inside a real job."""
     directory = os.environ.get(LOAD_RECORD_ENV)
@@ -663,7 +676,7 @@ def load_record(what: str) -> Iterator[dict]:
     if not directory:
         return
     model = record.pop("model", None)
-    at_start, filled = record.pop("storages_at_start", {}), record.pop("filled", True)
+    at_start, filled = record.pop("tensors_at_start", {}), record.pop("filled", True)
     out = dict(what=what, pid=os.getpid(), host=socket.gethostname(), bytes_read=BACKBONE_READS.bytes - reads[0],
                tensors_read=BACKBONE_READS.tensors - reads[1], memory_before=before, memory_after=_memory(),
                resident_bytes=_resident_bytes(model) if model is not None else 0,

@@ -167,11 +167,11 @@ def shard_and_read(master: MasterModel, spec: MasterSpec, mesh=None, node=None, 
     once per `node` group (the master processes of this node; None: alone) (`sharded_loading.read_backbone`).
     `holds_backbone`: this master read the whole backbone already (master 0 without TP) and sends it to its node
     group."""
-    from vela_ray.model.sharded_loading import LOAD_RECORD_ENV, host_storages, load_record, read_backbone
+    from vela_ray.model.sharded_loading import LOAD_RECORD_ENV, load_record, model_tensors, read_backbone
 
     with load_record("shard_and_read") as record:
         if os.environ.get(LOAD_RECORD_ENV):  # what the model held before (its LoRA, its unread skeleton)
-            record.update(storages_at_start=host_storages(master.peft_model), filled=not holds_backbone)
+            record.update(tensors_at_start=model_tensors(master.peft_model), filled=not holds_backbone)
         if mesh is not None:
             shard_master(master, mesh)
         stats = read_backbone(master.peft_model, master.tp, spec.model_dir, spec.dtype, spec.trust_remote_code,
