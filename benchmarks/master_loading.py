@@ -141,12 +141,25 @@ def bound(node: dict, model_bytes: int) -> dict:
             "peak <= 1.1 model": node["peak_growth"] <= 1.1 * model_bytes}
 
 
+def resumed(out: Path, header: dict) -> list[dict]:
+    """The runs a stopped run left in `out` (`--resume`), if it measured the same model; each keeps its own
+    measurements (every setting is a job of its own)."""
+    if out is None or not Path(out).is_file():
+        return []
+    previous = json.loads(Path(out).read_text())
+    if previous.get("model") != header["model"]:
+        return []
+    return previous.get("runs", [])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__, RESULTS)
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 3, 4], help="data-parallel masters")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel ranks per master")
     p.add_argument("--fsdp", action="store_true", help="also run DP >= 2 with masters.shard_frozen_backbone")
     p.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"], help="decoder layers of the model")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the settings --out holds already (same model and command otherwise) and run the rest")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="master_loading_"))
     records = work / "records"
@@ -158,27 +171,16 @@ def main(argv: list[str] | None = None) -> int:
              runtime_env={"env_vars": {LOAD_RECORD_ENV: str(records), "TOKENIZERS_PARALLELISM": "false",
                                        **MEASURED_ENV}})
     try:
-        model_bytes = make_model(work / "model", args.layers)
-        settings = [(dp, tp, False) for tp in args.tp for dp in args.dp]
-        settings += [(dp, tp, True) for tp in args.tp for dp in args.dp if args.fsdp and dp > 1]
-        runs = []
-        for dp, tp, fsdp in settings:
-            start = time.perf_counter()
-            loads = run_job(work / "model", work / f"dp{dp}-tp{tp}-fsdp{int(fsdp)}", records, dp, tp, fsdp)
-            figures = node_figures(loads, model_bytes)
-            figures["bound"] = bound(figures["node"], model_bytes)
-            runs.append(dict(dp=dp, tp=tp, shard_frozen_backbone=fsdp, job_seconds=time.perf_counter() - start,
-                             **figures, loads=loads))
-            r = figures["over_model"]
-            print(f"dp={dp} tp={tp} fsdp={int(fsdp)}: {figures['node']['processes']} processes, read "
-                  f"{r['bytes_read']:.2f}x  peak {r['peak_growth']:.3f}x  resident {r['resident']:.3f}x  "
-                  f"transient {r['transient']:.3f}x (freed {r['freed_by_end']:.3f}x, code pages "
-                  f"{r['file_backed']:.3f}x, anon beyond model {r['anon_beyond_model']:.3f}x; staged "
-                  f"{r['staged']:.4f}x)  (one model = {model_bytes / 2**20:.1f} MiB)", flush=True)
+        return measure(args, argv, work, records)
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    write_results(args.out, dict(
+
+
+def measure(args, argv: list[str] | None, work: Path, records: Path) -> int:
+    """Every setting's job and its figures, written to `args.out` after each (see `main`)."""
+    model_bytes = make_model(work / "model", args.layers)
+    header = dict(
         command=command(__file__, argv),
         model=dict(family="mixtral", **{**CONFIG, "num_hidden_layers": args.layers}, dtype="float32",
                    backbone_bytes=model_bytes),
@@ -204,7 +206,32 @@ def main(argv: list[str] | None = None) -> int:
                                       "beyond the backbone (TP setup objects, the checkpoint's cached layout)",
                  "staged": "sum of ReadStats.staged_bytes: host bytes the loads held beyond the model (chunk buffers)",
                  "peak_less_file_backed": "peak_growth minus file_backed"},
-        runs=runs))
+    )
+    settings = [(dp, tp, False) for tp in args.tp for dp in args.dp]
+    settings += [(dp, tp, True) for tp in args.tp for dp in args.dp if args.fsdp and dp > 1]
+    runs = resumed(args.out, header) if args.resume else []
+    done = {(r["dp"], r["tp"], r["shard_frozen_backbone"]) for r in runs}
+    if runs:  # the command that measured them, and this one, which measured the rest
+        header["command"] = json.loads(Path(args.out).read_text())["command"]
+        header["resumed"] = dict(command=command(__file__, argv), kept=[list(s) for s in sorted(done)])
+    for dp, tp, fsdp in settings:
+        if (dp, tp, fsdp) in done:
+            continue
+        start = time.perf_counter()
+        loads = run_job(work / "model", work / f"dp{dp}-tp{tp}-fsdp{int(fsdp)}", records, dp, tp, fsdp)
+        figures = node_figures(loads, model_bytes)
+        figures["bound"] = bound(figures["node"], model_bytes)
+        runs.append(dict(dp=dp, tp=tp, shard_frozen_backbone=fsdp, job_seconds=time.perf_counter() - start,
+                         **figures, loads=loads))
+        r = figures["over_model"]
+        print(f"dp={dp} tp={tp} fsdp={int(fsdp)}: {figures['node']['processes']} processes, read "
+              f"{r['bytes_read']:.2f}x  peak {r['peak_growth']:.3f}x  resident {r['resident']:.3f}x  "
+              f"transient {r['transient']:.3f}x (freed {r['freed_by_end']:.3f}x, code pages "
+              f"{r['file_backed']:.3f}x, anon beyond model {r['anon_beyond_model']:.3f}x; staged "
+              f"{r['staged']:.4f}x)  (one model = {model_bytes / 2**20:.1f} MiB)", flush=True)
+        left = [s for s in settings if s not in {(r["dp"], r["tp"], r["shard_frozen_backbone"]) for r in runs}]
+        # after every setting: a run stopped midway (an outside `ray stop`) keeps what it measured
+        write_results(args.out, dict(header, runs=runs, settings_left=[list(s) for s in left]))
     return 0
 
 
