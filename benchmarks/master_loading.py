@@ -59,7 +59,7 @@ from benchmarks._harness import MEASURED_ENV, command, parser, run, tiny_job, wr
 from vela_ray.model.sharded_loading import LOAD_RECORD_ENV  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "master_loading.json"
-MAX_SHARD_SIZE = "4MB"  # checkpoint files: the reader maps one at a time (a real checkpoint's are ~5 GB of 100s)
+MAX_SHARD_SIZE = "4MB"  # checkpoint files: the reader opens one at a time (a real checkpoint's are ~5 GB of 100s)
 CONFIG = dict(hidden_size=512, intermediate_size=64, num_hidden_layers=24, num_attention_heads=8,
               num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=4096,
               max_position_embeddings=256, tie_word_embeddings=False)
@@ -147,7 +147,7 @@ def resumed(out: Path, header: dict) -> list[dict]:
     if out is None or not Path(out).is_file():
         return []
     previous = json.loads(Path(out).read_text())
-    if previous.get("model") != header["model"]:
+    if previous.get("model") != header["model"] or previous.get("command") != header["command"]:
         return []
     return previous.get("runs", [])
 
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args, argv: list[str] | None, work: Path, records: Path) -> int:
     """Every setting's job and its figures, written to `args.out` after each (see `main`)."""
     model_bytes = make_model(work / "model", args.layers)
+    measuring = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
     header = dict(
-        command=command(__file__, argv),
+        command=command(__file__, measuring),  # --resume aside: what the runs measured
         model=dict(family="mixtral", **{**CONFIG, "num_hidden_layers": args.layers}, dtype="float32",
                    backbone_bytes=model_bytes),
         model_note=("24 decoder layers (4 before issue 51's loading fix): at 4 the embedding and LM head (8 MiB each) "
@@ -211,9 +212,8 @@ def measure(args, argv: list[str] | None, work: Path, records: Path) -> int:
     settings += [(dp, tp, True) for tp in args.tp for dp in args.dp if args.fsdp and dp > 1]
     runs = resumed(args.out, header) if args.resume else []
     done = {(r["dp"], r["tp"], r["shard_frozen_backbone"]) for r in runs}
-    if runs:  # the command that measured them, and this one, which measured the rest
-        header["command"] = json.loads(Path(args.out).read_text())["command"]
-        header["resumed"] = dict(command=command(__file__, argv), kept=[list(s) for s in sorted(done)])
+    if runs:  # which settings a stopped run of this command measured
+        header["resumed"] = dict(kept=[list(s) for s in sorted(done)])
     for dp, tp, fsdp in settings:
         if (dp, tp, fsdp) in done:
             continue

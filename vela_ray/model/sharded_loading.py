@@ -412,19 +412,22 @@ def read_backbone(model: nn.Module, plan, model_dir: str | Path, dtype: torch.dt
         raise ValueError("a root holding the whole backbone sends it to ranks without tensor parallelism only")
     targets = _targets(inner)
     dims = _tp_dims(plan, "base_model.model." if inner is not model else "")
-    key = loading.model_key(model_dir, trust_remote_code)
-    every = backbone_specs(key, dims.get, dtype, trust_remote_code)
-    chunk = chunk_bytes(sum(math.prod(s.shape) * s.dtype.itemsize for s in every))  # alike on every member
-    specs = [s for s in every if s.name in targets]  # tied: not
-    for spec in specs:
-        _check_shapes(targets[spec.name], _shard_shape(spec, tp), spec.name)
     stats, start, reads = ReadStats(), time.perf_counter(), BACKBONE_READS.bytes
     staging = _Staging()
     with torch.no_grad():
         if node is not None and node.rank() > 0:
-            _receive(specs, targets, tp, tp_rank, node, chunk, staging, stats)
+            specs, chunk = _plan_from_root(node, tp_rank, targets, tp)
+            _receive(specs, targets, tp, node, chunk, staging, stats)
         else:
-            _serve(specs, targets, tp, tp_rank, key, node, holds_backbone, chunk, staging, stats)
+            key = loading.model_key(model_dir, trust_remote_code)
+            every = backbone_specs(key, dims.get, dtype, trust_remote_code)
+            chunk = chunk_bytes(sum(math.prod(s.shape) * s.dtype.itemsize for s in every))
+            specs = [s for s in every if s.name in targets]  # tied: not
+            for spec in specs:
+                _check_shapes(targets[spec.name], _shard_shape(spec, tp), spec.name)
+            members = _member_tp_ranks(node)
+            _tell_members(node, members, specs, chunk)
+            _serve(specs, targets, tp, tp_rank, key, node, members, holds_backbone, chunk, staging, stats)
         _zero_row_parallel_biases(model, plan)
     if getattr(inner.config, "tie_word_embeddings", False):
         inner.tie_weights()
@@ -434,12 +437,12 @@ def read_backbone(model: nn.Module, plan, model_dir: str | Path, dtype: torch.dt
 
 
 def _serve(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp: int, tp_rank: int, key: str,
-           node: dist.ProcessGroup | None, holds_backbone: bool, chunk: int, staging: _Staging,
-           stats: ReadStats) -> None:
-    """The root (or a lone rank): every spec's shards that the node's members hold, read once (or taken from the
-    backbone it holds), chunk by chunk: its own read straight into its tensors, each other TP rank's into a staging
-    buffer sent to the members holding that rank (a replicated tensor is sent from the root's own)."""
-    members = _member_tp_ranks(node)
+           node: dist.ProcessGroup | None, members: dict[int, int], holds_backbone: bool, chunk: int,
+           staging: _Staging, stats: ReadStats) -> None:
+    """The root (or a lone rank): every spec's shards that the node's `members` ({member: TP rank}) hold, read once
+    (or taken from the backbone it holds), chunk by chunk: its own read straight into its tensors, each other TP
+    rank's into a staging buffer sent to the members holding that rank (a replicated tensor is sent from the root's
+    own)."""
     wanted = sorted({tp_rank, *members.values()})
     converted = _Converted(key)
     tag = 0
@@ -569,11 +572,10 @@ def _read_pieces(reader: ShardReader, spec: TensorSpec, tp: int, rows: tuple[int
     return pieces
 
 
-def _receive(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp: int, tp_rank: int,
-             node: dist.ProcessGroup, chunk: int, staging: _Staging, stats: ReadStats) -> None:
-    """A member other than the root: its TP rank told to the root, then every spec's shard received from it chunk
-    by chunk, straight into its tensor where that is contiguous."""
-    node.send([torch.tensor([tp_rank])], 0, 0).wait()
+def _receive(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp: int, node: dist.ProcessGroup,
+             chunk: int, staging: _Staging, stats: ReadStats) -> None:
+    """A member other than the root: every spec's shard received from the root chunk by chunk, straight into its
+    tensor where that is contiguous."""
     tag = 0
     for spec in specs:
         own = targets[spec.name]
@@ -586,8 +588,44 @@ def _receive(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp
             stats.bytes_received += buffer.numel() * buffer.element_size()
 
 
+def _tell_members(node: dist.ProcessGroup | None, members: dict[int, int], specs: list[TensorSpec],
+                  chunk: int) -> None:
+    """The root tells each member what it will send, in order: each spec's name, whole shape, dtype and TP dim,
+    and the chunk size (`_plan_from_root`): a member needs neither the checkpoint's layout nor transformers'
+    conversion mapping (whose cached meta model would cost it host memory of its own)."""
+    plan = json.dumps(dict(chunk=chunk, specs=[[s.name, list(s.shape), str(s.dtype).removeprefix("torch."), s.dim]
+                                               for s in specs])).encode()
+    payload = torch.frombuffer(bytearray(plan), dtype=torch.uint8)
+    for member in members:
+        node.send([torch.tensor([len(plan)])], member, 0).wait()
+        node.send([payload], member, 0).wait()
+
+
+def _plan_from_root(node: dist.ProcessGroup, tp_rank: int, targets: dict[str, list[torch.Tensor]], tp: int
+                    ) -> tuple[list[TensorSpec], int]:
+    """A member: its TP rank told to the root, then the specs and chunk size it sends (`_tell_members`), checked
+    against the tensors this rank holds."""
+    node.send([torch.tensor([tp_rank])], 0, 0).wait()
+    length = torch.empty(1, dtype=torch.long)
+    node.recv([length], 0, 0).wait()
+    payload = torch.empty(int(length), dtype=torch.uint8)
+    node.recv([payload], 0, 0).wait()
+    plan = json.loads(payload.numpy().tobytes())
+    specs = []
+    for name, shape, dtype, dim in plan["specs"]:
+        if name not in targets:
+            raise ValueError(f"{name}: the node group's root sends a tensor this rank's model does not hold")
+        spec = TensorSpec(name, "", name, tuple(shape), getattr(torch, dtype), dim)
+        _check_shapes(targets[name], _shard_shape(spec, tp), name)
+        if any(t.dtype != spec.dtype for t in targets[name]):
+            raise ValueError(f"{name}: the node group's root sends {spec.dtype}, this rank holds "
+                             f"{targets[name][0].dtype}")
+        specs.append(spec)
+    return specs, plan["chunk"]
+
+
 def _member_tp_ranks(node: dist.ProcessGroup | None) -> dict[int, int]:
-    """{node member: its TP rank} for the root: what each of the others said (`_receive`'s first message)."""
+    """{node member: its TP rank} for the root: what each of the others said (`_plan_from_root`'s first message)."""
     members = {}
     for member in range(1, node.size() if node is not None else 1):
         said = torch.empty(1, dtype=torch.long)
