@@ -20,21 +20,19 @@ import numpy as np
 import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
-from actors.masters import RayPeers
+from actors.masters import RayRanks
 from actors.placement_service import spawn_placement_service
-from actors.transports import RayObjectRefTransport, collective_transport, data_plane_env
+from actors.transports import data_plane_env, master_transport
 from actors.workers import actor_workers
 from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
 from vela_ray.model.transport import InProcessTransport, SplitTransport, Transport
 from vela_ray.config import JobConfig
 from vela_ray.runtime.migration import MigrationPlan
-from vela_ray.runtime.pool import (
-    HostedExperts, PeerMasters, SoloMaster, capacity_from_memory, fill_unmeasured, manager_specs,
-)
+from vela_ray.runtime.masters import MasterMesh
+from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.runtime.local import IN_PROCESS_LINK
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec, MigrationStats
-from vela_ray.training.master import MasterModel
 from vela_ray.training.summary import LinkRecord
 from vela_ray.training.worker_report import hosted_bytes_per_expert
 
@@ -98,15 +96,13 @@ class RayWorkerPool:
         """The actors' data plane; None without actors (every worker in this process: nothing to form)."""
         if not self.cluster.handles:
             return None
-        tiers = self.cluster.worker_tiers(self.master_node)
-        if self.config.data_plane.transport == "collective":  # rows over NCCL where master and workers have GPUs
-            return collective_transport(self.cluster.handles, tiers, device=self.local_device)
-        return RayObjectRefTransport(self.cluster.handles, tiers, zero_copy=self.config.data_plane.zero_copy_tensors)
+        # master 0's: the one path every master process takes (the other ranks' in `runtime.masters.MasterRank.join`)
+        return master_transport(self.config, self.cluster.handles, self.cluster.worker_tiers(self.master_node),
+                                master=0, device=self.local_device)
 
-    def start_peers(self, table: np.ndarray, leader: MasterModel) -> PeerMasters:
-        if self.config.masters.count == 1 and self.config.cluster.master_tp == 1:
-            return SoloMaster(self.master_node)
-        return RayPeers(self.config, self.cluster.handles, self.cluster.node_ids, self.master_node, table, leader)
+    def rank_hosts(self, mesh: MasterMesh, nodes: list[str]) -> RayRanks:
+        """MasterRank actors for the ranks other than master 0, with rows to the ExpertManager actors."""
+        return RayRanks(self.config, mesh, nodes, self.cluster.handles, self.cluster.node_ids)
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         """Worker-to-worker: each receiver gets its senders' object refs, so the state travels from the

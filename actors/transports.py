@@ -8,6 +8,8 @@ conformance suite (tests/ray/test_transport_conformance.py):
   point-to-point with no Ray task per layer (`vela_ray.model.collective.CollectiveTransport`):
   headers over gloo, the rows themselves over NCCL when the master and every worker have
   a GPU of their own. Its ranks need TCP to each other, beyond Ray's ports.
+  Every master process (data-parallel masters, tensor-parallel ranks) forms planes of its own with
+  the same workers (`master=`, `num_masters=`; `master_transport` picks the transport for one).
 - `RayObjectRefTransport`: one `.remote` call per worker with rows, then one
   `ray.get` for all; tensors travel as Ray objects, so it works wherever Ray does, and
   with several masters, whose sequence migration it relays rows for (`transport.RowRelay`).
@@ -121,7 +123,8 @@ class RayObjectRefTransport:
 
 def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], timeout_s: float = 300.0,
                          join_timeout_s: float = 120.0, device: str | torch.device = "cpu",
-                         data_backend: Backend | None = None) -> CollectiveTransport:
+                         data_backend: Backend | None = None, master: int = 0,
+                         num_masters: int = 1) -> CollectiveTransport:
     """Form the collective planes (this process rank 0, worker n rank n + 1) and return their transport.
 
     The rendezvous store listens on a free port of this node; every worker joins the control plane
@@ -130,12 +133,20 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
     (`vela_ray.model.collective.form_data_plane`). `device`: the master's, where its rows are and its
     results come back with NCCL. `data_backend`: "gloo" or "nccl" instead of the automatic choice
     (`vela_ray.model.collective.data_backend`), e.g. "gloo" to compare the two.
+
+    `master` of `num_masters`: which of the master processes sharing these workers this one is (data-parallel
+    masters times tensor-parallel ranks; `master_transport`). Any master process may call it, in any order or at
+    once: each forms planes of its own on its own store, every worker serves each master on a loop of its own,
+    and closing this transport stops only this master's loops.
     """
     tiers = _check_tiers(handles, worker_tiers)
+    if not 0 <= master < num_masters:
+        raise ValueError(f"master {master} is not one of the {num_masters} master processes")
     world_size = len(handles) + 1
     address = ray.util.get_node_ip_address()
     store = make_store(address, 0, world_size, is_master=True, timeout_s=join_timeout_s)
-    joins = [h.join_collective.remote(store.host, store.port, world_size, join_timeout_s) for h in handles]
+    joins = [h.join_collective.remote(store.host, store.port, world_size, join_timeout_s,
+                                      **_plane_of(master, num_masters)) for h in handles]
     try:
         group = make_group(store, 0, world_size, join_timeout_s, address)
         ray.get(joins, timeout=join_timeout_s)
@@ -146,14 +157,33 @@ def collective_transport(handles: Sequence, worker_tiers: Sequence[LinkTier], ti
             "Open TCP between the nodes, or set data_plane.transport: object_ref to send rows through Ray") from None
     # the workers' devices travel over the control plane; on failure it tells their loops to stop first
     data = form_data_plane(group, store, len(handles), device, data_backend, timeout_s, join_timeout_s, address)
-    logger.info("collective data plane over %d expert workers: control over gloo, rows over %s",
-                len(handles), data.backend)
+    logger.info("collective data plane of master %d of %d over %d expert workers: control over gloo, rows over %s",
+                master, num_masters, len(handles), data.backend)
 
     def join_serving_loops() -> None:  # best effort: a dead worker has no loop left to join
-        for ref in [h.leave_collective.remote() for h in handles]:
+        for ref in [h.leave_collective.remote(**({} if num_masters == 1 else {"master": master})) for h in handles]:
             try:
                 ray.get(ref, timeout=join_timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
 
     return CollectiveTransport(group, data, tiers, timeout_s, on_close=join_serving_loops)
+
+
+def _plane_of(master: int, num_masters: int) -> dict[str, int]:
+    """`join_collective`'s keywords for master `master` of `num_masters` (none for the only master: its defaults)."""
+    return {} if num_masters == 1 else {"master": master, "num_masters": num_masters}
+
+
+def master_transport(config, handles: Sequence, worker_tiers: Sequence[LinkTier], master: int = 0,
+                     device: str | torch.device = "cpu") -> RayObjectRefTransport | CollectiveTransport:
+    """The data plane of one master process to the ExpertManager actors `handles`, as `config.data_plane.transport`
+    says: its own collective planes (`collective_transport`, rows over NCCL where it and the workers have GPUs)
+    or Ray object refs. Every master process calls it, master 0 (`actors.pool.RayWorkerPool`) and each other rank
+    (`actors.masters.RayRanks`), with `master` its place among the master processes: data-parallel master m's
+    tensor-parallel rank t is m * cluster.master_tp + t (`MasterMesh.flat`; `config.master_processes` in all), the number
+    its dispatcher's keys are counted by. `device`: this process's, where its rows are (its GPU, or the CPU)."""
+    if config.data_plane.transport == "collective":
+        return collective_transport(handles, worker_tiers, device=device, master=master,
+                                    num_masters=config.master_processes)
+    return RayObjectRefTransport(handles, worker_tiers, zero_copy=config.data_plane.zero_copy_tensors)

@@ -1,6 +1,7 @@
 """Harness of tests/unit/test_tensor_parallel.py: gloo process groups on 127.0.0.1 spawned with
 torch.multiprocessing, each rank running `vela_ray.model.tensor_parallel` on the same debug model, against
-single-process transformers + peft run here.
+single-process transformers + peft run here. `in_threads` runs the ranks as threads of this process instead, over
+a gloo group torch.distributed does not know (`collective.make_group`'s).
 
 One spawn per TP size runs every family (starting processes and importing transformers costs more than the
 debug models' steps on a 2-core machine); rank 0 writes what the tests compare to a file.
@@ -12,6 +13,7 @@ import functools
 import logging
 import os
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -45,20 +47,24 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4),
 }
 FAMILIES = sorted(OVERRIDES)
+# seeding and drawing a model's weights use torch's one host generator: ranks that are threads of one process build
+# their models one at a time (`in_threads`), so each draws what a process of its own would
+_BUILDING = threading.Lock()
 
 
 def build_peft(family: str, lora: bool = True, dropout: float = 0.0) -> nn.Module:
     """`family`'s seeded debug model with the random-B adapter every rank and the reference share (or none);
     with `dropout`, peft's LoRA dropout on the backbone's adapters (peft refuses it on the experts')."""
-    model = debug_model(family, seed=0, **OVERRIDES[family])
-    if not lora:
-        return model
-    cfg = full_lora_config(model, LORA)
-    cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
-    if dropout:
-        cfg.lora_dropout, cfg.target_parameters = dropout, None
-    torch.manual_seed(1)
-    return get_peft_model(model, cfg)
+    with _BUILDING:
+        model = debug_model(family, seed=0, **OVERRIDES[family])
+        if not lora:
+            return model
+        cfg = full_lora_config(model, LORA)
+        cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
+        if dropout:
+            cfg.lora_dropout, cfg.target_parameters = dropout, None
+        torch.manual_seed(1)
+        return get_peft_model(model, cfg)
 
 
 # AdamW's first step moves every element by lr * g / (|g| + eps): with the default eps (1e-8) that is ~lr * sign(g)
@@ -148,7 +154,7 @@ def _replica_spread(model: nn.Module, grads: dict[str, torch.Tensor], plan: Tens
 
 def tp_run(family: str, group: dist.ProcessGroup) -> dict[str, Any]:
     """`one_step` of `family` sharded over `group` with the default optimizer (gathered grads and adapter,
-    replica spread), the adapter gathered after a `SMOOTH_OPTIM` step, and that adapter loaded into a fresh
+    replica spread, styles and vocab-parallel modules), the adapter gathered after a `SMOOTH_OPTIM` step, and that adapter loaded into a fresh
     sharded model and gathered again ("roundtrip")."""
     model = build_peft(family)
     plan = parallelize_backbone(model, group)
@@ -157,6 +163,7 @@ def tp_run(family: str, group: dist.ProcessGroup) -> dict[str, Any]:
     out["default_adapter"] = gather_lora_state_dict(model, plan)
     out["spread"] = _replica_spread(model, out["grads"], plan)
     out["styles"] = dict(plan.styles)
+    out["vocab_parallel"] = list(plan.vocab_parallel)
 
     smooth = build_peft(family)
     plan = parallelize_backbone(smooth, group)
@@ -428,3 +435,28 @@ def spawn(size: int, job: str = "step", families: list[str] | None = None) -> di
     if job.startswith("load"):
         return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(size)]
     return torch.load(out, weights_only=False)
+
+
+def in_threads(size: int, run: Callable[[dist.ProcessGroup], Any]) -> list[Any]:
+    """`run(group)` on `size` threads of this process, each a rank of a gloo group that torch.distributed does not
+    know (`collective.make_group`, over one in-memory store): what every rank returned, in rank order."""
+    from vela_ray.model.collective import make_group
+
+    store = dist.HashStore()
+    results: list[Any] = [None] * size
+    errors: list[str] = []
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = run(make_group(store, r, size, timeout_s=120))
+        except BaseException:  # noqa: BLE001  # reported below; the other ranks time out on their collectives
+            errors.append(f"rank {r}: {traceback.format_exc()}")
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"tp-rank-{r}") for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results

@@ -21,7 +21,8 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -42,8 +43,24 @@ Solver = Literal["improved", "vela", "sequential", "random", "file"]
 TransportName = Literal["object_ref", "collective"]
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A combination of settings a feature cannot run (yet), declared by that feature's own section in its
+    `refusals`; `JobConfig._features_combine` checks every section's before any work, and README's "What does not
+    combine" lists them all with the reason. `applies` says whether a job has the combination."""
+
+    settings: str  # the combination as a user writes it
+    why: str
+    fix: str
+    applies: Callable[["JobConfig"], bool]
+
+    def message(self) -> str:
+        return f"{self.settings} do not combine: {self.why}. Fix: {self.fix}"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    refusals: ClassVar[tuple[Refusal, ...]] = ()  # what this feature cannot combine with (`Refusal`)
 
 
 class ModelSection(_Section):
@@ -55,6 +72,13 @@ class ModelSection(_Section):
 
 
 class LoraSection(_Section):
+    refusals = (
+        Refusal("lora.lora_dropout above 0 and adapted expert stacks (lora.expert_stacks other than [])",
+                "peft's ParamWrapper cannot apply dropout to expert weights, so peft itself refuses it",
+                "set lora.expert_stacks: [] or lora.lora_dropout: 0",
+                lambda job: bool(job.lora.lora_dropout) and job.lora.expert_stacks != []),
+    )
+
     """LoRA in peft's names (`peft.LoraConfig`), passed to peft on the master; the ExpertManagers implement the
     same options for the expert weight stacks. Checked against the model before Ray starts (preflight)."""
 
@@ -100,10 +124,6 @@ class LoraSection(_Section):
                     raise ValueError(f"lora.{field} key {key!r} is not a regular expression ({err}); peft matches "
                                      "these keys as regexes against module names: escape it, e.g. "
                                      f"{re.escape(key)!r}") from None
-        if self.lora_dropout and self.expert_stacks != []:
-            raise ValueError(f"lora.lora_dropout {self.lora_dropout} with adapted expert stacks: peft's "
-                             "ParamWrapper cannot apply dropout to expert weights; set lora.expert_stacks: [] "
-                             "or lora.lora_dropout: 0")
         return self
 
     def spec(self):
@@ -148,6 +168,13 @@ class ClusterSection(_Section):
                              "same_process link tier, the fastest the placement sees) while the other workers' "
                              "rows travel. K = num_workers: the one-GPU configuration, no worker actors")
 
+    refusals = (
+        Refusal("cluster.workers_on_master and several master processes (masters.count or cluster.master_tp above 1)",
+                "the other master processes cannot reach ExpertManagers in master 0's process",
+                "set cluster.workers_on_master: 0, or masters.count and cluster.master_tp: 1",
+                lambda job: job.cluster.workers_on_master > 0 and job.master_processes > 1),
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):
@@ -181,9 +208,10 @@ class DataPlaneSection(_Section):
         "collective", description="how rows travel. collective: torch.distributed point-to-point to each "
                                   "ExpertManager's serving loop, NCCL between GPUs and gloo through host memory "
                                   "otherwise, no Ray task per layer (the faster: benchmarks/data_plane.py). "
-                                  "object_ref: Ray tasks and objects, for several masters and for clusters whose "
-                                  "nodes reach each other only on Ray's ports. Default: collective with one "
-                                  "master, object_ref with several (masters.count)")
+                                  "object_ref: Ray tasks and objects, for clusters whose nodes reach each other "
+                                  "only on Ray's ports, and the one that answers rows to another master (sequence "
+                                  "migration's new-master combine). Every master process (masters.count x "
+                                  "cluster.master_tp) forms collective planes of its own with the workers.")
     inline_bytes: int = Field(
         4 * 2**20, ge=0, description="tensors up to this size travel inside Ray's task RPCs, not through the "
                                      "object store (Ray's max_direct_call_object_size for vela's actors; 0: Ray's "
@@ -208,6 +236,12 @@ class FaultToleranceSection(_Section):
 
 
 class MastersSection(_Section):
+    refusals = (
+        Refusal("masters.shard_frozen_backbone and masters.sequence_migration",
+                "both talk among the masters inside every layer's forward, and nothing orders the two",
+                "turn one off", lambda job: job.masters.shard_frozen_backbone and job.masters.sequence_migration),
+    )
+
     """Data-parallel masters: backbone replicas sharing the ExpertManagers."""
 
     count: int = Field(
@@ -246,9 +280,6 @@ class MastersSection(_Section):
         if self.shard_frozen_backbone and self.count == 1:
             raise ValueError("masters.shard_frozen_backbone shards the backbone over data-parallel masters: set "
                              "masters.count above 1, or turn it off")
-        if self.shard_frozen_backbone and self.sequence_migration:
-            raise ValueError("masters.shard_frozen_backbone with masters.sequence_migration is not supported (both "
-                             "talk among the masters inside every layer's forward): turn one off")
         return self
 
 
@@ -448,6 +479,19 @@ def _wandb_problem() -> str | None:
 
 
 class TrainingSection(_Section):
+    refusals = (
+        Refusal("training.method: zo and several master processes (masters.count or cluster.master_tp above 1)",
+                "one master draws the backbone's perturbation", "use masters.count: 1 and cluster.master_tp: 1, or "
+                "training.method: first_order", lambda job: job.training.method == "zo" and job.master_processes > 1),
+        Refusal("training.method: zo and training.condensation.enabled",
+                "condensation condenses only forwards that keep a graph, so it would do nothing",
+                "turn condensation off", lambda job: job.training.method == "zo" and job.training.condensation.enabled),
+        Refusal("training.method: zo and fault_tolerance.on_worker_loss: recover",
+                "a ZO step's update waits to be fused into the next step's first pass, in processes a recovery "
+                "replaces", "use on_worker_loss: stop and resume from the checkpoint it names",
+                lambda job: job.training.method == "zo" and job.fault_tolerance.on_worker_loss == "recover"),
+    )
+
     steps: int = Field(ge=1, description="optimizer steps")
     batch_size: int = Field(8, ge=1, description="rows per optimizer step (the paper: 8)")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward; None: the whole batch")
@@ -548,6 +592,17 @@ class ReportSection(_Section):
 class JobConfig(_Section):
     """A whole fine-tuning job."""
 
+    refusals = (
+        Refusal("mode: expert_parallel and a vela-only setting (cluster.master_tp above 1, training.method: zo, "
+                "training.condensation, data_plane.row_format other than exact, model.trust_remote_code)",
+                "the expert-parallel baseline runs plain peft steps over all-to-all collectives, on transformers' "
+                "own families, with its rows exact", "use mode: vela, or leave those settings at their defaults",
+                lambda job: job.mode != "vela" and (
+                    job.cluster.master_tp > 1 or job.training.method != "first_order"
+                    or job.training.condensation.enabled or job.data_plane.row_format != "exact"
+                    or job.model.trust_remote_code)),
+    )
+
     mode: Literal["vela", "expert_parallel"] = Field(
         "vela", description="vela: master + ExpertManagers; expert_parallel: the conventional EP baseline")
     model: ModelSection
@@ -569,101 +624,36 @@ class JobConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_keys_then_defaults(cls, data: object) -> object:
-        """Old keys in their new places first (`MOVED`), so the defaults below see every key where it now is."""
+    def _old_keys(cls, data: object) -> object:
+        """Old keys in their new places first (`MOVED`), so the validators below see every key where it now is."""
         if not isinstance(data, dict):
             return data
-        return _transport_for_masters(_move_old_keys(data))
+        return _move_old_keys(data)
 
     @model_validator(mode="after")
-    def _masters_share_the_data_plane(self) -> "JobConfig":
-        count = self.masters.count
-        if self.cluster.workers_on_master and count > 1:
-            raise ValueError(f"cluster.workers_on_master needs masters.count: 1 (it is {count}): the other "
-                             "masters could not reach ExpertManagers in master 0's process")
-        if count > 1 and self.data_plane.transport != "object_ref":
-            raise ValueError(f"masters.count is {count} but data_plane.transport is "
-                             f"{self.data_plane.transport!r}, whose group has one master: use "
-                             "data_plane.transport: object_ref")
+    def _features_combine(self) -> "JobConfig":
+        """Every feature's own refusals (`_Section.refusals`, declared where the feature is), the first that applies
+        raised in one line: the config holds no list of combinations."""
+        for section in _sections(self):
+            for refusal in type(section).refusals:
+                if refusal.applies(self):
+                    raise ValueError(refusal.message())
         return self
 
-    @model_validator(mode="after")
-    def _tensor_parallel_where_it_runs(self) -> "JobConfig":
-        """What `cluster.master_tp` > 1 does not support (yet), each refused with the reason and its fix."""
-        tp = self.cluster.master_tp
-        if tp == 1:
-            return self
-        refused = [
-            (self.mode != "vela", f"mode: {self.mode} (the master's ranks split its backbone): use mode: vela"),
-            (self.masters.sequence_migration, "masters.sequence_migration (a sequence would move between "
-                                              "groups of ranks mid-forward): turn it off"),
-            (self.training.method != "first_order", f"training.method: {self.training.method} (one master draws "
-                                                    "the backbone's perturbation): use first_order"),
-            (self.training.condensation.enabled, "training.condensation.enabled (it groups a layer's rows, which "
-                                                 "the ranks split): turn it off"),
-            (self.fault_tolerance.on_worker_loss == "recover", "fault_tolerance.on_worker_loss: recover (its ranks "
-                                                               "would have to re-form mid-run): use stop and resume "
-                                                               "from the checkpoint it names"),
-            (self.cluster.workers_on_master > 0, f"cluster.workers_on_master: {self.cluster.workers_on_master} (the "
-                                                 "other ranks cannot reach ExpertManagers in rank 0's process): use 0"),
-            (self.data_plane.transport != "object_ref", f"data_plane.transport: {self.data_plane.transport} (its "
-                                                        "group has one master process): use object_ref"),
-        ]
-        for unsupported, what in refused:
-            if unsupported:
-                raise ValueError(f"cluster.master_tp: {tp} does not support {what}, or use cluster.master_tp: 1")
-        return self
-
-    @model_validator(mode="after")
-    def _zo_where_it_runs(self) -> "JobConfig":
-        """What `training.method: zo` does not support (yet), each refused with its fix."""
-        if self.training.method != "zo":
-            return self
-        refused = [
-            (self.mode != "vela", f"mode: {self.mode} (the master's ZO step drives ExpertManagers): use mode: vela"),
-            (self.masters.count > 1, f"masters.count: {self.masters.count} (one master draws the backbone's "
-                                     "perturbation): use 1"),
-            (self.training.condensation.enabled, "training.condensation.enabled (it condenses only forwards "
-                                                 "that keep a graph, so it would do nothing): turn it off"),
-            (self.fault_tolerance.on_worker_loss == "recover", "fault_tolerance.on_worker_loss: recover: use stop "
-                                                               "and resume from the checkpoint it names"),
-        ]
-        for unsupported, what in refused:
-            if unsupported:
-                raise ValueError(f"training.method: zo does not support {what}, or use training.method: "
-                                 "first_order")
-        return self
-
-    @model_validator(mode="after")
-    def _condensation_where_it_runs(self) -> "JobConfig":
-        if not self.training.condensation.enabled:
-            return self
-        if self.mode != "vela":
-            raise ValueError("training.condensation.enabled is for mode: vela (the master's brokers condense); "
-                             "the expert-parallel baseline trains exactly: turn it off")
-        if self.masters.count > 1:
-            raise ValueError(f"training.condensation.enabled needs masters.count: 1 (it is "
-                             f"{self.masters.count}): only master 0's brokers condense; turn one off")
-        return self
+    @property
+    def master_processes(self) -> int:
+        """Master processes sending rows to the workers: masters.count data-parallel masters of cluster.master_tp
+        tensor-parallel ranks each (`runtime.masters.MasterMesh`)."""
+        return self.masters.count * self.cluster.master_tp
 
     @model_validator(mode="after")
     def _row_format_that_changes_something(self) -> "JobConfig":
         row_format = self.data_plane.row_format
-        if row_format != "exact" and self.mode != "vela":
-            raise ValueError(f"data_plane.row_format: {row_format} is for mode: vela (the master's brokers encode "
-                             "rows); the expert-parallel baseline moves rows exactly: use data_plane.row_format: exact")
         for field, value in (("data_plane.row_format", row_format),
                              ("expert_tiers.upload_format", self.expert_tiers.upload_format)):
             if value == "bfloat16" and self.model.dtype == "bfloat16":
                 raise ValueError(f"{field}: bfloat16 with model.dtype: bfloat16 saves nothing (the tensors are "
                                  "bf16 already): use exact, or float8 for fewer bytes")
-        return self
-
-    @model_validator(mode="after")
-    def _remote_code_where_it_runs(self) -> "JobConfig":
-        if self.model.trust_remote_code and self.mode != "vela":
-            raise ValueError("model.trust_remote_code is for mode: vela; the expert-parallel baseline reads "
-                             "transformers' own families only: turn it off")
         return self
 
     @model_validator(mode="after")
@@ -790,6 +780,12 @@ MOVED: dict[tuple[str, ...], tuple[str, ...]] = {
 }
 
 
+def _sections(section: _Section) -> list[_Section]:
+    """`section` and every section within it, depth first (`JobConfig._features_combine`)."""
+    inner = [value for name in type(section).model_fields if isinstance(value := getattr(section, name), _Section)]
+    return [section, *(s for value in inner for s in _sections(value))]
+
+
 def _move_old_keys(raw: dict) -> dict:
     """`raw` with every old key of `MOVED` at its new path; the caller's dicts are left as they were.
 
@@ -823,17 +819,6 @@ def _section_copy(data: dict, path: tuple[str, ...], create: bool = False) -> di
         node[name] = child = dict(child)
         node = child
     return node
-
-
-def _transport_for_masters(data: dict) -> dict:
-    """The collective plane has one master process in its group: several masters, or a tensor-parallel master's
-    ranks, default to object refs."""
-    masters, plane, cluster = data.get("masters"), data.get("data_plane", {}), data.get("cluster")
-    count = masters.get("count", 1) if isinstance(masters, dict) else getattr(masters, "count", 1)
-    tp = cluster.get("master_tp", 1) if isinstance(cluster, dict) else getattr(cluster, "master_tp", 1)
-    if (str(count) == "1" and str(tp) == "1") or not isinstance(plane, dict) or "transport" in plane:
-        return data
-    return {**data, "data_plane": {**plane, "transport": "object_ref"}}
 
 
 def _read_yaml(path: Path) -> object:

@@ -51,6 +51,8 @@ def test_a_master_per_node_with_replicas_trains_like_peft_and_both_ends_count_th
               expected_step_time=0.0, routes=routes.tolist()).to_json(tmp_path / "placement.json")
     job = job_dict(model_dir, tmp_path / "out", steps=2,
                    cluster={"workers_per_node": 1},
+                   # object refs: the workers answer moving sequences' rows to their new master (LUFFY's combine)
+                   data_plane={"transport": "object_ref"},
                    masters={"count": 3, "sequence_migration": True, "sequence_migration_candidates": 2},
                    placement={"solver": "file", "file": str(tmp_path / "placement.json")},
                    lora={"r": 4, "alpha": 8, "init_adapter": str(adapter)},

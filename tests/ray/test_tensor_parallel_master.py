@@ -1,5 +1,5 @@
-"""A tensor-parallel master through Ray (`cluster.master_tp`): master 0's backbone sharded over MasterReplica
-ranks on its node (gloo here, NCCL on GPUs), each rank sending its share of every MoE layer's rows.
+"""A tensor-parallel master through Ray (`cluster.master_tp`): master 0's backbone sharded over MasterRank actors
+on its node (gloo here, NCCL on GPUs), each rank sending its share of every MoE layer's rows.
 
 Against single-process transformers + peft and against the same job with one master process: equal losses,
 eval losses and exported adapter; the same bytes to every worker (each row sent once, by one rank, so the
@@ -36,8 +36,10 @@ def runs(ray_session, tmp_path_factory):
     lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, root / "init"))}
 
     def job(tp: int, out: Path) -> dict:
+        # one master over object refs, its TP ranks each over collective planes of their own: the same numbers
         return job_dict(model_dir, out, steps=STEPS, lora=lora, cluster={"master_tp": tp},
-                        data_plane={"transport": "object_ref"}, checkpoint={"every": EVERY, "keep": 10},
+                        data_plane={"transport": "collective" if tp > 1 else "object_ref"},
+                        checkpoint={"every": EVERY, "keep": 10},
                         training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1},
                                   "eval_every": EVERY})
 
@@ -86,13 +88,20 @@ def test_two_data_parallel_masters_of_tp_ranks_train_equal_to_peft(runs, tmp_pat
     every micro-batch's rows, the backbone gradients are summed between the masters' ranks of one TP index; with
     `masters.shard_frozen_backbone` each master also keeps half of every decoder layer's frozen weights (of its TP
     shard) with FSDP2 and all-gathers them from the other as it runs the layer, eval and the routing profile
-    included."""
+    included. The 2x2 mesh runs with the features it composes with."""
     one = runs["summaries"][1]
     job = json.loads(json.dumps(runs["jobs"][2]))
-    job["masters"] = {"count": 2, "shard_frozen_backbone": shard_frozen}
+    # without FSDP2 the features compose on the mesh: every rank on its own collective planes, sequences migrating
+    # between the masters (each master's ranks deciding together), condensation on every rank (exact at 1.0)
+    composed = not shard_frozen
+    job["masters"] = {"count": 2, "shard_frozen_backbone": shard_frozen, "sequence_migration": composed}
+    if composed:
+        job["training"]["condensation"] = {"enabled": True, "threshold": 1.0}
     job["cluster"]["master_tp"] = tp
     job["output"]["dir"] = str(tmp_path / "out")
     summary = VelaJob(JobConfig.from_dict(job)).run()
+    if composed:
+        assert summary.sequence_moves["micro_batches"] > 0 and summary.condensation.rows_seen > 0
     ref_losses, ref_state = reference_losses(JobConfig.from_dict(job))
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     evals = [[h.eval_loss for h in s.history if h.eval_loss is not None] for s in (one, summary)]
@@ -100,22 +109,6 @@ def test_two_data_parallel_masters_of_tp_ranks_train_equal_to_peft(runs, tmp_pat
     _assert_close_to_scale(_adapter(summary), ref_state)
     assert summary.tokens_routed == one.tokens_routed  # every row sent once, by one of the ranks
     assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["master_pids"])) == 2 * tp
-
-
-def test_a_tensor_parallel_deepseek_v3_master_trains_equal_to_peft(ray_session, tmp_path):
-    """MLA attention split by heads (its low-rank q/kv projections replicated), a dense first layer and shared
-    experts beside the brokers, through the runtime; with activation checkpointing (each rank recomputes its
-    layers, their collectives again, and replays the experts' outputs), as the deploy job trains."""
-    model_dir = make_checkpoint(tmp_path / "model", "deepseek_v3")
-    lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))}
-    job = job_dict(model_dir, tmp_path / "out", steps=3, lora=lora, cluster={"master_tp": 2},
-                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1},
-                             "activation_checkpointing": True})
-    config = JobConfig.from_dict(job)
-    summary = VelaJob(config).run()
-    ref_losses, ref_state = reference_losses(config)
-    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    _assert_close_to_scale(_adapter(summary), ref_state)
 
 
 def test_a_tensor_parallel_master_with_lora_dropout_trains_equal_to_peft(ray_session, tmp_path):
@@ -164,7 +157,7 @@ def test_a_killed_tensor_parallel_rank_stops_the_run_naming_it_and_the_checkpoin
     out = tmp_path / "out"
     job["output"]["dir"], job["training"]["steps"] = str(out), 40
     killer, killed = kill_when(out, (out / "checkpoints" / "step-000002").is_dir, delay_s=0.2, victim="master_pids")
-    with pytest.raises(WorkerLostError, match=r"^another master process \(MasterReplica: a data-parallel master or a "
+    with pytest.raises(WorkerLostError, match=r"^another master process \(a MasterRank: a data-parallel master or a "
                                               r"tensor-parallel rank\) died during step \d+; .*--resume"):
         VelaJob(JobConfig.from_dict(job)).run()
     killer.join(timeout=10)
@@ -172,17 +165,38 @@ def test_a_killed_tensor_parallel_rank_stops_the_run_naming_it_and_the_checkpoin
     assert time.monotonic() - killed["at"] < 60  # named well before the group's 300 s timeout
 
 
+def test_a_tensor_parallel_master_recovers_from_a_killed_worker_and_a_killed_rank(runs, tmp_path):
+    """`on_worker_loss: recover` with master 0 over 2 TP ranks: an ExpertManager SIGKILLed after the step-2
+    checkpoint, then master 0's second rank after the step-4 one. Each time the master group is formed again
+    (master 0 rebuilt the one way every rank is, its TP group with it), the run rolls back and replays, and it
+    trains as peft does."""
+    job = json.loads(json.dumps(runs["jobs"][2]))
+    out = tmp_path / "out"
+    job["output"]["dir"], job["training"]["steps"] = str(out), 6
+    job["fault_tolerance"] = {"on_worker_loss": "recover"}
+    job["data_plane"] = {"transport": "object_ref"}  # test_checkpoint_resume recovers 2 masters' collective planes
+    checkpoints = out / "checkpoints"
+    killers = [kill_when(out, (checkpoints / "step-000002").is_dir, delay_s=0.2, victim="pids"),
+               kill_when(out, (checkpoints / "step-000004").is_dir, delay_s=0.2, victim="master_pids")]
+    config = JobConfig.from_dict(job)
+    summary = VelaJob(config).run()
+    for killer, killed in killers:
+        killer.join(timeout=10)
+        assert killed, "a victim was never killed"
+    assert [r.workers for r in summary.recoveries] == [[1], []]
+    assert [h.step for h in summary.history] == list(range(1, 7))
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
 def test_what_a_tensor_parallel_master_cannot_do_yet_is_refused_in_one_line(tmp_path):
     base = job_dict(tmp_path / "model", tmp_path / "out", cluster={"master_tp": 2})
-    for section, values, named in [("masters", {"count": 2, "sequence_migration": True},
-                                    "masters.sequence_migration"),
-                                   ("training", {"method": "zo"}, "training.method: zo"),
-                                   ("data_plane", {"transport": "collective"}, "data_plane.transport: collective")]:
+    for section, values, named in [("training", {"method": "zo"}, "training.method: zo")]:
         job = json.loads(json.dumps(base))
         job[section] = {**job.get(section, {}), **values}
-        with pytest.raises(ValueError, match=f"cluster.master_tp: 2 does not support {named}"):
+        with pytest.raises(ValueError, match=f"{named} and several master processes .* do not combine"):
             JobConfig.from_dict(job)
-    assert JobConfig.from_dict(base).data_plane.transport == "object_ref"  # its default, as for several masters
+    assert JobConfig.from_dict(base).data_plane.transport == "collective"  # every rank forms planes of its own
     dropout = json.loads(json.dumps(base))
     dropout["lora"] = {"expert_stacks": [], "lora_dropout": 0.1}
     assert JobConfig.from_dict(dropout).lora.lora_dropout == 0.1  # the ranks draw one mask (no longer refused)

@@ -148,6 +148,6 @@ def test_checkpointed_jobs_train_and_send_like_unchecked_ones(model_dir, tmp_pat
 def test_zo_says_it_needs_no_checkpointing(model_dir, tmp_path, caplog):
     config = _job(model_dir, tmp_path, {"training": {"method": "zo"}}, True)
     assert "training.activation_checkpointing is unused by method: zo" in caplog.text
-    from vela_ray.runtime.pool import master_spec
+    from vela_ray.runtime.masters import master_spec
 
     assert not master_spec(config).activation_checkpointing

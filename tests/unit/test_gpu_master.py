@@ -10,7 +10,7 @@ import torch
 
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.config import JobConfig
-from vela_ray.runtime.pool import master_spec
+from vela_ray.runtime.masters import master_spec
 
 pytestmark = pytest.mark.gpu
 

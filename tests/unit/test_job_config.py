@@ -263,17 +263,15 @@ def test_the_master_gets_a_gpu_the_workers_leave_free(tmp_path):
         master_gpus(job(master_tp=2, master_gpus=1), {"CPU": 16, "GPU": 2}, {"CPU": 8, "GPU": 1}, "n0")
 
 
-def test_rows_travel_the_collective_plane_by_default_and_over_object_refs_with_several_masters(tmp_path):
-    def transport(masters: int = 1, **data_plane) -> str:
-        job = job_dict(tmp_path, tmp_path / "out", masters={"count": masters}, data_plane=data_plane)
+def test_rows_travel_the_collective_plane_by_default_with_any_number_of_master_processes(tmp_path):
+    def transport(masters: int = 1, tp: int = 1, **data_plane) -> str:
+        job = job_dict(tmp_path, tmp_path / "out", masters={"count": masters}, cluster={"master_tp": tp},
+                       data_plane=data_plane)
         return JobConfig.from_dict(job).data_plane.transport
 
     assert JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out")).data_plane.transport == "collective"
-    assert transport() == "collective"
-    assert transport(masters=2) == "object_ref"  # the collective group has one master
-    assert transport(transport="object_ref") == "object_ref"
-    with pytest.raises(ValueError, match=r"masters.count is 2 but data_plane.transport is 'collective'"):
-        transport(masters=2, transport="collective")
+    assert transport() == transport(masters=2) == transport(tp=2) == "collective"  # each forms planes of its own
+    assert transport(masters=2, tp=2, transport="object_ref") == "object_ref"
 
 
 # Each key issue 32 moved out of `cluster`, an old value for it, and where it now lives.
@@ -333,13 +331,14 @@ def test_an_old_key_beside_its_new_one_is_refused_in_one_line(tmp_path, old, val
 
 
 def test_old_keys_keep_the_defaults_and_checks_of_their_new_places(tmp_path, caplog):
-    """The several-masters transport default and the cross-section checks see the moved keys."""
+    """The cross-section checks see the moved keys."""
     with caplog.at_level(logging.WARNING, logger="vela_ray.config"):
         config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2}))
-    assert (config.masters.count, config.data_plane.transport) == (2, "object_ref")
-    with pytest.raises(ValueError, match=r"masters.count is 2 but data_plane.transport is 'collective'"):
-        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2, "transport": "collective"}))
-    with pytest.raises(ValueError, match=r"cluster.workers_on_master needs masters.count: 1 \(it is 2\)"):
+    assert config.masters.count == 2
+    config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2,
+                                                                               "transport": "collective"}))
+    assert (config.masters.count, config.data_plane.transport) == (2, "collective")
+    with pytest.raises(ValueError, match=r"cluster.workers_on_master and several master processes .* do not combine"):
         JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_masters": 2, "workers_on_master": 1}))
     with pytest.raises(ValueError, match=r"masters.sequence_migration moves sequences between masters: set "
                                          r"masters.count above 1"):
@@ -362,3 +361,19 @@ def test_config_strings_become_runtime_objects_through_one_translation_each(tmp_
     assert torch_dtype(torch.float16) is torch.float16  # a torch dtype (a checkpoint's config) passes through
     with pytest.raises(ValueError, match=r"dtype 'int4' is not one vela-ray knows: use one of float32, bfloat16"):
         torch_dtype("int4")
+
+
+def test_every_refusal_is_declared_by_its_feature_and_listed_in_the_readme():
+    """Combinations that do not work are declared by the section of the feature that cannot combine (`Refusal`),
+    at most 8 of them, each in README's "What does not combine" with its reason."""
+    from vela_ray.config import JobConfig, _Section
+
+    def sections(cls):
+        return [cls, *(s for sub in cls.__subclasses__() for s in sections(sub))]
+    declared = [(cls.__name__, r) for cls in sections(_Section) for r in cls.refusals]
+    assert 0 < len(declared) <= 8
+    assert not JobConfig.__dict__.get("_tensor_parallel_where_it_runs")  # no central list left
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("### What does not combine"):]
+    for owner, refusal in declared:
+        assert refusal.settings in table and refusal.why in table, (owner, refusal.settings)

@@ -177,7 +177,7 @@ def test_a_linear_shared_expert_gate_is_a_lora_target_equal_to_peft(tmp_path):
 @pytest.mark.parametrize("lora, message", [
     ({"lora_dropout": 1.0}, r"lora.lora_dropout\n? *Input should be less than 1"),
     ({"lora_dropout": -0.1}, r"lora.lora_dropout\n? *Input should be greater than or equal to 0"),
-    ({"lora_dropout": 0.1}, r"lora_dropout 0.1 with adapted expert stacks"),
+    ({"lora_dropout": 0.1}, r"lora_dropout above 0 and adapted expert stacks"),
     ({"rank_pattern": {"q_proj": 0}}, r"ranks must be >= 1"),
     ({"init_lora_weights": "pissa"}, r"lora.init_lora_weights"),
 ])

@@ -4,13 +4,15 @@ For Mixtral, Qwen3-MoE (with a dense first layer), DeepSeek-V3 (MLA attention, d
 experts) and Qwen2-MoE (q/k/v biases, LoRA on the shared expert) debug models with 8 heads and T in {1, 2, 4}: one training step's losses, gradients and adapter equal
 peft's at rel 1e-5, replicated LoRA factors stay bitwise equal on every rank, and LoRA adds no collective to the
 base TP's per layer. One fork of T processes runs every family (tests/tp_harness.py); its results are cached for
-the module, so the first test of each T pays for it (a few seconds at T=4 on 2 cores).
+the module, so the first test of each T pays for it (a few seconds at T=4 on 2 cores). The same step also runs
+with the ranks as threads of this process, over a gloo group torch.distributed does not know.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests import tp_harness
 from tests.tp_harness import FAMILIES, OVERRIDES
@@ -49,7 +51,10 @@ def _assert_close_to_scale(got: dict[str, torch.Tensor], want: dict[str, torch.T
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_matches_peft(family, size):
     """Loss, gradients, one AdamW step (default optimizer, TP-aware clipping) and the next loss."""
-    got, want = _run(size)[family], _reference(family)
+    _assert_step_matches(_run(size)[family], _reference(family))
+
+
+def _assert_step_matches(got: dict, want: dict) -> None:
     torch.testing.assert_close(torch.tensor(got["loss0"]), torch.tensor(want["loss0"]), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(got["loss1"]), torch.tensor(want["loss1"]), rtol=RTOL, atol=0)
     assert want["loss1"] != want["loss0"]  # the step changed the adapter
@@ -253,3 +258,46 @@ def test_two_data_parallel_masters_of_two_tp_ranks_with_the_frozen_backbone_shar
     assert out["loss0"] == pytest.approx(ref["loss0"], rel=RTOL)
     _assert_close_to_scale(out["grads"], ref["grads"], f"{family} mesh grads")
     assert out["frozen_fraction"] == pytest.approx(0.5, abs=0.01)
+
+
+# --- the ranks as threads of one process, over a gloo group torch.distributed does not know (issue 51) -------------
+
+def _unregistered_groups_only() -> None:
+    # no default group in this process: torch's helpers that look a group up (dist.get_rank, dist.get_backend,
+    # dist.broadcast, DeviceMesh.from_group) fail on the ranks' groups, as they do in the in-process pool
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_ranks_as_threads_over_an_unregistered_group_match_peft(family, size):
+    """Each rank a thread of this process on a gloo group made directly (`collective.make_group`, one in-memory
+    store): the step's losses, gradients and clipped norm, and the gathered adapter, equal peft's as the processes'
+    do, and replicated factors are bitwise equal on every rank. The embedding and LM head stay replicated: torch's
+    vocab-parallel plans need a registered group."""
+    _unregistered_groups_only()
+    ranks = tp_harness.in_threads(size, lambda group: tp_harness.tp_run(family, group))
+    got, want = ranks[0], _reference(family)
+    _assert_step_matches(got, want)
+    _assert_close_to_scale(got["adapter"], want["adapter"], "adapter")
+    assert all(torch.equal(got["roundtrip"][key], value) for key, value in got["adapter"].items())
+    assert [rank["vocab_parallel"] for rank in ranks] == [[]] * size
+    assert got["styles"] == _run(2)[family]["styles"]  # the same layers sharded, the same way, as over processes
+
+
+def test_lora_dropout_refuses_ranks_that_are_threads_of_one_process():
+    """Threads share the process's host RNG, so they cannot each draw peft's mask from rank 0's state (their masks
+    would differ from each other's and peft's): `agree_on_rng`, which runs over the unregistered group (an
+    all-gather; torch's broadcast needs a registered one), refuses them in one line."""
+    from vela_ray.model.tensor_parallel import agree_on_rng, parallelize_backbone
+
+    _unregistered_groups_only()
+
+    def run(group):
+        plan = parallelize_backbone(tp_harness.build_peft("mixtral", dropout=tp_harness.DROPOUT), group)
+        assert plan.draws_dropout
+        with pytest.raises(RuntimeError, match=r"^LoRA dropout under tensor parallelism: 2 ranks on the host in 1 "
+                                               r"process\(es\); threads of one process share its host RNG"):
+            agree_on_rng(plan)
+
+    tp_harness.in_threads(2, run)

@@ -61,7 +61,7 @@ def test_a_reply_travels_in_its_requests_format_and_any_leading_shape_works():
 
 @pytest.mark.parametrize("fields, message", [
     ({"mode": "expert_parallel", "data_plane": {"row_format": "float8"}},
-     "data_plane.row_format: float8 is for mode: vela"),
+     "mode: expert_parallel and a vela-only setting"),
     ({"model": {"dtype": "bfloat16"}, "data_plane": {"row_format": "bfloat16"}},
      "data_plane.row_format: bfloat16 with"),
     ({"model": {"dtype": "bfloat16"}, "expert_tiers": {"enabled": True, "upload_format": "bfloat16"}},

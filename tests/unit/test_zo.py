@@ -218,10 +218,10 @@ def test_a_zo_job_reports_zo_moves_no_gradients_and_checkpoints_unperturbed_adap
 
 
 @pytest.mark.parametrize("section, value, message", [
-    ("masters", {"count": 2}, r"training.method: zo does not support masters.count: 2 .* use 1"),
+    ("masters", {"count": 2}, r"training.method: zo and several master processes .* Fix: use masters.count: 1"),
     ("fault_tolerance", {"on_worker_loss": "recover"},
-     r"does not support fault_tolerance.on_worker_loss: recover: use stop"),
-    ("training", {"condensation": {"enabled": True}}, r"does not support training.condensation.enabled .* off"),
+     r"zo and fault_tolerance.on_worker_loss: recover do not combine: .* Fix: use on_worker_loss: stop"),
+    ("training", {"condensation": {"enabled": True}}, r"zo and training.condensation.enabled do not combine"),
 ])
 def test_zo_refuses_what_it_does_not_support(model_dir, tmp_path, section, value, message):
     job = job_dict(model_dir, tmp_path, training={"method": "zo"})

@@ -334,24 +334,33 @@ def profile_model(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], 
     the model has been wrapped, e.g. by peft. The model's train/eval mode is restored.
     """
     recorder = RoutingRecorder.for_model(model, blocks)
+    with recorder:
+        profile_forwards(model, batches, progress, on_batch=recorder.set_attention_mask)
+    if int(recorder.tokens_L[0]) == 0:
+        raise ValueError(f"no tokens profiled for {source!r}: the batches were empty or fully padded")
+    return recorder.profile(source)
+
+
+def profile_forwards(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], progress: bool = False,
+                     on_batch=None) -> None:
+    """The forwards of `profile_model` (eval mode, no gradients; the mode restored), each batch's mask handed to
+    `on_batch` first: what a rank that shares the model's layers with the profiling one runs beside it."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         # no_grad, not inference_mode: FSDP2 (`masters.shard_frozen_backbone`) all-gathers into buffers it updates
         # in place later, which a tensor made under inference mode refuses
-        with recorder, torch.no_grad():
+        with torch.no_grad():
             for batch in tqdm(batches, desc="profile", unit="batch", disable=not progress):
                 attention_mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-                recorder.set_attention_mask(attention_mask)
+                if on_batch is not None:
+                    on_batch(attention_mask)
                 inputs = {"position_ids": positions} if positions is not None else {"attention_mask": attention_mask}
                 model(input_ids=batch["input_ids"].to(device), use_cache=False,
                       **{k: None if v is None else v.to(device) for k, v in inputs.items()})
     finally:
         model.train(was_training)
-    if int(recorder.tokens_L[0]) == 0:
-        raise ValueError(f"no tokens profiled for {source!r}: the batches were empty or fully padded")
-    return recorder.profile(source)
 
 
 # --- drift during fine-tuning -----------------------------------------------------------------------

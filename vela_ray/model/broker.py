@@ -107,6 +107,11 @@ class ExpertDispatcher:
             self.stages = stages
 
     @property
+    def tp(self) -> TensorParallelPlan | None:
+        """This master's TP plan when its brokers send a TP rank's share of the rows (`share_rows`), else None."""
+        return None if self._share is None else self._share.plan
+
+    @property
     def condenser(self) -> Condenser | None:
         """The condensation stage's `Condenser` (its counters and threshold), None without condensation."""
         return None if self._condensation is None else self._condensation.condenser

@@ -69,10 +69,27 @@ device (`device_descriptor`), the master picks the backend, OP_DATA_PLANE sends 
 it, so NCCL's communicators exist before the first layer.
 
 Keys of the saved graphs (any hashable on the master) travel as small integers the master
-assigns. A worker's exception is sent back as text and raised on the master as the
-`ExpertWorkerError` naming the worker, and the loop goes on serving. Results come back on the
+assigns; the worker's loop hands them to the server as `PlaneKey(master, key id)`. A worker's
+exception is sent back as text and raised on the master as the `ExpertWorkerError` naming the
+worker, and the loop goes on serving. Results come back on the
 master's data-plane device: its GPU with NCCL (hidden states never cross to the host), the CPU
 with gloo.
+
+Several masters (data-parallel masters, tensor-parallel ranks: every master process sends rows to
+the same ExpertManagers). Each master process forms planes of its own, both groups on its own
+rendezvous store, so an ExpertManager runs one serving loop per master process, each a thread
+(`serve(..., master=m, shared=True)`), and everything above holds per plane: a dead worker is named
+by each master whose plane it was on, OUT_OF_STEP drops only that master's data plane, and a
+master's `close` stops only its own loops. With NCCL each master's data group holds that master's
+GPU and each worker's, so no group has two ranks on one GPU. The loops call the same server; the
+server runs one call at a time (ExpertManager: a lock, and on a GPU each call's kernels queued after
+the previous call's, whichever stream), so the LoRA gradients of several masters' rows add up in
+the worker as they do through Ray's calls. A shared loop over NCCL runs on a CUDA stream of its own
+and waits on the host until a request's rows have arrived before the server computes: a compute
+queued behind a wait on one master's transfer could otherwise hold up another master's layer,
+whose results that master needs before it sends the transfer (a cycle across the workers'
+devices). Forming is safe in any order: an ExpertManager joins a master's control group on a thread
+of its own, so two masters forming their planes at once never wait for each other's workers.
 """
 
 from __future__ import annotations
@@ -302,6 +319,16 @@ def _error_text(exc: BaseException) -> str:
     return text + "\n" + "".join(traceback.format_exception(exc.__cause__ or exc))
 
 
+@dataclass(frozen=True)
+class PlaneKey:
+    """A saved forward's key as a worker's serving loop hands it to the server: the key id master process
+    `master`'s transport assigned. Its own type, so it equals no key of another master's plane, nor any key
+    a Ray caller sends (the dispatchers' (number, layer) tuples)."""
+
+    master: int
+    key: int
+
+
 class RowServer(Protocol):
     """What a worker's serving loop calls: an ExpertManager's data plane (ExpertShard's two calls).
     Results may come back on any device: the loop sends them from its data plane's."""
@@ -317,13 +344,19 @@ class RowServer(Protocol):
 
 # -- the worker's side ------------------------------------------------------------------------
 
-def serve(group: dist.ProcessGroup, server: RowServer) -> None:
+def serve(group: dist.ProcessGroup, server: RowServer, master: int = 0, shared: bool = False) -> None:
     """Answer the master (rank 0) until it says stop or its link closes: the worker's serving loop.
+
+    `master`: which master process the plane belongs to; the keys of its saved forwards reach `server`
+    as `PlaneKey(master, key id)`, so the key ids several masters' transports assign never collide.
+    `shared`: the server has one such loop per master process, on threads of its own (see "Several
+    masters" above): over NCCL the loop runs on a CUDA stream of its own and waits on the host for each
+    request's rows before computing. The server serialises its own calls (ExpertManager does).
 
     Only a link error (`is_link_error`) means the master is gone or dropped the groups. Any other
     failure is logged with its cause and, if the request it broke is still unanswered, answered
     STATUS_OUT_OF_STEP, and the loop goes on; one outside any request ends the loop, logged."""
-    loop = _ServingLoop(group, server)
+    loop = _ServingLoop(group, server, master, shared)
     try:
         while loop.step():
             pass
@@ -340,8 +373,8 @@ def serve(group: dist.ProcessGroup, server: RowServer) -> None:
 class _ServingLoop:
     """One worker's end of both planes: `group` (control) and, once set up, `data`."""
 
-    def __init__(self, group: dist.ProcessGroup, server: RowServer):
-        self.group, self.server = group, server
+    def __init__(self, group: dist.ProcessGroup, server: RowServer, master: int = 0, shared: bool = False):
+        self.group, self.server, self.master, self.shared = group, server, master, shared
         self.data: DataPlane | None = None
         self.timeout = datetime.timedelta(seconds=SERVE_TIMEOUT_S)
         self._next_header: tuple[torch.Tensor, object] | None = None  # posted before the last reply went out
@@ -405,13 +438,13 @@ class _ServingLoop:
             ids_work.wait(self.timeout)
         if rows is None:  # answered: out of step
             return
-        key = None if key_id == NO_KEY else key_id
+        key = None if key_id == NO_KEY else PlaneKey(self.master, key_id)
         self._reply(lambda: self.server.forward_rows(layer, ids, rows, key), rows)
 
     def _backward(self, key_id: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
         grad = self._recv_rows(shape, dtype, f"backward of key id {key_id}", "gradients")
         if grad is not None:
-            self._reply(lambda: self.server.backward_rows(key_id, grad), grad)
+            self._reply(lambda: self.server.backward_rows(PlaneKey(self.master, key_id), grad), grad)
 
     def _recv_rows(self, shape: tuple[int, int], dtype: torch.dtype, request: str, what: str) -> torch.Tensor | None:
         """The request's [R, D] payload, received; None when its buffer could not be allocated: then the
@@ -426,7 +459,9 @@ class _ServingLoop:
             logger.error("expert worker %d: %s", self.server.worker, text)
             self._answer(STATUS_OUT_OF_STEP, text)
             return None
-        self.data.wait(self.data.recv(rows, 0))
+        # shared (several masters' loops, one device): the rows have arrived before any compute is launched, so
+        # no compute queued on the device waits on another master's transfer (see "Several masters")
+        self.data.wait(self.data.recv(rows, 0), block=self.shared)
         return rows
 
     def _empty(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -494,6 +529,8 @@ class _ServingLoop:
             device = resolve_device(self.server.device)
             self.data = DataPlane.form(store, self.server.worker + 1, setup["world_size"], setup["backend"],
                                        device, setup["timeout_s"], node_address())
+            if self.shared and self.data.backend == "nccl":  # this thread's waits stay off the other loops' stream
+                torch.cuda.set_stream(torch.cuda.Stream(self.data.device))
         except Exception as exc:
             self.data = None
             self._answer(STATUS_ERROR, _error_text(exc))

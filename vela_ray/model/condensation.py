@@ -40,6 +40,11 @@ falls as the loss does (`Condenser.observe_loss` after each step).
     ExpertDispatcher(table, transport, condenser=condenser)   # its `Condensation` stage selects and expands
     ...; condenser.observe_loss(loss)            # after each training step
 
+Every master rank's dispatcher has a `Condenser` of its own and condenses the rows it sends (a data-parallel
+master its share of the batch, a tensor-parallel rank its share of each layer's rows, keyed by the model's
+token); each observes the loss of the whole batch, so all follow one threshold, and the run adds their
+counters (`CondenserCounts`).
+
 Legend: R = routed rows of one layer, D = hidden, n = rows of one expert group,
 S = rows per token in a layer (its top-k).
 """
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
@@ -266,6 +271,35 @@ def adaptive_threshold(first_loss: float | None, last_loss: float | None) -> flo
     return 1.0 / (1.0 + math.exp(l_norm))
 
 
+@dataclass(frozen=True)
+class CondenserCounts:
+    """What a `Condenser` counted (`Condenser.counts`), a step's part of it (a difference), or the sum over master
+    ranks: the counters the run's summary reports (`summary.CondensationRecord`, same names)."""
+
+    rows_seen: int = 0  # routed rows of the training forwards
+    rows_condensed: int = 0  # of them, rows that took their representative's output
+    pairs_computed: int = 0  # same-expert pairs whose similarity was calculated
+    pairs_from_history: int = 0  # same-expert pairs the previous layer decided
+    select_s: float = 0.0  # seconds spent selecting
+    bytes_saved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))  # by direction
+
+    def __add__(self, other: CondenserCounts) -> CondenserCounts:
+        return self._combined(other, 1)
+
+    def __sub__(self, other: CondenserCounts) -> CondenserCounts:
+        return self._combined(other, -1)
+
+    def _combined(self, other: CondenserCounts, sign: int) -> CondenserCounts:
+        scalars = {f.name: getattr(self, f.name) + sign * getattr(other, f.name) for f in fields(self)
+                   if f.name != "bytes_saved"}
+        saved = {d: self.bytes_saved.get(d, 0) + sign * other.bytes_saved.get(d, 0)
+                 for d in dict.fromkeys([*self.bytes_saved, *other.bytes_saved])}
+        return CondenserCounts(**scalars, bytes_saved=saved)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 class Condenser:
     """What an `ExpertDispatcher` holds for token condensation: the settings, the threshold and the counters.
 
@@ -305,6 +339,16 @@ class Condenser:
         if self._first_loss is None:
             self._first_loss = loss
         self._last_loss = loss
+
+    def counts(self) -> CondenserCounts:
+        """The counters so far."""
+        return CondenserCounts(self.rows_seen, self.rows_condensed, self.pairs_computed, self.pairs_from_history,
+                               self.select_seconds, dict(self.bytes_saved))
+
+    def forget_history(self) -> None:
+        """The forward's rows changed tokens (sequence migration moved sequences between masters after a layer):
+        the next layer compares all its pairs, as history is keyed by the token's place in this forward."""
+        self._previous = None
 
     def state(self) -> dict:
         """What a checkpoint keeps: the losses the adaptive threshold follows."""

@@ -1,11 +1,11 @@
 """Filling a master rank's backbone from safetensors, each tensor read once per node (issues 37, 51; thesis §3.3).
 
-What the runtime does. Every master process (`training.master.build_master_rank`; master 0 through
-`actors.masters.RayPeers`) builds the backbone's unread skeleton (`loading.backbone_skeleton`), wraps it (brokers,
+What the runtime does. Every master process (`training.master.build_master_rank`, for every rank of
+`runtime.masters.MasterGroup`) builds the backbone's unread skeleton (`loading.backbone_skeleton`), wraps it (brokers,
 peft) and, under tensor parallelism, shards it over its TP group (`tensor_parallel.parallelize_backbone`). Then
 `read_backbone` fills it:
 
-- the master processes on one node form a node group (gloo; made by `actors.masters.RayPeers`, which knows where
+- the master processes on one node form a node group (gloo; made by `actors.masters.RayRanks`, which knows where
   each rank runs). Its first member, the root, reads each backbone tensor from the checkpoint once: by slice, only
   the TP shards the node's members hold (all of it when they hold every TP index), each shard once whatever the
   number of data-parallel masters on the node. It keeps its own shard and sends every other member its shard,

@@ -18,7 +18,8 @@ at this layer. A transport that can do it is also a `RowRelay`: `ForwardRequest.
 master its output is for (-1: the sender, who gets only those rows back); the worker holds the others until
 that master `collect`s them, and in backward that master `deposit`s their gradients before the sender's
 `backward` for the same key, which the worker completes with them. In-process and Ray object-ref transports
-relay; the collective plane (one master) does not.
+relay; the collective plane does not (each master process has planes of its own, which answer only it; sequence
+migration then combines on the old master).
 """
 
 from __future__ import annotations

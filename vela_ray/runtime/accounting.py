@@ -3,7 +3,7 @@ masters' all-reduce and sequence moves) into the history and the metrics, and th
 built from the state at the end (`StepAccounting`).
 
 Master 0 counts its own rows; the other masters' steps hand theirs over (`runtime.masters.peer_step`),
-each binned by its own link tiers, and they are added here.
+each binned by its own link tiers, and they are added here; so are their condensers' counters.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from vela_ray.config import JobConfig
 from vela_ray.data.locality import DriftTracker
+from vela_ray.model.condensation import CondenserCounts
 from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.state import EarlierSegments, Live, RunState
@@ -43,7 +44,7 @@ def _counters(live: Live) -> tuple[list[int], list[float]]:
 def segment_totals(live: Live, state: RunState) -> EarlierSegments:
     """What this segment of the run counted so far: every master's expert traffic since it started (all
     passes), by link tier and by worker, and the seconds since training began."""
-    traffics = [live.master.dispatcher.traffic(), *live.peers.traffic()]
+    traffics = [live.master.dispatcher.traffic(), *live.masters.traffic()]
     return EarlierSegments(
         bytes_by_tier=added([t.bytes_by_tier() for t in traffics]),
         bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
@@ -78,6 +79,8 @@ class StepAccounting:
         self.metrics = metrics
         self.workers_at_start: tuple[list[int], list[float]] = ([], [])  # received bytes, compute seconds
         self._compute_mark: list[float] = []  # the workers' compute seconds at the last tracked step
+        # what the hosted ranks' condensers counted in this segment's steps (master 0's condenser counts its own)
+        self.peers_condensed = CondenserCounts()
 
     def begin_training(self, live: Live) -> None:
         """The workers' counters now (again after a recovery: new workers count from zero)."""
@@ -93,7 +96,7 @@ class StepAccounting:
     def begin_step(live: Live) -> StepMark:
         dispatcher = live.master.dispatcher
         return StepMark(dispatcher.traffic(), sum(dispatcher.round_trip_s.values()),
-                        live.peers.replicas.grad_bytes)
+                        live.masters.replicas.grad_bytes)
 
     def end_step(self, live: Live, mark: StepMark, step: int, loss: float, step_time_s: float, tokens: int,
                  peer_steps: list[dict], drift: DriftTracker | None) -> StepRecord:
@@ -104,12 +107,14 @@ class StepAccounting:
         traffic = [own, *(p["traffic"] for p in peer_steps)]  # each master's rows, by its own link tiers
         counts_LE = np.sum([t.routed_LE for t in traffic], axis=0)  # every master's routing
         self.state.add_routed(counts_LE)
+        self.peers_condensed = sum((p["condensation"] for p in peer_steps if p["condensation"] is not None),
+                                   self.peers_condensed)
         drift_L = drift.record_step(counts_LE) if drift else None
         record = StepRecord(step=step, loss=loss, step_time_s=step_time_s, tokens=tokens,
                             expert_round_trip_s=sum(dispatcher.round_trip_s.values()) - mark.waited_s,
                             bytes_by_tier=added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_steps]]),
                             bytes_by_worker=sum(traffic[1:], own).bytes_by_worker(),
-                            allreduce_bytes=live.peers.replicas.grad_bytes - mark.allreduce_bytes,
+                            allreduce_bytes=live.masters.replicas.grad_bytes - mark.allreduce_bytes,
                             sequence_moves=self._sequence_moves(live, peer_steps),
                             routing_drift=None if drift_L is None else [round(float(d), 5) for d in drift_L])
         self.metrics.record_step(step, loss, step_time_s, tokens=tokens, traffic_delta=traffic,
@@ -134,7 +139,7 @@ class StepAccounting:
             "placement/version": self.state.version, "eval/loss": record.eval_loss,
         }
         values.update({f"bytes/{tier}": count for tier, count in record.bytes_by_tier.items()})
-        if live.peers.num_masters > 1:
+        if live.masters.num_masters > 1:
             values["bytes/allreduce"] = record.allreduce_bytes
         return values
 
@@ -164,8 +169,8 @@ class StepAccounting:
             tokens_routed=[] if routed is None else routed.astype(int).tolist(),
             worker_tiers=list(dispatcher.traffic().worker_tiers), worker_nodes=live.hosted.node_ids,
             master_node=master_node,
-            master_nodes=live.peers.nodes, master_tp=config.cluster.master_tp,
-            allreduce_bytes_per_step=history[-1].allreduce_bytes if live.peers.num_masters > 1 and history else None,
+            master_nodes=live.masters.nodes, master_tp=config.cluster.master_tp,
+            allreduce_bytes_per_step=history[-1].allreduce_bytes if live.masters.num_masters > 1 and history else None,
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),
             links=state.links, timings_s=timings,
@@ -174,7 +179,7 @@ class StepAccounting:
             data=DataRecord.of(config.data, live.backbone.train_set),
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries, resumes=state.resumes,
             run_id=None if state.identity is None else state.identity.run_id,
-            condensation=CondensationRecord.of(dispatcher.condenser),
+            condensation=CondensationRecord.of(dispatcher.condenser, self.peers_condensed),
             expert_tiers=[stats for stats in live.workers.tier_stats() if stats is not None],
             report=run_file(config, out_dir, "report.html"),
         )

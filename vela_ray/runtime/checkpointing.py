@@ -104,7 +104,7 @@ class CheckpointWriter:
             state = import_adapter(live.master, live.workers, self.config.lora.init_adapter)
         else:
             state = master_state(live.master)
-        live.peers.load_state(state)
+        live.masters.load_state(state)
         return 0
 
     def restore(self, live: Live, ref: Path | str) -> int:
@@ -114,10 +114,12 @@ class CheckpointWriter:
         live.workers.load_checkpoint(checkpoint.source_of(path))
         tensors = checkpoint.read_tensors(path / "backbone.safetensors")
         load_master_state(live.master, tensors)
-        live.peers.load_state(tensors)  # the checkpoint's full tensors: every master, or rank, takes its own
+        live.masters.load_state(tensors)  # the checkpoint's full tensors: every master, or rank, takes its own
         condenser = live.master.dispatcher.condenser
-        if condenser is not None:
-            condenser.load_state(json.loads((path / "trainer.json").read_text()).get("condenser"))
+        if condenser is not None:  # master 0's losses, into every rank's condenser: one threshold
+            saved = json.loads((path / "trainer.json").read_text()).get("condenser")
+            condenser.load_state(saved)
+            live.masters.load_condenser_state(saved)
         checkpoint.restore_rng_state(tensors)
         return int(checkpoint.verify(path, checksums=False)["step"])
 

@@ -3,8 +3,8 @@
 A step is a first-order `train_step` or, with `training.method: zo`, a ZO-SGD step (`Stepper`:
 `GradientSteps`, `ZoSteps`). Optional features are `RunFeature`s in one list (`run_features`): the
 runner calls every feature's hook at its point of the run, so a feature is added here, never as a
-flag check in the loop. The others plug in where they belong: several masters through
-`PeerMasters` (`SoloMaster` for one), re-placement and replicas in the `Placer`'s policy,
+flag check in the loop. The others plug in where they belong: several masters and tensor-parallel
+ranks through the `MasterGroup` (`runtime.masters`), re-placement and replicas in the `Placer`'s policy,
 recovery in `Recovery`.
 """
 
@@ -50,7 +50,7 @@ class GradientSteps:
     def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
         torch.manual_seed(step_seed(self.seed, step))
         return train_step(live.master, live.workers, micro_batches, lr, self.max_grad_norm, loss_fn=loss_fn,
-                          replicas=live.peers.replicas)
+                          replicas=live.masters.replicas)
 
     def settle(self, live: Live) -> None:
         pass
@@ -92,8 +92,9 @@ class RunFeature:
 
 
 class Condensation(RunFeature):
-    """LUFFY's token condensation (LOSSY, `training.condensation.enabled`): master 0's brokers condense
-    (`vela_ray.model.condensation`); its adaptive threshold follows the loss."""
+    """LUFFY's token condensation (LOSSY, `training.condensation.enabled`): every master rank's brokers condense
+    (`vela_ray.model.condensation`); master 0's adaptive threshold follows the loss here, the other ranks' in
+    their `MasterRank.train_step`, from the same loss."""
 
     def __init__(self, condenser: Condenser):
         self.condenser = condenser
@@ -131,12 +132,6 @@ class ExpertTiers(RunFeature):
     def workers_replaced(self, live: Live) -> None:
         if self.predictor is not None:  # the new workers' tiers forecast as the old ones did
             live.workers.set_predictor(*self.predictor)
-
-
-def condenser_for(config: JobConfig) -> Condenser | None:
-    """Token condensation (LOSSY) with `training.condensation.enabled`; it lives in master 0's brokers only."""
-    cfg = config.training.condensation
-    return Condenser(cfg) if cfg.enabled else None
 
 
 def run_features(config: JobConfig, metrics: MetricsSink, condenser: Condenser | None) -> list[RunFeature]:

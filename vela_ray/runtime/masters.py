@@ -1,49 +1,444 @@
-"""Data-parallel masters (`masters.count`): backbone replicas that split every batch and share the workers.
+"""The masters as one group: every master rank of a job on one (data-parallel x tensor-parallel) mesh.
 
-Master 0 runs the job (`JobRunner`); masters 1..M-1, its *peers*, each hold a copy of the
-backbone with its LoRA and AdamW state and brokers of their own to the same ExpertManagers.
-In every step each master runs `train_step` on its rows of each micro-batch
-(`ReplicaShare`, the expert-parallel baseline's split), so:
-  - the backbone LoRA gradients are summed among the masters (`Replicas.sync_grads`) and
-    every master takes the same AdamW step;
-  - the experts' LoRA gradients accumulate on the workers from every master's rows; master 0
-    alone reads their norm and steps them (peers see the workers as `STEPPED_ELSEWHERE`),
-    after the gradient sum, by which time every master's backward has returned;
-so the losses equal one master's on the whole batch. Each master numbers the forwards it
-saves on the workers in its own residue class (`ExpertDispatcher(master=, num_masters=)`).
+`masters.count` = D data-parallel masters, each of `cluster.master_tp` = T tensor-parallel ranks: D*T ranks
+(`MasterMesh`), rank (m, t) on master m's node. Rank (0, 0), master 0, is the runner's own (`MasterGroup.leader`,
+in this process); the pool hosts the others (`RankHosts`: MasterRank actors in `actors.masters`, threads of this
+process in `vela_ray.runtime.local`). Every rank joins its groups through the pool's `Rendezvous` and is built by
+one path (`training.master.build_master_rank`: skeleton -> brokers -> peft -> TP shard -> read its shards), master 0
+by `MasterGroup.start`, the others by `MasterRank.join`. The group then runs what its ranks do together:
 
-Master 0 keeps the run's state (checkpoints, evaluation, profile, placement); the peers get
-it with `load_state` whenever master 0's changes other than by a step (start, resume,
-recovery), and a new table with `rebind` after every migration.
+  - a step (`start_step`, then master 0's own `train_step`): master m takes its share of every micro-batch
+    (`ReplicaShare`, the expert-parallel baseline's split); the backbone LoRA gradients are summed over the
+    data-parallel masters (`Replicas.sync_grads`), and every master takes the same AdamW step; the experts' LoRA
+    gradients accumulate on the workers from every master's rows, and master 0 alone reads their norm and steps them
+    (the others see the workers as `STEPPED_ELSEWHERE`) after the gradient sum, when every backward has returned;
+    so the losses equal one master's on the whole batch. A master's TP ranks shard its backbone and send disjoint
+    shares of its rows. With `training.condensation` (LOSSY) every rank condenses the rows it sends with a
+    `Condenser` of its own, whose adaptive threshold follows the whole batch's loss as master 0's does. Each rank
+    numbers the forwards it saves on the workers in its own residue class
+    (`ExpertDispatcher(master=, num_masters=)`); with `masters.sequence_migration` each master's loss moves its
+    sequences among the masters during the forward (`master_loss`);
+  - master 0's forwards without gradients (`evaluate`, `profile`): its TP ranks, and every rank with
+    `masters.shard_frozen_backbone` (each layer all-gathered from all), run the same forwards beside it;
+  - the state master 0 changes other than by a step (start, resume, recovery: `load_state`, every rank taking
+    its share of the full tensors, and `load_condenser_state`), a new table after a migration (`rebind`), traffic, pids, and recovery's new
+    ranks over new workers (`restart_ranks`).
 
-With `masters.sequence_migration` every master's loss function moves its sequences among the
-masters during the forward (`master_loss`, `vela_ray.training.sequence_migration`).
+One master is the 1 x 1 mesh: no hosted rank, nothing to sum or to tell. A pipeline axis (APTMoE's stages) is one
+more dimension of `MasterMesh`, its ranks hosted and built the same way.
 
-Two kinds of peers, one protocol (`runtime.pool.PeerMasters`): `ThreadPeers` (threads of
-this process, over the in-process ExpertManagers) and `actors.masters.RayPeers`
-(MasterReplica actors, one per node). `runtime.pool.SoloMaster` is the single master.
+    masters = MasterGroup.start(config, pool, hosted, table, backbone.model)
+    done = masters.start_step(micro_batches, lr, max_grad_norm)   # then master 0's own train_step
+    peer_steps = done()
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-import threading
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from vela_ray.config import JobConfig
-from vela_ray.model.traffic import TrafficSnapshot, link_tiers
-from vela_ray.model.transport import InProcessTransport
+from vela_ray.data.datasets import on_device
+from vela_ray.data.locality import AccessProfile, profile_forwards, profile_model
+from vela_ray.model.condensation import Condenser, CondenserCounts
+from vela_ray.model.modeling import MoeBlock
+from vela_ray.model.traffic import TrafficSnapshot
+from vela_ray.model.transport import Transport
 from vela_ray.runtime.migration import master_table
-from vela_ray.runtime.pool import PeerMasters, Wait, WorkerPool, master_spec
-from vela_ray.training.expert_manager import ExpertManager
-from vela_ray.training.replicas import Exchanger, ReplicaShare, ThreadGroup
-from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
 from vela_ray.training.expert_workers import STEPPED_ELSEWHERE
-from vela_ray.training.master import MasterModel, build_master_replica, load_master_state
-from vela_ray.training.step import LossFn, train_step
+from vela_ray.training.master import (
+    MasterModel, MasterSpec, build_master_rank, load_master_state, master_device, shard_and_read, shard_state,
+)
+from vela_ray.training.replicas import SINGLE, Exchanger, ReplicaShare, Replicas
+from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
+from vela_ray.training.step import Batch, LossFn, eval_loss, model_loss, train_step
+
+logger = logging.getLogger(__name__)
+
+Wait = Callable[[], list[dict]]  # blocks until every hosted rank's step is done; returns their `peer_step` records
+
+
+@dataclass(frozen=True)
+class MasterMesh:
+    """The masters' mesh: `dp` data-parallel masters of `tp` tensor-parallel ranks each, rank (m, t) flat at
+    m * tp + t (its place among the workers' masters: the residue class of the forwards it saves)."""
+
+    dp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def of(cls, config: JobConfig) -> MasterMesh:
+        return cls(config.masters.count, config.cluster.master_tp)
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """Every rank (m, t), master 0's first."""
+        return [(m, t) for m in range(self.dp) for t in range(self.tp)]
+
+    def flat(self, m: int, t: int) -> int:
+        return m * self.tp + t
+
+
+@dataclass
+class RankGroups:
+    """What one rank joined: its member of the data-parallel masters' group, its master's TP group (a 1-D mesh or
+    a process group; None without TP), the data-parallel mesh FSDP2 shards the frozen backbone over (None without
+    `masters.shard_frozen_backbone`), and its node group, whose first member reads each backbone tensor once for the
+    node (None: alone on its node)."""
+
+    replicas: Any = SINGLE
+    tp: Any = None
+    dp_mesh: Any = None
+    node: Any = None
+
+
+class Rendezvous(Protocol):
+    """Where the ranks of one mesh meet (made by the pool's `RankHosts.rendezvous`): every rank, master 0 too,
+    joins its groups through it, all at once (each join blocks until its groups are complete)."""
+
+    def join(self, m: int, t: int, device: torch.device) -> RankGroups: ...
+
+
+class RowsTo(Protocol):
+    """How a hosted rank reaches the workers: the data plane of master process `rank` (its flat place in the mesh)
+    on `device`, counted by the link tiers of its `node`."""
+
+    def transport(self, rank: int, node: str, device: torch.device) -> Transport: ...
+
+
+Pending = list  # calls started on hosted ranks (Ray object refs, futures): `RankHosts.wait` waits for them
+
+
+class RankHosts(Protocol):
+    """Where a pool runs the ranks other than master 0 (one `MasterRank` each), and how master 0 reaches them.
+    `ranks` of a call are indices into the hosted ranks (`MasterMesh.ranks()[1:]`); None: all of them."""
+
+    def rendezvous(self) -> Rendezvous:
+        """The mesh's groups, listening here (kept until `close`)."""
+        ...
+
+    def rows(self) -> RowsTo:
+        ...
+
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None) -> Pending:
+        """Start `MasterRank.method(*args)` on the ranks; returns at once."""
+        ...
+
+    def wait(self, pending: Pending) -> list:
+        """Their results, in order; raises the first failure (a dead rank's first)."""
+        ...
+
+    def watch(self, replicas: Replicas, pending: Pending) -> None:
+        """While master 0 waits in a sum with the ranks running `pending`, raise a failed one's own error."""
+        ...
+
+    def abort(self, pending: Pending) -> None:
+        """Master 0's step failed while the ranks ran `pending`: free the ranks waiting in a collective master 0
+        left, and raise a rank's own error if one failed (its death is what broke master 0's step)."""
+        ...
+
+    def pids(self) -> list[int]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class MasterRank:
+    """Rank (`m`, `t`) of the masters' mesh other than master 0, on `node`: a backbone replica (or shard) with
+    brokers to the shared workers. Its methods are what `MasterGroup` starts on it; the pool hosts it (a Ray actor,
+    or a thread of this process)."""
+
+    def __init__(self, config: JobConfig, m: int, t: int, node: str):
+        self.config, self.m, self.t, self.node = config, m, t, node
+        self.mesh = MasterMesh.of(config)
+        self.spec = master_spec(config)  # its device: the GPU Ray gave it with cluster.master_gpus: 1
+        self.master: MasterModel | None = None
+        self.replicas: Replicas = SINGLE  # its member of its TP index's data-parallel group
+        self.migration: SequenceMigration | None = None
+        self.loss_fn: LossFn = model_loss
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def join(self, rendezvous: Rendezvous, rows: RowsTo, table: list, nodes: list[str], worker_nodes: list[str]
+             ) -> None:
+        """Join its groups, then build its master over `table` (`build_master_rank`), sharded over its TP group,
+        reading its shards once per node group, and over the data-parallel mesh with FSDP2 if it has one."""
+        groups = rendezvous.join(self.m, self.t, self.spec.device)
+        self.replicas = groups.replicas
+        self.master, _ = build_master_rank(
+            self.spec, master_table(np.asarray(table), self.m),
+            rows.transport(self.mesh.flat(self.m, self.t), self.node, self.spec.device), groups.tp,
+            rank=self.mesh.flat(self.m, self.t), node=groups.node, dp_mesh=groups.dp_mesh,
+            condenser=condenser_for(self.config))
+        self.migration = sequence_migration(self.config, self.m, self.master, NodeMap.of(nodes, worker_nodes))
+        self.loss_fn = master_loss(self.config, self.m, self.master, self.migration, self.replicas,
+                                   self.spec.device)
+
+    def train_step(self, micro_batches: list[Batch], lr: float, max_grad_norm: float | None) -> dict:
+        """This rank's share of one step; its `peer_step` record. The loss it returns is the whole batch's (summed
+        over the data-parallel masters), the one master 0's `features.Condensation` gives its condenser after the
+        step: this rank's condenser observes it too, so every rank condenses the next step at one threshold."""
+        dispatcher = self.master.dispatcher
+        before = dispatcher.traffic()
+        condensed = dispatcher.condenser.counts() if dispatcher.condenser is not None else None
+        loss = train_step(self.master, STEPPED_ELSEWHERE, [on_device(m, self.spec.device) for m in micro_batches],
+                          lr, max_grad_norm, loss_fn=self.loss_fn, replicas=self.replicas)
+        if dispatcher.condenser is not None:
+            dispatcher.condenser.observe_loss(loss)
+            condensed = dispatcher.condenser.counts() - condensed
+        return peer_step(dispatcher.traffic() - before, self.migration, condensed)
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """Master 0's evaluation, computed with it (`MasterGroup.evaluate`)."""
+        return eval_loss(self.master, [on_device(b, self.spec.device) for b in batches])
+
+    def profile(self, batches: list[Batch]) -> None:
+        """Master 0's routing profile's forwards, computed with it (`MasterGroup.profile`)."""
+        profile_forwards(self.master.peft_model, batches)
+
+    def shard_state(self, copy: bool) -> dict[str, torch.Tensor]:
+        """This rank's shards of the backbone LoRA and AdamW state (master 0 merges its TP group's)."""
+        return shard_state(self.master, copy)
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_master_state(self.master, tensors)
+
+    def load_condenser_state(self, state: dict | None) -> None:
+        if self.master.dispatcher.condenser is not None:
+            self.master.dispatcher.condenser.load_state(state)
+
+    def rebind(self, table: list) -> None:
+        self.master.dispatcher.rebind(master_table(np.asarray(table), self.m))
+
+    def traffic(self) -> TrafficSnapshot:
+        return self.master.dispatcher.traffic()
+
+    def reset_traffic(self) -> None:
+        self.master.dispatcher.reset_traffic()
+
+    def close(self) -> None:
+        if self.migration is not None:
+            self.migration.detach()
+
+
+class RankPool(Protocol):
+    """What `MasterGroup` needs from a `WorkerPool`: master 0's node and where the other ranks run."""
+
+    master_node: str
+
+    def rank_hosts(self, mesh: MasterMesh, nodes: list[str]) -> RankHosts: ...
+
+
+@dataclass
+class MasterGroup:
+    """Every master rank of a job (module docstring): master 0 (`leader`, this process's) and the hosted ranks."""
+
+    config: JobConfig
+    mesh: MasterMesh
+    leader: MasterModel
+    nodes: list[str]  # node of each data-parallel master, master 0's first
+    worker_nodes: list[str]
+    hosts: RankHosts | None = None
+    replicas: Replicas = SINGLE  # master 0's member of the data-parallel masters' group
+    migration: SequenceMigration | None = None  # master 0's, with masters.sequence_migration
+    _steps: Pending = field(default_factory=list)  # the hosted ranks' train_step calls of the step in flight
+    _leader_extras: dict = field(default_factory=dict)  # what master 0 was built with beyond its spec (a rebuild's)
+
+    @classmethod
+    def start(cls, config: JobConfig, pool: RankPool, transport: Transport, worker_nodes: list[str], table,
+              model: torch.nn.Module, *, latency=None, condenser=None) -> MasterGroup:
+        """Master 0 built on `model` (read already unless it is a TP rank: it reads its shards once its group
+        exists) with brokers over `transport`, and every other rank of the mesh started and built over `table`."""
+        mesh, spec = MasterMesh.of(config), master_spec(config)
+        nodes = [pool.master_node, *peer_nodes(worker_nodes, pool.master_node, mesh.dp - 1)]
+        hosts = pool.rank_hosts(mesh, nodes) if mesh.size > 1 else None
+        try:
+            rendezvous = hosts.rendezvous() if hosts else None
+            joins = hosts.call("join", rendezvous, hosts.rows(), np.asarray(table).tolist(), nodes,
+                               worker_nodes) if hosts else []
+            groups = rendezvous.join(0, 0, spec.device) if rendezvous else RankGroups()
+            leader, _ = build_master_rank(spec, master_table(table), transport, groups.tp, node=groups.node,
+                                          dp_mesh=groups.dp_mesh, model=model, read=config.cluster.master_tp == 1,
+                                          latency=latency, condenser=condenser)
+            if hosts:
+                hosts.wait(joins)
+        except BaseException:
+            if hosts:
+                hosts.close()
+            raise
+        group = cls(config, mesh, leader, nodes, worker_nodes, hosts, groups.replicas,
+                    _leader_extras={"latency": latency, "condenser": condenser})
+        group.migration = group._leader_migration()
+        if mesh.tp > 1:
+            leader.tp_states = group._follower_states
+        logger.info("%d data-parallel master(s) of %d tensor-parallel rank(s) on nodes %s", mesh.dp, mesh.tp, nodes)
+        return group
+
+    @property
+    def num_masters(self) -> int:
+        return self.mesh.dp
+
+    def _leader_migration(self) -> SequenceMigration | None:
+        if self.mesh.dp == 1:
+            return None
+        return sequence_migration(self.config, 0, self.leader, NodeMap.of(self.nodes, self.worker_nodes))
+
+    def restart_ranks(self, pool: RankPool, transport: Transport, worker_nodes: list[str], table) -> None:
+        """New hosted ranks over new workers (recovery: the old ones may be stuck in the failed step's gradient
+        sum, so they go first, and the caller restores a checkpoint after). Master 0 joins the new groups: it keeps
+        its model, or, holding TP shards, whose group went with the ranks, it is built again the one way every rank
+        is (`build_master_rank`) over `transport`: its state comes back with the checkpoint."""
+        if self.hosts is None:
+            return
+        self.close()
+        self.worker_nodes = worker_nodes
+        self.hosts = pool.rank_hosts(self.mesh, self.nodes)
+        rendezvous = self.hosts.rendezvous()
+        joins = self.hosts.call("join", rendezvous, self.hosts.rows(), np.asarray(table).tolist(), self.nodes,
+                                worker_nodes)
+        device = _device(self.leader)
+        if self.mesh.tp > 1 or self.config.masters.shard_frozen_backbone:
+            if dist.is_initialized():  # the old mesh was this process's default group: one per process
+                dist.destroy_process_group()
+            groups = rendezvous.join(0, 0, device)
+            leader, _ = build_master_rank(master_spec(self.config), master_table(np.asarray(table)), transport,
+                                          groups.tp, node=groups.node, dp_mesh=groups.dp_mesh, **self._leader_extras)
+            if self.mesh.tp > 1:
+                leader.tp_states = self._follower_states
+            self.leader = leader
+        else:
+            groups = rendezvous.join(0, 0, device)
+            if groups.node is not None:  # the new ranks on its node read the backbone from it, as at the start
+                shard_and_read(self.leader, master_spec(self.config), None, groups.node, holds_backbone=True)
+        self.replicas = groups.replicas
+        self.hosts.wait(joins)
+        self.migration = self._leader_migration()
+
+    def loss_fn(self) -> LossFn:
+        """Master 0's loss of a micro-batch: all of it, or its share among the data-parallel masters."""
+        if self.mesh.dp == 1:
+            return model_loss
+        return master_loss(self.config, 0, self.leader, self.migration, self.replicas, _device(self.leader))
+
+    # --- what the ranks do together ---------------------------------------------------------------
+
+    def start_step(self, micro_batches: Sequence[Batch], lr: float, max_grad_norm: float | None) -> Wait:
+        """Start every hosted rank's `train_step` on `micro_batches` (each takes its share); master 0 then runs
+        its own, and calls the returned wait for their records (`peer_step`)."""
+        if self.hosts is None:
+            return lambda: []
+        host = [{k: v.cpu() for k, v in m.items()} for m in micro_batches]
+        pending = self._steps = self.hosts.call("train_step", host, lr, max_grad_norm)
+        self.hosts.watch(self.replicas, pending)
+        return lambda: self.hosts.wait(pending)
+
+    def abort(self) -> None:
+        """Master 0's step failed: free the hosted ranks from it (`RankHosts.abort`) and close them."""
+        if self.hosts is None:
+            return
+        try:
+            self.hosts.abort(self._steps)
+        finally:
+            self.close()
+
+    def evaluate(self, batches: Sequence[Batch]) -> float:
+        """Master 0's evaluation loss over `batches`, the ranks that hold parts of its backbone computing it too."""
+        batches = list(batches)
+        with self._alongside("evaluate", batches):
+            return eval_loss(self.leader, [on_device(b, _device(self.leader)) for b in batches])
+
+    def profile(self, batches: Sequence[Batch], blocks: list[MoeBlock], source: str = "") -> AccessProfile:
+        """Master 0's routing profile over `batches` (`locality.profile_model`), computed with the same ranks."""
+        batches = list(batches)
+        with self._alongside("profile", batches):
+            return profile_model(self.leader.peft_model, batches, blocks=blocks, source=source)
+
+    @contextlib.contextmanager
+    def _alongside(self, method: str, batches: Sequence[Batch]) -> Iterator[None]:
+        """The ranks that compute master 0's forwards with it (its TP ranks; every rank when FSDP2 shards the
+        frozen backbone over the masters) run `method` on the same `batches` while master 0 runs its own."""
+        mirrors = self._mirrors()
+        pending = self.hosts.call(method, [{k: v.cpu() for k, v in b.items()} for b in batches],
+                                  ranks=mirrors) if mirrors else []
+        yield
+        if pending:
+            self.hosts.wait(pending)
+
+    def _mirrors(self) -> list[int]:
+        if self.hosts is None:
+            return []
+        hosted = self.mesh.ranks()[1:]
+        if self.config.masters.shard_frozen_backbone:
+            return list(range(len(hosted)))
+        return [i for i, (m, _) in enumerate(hosted) if m == 0]
+
+    def _follower_states(self, copy: bool) -> list[dict[str, torch.Tensor]]:
+        """Master 0's other TP ranks' shards (`master.master_state` merges them), in rank order."""
+        return self.hosts.wait(self.hosts.call("shard_state", copy, ranks=list(range(self.mesh.tp - 1))))
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Master 0's state (`master.master_state`: full tensors) into every hosted rank, each taking its share."""
+        if self.hosts is not None:
+            self.hosts.wait(self.hosts.call("load_state", tensors))
+
+    def load_condenser_state(self, state: dict | None) -> None:
+        """Master 0's condenser's losses (`Condenser.state`, a resume's or a recovery's) into every hosted rank's
+        condenser, so all go on at master 0's threshold."""
+        if self.hosts is not None:
+            self.hosts.wait(self.hosts.call("load_condenser_state", state))
+
+    def rebind(self, table) -> None:
+        """Every hosted rank's brokers to a new table, or to its master's routes (after a migration)."""
+        if self.hosts is not None:
+            self.hosts.wait(self.hosts.call("rebind", np.asarray(table).tolist()))
+
+    def traffic(self) -> list[TrafficSnapshot]:
+        """Each hosted rank's traffic counts since it started, or since `reset_traffic`."""
+        return self.hosts.wait(self.hosts.call("traffic")) if self.hosts is not None else []
+
+    def reset_traffic(self) -> None:
+        if self.hosts is not None:
+            self.hosts.wait(self.hosts.call("reset_traffic"))
+
+    def pids(self) -> list[int]:
+        """Each hosted rank's process id (operators and tests signal them by it)."""
+        return self.hosts.pids() if self.hosts is not None else []
+
+    def close(self) -> None:
+        """End the hosted ranks (master 0 stays with the runner)."""
+        if self.migration is not None:
+            self.migration.detach()
+            self.migration = None
+        if self.hosts is not None:
+            self.hosts.close()
+
+
+def master_spec(config: JobConfig) -> MasterSpec:
+    """What every master rank of this job is built from (`master.build_master_rank`)."""
+    return MasterSpec(
+        model_dir=config.model.path, dtype=config.torch_dtype, lora=config.lora_spec, optim=config.training.optimizer,
+        seed=config.training.seed, trust_remote_code=config.model.trust_remote_code,
+        num_masters=config.masters.count * config.cluster.master_tp, row_format=config.data_plane.row_format,
+        device=master_device(bool(config.cluster.master_gpus)),
+        activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
+    )
+
+
+def _device(master: MasterModel) -> torch.device:
+    return next(master.peft_model.parameters()).device
+
 
 def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:
     """Nodes of masters 1..M-1: the workers' nodes other than master 0's, in order; round robin over
@@ -53,106 +448,11 @@ def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) ->
     return [cycle[i % len(cycle)] for i in range(num_peers)]
 
 
-class ThreadPeers:
-    """Peers as threads of this process over the in-process ExpertManagers (`InProcessPool`).
-
-    Master 0's own transport must be an `InProcessTransport` on the same lock (`InProcessPool` makes it).
-    `worker_nodes`: the workers' nodes; the peers take nodes as Ray's would (`peer_nodes`), and each
-    counts its traffic by its own link tiers (all same_process on `LOCAL_NODE`, the plain in-process case).
-    """
-
-    def __init__(self, config: JobConfig, managers: list[ExpertManager], table: np.ndarray, node: str,
-                 lock: threading.Lock, worker_nodes: list[str]):
-        self.config = config
-        self.num_masters = config.masters.count
-        self.nodes = [node, *peer_nodes(worker_nodes, node, self.num_masters - 1)]
-        self.lock = lock
-        self.group = ThreadGroup(self.num_masters)
-        self.replicas = self.group.member(0)
-        self.masters = [self._build(rank, managers, table, worker_nodes) for rank in range(1, self.num_masters)]
-        self.migrations = [sequence_migration(config, rank, m, NodeMap.of(self.nodes, worker_nodes))
-                           for rank, m in enumerate(self.masters, start=1)]
-        self._errors: list[BaseException] = []
-        self._threads: list[threading.Thread] = []
-
-    def _build(self, rank: int, managers: list[ExpertManager], table: np.ndarray,
-               worker_nodes: list[str]) -> MasterModel:
-        transport = InProcessTransport(managers, self.lock, link_tiers(self.nodes[rank], worker_nodes))
-        return build_master_replica(master_spec(self.config), master_table(table, rank), transport, rank=rank)
-
-    def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
-        self._errors = []
-        befores = [m.dispatcher.traffic() for m in self.masters]
-        self._threads = [threading.Thread(target=self._step, args=(rank, m, micro_batches, lr, max_grad_norm),
-                                          name=f"vela-master-{rank}", daemon=True)
-                         for rank, m in enumerate(self.masters, start=1)]
-        for thread in self._threads:
-            thread.start()
-
-        def wait() -> list[dict]:
-            self._join()
-            if self._errors:
-                raise self._errors[0]
-            return [peer_step(m.dispatcher.traffic() - before, migration)
-                    for m, before, migration in zip(self.masters, befores, self.migrations)]
-        return wait
-
-    def _join(self) -> None:
-        for thread in self._threads:
-            thread.join()
-        self._threads = []
-
-    def abort(self) -> None:
-        """Raises the first peer's own error, if a peer failed (master 0 then saw only the broken group)."""
-        self.group.abort()
-        self._join()
-        self.group = ThreadGroup(self.num_masters)
-        self.replicas = self.group.member(0)
-        failed = [e for e in self._errors if not isinstance(e, threading.BrokenBarrierError)]
-        if failed:
-            raise failed[0]
-
-    def _step(self, rank: int, master: MasterModel, micro_batches, lr: float, max_grad_norm) -> None:
-        try:
-            replicas = self.group.member(rank)
-            loss_fn = master_loss(self.config, rank, master, self.migrations[rank - 1], replicas)
-            train_step(master, STEPPED_ELSEWHERE, micro_batches, lr, max_grad_norm, loss_fn=loss_fn, replicas=replicas)
-        except BaseException as exc:  # noqa: BLE001 - handed to master 0's thread by wait()
-            self._errors.append(exc)
-            self.group.abort()
-
-    def load_state(self, tensors) -> None:
-        for master in self.masters:
-            load_master_state(master, tensors)
-
-    def rebind(self, table) -> None:
-        for rank, master in enumerate(self.masters, start=1):
-            master.dispatcher.rebind(master_table(table, rank))
-
-    def traffic(self) -> list:
-        return [m.dispatcher.traffic() for m in self.masters]
-
-    def reset_traffic(self) -> None:
-        for master in self.masters:
-            master.dispatcher.reset_traffic()
-
-    def pids(self) -> list[int]:
-        return [os.getpid()] * len(self.masters)
-
-    def close(self) -> None:
-        for migration in self.migrations:
-            if migration is not None:
-                migration.detach()
-        self.masters, self.migrations = [], []
-
-
-def start_peers(config: JobConfig, pool: WorkerPool, table: np.ndarray, master: MasterModel,
-                worker_nodes: list[str]) -> tuple[PeerMasters, SequenceMigration | None]:
-    """Masters 1..M-1 over `table` (none for one master), and master 0's sequence migration among them."""
-    peers = pool.start_peers(table, master)
-    migration = None if peers.num_masters == 1 else sequence_migration(
-        config, 0, master, NodeMap.of(peers.nodes, worker_nodes))
-    return peers, migration
+def condenser_for(config: JobConfig) -> Condenser | None:
+    """A master rank's own `Condenser` (token condensation, LOSSY) with `training.condensation.enabled`: one per
+    dispatcher, each rank's condensing the rows it sends."""
+    cfg = config.training.condensation
+    return Condenser(cfg) if cfg.enabled else None
 
 
 def sequence_migration(config: JobConfig, rank: int, master: MasterModel, nodes: NodeMap) -> SequenceMigration | None:
@@ -179,8 +479,11 @@ def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: to
     return ReplicaShare(rank, num_masters, coef, device)
 
 
-def peer_step(traffic: TrafficSnapshot, migration: SequenceMigration | None = None) -> dict:
-    """What master 0's step record takes from a peer's step: its traffic (with the tokens it routed to each
-    expert), its bytes by its own link tiers, and what its sequence migration moved."""
+def peer_step(traffic: TrafficSnapshot, migration: SequenceMigration | None = None,
+              condensed: CondenserCounts | None = None) -> dict:
+    """What master 0's step record takes from a hosted rank's step: its traffic (with the tokens it routed to each
+    expert), its bytes by its own link tiers, what its sequence migration moved, and what its condenser counted in
+    the step (None: condensation off)."""
     moves = (migration.take_stats() if migration is not None else SequenceMoveStats()).as_dict()
-    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "sequence_moves": moves}
+    return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "sequence_moves": moves,
+            "condensation": condensed}

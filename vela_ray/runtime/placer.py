@@ -25,7 +25,7 @@ from placement import (
 from placement.io import load_profile
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import sequential_batches
-from vela_ray.data.locality import AccessProfile, DriftTracker, profile_model, total_variation
+from vela_ray.data.locality import AccessProfile, DriftTracker, total_variation
 from vela_ray.model.loading import moe_layout
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.migration import (
@@ -145,7 +145,7 @@ class Placer:
         """`workers.json`: where each worker's process runs (operators and tests signal them by pid)."""
         (self.out_dir / "workers.json").write_text(json.dumps(
             {"pids": self.pool.pids(), "nodes": live.hosted.node_ids, "master_pid": os.getpid(),
-             "master_pids": [os.getpid(), *live.peers.pids()]}))
+             "master_pids": [os.getpid(), *live.masters.pids()]}))
 
     def _restore_profile(self, resume: ResumePoint) -> None:
         """A resumed run's measured profile, from its checkpoint, into `profile.json`/`.npy` where the output dir
@@ -198,7 +198,7 @@ class Placer:
         capacities = state.problem.capacities if state.problem else self._capacities(backbone)
         return placement_problem(cfg, backbone, probs, state.links, capacities, live.hosted.node_ids,
                                  self.pool.master_node, compute, state.shared_links,
-                                 master_nodes=live.peers.nodes if live.peers.num_masters > 1 else None)
+                                 master_nodes=live.masters.nodes if live.masters.num_masters > 1 else None)
 
     def _profile(self, live: Live, resume: ResumePoint | None) -> np.ndarray | None:
         """P [L, E] to place by: measured through the brokers, read from a file, or None (uniform).
@@ -215,8 +215,7 @@ class Placer:
         backbone = live.backbone
         batches = sequential_batches(backbone.train_set, self.config.training.batch_size,
                                      max_batches=self.config.placement.profile_batches, token_mask=True)
-        profile = profile_model(live.master.peft_model, batches, blocks=backbone.blocks,
-                                source=str(self.config.data.path))
+        profile = live.masters.profile(batches, backbone.blocks, source=str(self.config.data.path))
         profile.save(self.out_dir / "profile.json", npy_path=self.out_dir / "profile.npy")
         self.state.access_profile = profile
         return profile.probs_array()
@@ -246,7 +245,7 @@ class Placer:
         state.tables = np.asarray(table)
         live.workers.set_copies(copies_of(table))
         live.master.dispatcher.rebind(master_table(table))
-        live.peers.rebind(table)
+        live.masters.rebind(table)
         if reason != "start":
             state.version += 1
         record = migration_record(plan, stats, time.perf_counter() - start, step=step, reason=reason,

@@ -6,33 +6,32 @@ A pool starts ExpertManagers for a placement table and hands back their control 
 implementations: `vela_ray.runtime.local.InProcessPool` (this process) and
 `actors.pool.RayWorkerPool` (Ray actors, one per GPU or CPU bundle).
 
-A pool also starts the other data-parallel masters (`PeerMasters`, the protocol master 0's
-runner drives them by; `SoloMaster` when there is one; `vela_ray.runtime.masters` has the
-rest). What the workers and the masters are built from comes from the config here, in one
-place each: `manager_specs` and `master_spec`.
+A pool also hosts the master ranks other than master 0 (`rank_hosts`: Ray actors, or threads of
+this process), which `vela_ray.runtime.masters.MasterGroup` starts and drives. What the workers and
+the workers are built from comes from the config here, in one place: `manager_specs` (the masters':
+`runtime.masters.master_spec`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from placement import SharedLink
 from placement.cost import hosted
 
 from vela_ray.config import JobConfig
-from vela_ray.model.traffic import LinkTier, TrafficSnapshot
+from vela_ray.model.traffic import LinkTier
 from vela_ray.model.transport import Transport
 from vela_ray.training.expert_manager import ExpertManagerSpec, MigrationStats
-from vela_ray.training.replicas import SINGLE, Replicas
 from vela_ray.training.expert_workers import ExpertWorkers
-from vela_ray.training.master import MasterModel, MasterSpec, master_device
-from vela_ray.training.step import Batch
 from vela_ray.training.summary import LinkRecord
+
+if TYPE_CHECKING:
+    from vela_ray.runtime.masters import MasterMesh, RankHosts
 
 
 @dataclass
@@ -48,83 +47,6 @@ class HostedExperts:
         return self.transport.worker_tiers()
 
 
-Wait = Callable[[], list[dict]]  # blocks until every peer's step is done; returns their `peer_step` records
-
-
-class PeerMasters(Protocol):
-    """Masters 1..M-1 as master 0's runner drives them."""
-
-    replicas: Replicas  # master 0's member of the masters' group
-    num_masters: int
-    nodes: list[str]  # node of each master, master 0's first
-
-    def start_step(self, micro_batches: Sequence[Batch], lr: float, max_grad_norm: float | None) -> Wait:
-        """Start every peer's `train_step` on its rows of `micro_batches`; master 0 then runs its own."""
-        ...
-
-    def abort(self) -> None:
-        """Master 0's step failed: release the peers from the step (they may wait in a gradient sum that
-        master 0 will never join) and discard it; the next `start_step` starts clean."""
-        ...
-
-    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Backbone LoRA and AdamW state (`master.master_state` of master 0) into every peer."""
-        ...
-
-    def rebind(self, table: np.ndarray) -> None:
-        """Every peer's brokers to a new table, or to its own of per-master routes (after a migration)."""
-        ...
-
-    def traffic(self) -> list[TrafficSnapshot]:
-        """Each peer's traffic counts since it started, or since `reset_traffic`."""
-        ...
-
-    def reset_traffic(self) -> None:
-        """Zero every peer's traffic counts (as master 0's are when training starts)."""
-        ...
-
-    def pids(self) -> list[int]:
-        """Each peer's process id (operators and tests signal them by it)."""
-        ...
-
-    def close(self) -> None:
-        ...
-
-
-class SoloMaster:
-    """One master: no peers, nothing to sum or to tell."""
-
-    replicas = SINGLE
-    num_masters = 1
-
-    def __init__(self, node: str = ""):
-        self.nodes = [node]
-
-    def start_step(self, micro_batches, lr, max_grad_norm) -> Wait:
-        return lambda: []
-
-    def abort(self) -> None:
-        pass
-
-    def load_state(self, tensors) -> None:
-        pass
-
-    def rebind(self, table) -> None:
-        pass
-
-    def traffic(self) -> list[TrafficSnapshot]:
-        return []
-
-    def reset_traffic(self) -> None:
-        pass
-
-    def pids(self) -> list[int]:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
 class WorkerPool(Protocol):
     master_node: str
 
@@ -137,10 +59,9 @@ class WorkerPool(Protocol):
         """(Re)start the workers so that worker n hosts the experts `table` gives n."""
         ...
 
-    def start_peers(self, table: np.ndarray, leader: MasterModel) -> PeerMasters:
-        """Masters 1..M-1 of `masters.count`, with brokers over `table` to the started workers
-        (`vela_ray.runtime.masters`), or with `cluster.master_tp` the other ranks of master 0 (`leader`, which
-        is sharded with them); `SoloMaster` when there is one."""
+    def rank_hosts(self, mesh: "MasterMesh", nodes: list[str]) -> "RankHosts":
+        """Where the master ranks other than master 0 run (`vela_ray.runtime.masters`), master m's on
+        `nodes[m]`, with brokers to the started workers; a ValueError naming the setting this pool cannot host."""
         ...
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
@@ -196,17 +117,6 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
         )
         for n in range(config.cluster.num_workers)
     ]
-
-
-def master_spec(config: JobConfig) -> MasterSpec:
-    """What every master replica of this job is built from (`master.build_master_replica`)."""
-    return MasterSpec(
-        model_dir=config.model.path, dtype=config.torch_dtype, lora=config.lora_spec, optim=config.training.optimizer,
-        seed=config.training.seed, trust_remote_code=config.model.trust_remote_code,
-        num_masters=config.masters.count * config.cluster.master_tp, row_format=config.data_plane.row_format,
-        device=master_device(bool(config.cluster.master_gpus)),
-        activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
-    )
 
 
 def capacity_from_memory(free_bytes: list[int], bytes_per_expert: int, memory_pools: list[str] | None = None

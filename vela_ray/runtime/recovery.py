@@ -46,7 +46,7 @@ class Recovery:
                 raise
             self.checkpoints.settle(failing=True)  # the hint names the newest checkpoint that got published
             # every worker answers: the actor that died was another master process
-            who = f"ExpertManager worker(s) {dead}" if dead else ("another master process (MasterReplica: a "
+            who = f"ExpertManager worker(s) {dead}" if dead else ("another master process (a MasterRank: a "
                                                                   "data-parallel master or a tensor-parallel rank)")
             raise WorkerLostError(dead, f"{who} died during step {step + 1}; training "
                                         f"stopped and its in-memory state since the last checkpoint is discarded; "
@@ -74,7 +74,7 @@ class Recovery:
         for feature in self.features:
             feature.workers_replaced(live)
         live.master.dispatcher.rebind(live.master.dispatcher.expert_to_worker, live.hosted.transport)
-        live.start_peers(self.config, self.pool, state.tables)
+        live.masters.restart_ranks(self.pool, live.hosted.transport, live.hosted.node_ids, state.tables)
         self.placer.write_workers(live)
         # the failed step's partial gradients (the workers drop theirs, and their saved graphs, as they load)
         live.master.optimizer.zero_grad(set_to_none=False)

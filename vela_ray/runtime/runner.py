@@ -5,7 +5,8 @@ one place (`runtime.state`: `RunState`, and `Live`, what it trains with):
   1. the resume point (`ResumePoint.of`), verified before anything is written;
   2. `pool.launch(table)`: the workers start loading the resumed placement's experts, or the
      sequential one's, while this process loads tokenizer, data and backbone (`Backbone`);
-  3. `pool.start(table)`, master 0 built (`master.build_master_replica`), the other masters started;
+  3. `pool.start(table)`, then the masters (`runtime.masters.MasterGroup`): master 0 built over the workers, the
+     other ranks of the masters' mesh started and built the same way;
   4. the placement settled (`runtime.placer.Placer`: profile, links, compute, capacities, solve,
      move the experts between the live workers) and the features told (`runtime.features`);
   5. the start state (`runtime.checkpointing.CheckpointWriter.start_state`), then the steps: a
@@ -37,11 +38,11 @@ from vela_ray.preflight import check_output_free
 from vela_ray.runs import RunIdentity, hold_output_dir, move_aside
 from vela_ray.runtime.accounting import StepAccounting
 from vela_ray.runtime.checkpointing import CheckpointWriter
-from vela_ray.runtime.features import condenser_for, run_features, stepper_for
-from vela_ray.runtime.masters import master_loss
-from vela_ray.runtime.migration import copies_of, master_table
+from vela_ray.runtime.features import run_features, stepper_for
+from vela_ray.runtime.masters import MasterGroup, condenser_for, master_spec
+from vela_ray.runtime.migration import copies_of
 from vela_ray.runtime.placer import Placer
-from vela_ray.runtime.pool import WorkerPool, master_spec
+from vela_ray.runtime.pool import WorkerPool
 from vela_ray.runtime.recovery import Recovery
 from vela_ray.runtime.state import Backbone, Live, ResumePoint, RunState
 from vela_ray.runtime.tracking import RunTracking
@@ -49,8 +50,6 @@ from vela_ray.storage import is_remote, pull_outputs, push_outputs
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import lr_at
 from vela_ray.training.adapter_io import export
-from vela_ray.training.master import build_master_replica
-from vela_ray.training.step import LossFn, eval_loss, model_loss
 from vela_ray.training.summary import RunSummary
 
 logger = logging.getLogger(__name__)
@@ -127,7 +126,7 @@ class JobRunner:
             if is_remote(self.config.output.dir) and self.out_dir.is_dir():  # what the run got to write
                 push_outputs(self.config.output.dir, self.out_dir, failing=status != "FINISHED")
             if self.live is not None:
-                self.live.peers.close()
+                self.live.masters.close()
             self.pool.close()
 
     def _start(self, backbone: Backbone, table, resume: ResumePoint | None) -> Live:
@@ -143,11 +142,9 @@ class JobRunner:
         (self.out_dir / "config.json").write_text(self.config.model_dump_json(indent=1))
         hosted = self.pool.start(table)
         hosted.workers.set_copies(copies_of(table))
-        master = build_master_replica(self.spec, master_table(table), hosted.transport, model=backbone.model,
-                                      latency=self.metrics.latency, condenser=self.condenser)
-        live = Live(backbone, master, hosted)
-        live.start_peers(self.config, self.pool, table)
-        return live
+        masters = MasterGroup.start(self.config, self.pool, hosted.transport, hosted.node_ids, table, backbone.model,
+                                    latency=self.metrics.latency, condenser=self.condenser)
+        return Live(backbone, masters, hosted)
 
     # --- training --------------------------------------------------------------------------
 
@@ -155,7 +152,7 @@ class JobRunner:
         """The training loop, from `state.start_step` to `training.steps`."""
         steps = self.config.training.steps
         live.master.dispatcher.reset_traffic()
-        live.peers.reset_traffic()  # what the training moves: a tensor-parallel master's ranks profiled too
+        live.masters.reset_traffic()  # what the training moves: a tensor-parallel master's ranks profiled too
         self.state.last_checkpoint = checkpoint.latest(self.config.checkpoint_root)
         step = self.state.start_step
         if self.recovery.enabled and (step == 0 or not self.state.checkpointed(step)):
@@ -191,12 +188,12 @@ class JobRunner:
         mark = self.accounting.begin_step(live)
         lr = lr_at(cfg.optimizer, step, cfg.steps)
         start = time.perf_counter()
-        peers_done = live.peers.start_step(micro, lr, cfg.optimizer.max_grad_norm)
+        peers_done = live.masters.start_step(micro, lr, cfg.optimizer.max_grad_norm)
         try:
             loss = self.stepper.step(live, [on_device(m, self.spec.device) for m in micro], lr, step,
-                                     self._loss_fn(live))
+                                     live.masters.loss_fn())
         except BaseException:
-            live.peers.abort()
+            live.masters.abort()
             raise
         peer_steps = peers_done()
         step_time = time.perf_counter() - start
@@ -217,16 +214,10 @@ class JobRunner:
             logger.info("step %d/%d loss %.4f%s (%.2f s)", step + 1, cfg.steps, loss,
                         "" if record.eval_loss is None else f" eval {record.eval_loss:.4f}", step_time)
 
-    def _loss_fn(self, live: Live) -> LossFn:
-        """Master 0's loss of a micro-batch: all of it, or its share among data-parallel masters."""
-        if live.peers.num_masters == 1:
-            return model_loss
-        return master_loss(self.config, 0, live.master, live.migration, live.peers.replicas, self.spec.device)
-
     def _eval(self, live: Live) -> float:
         cfg = self.config.training
         batches = sequential_batches(live.backbone.eval_set, cfg.batch_size, cfg.eval_batches)
-        return eval_loss(live.master, [on_device(batch, self.spec.device) for batch in batches])
+        return live.masters.evaluate(batches)
 
     def _checkpoint(self, live: Live, step: int) -> None:
         """Checkpoint of `step`, of settled adapters (a ZO step's update applied)."""

@@ -21,8 +21,8 @@ from vela_ray.config import JobConfig
 from vela_ray.data.datasets import TokenizedDataset, build_dataset
 from vela_ray.data.locality import AccessProfile
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
-from vela_ray.runtime.masters import start_peers
-from vela_ray.runtime.pool import HostedExperts, PeerMasters, SoloMaster, WorkerPool, master_spec
+from vela_ray.runtime.masters import MasterGroup, master_spec
+from vela_ray.runtime.pool import HostedExperts
 from vela_ray.training import checkpoint
 from vela_ray.training.sequence_migration import SequenceMigration
 from vela_ray.training.expert_workers import ExpertWorkers
@@ -52,7 +52,7 @@ class Backbone:
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         data = build_dataset(config.data, tokenizer, warn=False)  # the driver's preflight warned already
         train_set, eval_set = data.split(config.training.eval_fraction, config.training.seed)
-        # a tensor-parallel master 0 reads only its shards, once its group exists (`actors.masters.RayPeers`)
+        # a tensor-parallel master 0 reads only its shards, once its group exists (`runtime.masters.MasterGroup`)
         model = seeded_backbone(spec or master_spec(config), read=config.cluster.master_tp == 1)
         return cls(tokenizer, train_set, eval_set, model, find_moe_blocks(model))
 
@@ -75,26 +75,26 @@ class Backbone:
 
 @dataclass
 class Live:
-    """What a run trains with, from the master's build to the end: the backbone, master 0, the experts'
-    workers and the other masters. Recovery replaces `hosted` and `peers` (and their `migration`)."""
+    """What a run trains with, from the master's build to the end: the backbone, the experts' workers and the
+    masters (master 0 and the other ranks of their mesh). Recovery replaces `hosted` and the masters' other ranks."""
 
     backbone: Backbone
-    master: MasterModel
+    masters: MasterGroup
     hosted: HostedExperts
-    peers: PeerMasters = field(default_factory=SoloMaster)
-    migration: SequenceMigration | None = None  # master 0's, with masters.sequence_migration
+
+    @property
+    def master(self) -> MasterModel:
+        """Master 0, this process's."""
+        return self.masters.leader
+
+    @property
+    def migration(self) -> SequenceMigration | None:
+        """Master 0's sequence migration, with masters.sequence_migration."""
+        return self.masters.migration
 
     @property
     def workers(self) -> ExpertWorkers:
         return self.hosted.workers
-
-    def start_peers(self, config: JobConfig, pool: WorkerPool, table: np.ndarray) -> None:
-        """(Re)start masters 1..M-1 over `table` and master 0's sequence migration among them (after a
-        recovery the old peers may be stuck in the failed step's gradient sum: they go first)."""
-        self.peers.close()
-        if self.migration is not None:
-            self.migration.detach()
-        self.peers, self.migration = start_peers(config, pool, table, self.master, self.hosted.node_ids)
 
 
 @dataclass(frozen=True)

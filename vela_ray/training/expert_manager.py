@@ -18,8 +18,9 @@ weights. Tests may pass in-memory `weights` instead of a `model_dir`.
 Callers reach it by method name, in this process or through a Ray actor handle, so every call below
 is one method of this class; what is not about rows and steps lives in delegates it holds and calls:
 - data plane: `forward_rows`, `backward_rows` (ExpertShard's calls: in-process, or Ray object refs),
-  or `join_collective` / `leave_collective`: a serving loop on a thread of this process, answering the
-  master over torch.distributed (`vela_ray.model.collective`, which calls the same two methods); with
+  or `join_collective` / `leave_collective`: a serving loop per master process on a thread of this process,
+  answering that master over torch.distributed (`vela_ray.model.collective`, which calls the same two methods;
+  row calls run one at a time, whichever thread makes them); with
   several masters' sequence migration also `collect_rows` and `backward_rows(..., master=)`
   (`transport.RowRelay`: rows answered to a master other than the sender, held in `held`);
 - control plane: `grad_sq_norm`, `step`, `lora_state`, `load_lora_state`, `lora_grads` and
@@ -100,7 +101,11 @@ class ExpertManager:
         self.held = HeldRows()  # rows answered to a master other than their sender (`transport.RowRelay`)
         self.received_bytes = 0  # rows and gradients that arrived here, as counted on this side of the link
         self.compute_s = 0.0  # wall seconds spent in expert forward/backward (the data plane's arithmetic)
-        self._serving: threading.Thread | None = None  # the collective plane's serving loop, once joined
+        self._serving: dict[int, threading.Thread] = {}  # the collective planes' serving loops, by master process
+        # row calls run one at a time: each master's serving loop is a thread, Ray's calls another (`_one_at_a_time`)
+        self._rows_lock = threading.Lock()
+        self._ordered_on_device = False  # several masters' planes: each call's kernels queued after the previous's
+        self._last_call: torch.cuda.Event | None = None
         logger.info("expert worker %d: hosting %d experts on %s", self.worker, len(self.keys), self.device)
 
     # -- data plane -------------------------------------------------------------------------
@@ -112,35 +117,55 @@ class ExpertManager:
         device for the collective plane's. With `key`, the graph is kept for `backward_rows(key, ...)`.
         With `reply_to` [R] (`transport.RowRelay`), only the rows where it is -1 come back; the others are held
         for the masters it names (`collect_rows`)."""
-        self.received_bytes += rows.numel() * rows.element_size()
-        with self._computing(lambda: f"forward of experts {_experts_of(layer, expert_ids)} (key {key!r})"):
-            rows_RD = wire.decode(rows.to(self.device), self.dtype)
-            out_RD = (self.tiers or self.shard).forward_rows(layer, expert_ids, rows_RD, key)
-            out = wire.encode(out_RD, wire.reply_format(rows, self.dtype))
-        out = out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
-        # rows for other masters wait where the sender's rows go (the host for Ray), ready to travel
-        return out if reply_to is None else self.held.hold(key, reply_to, out)
+        with self._one_at_a_time():
+            self.received_bytes += rows.numel() * rows.element_size()
+            with self._computing(lambda: f"forward of experts {_experts_of(layer, expert_ids)} (key {key!r})"):
+                rows_RD = wire.decode(rows.to(self.device), self.dtype)
+                out_RD = (self.tiers or self.shard).forward_rows(layer, expert_ids, rows_RD, key)
+                out = wire.encode(out_RD, wire.reply_format(rows, self.dtype))
+            out = out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
+            # rows for other masters wait where the sender's rows go (the host for Ray), ready to travel
+            return out if reply_to is None else self.held.hold(key, reply_to, out)
 
     def backward_rows(self, key: Hashable, grad: torch.Tensor, master: int | None = None) -> torch.Tensor | None:
         """d(rows) [R, D] for the forward saved under `key`, in `grad`'s format and on its device. A relayed
         forward's backward takes a part from each master its rows were answered to (`transport.RowRelay`):
         with `master`, `grad` is the d(outputs) of the rows answered to it, kept until the sender's own call
         (no `master`, its rows' part), which finishes the backward and returns every row's d(rows)."""
-        self.received_bytes += grad.numel() * grad.element_size()
-        if master is not None:
-            with self._computing(lambda: f"gradients of key {key!r} from master {master}"):
-                self.held.deposit(key, master, grad)
-            return None
-        with self._computing(lambda: f"backward of key {key!r}"):
-            grad_out_RD = self.held.complete(key, grad, lambda g: wire.decode(g.to(self.device), self.dtype))
-            grad_RD = (self.tiers or self.shard).backward_rows(key, grad_out_RD)
-            out = wire.encode(grad_RD, wire.reply_format(grad, self.dtype))
-        return out.to(grad.device)
+        with self._one_at_a_time():
+            self.received_bytes += grad.numel() * grad.element_size()
+            if master is not None:
+                with self._computing(lambda: f"gradients of key {key!r} from master {master}"):
+                    self.held.deposit(key, master, grad)
+                return None
+            with self._computing(lambda: f"backward of key {key!r}"):
+                grad_out_RD = self.held.complete(key, grad, lambda g: wire.decode(g.to(self.device), self.dtype))
+                grad_RD = (self.tiers or self.shard).backward_rows(key, grad_out_RD)
+                out = wire.encode(grad_RD, wire.reply_format(grad, self.dtype))
+            return out.to(grad.device)
 
     def collect_rows(self, key: Hashable, master: int) -> torch.Tensor:
         """The outputs held for `master` from the relayed forward saved under `key` (`transport.RowRelay`)."""
-        with self._computing(lambda: f"collecting the rows of key {key!r} for master {master}"):
+        with self._one_at_a_time(), self._computing(lambda: f"collecting the rows of key {key!r} for master {master}"):
             return self.held.collect(key, master)
+
+    @contextlib.contextmanager
+    def _one_at_a_time(self) -> Iterator[None]:
+        """One row call at a time: several masters' serving loops (threads of this process) and Ray's calls reach
+        the same experts, whose saved forwards, gradients and counters are not thread-safe. Once several masters'
+        planes were joined on a GPU, each call's kernels are also queued after the previous call's (an event
+        recorded on whichever stream made it), so gradients accumulate in call order on the device too. Only
+        compute runs under it, never a wait on a link: one master's slow rows never hold up another's."""
+        with self._rows_lock:
+            ordered = self._ordered_on_device and self.device.type == "cuda"
+            if ordered and self._last_call is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._last_call)
+            try:
+                yield
+            finally:
+                if ordered:
+                    self._last_call = torch.cuda.Event()
+                    self._last_call.record(torch.cuda.current_stream(self.device))
 
     @contextlib.contextmanager
     def _computing(self, what: Callable[[], str]) -> Iterator[None]:
@@ -161,27 +186,51 @@ class ExpertManager:
             "differ, the placement table and the spawned workers' keys disagree: build both from one Placement",
         )
 
-    def join_collective(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        """Join the master's data-plane group as rank `worker + 1` and serve rows on a thread of this
-        process until the master stops it (`vela_ray.model.collective`). Returns once joined: the
-        master's own join completes the group."""
+    def join_collective(self, host: str, port: int, world_size: int, timeout_s: float, master: int = 0,
+                        num_masters: int = 1) -> None:
+        """Join master process `master`'s collective planes as rank `worker + 1` and serve its rows on a thread of
+        this process until that master stops it (`vela_ray.model.collective`); a loop of its own per master
+        process (`num_masters` of them: data-parallel masters times tensor-parallel ranks), each calling this
+        manager's row calls. Returns once this process reached the master's rendezvous store (raising if it
+        cannot); the thread then joins the control group, which completes when the master and every other
+        worker have joined too. Joining on the thread keeps this (Ray's) thread free: two masters forming their
+        planes at once would otherwise each wait in a join the other's workers have not reached."""
         from vela_ray.model import collective
 
-        self.leave_collective()
+        if not self.leave_collective(master=master):  # it ends when its groups' sockets close; the new one serves
+            logger.warning("expert worker %d: master %d's previous serving loop has not ended; serving its new plane "
+                           "beside it", self.worker, master)
+        if num_masters > 1 and not self._ordered_on_device:
+            with self._rows_lock:
+                self._ordered_on_device = True
         store = collective.make_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
-        group = collective.make_group(store, self.worker + 1, world_size, timeout_s, collective.node_address())
-        self._serving = threading.Thread(target=collective.serve, args=(group, self), daemon=True,
-                                         name=f"vela-serve-{self.worker}")
-        self._serving.start()
 
-    def leave_collective(self, timeout_s: float = 30.0) -> bool:
-        """Wait for the serving loop to end (after the master's stop); True if none is running."""
-        if self._serving is not None:
-            self._serving.join(timeout_s)
-            if self._serving.is_alive():
-                return False
-            self._serving = None
-        return True
+        def join_and_serve() -> None:
+            try:
+                group = collective.make_group(store, self.worker + 1, world_size, timeout_s, collective.node_address())
+            except Exception as err:  # the master names it: its own join times out (`collective_transport`)
+                logger.error("expert worker %d: joining master %d's collective plane failed: %s: %s", self.worker,
+                             master, type(err).__name__, err)
+                return
+            collective.serve(group, self, master=master, shared=num_masters > 1)
+
+        thread = threading.Thread(target=join_and_serve, daemon=True, name=f"vela-serve-{self.worker}-m{master}")
+        self._serving[master] = thread
+        thread.start()
+
+    def leave_collective(self, timeout_s: float = 30.0, master: int | None = None) -> bool:
+        """Wait for the serving loop of `master` (None: every master's) to end, after that master's stop; True
+        if none of them is running."""
+        masters = list(self._serving) if master is None else [master]
+        deadline = time.monotonic() + timeout_s
+        for m in masters:
+            thread = self._serving.get(m)
+            if thread is None:
+                continue
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if not thread.is_alive():
+                del self._serving[m]
+        return not any(m in self._serving for m in masters)
 
     # -- control plane ----------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """A master: the stripped model with brokers, peft-wrapped, and its optimizer (`MasterModel`), what every master
-rank is built from (`MasterSpec`), the one path that builds it (`build_master`: skeleton -> brokers -> peft, then
-`shard_master` and `shard_and_read` for a tensor-parallel rank), and its LoRA + AdamW state as tensors.
+rank is built from (`MasterSpec`), the one path that builds every rank (`build_master_rank`: skeleton -> brokers ->
+peft (`build_master`), then `shard_master` and `shard_and_read` for a tensor-parallel rank), and its LoRA + AdamW state as tensors.
 
 `build_local` splits an in-memory model into a master-side peft model with brokers and in-process ExpertManagers:
 the single-process form of vela-ray.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from vela_ray.model.sharded_loading import ReadStats
 
 logger = logging.getLogger(__name__)
+_BUILDING = threading.Lock()
 
 
 
@@ -75,7 +77,7 @@ def master_device(wants_gpu: bool) -> torch.device:
 
 @dataclass(frozen=True)
 class MasterSpec:
-    """What every master replica is built from (`runtime.pool.master_spec` makes it from a job's config):
+    """What every master replica is built from (`runtime.masters.master_spec` makes it from a job's config):
     the job's master, its data-parallel peers, the master actor and the expert-parallel baseline's ranks."""
 
     model_dir: Path
@@ -111,14 +113,11 @@ def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
 
 def build_master_replica(spec: MasterSpec, expert_to_worker, transport: Transport, *, rank: int = 0,
                          model: nn.Module | None = None, latency=None, condenser=None) -> MasterModel:
-    """Master `rank`'s replica on `spec.device`: `model` (read with `seeded_backbone` if None) with brokers
-    over `transport` by `expert_to_worker` [L, E], wrapped with peft LoRA, and its optimizer."""
+    """A whole master (no TP, no node group) on `spec.device`: `model` (read with `seeded_backbone` if None) built by
+    `build_master_rank` (the expert-parallel baseline's ranks, tests)."""
     model = seeded_backbone(spec) if model is None else model
-    master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
-                          num_masters=spec.num_masters, row_format=spec.row_format, latency=latency,
-                          condenser=condenser, activation_checkpointing=spec.activation_checkpointing)
-    master.peft_model.to(spec.device)  # after the brokers replaced the (unallocated) experts
-    return master
+    return build_master_rank(spec, expert_to_worker, transport, rank=rank, model=model, read=True, latency=latency,
+                             condenser=condenser)[0]
 
 
 def shard_master(master: MasterModel, group, config: TensorParallelConfig | None = None) -> TensorParallelPlan:
@@ -146,17 +145,25 @@ def shard_master(master: MasterModel, group, config: TensorParallelConfig | None
 
 
 def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, mesh=None, *, rank: int = 0,
-                      node=None) -> tuple[MasterModel, "ReadStats"]:
-    """A master process's master (every rank of `actors.masters` but master 0, which `RayPeers` fills itself): the
-    backbone's unread skeleton built into a master as `build_master_replica` builds one (same seed, so the same
-    LoRA draws), then sharded over the TP `mesh` if any and filled, each tensor read once per `node` group
-    (`shard_and_read`), and moved to `spec.device`. Returns it and what it read and received."""
-    model = seeded_backbone(spec, read=False)
-    master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
-                          num_masters=spec.num_masters, row_format=spec.row_format,
-                          activation_checkpointing=spec.activation_checkpointing)
-    stats = shard_and_read(master, spec, mesh, node)
+                      node=None, dp_mesh=None, model: nn.Module | None = None, read: bool = False, latency=None,
+                      condenser=None) -> tuple[MasterModel, "ReadStats | None"]:
+    """Every master rank, master 0 included (`runtime.masters`), built one way: `model` (None: the backbone's
+    unread skeleton, `seeded_backbone(read=False)`; `read`: it holds the whole backbone already) with brokers over
+    `transport` by `expert_to_worker` [L, E] and peft LoRA (same seed, so the same LoRA draws as one master's), then
+    sharded over the TP `mesh` if any and filled, each tensor read once per `node` group (`shard_and_read`), moved to
+    `spec.device`, and its frozen backbone sharded over the data-parallel `dp_mesh` with FSDP2 if given. Returns it
+    and what it read, received and sent (None: it read nothing here)."""
+    with _BUILDING:  # the build seeds the process's RNG and draws from it: ranks hosted as threads take turns
+        model = seeded_backbone(spec, read=False) if model is None else model
+        master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
+                              num_masters=spec.num_masters, row_format=spec.row_format, latency=latency,
+                              condenser=condenser, activation_checkpointing=spec.activation_checkpointing)
+    stats = None
+    if mesh is not None or node is not None or not read:
+        stats = shard_and_read(master, spec, mesh, node, holds_backbone=read)
     master.peft_model.to(spec.device)
+    if dp_mesh is not None:
+        tensor_parallel.shard_frozen(master.peft_model, dp_mesh)
     return master, stats
 
 

@@ -62,6 +62,7 @@ from typing import Iterator, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from placement.sequences import contiguous_masters, migrate_sequences
@@ -157,6 +158,10 @@ class SequenceMigration:
             raise ValueError(f"NodeMap names {len(nodes.master_node_M)} masters' nodes, the job has {num_masters}")
         self.rank, self.num_masters, self.nodes, self.candidates = rank, num_masters, nodes, candidates
         self.dispatcher = dispatcher
+        # a tensor-parallel master's ranks each see their share of a layer's rows: they decide together on the
+        # sum, and the first counts the decisions (every rank moves its own copy of the hidden states)
+        self.tp = dispatcher.tp if dispatcher.tp is not None and dispatcher.tp.size > 1 else None
+        self.counts_decisions = self.tp is None or self.tp.rank == 0
         self.stats = SequenceMoveStats()
         self._worker_nodes = torch.nn.functional.one_hot(torch.tensor(nodes.worker_node_W), nodes.num_nodes)
         self._batch: _MicroBatch | None = None
@@ -203,9 +208,9 @@ class SequenceMigration:
     def _begin(self, full: Batch, exchanger: Exchanger) -> None:
         if not torch.is_grad_enabled():
             return  # a forward without a backward (evaluation): every master must take part, so none moves
-        self.stats.micro_batches += 1
+        self.stats.micro_batches += self.counts_decisions
         if "position_ids" in full:  # packed rows: several documents per row, their masks built from positions
-            self.stats.skipped += 1
+            self.stats.skipped += self.counts_decisions
             return
         ids = full["input_ids"]
         mask = full.get("attention_mask")
@@ -314,6 +319,8 @@ class SequenceMigration:
             weights = relay.plan_weights if relay is not None else hidden.new_zeros(0)
             moved = _Move.apply(hidden, weights, exchange)
             batch.slots = target
+            if self.dispatcher.condenser is not None:  # its history is keyed by the slots' tokens, which moved
+                self.dispatcher.condenser.forget_history()
             return (moved, *output[1:]) if isinstance(output, tuple) else moved
         return hook
 
@@ -330,11 +337,13 @@ class SequenceMigration:
         served_SW = torch.zeros(total, len(self.nodes.worker_node_W), dtype=torch.long)
         mine = torch.tensor(batch.slots[self.rank], dtype=torch.long)
         served_SW.index_put_((mine[token_R // num_tokens], worker_R), torch.ones_like(worker_R), accumulate=True)
+        if self.tp is not None:  # the TP ranks' shares of the layer's rows
+            dist.all_reduce(served_SW, group=self.tp.group)
         served_SN = (batch.exchanger.sum_tensor(served_SW) @ self._worker_nodes).numpy()
         current_S = np.empty(total, dtype=np.int64)
         for master, seqs in enumerate(batch.slots):
             current_S[seqs] = master
-        if self.rank == 0:
+        if self.rank == 0 and self.counts_decisions:
             rows_S = served_SN.sum(axis=1)
             master_nodes = sorted(set(self.nodes.master_node_M))
             self.stats.combine_rows += int(rows_S.sum())
@@ -536,7 +545,8 @@ class _Move(torch.autograd.Function):
     def forward(ctx, hidden_BTD: torch.Tensor, weights_R: torch.Tensor, exchange: _Exchange):
         ctx.exchange = exchange
         rank = exchange.migration.rank
-        exchange.migration.stats.moves += len(set(exchange.before[rank]) - set(exchange.after[rank]))
+        if exchange.migration.counts_decisions:
+            exchange.migration.stats.moves += len(set(exchange.before[rank]) - set(exchange.after[rank]))
         out = exchange.run(hidden_BTD.detach(), exchange.before, exchange.after)
         return out if exchange.rows_S is None else exchange.combine_arrivals(out)
 
@@ -557,6 +567,8 @@ def combine_refusal(model: nn.Module, dispatcher: ExpertDispatcher, stack: list[
         return f"the {dispatcher.transport.describe()} data plane cannot answer rows to another master"
     if dispatcher.condenser is not None:
         return "token condensation chooses which rows travel"
+    if dispatcher.tp is not None and dispatcher.tp.size > 1:
+        return "a tensor-parallel master's ranks gather each layer's outputs among themselves before any leaves"
     brokers = [m for m in model.modules() if isinstance(m, ExpertBroker)]
     if any(b.layout is not None and b.layout.call == "grouped" for b in brokers):
         return "its experts are called on rows grouped by expert"

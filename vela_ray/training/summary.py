@@ -236,7 +236,8 @@ class DataRecord(_Record):
 
 
 class CondensationRecord(_Record):
-    """Token condensation over the run's training steps (`vela_ray.model.condensation`; LOSSY when enabled)."""
+    """Token condensation over the run's training steps (`vela_ray.model.condensation`; LOSSY when enabled), the
+    counters summed over every master rank (each condenses the rows it sends)."""
 
     enabled: bool
     threshold_policy: str = "off"
@@ -254,17 +255,17 @@ class CondensationRecord(_Record):
     pairs_from_history: int = 0
     """Same-expert pairs the previous MoE layer decided without calculating."""
     select_s: float = 0.0
-    """Seconds the master spent selecting representatives."""
+    """Seconds the master ranks spent selecting representatives (summed over them)."""
 
     @classmethod
-    def of(cls, condenser) -> CondensationRecord:
-        """From the dispatcher's `condensation.Condenser` at the end of the run; None: condensation off."""
+    def of(cls, condenser, others=None) -> CondensationRecord:
+        """From master 0's dispatcher's `condensation.Condenser` at the end of the run, its counters added to
+        `others` (a `condensation.CondenserCounts`: the other master ranks'); None: condensation off."""
         if condenser is None:
             return cls(enabled=False)
+        counts = condenser.counts() if others is None else condenser.counts() + others
         return cls(enabled=True, threshold_policy=condenser.policy, final_threshold=condenser.threshold,
-                   rows_seen=condenser.rows_seen, rows_condensed=condenser.rows_condensed,
-                   bytes_saved=dict(condenser.bytes_saved), pairs_computed=condenser.pairs_computed,
-                   pairs_from_history=condenser.pairs_from_history, select_s=condenser.select_seconds)
+                   **counts.as_dict())
 
     @property
     def condensed_fraction(self) -> float:
