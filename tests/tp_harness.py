@@ -314,14 +314,18 @@ def comm_counts(family: str, group: dist.ProcessGroup, lora: bool) -> dict[str, 
             "backward_elements": bwd.elements, "replicated_elements": replicated}
 
 
-def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | None) -> dict[str, Any]:
+def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | None,
+                  dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A runtime rank of a `dp` x `tp` mesh of master processes (this process's default group, tp fastest) built two
     ways from the checkpoint in `model_dir`: whole then sharded (`build_master_replica` + `shard_master`) and by
     `build_master_rank`, which reads each tensor once per `node` group (None: this rank alone reads its shards).
     {"mismatched": names whose tensors differ, "read": bytes the second read (`loading.BACKBONE_READS`, the
-    benchmark's counter), "received", "backbone": bytes of the whole backbone}."""
+    benchmark's counter), "received", "backbone": bytes of the whole backbone, "staged": the most host bytes its
+    `read_backbone` held beyond the model by its own account (`ReadStats.staged_bytes`), "allocated": the most
+    torch allocated meanwhile by the profiler's (`allocation_peak`), "chunk": its chunk size}."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from vela_ray.model import sharded_loading
     from vela_ray.model.loading import BACKBONE_READS, meta_model
     from vela_ray.model.modeling import find_moe_blocks
     from vela_ray.model.sharded_loading import backbone_specs
@@ -329,21 +333,50 @@ def shard_loading(model_dir: str, dp: int, tp: int, node: dist.ProcessGroup | No
     from vela_ray.training.master import MasterSpec, build_master_rank, build_master_replica, shard_master
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))["tp"] if tp > 1 else None
-    spec = MasterSpec(model_dir=Path(model_dir), dtype=torch.float32, lora=LORA, optim=OPTIM, seed=3)
+    spec = MasterSpec(model_dir=Path(model_dir), dtype=dtype, lora=LORA, optim=OPTIM, seed=3)
     blocks = find_moe_blocks(meta_model(model_dir))
     table = torch.zeros(len(blocks), blocks[0].layout.num_experts, dtype=torch.long)
     whole = build_master_replica(spec, table, InProcessTransport([object()]))
     if mesh is not None:
         shard_master(whole, mesh)
-    before = BACKBONE_READS.bytes
-    lean, stats = build_master_rank(spec, table, InProcessTransport([object()]), mesh, node=node)
+    before, peaks, read_backbone = BACKBONE_READS.bytes, [], sharded_loading.read_backbone
+
+    def profiled(*args, **kwargs):
+        stats, peak = allocation_peak(lambda: read_backbone(*args, **kwargs))
+        peaks.append(peak)
+        return stats
+
+    sharded_loading.read_backbone = profiled  # what build_master_rank calls
+    try:
+        lean, stats = build_master_rank(spec, table, InProcessTransport([object()]), mesh, node=node)
+    finally:
+        sharded_loading.read_backbone = read_backbone
     read = BACKBONE_READS.bytes - before
     want = whole.peft_model.state_dict()
     got = lean.peft_model.state_dict()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     mismatched = [k for k in want if want[k].device.type != "meta" and not torch.equal(local(want[k]), local(got[k]))]
     backbone = sum(int(torch.Size(s.shape).numel()) * 4 for s in backbone_specs(model_dir, lambda name: None))
-    return {"mismatched": mismatched, "read": read, "received": stats.bytes_received, "backbone": backbone}
+    return {"mismatched": mismatched, "read": read, "received": stats.bytes_received, "backbone": backbone,
+            "staged": stats.staged_bytes, "allocated": peaks[0], "chunk": sharded_loading.chunk_bytes(backbone)}
+
+
+def allocation_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn(), the most host bytes torch's allocator held meanwhile above any earlier level within the call), from
+    the profiler's memory events: what a load allocates, whatever it frees around it. It sees torch's allocations
+    only (not, say, safetensors' own buffers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type().name == "CPU")
+    level = low = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        low = min(low, level)
+        peak = max(peak, level - low)
+    return out, peak
 
 
 def _worker(rank: int, world: int, port: int, job: str, families: list[str], out: str) -> None:
@@ -363,9 +396,11 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
                 results[family] = mesh_run(family, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
             elif job.startswith("load"):  # "load:DPxTP[:node]"; `family` is a checkpoint directory
-                dp, tp = map(int, job.split(":")[1].split("x"))
-                node = dist.new_group(backend="gloo") if job.endswith(":node") else None  # one node: all ranks
-                results[family] = {rank: shard_loading(family, dp, tp, node)}
+                parts = job.split(":")  # "load:DPxTP[:node][:DTYPE]"
+                dp, tp = map(int, parts[1].split("x"))
+                node = dist.new_group(backend="gloo") if "node" in parts else None  # one node: all ranks
+                dtype = getattr(torch, parts[-1]) if parts[-1] not in ("node", parts[1]) else torch.float32
+                results[family] = {rank: shard_loading(family, dp, tp, node, dtype)}
             else:
                 results[family] = {"lora": comm_counts(family, group, True),
                                    "plain": comm_counts(family, group, False)}
@@ -381,9 +416,10 @@ def _worker(rank: int, world: int, port: int, job: str, families: list[str], out
 
 
 def spawn(size: int, job: str = "step", families: list[str] | None = None) -> dict[str, Any]:
-    """Run `job` ("step": `tp_run`, "dropout": `dropout_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks; "load:DPxTP[:node]":
-    `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone, `families` then being
-    checkpoint directories, and every rank's results) on `size` gloo ranks; rank 0's results by family."""
+    """Run `job` ("step": `tp_run`, "dropout": `dropout_run`, "comm": `comm_counts`, "mesh": `mesh_run` on 4 ranks;
+    "load:DPxTP[:node][:DTYPE]": `shard_loading` on a DP x TP mesh, with every rank in one node group or each alone,
+    in DTYPE (float32), `families` then being checkpoint directories, and every rank's results) on `size` gloo
+    ranks; rank 0's results by family."""
     families = families or FAMILIES
     # a forked rank would inherit the parent's default group and fail to create its own
     assert not dist.is_initialized(), "a test left a torch.distributed process group initialized in this process"

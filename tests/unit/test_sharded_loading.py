@@ -8,6 +8,7 @@ Bytes are counted by `loading.BACKBONE_READS`, the counter every backbone read a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -68,14 +69,23 @@ def test_uneven_split_is_refused():
         shard_range(10, 4, 0)
 
 
-@pytest.mark.parametrize("dp,tp", [(2, 1), (2, 2)], ids=["dp2xtp1", "dp2xtp2"])
-def test_a_node_of_dp_by_tp_master_processes_reads_each_tensor_once(tmp_path, dp, tp):
+@pytest.mark.parametrize("dp,tp,chunk", [(2, 1, None), (2, 2, None), (2, 2, 2048)],
+                         ids=["dp2xtp1", "dp2xtp2", "dp2xtp2-2KiB-chunks"])
+def test_a_node_of_dp_by_tp_master_processes_reads_each_tensor_once(tmp_path, monkeypatch, dp, tp, chunk):
     """dp x tp master processes on one node, one node group (as `actors.masters.RayPeers` forms it), each built by
     the runtime's `build_master_rank`: every rank holds exactly what a whole load then sharded holds (LoRA draws
     included), the node's first process reads one backbone's bytes (each TP shard of each tensor once), the others
-    read nothing and receive theirs. A second read of any tensor on the node would show in the sum."""
-    from tests.fixtures import make_checkpoint
+    read nothing and receive theirs. A second read of any tensor on the node would show in the sum.
 
+    Host memory (issue 51): no rank holds more than a few chunks beyond its model while it loads, by its own account
+    (`ReadStats.staged_bytes`) and by torch's allocator (the profiler); the members receive straight into their
+    tensors. With 2 KiB chunks, the largest tensors (embedding, LM head: 33 KiB per TP shard) move in many: a load
+    that held a whole tensor, or a TP rank's whole shard of one, would exceed the bound."""
+    from tests.fixtures import make_checkpoint
+    from vela_ray.model import sharded_loading
+
+    if chunk is not None:  # the forked ranks inherit it
+        monkeypatch.setattr(sharded_loading, "MIN_CHUNK_BYTES", chunk)
     # a vocabulary of 264 splits over the ranks: embedding and LM head vocab-parallel, as a real model's are
     model_dir = str(make_checkpoint(tmp_path / "mixtral", "mixtral", vocab=264, **tp_harness.OVERRIDES["mixtral"]))
     ranks = tp_harness.spawn(dp * tp, f"load:{dp}x{tp}:node", [model_dir])
@@ -85,6 +95,54 @@ def test_a_node_of_dp_by_tp_master_processes_reads_each_tensor_once(tmp_path, dp
     assert sum(f["read"] for f in figures) == backbone  # the node: one model's bytes, whatever dp x tp
     assert figures[0]["read"] == backbone and all(f["read"] == 0 for f in figures[1:])
     assert all(f["received"] > 0 for f in figures[1:])
+    step = figures[0]["chunk"]
+    assert chunk is None or (step == chunk and 264 * 64 * 4 // tp >= 8 * step)
+    # the root: a chunk of whole rows read for a row-parallel weight and the other TP rank's part to send
+    assert figures[0]["staged"] <= 2 * step and figures[0]["allocated"] <= 2 * step, figures[0]
+    assert all(f["staged"] == 0 and f["allocated"] <= step for f in figures[1:]), figures[1:]
+
+
+def test_a_node_group_loads_through_its_buffers_when_ranks_cannot_take_the_chunks_in_place(tmp_path, monkeypatch):
+    """What a GPU master 0 (its shards on its GPU) and a cast (a float32 checkpoint loaded in bfloat16) make the
+    node group do: every chunk read, sent and received through staging buffers, none straight into a tensor. The
+    ranks still hold exactly what a whole load then sharded holds, from one backbone's bytes read."""
+    from tests.fixtures import make_checkpoint
+    from vela_ray.model import sharded_loading
+
+    monkeypatch.setattr(sharded_loading, "MIN_CHUNK_BYTES", 2048)
+    monkeypatch.setattr(sharded_loading, "_is_host_buffer", lambda tensor: False)  # the forked ranks inherit both
+    model_dir = str(make_checkpoint(tmp_path / "mixtral", "mixtral", vocab=264, **tp_harness.OVERRIDES["mixtral"]))
+    ranks = tp_harness.spawn(4, "load:2x2:node:bfloat16", [model_dir])
+    figures = [ranks[r][model_dir][r] for r in range(4)]
+    assert all(f["mismatched"] == [] for f in figures), [f["mismatched"][:3] for f in figures]
+    assert figures[0]["read"] == figures[0]["backbone"] and all(f["read"] == 0 for f in figures[1:])
+    assert all(f["staged"] > 0 for f in figures)
+
+
+def test_a_lone_rank_streams_the_checkpoint_into_its_tensors(tmp_path, monkeypatch):
+    """A rank alone on its node (master 0's `seeded_backbone`) reads each tensor straight into its parameter, in
+    chunks: nothing staged when the checkpoint's dtype is the model's, one chunk's rows as stored when it is cast
+    (float32 read into bfloat16: twice the chunk), never a whole tensor (the embedding is 16 chunks), and the same
+    tensors as `load_backbone`'s."""
+    from vela_ray.model import sharded_loading
+    from vela_ray.model.families import debug_model
+    from vela_ray.model.loading import backbone_skeleton, load_backbone
+    from vela_ray.model.sharded_loading import chunk_bytes, read_backbone
+
+    monkeypatch.setattr(sharded_loading, "MIN_CHUNK_BYTES", 2048)
+    debug_model("mixtral", seed=2, vocab_size=1024).save_pretrained(tmp_path, max_shard_size="100KB")
+    largest = max(math.prod(s.shape) * s.dtype.itemsize for s in backbone_specs(tmp_path, lambda name: None))
+    step = chunk_bytes(sum(math.prod(s.shape) * 4 for s in backbone_specs(tmp_path, lambda name: None)))
+    assert largest >= 16 * step
+    for dtype, staged in ((torch.float32, 0), (torch.bfloat16, 2 * step)):
+        reference = load_backbone(tmp_path, dtype)
+        skeleton = backbone_skeleton(tmp_path, dtype)
+        stats, allocated = tp_harness.allocation_peak(lambda: read_backbone(skeleton, None, tmp_path, dtype))
+        assert stats.staged_bytes <= staged and allocated <= staged + 1024, (dtype, stats, allocated)
+        got, want = skeleton.state_dict(), reference.state_dict()
+        for name, tensor in want.items():
+            if tensor.device.type != "meta":
+                torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_a_lone_rank_loads_what_load_backbone_loads_converted_tensors_included(tmp_path):

@@ -9,6 +9,7 @@ the single-process form of vela-ray.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +106,8 @@ def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
         return backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
     with load_record("seeded_backbone") as record:
         record["model"] = model = backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
-        read_backbone(model, None, spec.model_dir, spec.dtype, spec.trust_remote_code)
+        record["staged_bytes"] = read_backbone(model, None, spec.model_dir, spec.dtype,
+                                               spec.trust_remote_code).staged_bytes
     return model.eval()
 
 
@@ -172,14 +174,17 @@ def shard_and_read(master: MasterModel, spec: MasterSpec, mesh=None, node=None, 
     once per `node` group (the master processes of this node; None: alone) (`sharded_loading.read_backbone`).
     `holds_backbone`: this master read the whole backbone already (master 0 without TP) and sends it to its node
     group."""
-    from vela_ray.model.sharded_loading import load_record, read_backbone
+    from vela_ray.model.sharded_loading import LOAD_RECORD_ENV, load_record, model_tensors, read_backbone
 
     with load_record("shard_and_read") as record:
+        if os.environ.get(LOAD_RECORD_ENV):  # what the model held before (its LoRA, its unread skeleton)
+            record.update(tensors_at_start=model_tensors(master.peft_model), filled=not holds_backbone)
         if mesh is not None:
             shard_master(master, mesh)
         stats = read_backbone(master.peft_model, master.tp, spec.model_dir, spec.dtype, spec.trust_remote_code,
                               node, holds_backbone)
         record.update(model=master.peft_model, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
+                      staged_bytes=stats.staged_bytes,
                       node_rank=node.rank() if node is not None else 0, tp_rank=master.tp.rank if master.tp else 0)
     logger.info("master rank (tp %d) read %.1f MB of the backbone, received %.1f MB, sent %.1f MB in %.2f s",
                 master.tp.rank if master.tp else 0, stats.bytes_read / 1e6, stats.bytes_received / 1e6,
