@@ -72,7 +72,7 @@ def test_uneven_split_is_refused():
 @pytest.mark.parametrize("dp,tp,chunk", [(2, 1, None), (2, 2, None), (2, 2, 2048)],
                          ids=["dp2xtp1", "dp2xtp2", "dp2xtp2-2KiB-chunks"])
 def test_a_node_of_dp_by_tp_master_processes_reads_each_tensor_once(tmp_path, monkeypatch, dp, tp, chunk):
-    """dp x tp master processes on one node, one node group (as `actors.masters.RayPeers` forms it), each built by
+    """dp x tp master processes on one node, one node group (as `actors.masters.RayRanks` forms it), each built by
     the runtime's `build_master_rank`: every rank holds exactly what a whole load then sharded holds (LoRA draws
     included), the node's first process reads one backbone's bytes (each TP shard of each tensor once), the others
     read nothing and receive theirs. A second read of any tensor on the node would show in the sum.
