@@ -112,15 +112,16 @@ def test_two_data_parallel_masters_of_tp_ranks_train_equal_to_peft(runs, tmp_pat
     assert len(set(json.loads((tmp_path / "out" / "workers.json").read_text())["master_pids"])) == 2 * tp
 
 
-def test_a_tensor_parallel_master_with_lora_dropout_and_a_worker_beside_it_trains_equal_to_peft(ray_session, tmp_path):
+def test_a_tensor_parallel_master_with_lora_dropout_and_its_workers_beside_it_trains_equal_to_peft(ray_session, tmp_path):
     """LoRA dropout on the backbone (the experts frozen, as peft requires): master 0 seeds each step by
     (training.seed, step), its second rank takes master 0's RNG state, and a row-parallel lora_A's rank applies its
     columns of the whole mask, so the job draws peft's masks: the losses of peft seeded alike."""
     model_dir = make_checkpoint(tmp_path / "model", "mixtral")
     start = init_adapter(model_dir, tmp_path / "init", LoraSpec(r=4, alpha=8, expert_stacks=()))
     lora = {"r": 4, "alpha": 8, "init_adapter": str(start), "expert_stacks": [], "lora_dropout": 0.3}
-    # with an ExpertManager in master 0's process, which the second rank's object refs reach through it
-    job = job_dict(model_dir, tmp_path / "out", steps=2, lora=lora, cluster={"master_tp": 2, "workers_on_master": 1},
+    # every ExpertManager in master 0's process (no worker actors), which the second rank's object refs reach
+    # through it (the 2x2 mesh's collective planes reach one such worker beside the actors)
+    job = job_dict(model_dir, tmp_path / "out", steps=2, lora=lora, cluster={"master_tp": 2, "workers_on_master": 3},
                    data_plane={"transport": "object_ref"},
                    training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
     config = JobConfig.from_dict(job)
