@@ -276,8 +276,10 @@ def _tables(config: JobConfig) -> tuple[np.ndarray, np.ndarray, str]:
         raise SystemExit(f"{PROFILE} is {probs.shape} but the demo model has (layers, experts) = {backbone.shape}")
     workers = config.cluster.num_workers
     equal_links = [LinkRecord(latency_s=0.0, bandwidth_bytes_per_s=1e9)] * workers
-    problem = placement_problem(config, backbone, probs, equal_links, capacities=[probs.size] * workers,
-                                worker_nodes=["local"] * workers, master_node="local")
+    tokens = config.training.batch_size * config.data.seq_len
+    problem = placement_problem(tokens, config.torch_dtype, backbone, probs, equal_links,
+                                capacities=[probs.size] * workers, worker_nodes=["local"] * workers,
+                                master_node="local")
     solved = solve(problem, "improved", seed=config.placement.seed).as_array()
     source = (f"placement.solve(improved, seed {config.placement.seed}) on {PROFILE.relative_to(REPO)} "
               f"(the demo model's Tiny Shakespeare routing, {probs.shape[0]}x{probs.shape[1]}), {workers} workers, "

@@ -80,15 +80,15 @@ class VelaJob:
         mode's outputs, the report's samples after the master's run."""
         silence_known_warnings()
         with hold_output_dir(self.config.output_local_dir, self.config.output.dir):
-            check_output_free(self.config, self.resume)  # a run that ended there since preflight, found now
+            check_output_free(self.config.output, self.resume)  # a run that ended there since preflight, found now
             return self._run()
 
     def _run(self) -> RunSummary:
         local_ray = self._connect()
         try:
-            check_cluster_resources(self.config, ray.cluster_resources())
+            check_cluster_resources(self.config.cluster, ray.cluster_resources())
             node_name, node = _driver_node()
-            gpus = master_gpus(self.config, ray.cluster_resources(), node, node_name)
+            gpus = master_gpus(self.config.cluster, ray.cluster_resources(), node, node_name)
             self.config = self.config.model_copy(update={"cluster": self.config.cluster.model_copy(
                 update={"master_gpus": gpus})})
             if self.config.mode == "expert_parallel":
@@ -170,7 +170,7 @@ class VelaJob:
         address = self.config.cluster.address or os.environ.get("RAY_ADDRESS")
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
         if not address:
-            check_cluster_resources(self.config, local_resources())  # before Ray's start, not after it
+            check_cluster_resources(self.config.cluster, local_resources())  # before Ray's start, not after it
             return start_local_ray(env)
         try:
             ray.init(address=address, runtime_env=env, log_to_driver=True)

@@ -2,7 +2,7 @@
 
     checked = JobConfig.from_yaml("job.yaml").preflight()   # ValueError: one line, field or file + fix
     run(checked.config)                                      # resume pinned to `checked.resume`
-    ...after ray.init: check_cluster_resources(config, ray.available_resources())
+    ...after ray.init: check_cluster_resources(config.cluster, ray.available_resources())
 
 Everything a MasterActor would otherwise find 30 s into a run, behind a Ray
 traceback, is found here in a second or two: unreadable weights, data that is
@@ -33,7 +33,11 @@ from vela_ray.runs import check_output_dir, check_same_math, hold_output_dir
 from vela_ray.storage import is_remote
 
 if TYPE_CHECKING:
-    from vela_ray.config import JobConfig
+    from vela_ray.config import (
+        CheckpointSection, ClusterSection, JobConfig, LoraSection, ModelSection, OutputSection, PlacementSection,
+        TrainingSection,
+    )
+    from vela_ray.data.config import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,21 +71,21 @@ class Preflight:
 def preflight(config: JobConfig) -> Preflight:
     """All checks, cheapest first; the only write (the output dir probe) comes last. From the resume point on
     `output.dir` is held: a run going on there now is refused before anything is moved or written."""
-    check_trackers(config)
-    model = check_model(config)
-    check_capacity(config, model)
-    check_seq_len(config, model)
-    check_placement_file(config, model)
-    check_profile_file(config, model)
-    check_lora_options(config)
+    check_trackers(config.training)
+    model = check_model(config.model)
+    check_capacity(config.placement, config.cluster, model)
+    check_seq_len(config.data, config.model.path, model)
+    check_placement_file(config.placement, config.cluster, model)
+    check_profile_file(config.placement, config.model.path, model)
+    check_lora_options(config.lora, config.model)
     check_master_tp(config)
-    check_init_adapter(config)
-    check_packing(config)
+    check_init_adapter(config.lora, config.model)
+    check_packing(config.data, config.model)
     train_rows = check_data(config)
     with hold_output_dir(config.output_local_dir, config.output.dir):
         resume, resume_step = check_resume(config, model)  # `latest` sets a corrupt newer checkpoint aside
-        family = check_family(config)  # seconds, and only for a family the test suite did not verify
-        check_output_dirs(config, resume)
+        family = check_family(config.model)  # seconds, and only for a family the test suite did not verify
+        check_output_dirs(config.output, config.checkpoint, resume)
     from vela_ray.training.checkpoint import source_of
 
     # pinned where every node finds it: a checkpoint on object storage by its URI, not this machine's copy
@@ -89,12 +93,12 @@ def preflight(config: JobConfig) -> Preflight:
     return Preflight(config=pinned, model=model, train_rows=train_rows, resume=resume, resume_step=resume_step)
 
 
-def check_trackers(config: JobConfig) -> None:
+def check_trackers(training: TrainingSection) -> None:
     """Every tracker of `training.report_to` is installed, else one line with the extra that installs it; and can
     log here (`config.tracker_problem`: MLflow's store, W&B's key or offline mode), else one line with the fix."""
     from vela_ray.config import missing_tracker_packages, tracker_problem
 
-    problem = missing_tracker_packages(config.training.report_to) or tracker_problem(config.training.report_to)
+    problem = missing_tracker_packages(training.report_to) or tracker_problem(training.report_to)
     if problem:
         raise ValueError(problem)
 
@@ -102,21 +106,21 @@ def check_trackers(config: JobConfig) -> None:
 # --- model ------------------------------------------------------------------------------
 
 
-def check_model(config: JobConfig) -> ModelFacts:
+def check_model(model: ModelSection) -> ModelFacts:
     """config.json, readable safetensors headers, MoE blocks: what every actor will load."""
     from transformers import AutoConfig
 
     from vela_ray.model.loading import moe_layout
 
-    model_dir = config.model.path
+    model_dir = model.path
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"model.path {model_dir}: no config.json; point it at a save_pretrained directory")
     check_weights(model_dir)
     try:
-        num_layers, num_experts = moe_layout(model_dir, config.model.trust_remote_code)
+        num_layers, num_experts = moe_layout(model_dir, model.trust_remote_code)
         text_config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
     except (ValueError, OSError, KeyError, ImportError) as err:
-        if "trust_remote_code" in str(err) and not config.model.trust_remote_code:
+        if "trust_remote_code" in str(err) and not model.trust_remote_code:
             raise ValueError(f"model.path {model_dir}: the model comes with its own code (config.json's auto_map); "
                              "set model.trust_remote_code: true to run it (preflight then checks its math against "
                              "peft)") from None
@@ -125,7 +129,7 @@ def check_model(config: JobConfig) -> ModelFacts:
                       max_positions=getattr(text_config, "max_position_embeddings", None))
 
 
-def check_family(config: JobConfig) -> str:
+def check_family(model: ModelSection) -> str:
     """The model's family verified equal to peft: by the test suite, or now on a debug-size copy of its
     architecture (`vela_ray.training.family_check`); refused in one line where vela-ray's numbers differ."""
     from transformers import AutoConfig
@@ -133,9 +137,9 @@ def check_family(config: JobConfig) -> str:
     from vela_ray.training.family_check import check_family as verify
 
     try:
-        return verify(AutoConfig.from_pretrained(str(config.model.path))).describe()
+        return verify(AutoConfig.from_pretrained(str(model.path))).describe()
     except ValueError as err:
-        raise ValueError(f"model.path {config.model.path}: {first_line(err)}") from None
+        raise ValueError(f"model.path {model.path}: {first_line(err)}") from None
 
 
 def check_weights(model_dir: Path) -> None:
@@ -169,8 +173,9 @@ def check_weights(model_dir: Path) -> None:
                              "download or save it again") from None
 
 
-def check_capacity(config: JobConfig, model: ModelFacts) -> None:
-    capacity, workers = config.placement.capacity, config.cluster.num_workers
+def check_capacity(placement: PlacementSection, cluster: ClusterSection, model: ModelFacts) -> None:
+    """`placement.capacity` slots on every worker hold all of the model's experts."""
+    capacity, workers = placement.capacity, cluster.num_workers
     total = model.num_layers * model.num_experts
     if capacity is not None and capacity * workers < total:
         raise ValueError(
@@ -179,20 +184,21 @@ def check_capacity(config: JobConfig, model: ModelFacts) -> None:
             "more expert slots (raise capacity or add workers)")
 
 
-def check_seq_len(config: JobConfig, model: ModelFacts) -> None:
-    """Rows longer than the model's positions train on positions it never learned (or index past RoPE)."""
-    seq_len, limit = config.data.seq_len, model.max_positions
+def check_seq_len(data: DataConfig, model_dir: Path, model: ModelFacts) -> None:
+    """Rows longer than the model's positions train on positions it never learned (or index past RoPE);
+    `model_dir` (`model.path`) is named in the message."""
+    seq_len, limit = data.seq_len, model.max_positions
     if limit is not None and seq_len > limit:
         raise ValueError(f"data.seq_len {seq_len} exceeds the model's max_position_embeddings {limit} "
-                         f"({config.model.path / 'config.json'}); set data.seq_len to at most {limit}")
+                         f"({model_dir / 'config.json'}); set data.seq_len to at most {limit}")
 
 
-def check_placement_file(config: JobConfig, model: ModelFacts) -> None:
+def check_placement_file(placement: PlacementSection, cluster: ClusterSection, model: ModelFacts) -> None:
     """A `solver: file` placement must be for this model's layers x experts and this worker count."""
     from placement import Placement
 
-    file = config.placement.file
-    if config.placement.solver != "file" or file is None:
+    file = placement.file
+    if placement.solver != "file" or file is None:
         return
     try:
         plan = Placement.from_json(file)
@@ -200,7 +206,7 @@ def check_placement_file(config: JobConfig, model: ModelFacts) -> None:
         raise ValueError(f"placement.file {file} is not a placement JSON ({first_line(err)}); "
                          "write one with `vela place --out`") from None
     layers, experts, workers = plan.shape
-    wanted = (model.num_layers, model.num_experts, config.cluster.num_workers)
+    wanted = (model.num_layers, model.num_experts, cluster.num_workers)
     if (layers, experts, workers) != wanted:
         raise ValueError(
             f"placement.file {file} places {layers}x{experts} experts on {workers} workers, but this job has "
@@ -208,11 +214,12 @@ def check_placement_file(config: JobConfig, model: ModelFacts) -> None:
             "`vela place` for this job or match cluster.num_workers")
 
 
-def check_profile_file(config: JobConfig, model: ModelFacts) -> None:
-    """A `placement.profile` file must give one probability per expert of every MoE layer of the model."""
+def check_profile_file(placement: PlacementSection, model_dir: Path, model: ModelFacts) -> None:
+    """A `placement.profile` file must give one probability per expert of every MoE layer of the model
+    (`model_dir`, `model.path`, which the fix profiles)."""
     from placement.io import load_profile
 
-    path = config.placement.profile
+    path = placement.profile
     if not isinstance(path, Path):
         return
     try:
@@ -223,21 +230,20 @@ def check_profile_file(config: JobConfig, model: ModelFacts) -> None:
     if probs.shape != wanted:
         raise ValueError(
             f"placement.profile {path} is {probs.shape[0]}x{probs.shape[1]} (layers x experts) but model.path "
-            f"has {wanted[0]}x{wanted[1]}; profile this model with `vela profile --model {config.model.path}`")
+            f"has {wanted[0]}x{wanted[1]}; profile this model with `vela profile --model {model_dir}`")
 
 
-def check_lora_options(config: JobConfig) -> None:
+def check_lora_options(lora: LoraSection, model: ModelSection) -> None:
     """The `lora` section against the model's architecture (a meta-device skeleton): a target module, expert
     stack or rank/alpha pattern that matches nothing, or a router as a LoRA target where it is no linear layer
     (`adapters.check_lora_targets`)."""
-    if config.lora == type(config.lora)(init_adapter=config.lora.init_adapter, r=config.lora.r,
-                                        alpha=config.lora.alpha):
+    if lora == type(lora)(init_adapter=lora.init_adapter, r=lora.r, alpha=lora.alpha):
         return  # the paper's targets, which every verified family supports
     from vela_ray.model.adapters import check_lora_targets
     from vela_ray.model.loading import meta_model
 
     try:
-        check_lora_targets(meta_model(config.model.path, config.model.trust_remote_code), config.lora.spec())
+        check_lora_targets(meta_model(model.path, model.trust_remote_code), lora.spec())
     except ValueError as err:  # its messages name the lora field
         raise ValueError(first_line(err)) from None
 
@@ -265,20 +271,19 @@ def check_master_tp(config: JobConfig) -> None:
         raise ValueError(f"cluster.master_tp: {tp} cannot split this model: {first_line(err)}") from None
 
 
-def check_init_adapter(config: JobConfig) -> None:
+def check_init_adapter(lora: LoraSection, model: ModelSection) -> None:
     """`lora.init_adapter` must be a peft adapter of this model's experts, with the job's LoRA options."""
     from peft import LoraConfig
     from transformers import AutoConfig
 
     from vela_ray.model.adapters import check_adapter_matches, read_adapter
 
-    adapter = config.lora.init_adapter
+    adapter = lora.init_adapter
     if adapter is None:
         return
     try:
-        model_config = AutoConfig.from_pretrained(str(config.model.path))
+        model_config = AutoConfig.from_pretrained(str(model.path))
         lora_config, _, _ = read_adapter(adapter, model_config)
-        lora = config.lora
         job = LoraConfig(r=lora.r, lora_alpha=lora.alpha, use_rslora=lora.use_rslora, rank_pattern=lora.rank_pattern,
                          alpha_pattern=lora.alpha_pattern, modules_to_save=lora.modules_to_save or None)
         check_adapter_matches(lora_config, job, adapter)
@@ -289,16 +294,16 @@ def check_init_adapter(config: JobConfig) -> None:
 # --- data -------------------------------------------------------------------------------
 
 
-def check_packing(config: JobConfig) -> None:
+def check_packing(data: DataConfig, model: ModelSection) -> None:
     """`data.packing` only where packed examples stay apart in this model's architecture (probed on a
     debug-size copy, `vela_ray.data.examples.check_packing`)."""
-    if not config.data.packing:
+    if not data.packing:
         return
     from transformers import AutoConfig
 
     from vela_ray.data.examples import check_packing as probe
 
-    probe(AutoConfig.from_pretrained(str(config.model.path)), f"model.path {config.model.path}")
+    probe(AutoConfig.from_pretrained(str(model.path)), f"model.path {model.path}")
 
 
 PREFLIGHT_SAMPLE_RECORDS = 256  # records of a ray.data.Dataset the driver reads to check their format
@@ -375,19 +380,19 @@ def check_resume(config: JobConfig, model: ModelFacts) -> tuple[Path | None, int
 # --- output -----------------------------------------------------------------------------
 
 
-def check_output_dirs(config: JobConfig, resume: Path | None) -> None:
+def check_output_dirs(output: OutputSection, checkpoint: CheckpointSection, resume: Path | None) -> None:
     """output.dir holds no other run (`check_output_free`), and it (and checkpoint.dir when set apart) can be
     created and written."""
-    check_output_free(config, resume)
-    if not is_remote(config.output.dir):
-        check_writable(config.output.dir, "output.dir")
-    if is_remote(config.checkpoint.dir):
-        check_remote_writable(config.checkpoint.dir, "checkpoint.dir")
-    elif config.checkpoint.dir is not None:
-        check_writable(config.checkpoint.dir, "checkpoint.dir")
+    check_output_free(output, resume)
+    if not is_remote(output.dir):
+        check_writable(output.dir, "output.dir")
+    if is_remote(checkpoint.dir):
+        check_remote_writable(checkpoint.dir, "checkpoint.dir")
+    elif checkpoint.dir is not None:
+        check_writable(checkpoint.dir, "checkpoint.dir")
 
 
-def check_output_free(config: JobConfig, resume: Path | None) -> None:
+def check_output_free(output: OutputSection, resume: Path | None) -> None:
     """output.dir holds no run but the one resumed from checkpoint `resume` (`runs.check_output_dir`; on object
     storage `check_remote_output`). Preflight checks it, and the run again once it holds output.dir
     (`VelaJob.run`, an in-process `JobRunner`): a run that ended there in between is found before any write."""
@@ -395,10 +400,10 @@ def check_output_free(config: JobConfig, resume: Path | None) -> None:
 
     resumed_run = checkpoint.read_run(resume) if resume else None
     resumed_id = resumed_run["run_id"] if resumed_run else None
-    if is_remote(config.output.dir):
-        check_remote_output(config.output.dir, config.output.overwrite, resume is not None, resumed_id)
+    if is_remote(output.dir):
+        check_remote_output(output.dir, output.overwrite, resume is not None, resumed_id)
     else:
-        check_output_dir(config.output.dir, config.output.overwrite, resume is not None, resumed_id)
+        check_output_dir(output.dir, output.overwrite, resume is not None, resumed_id)
 
 
 def check_remote_output(uri: str, overwrite: bool, resuming: bool, resumed_run: str | None) -> None:
@@ -459,14 +464,13 @@ def check_writable(directory: Path, field: str) -> None:
 # --- cluster ----------------------------------------------------------------------------
 
 
-def check_cluster_resources(config: JobConfig, available: dict[str, float]) -> None:
+def check_cluster_resources(cluster: ClusterSection, available: dict[str, float]) -> None:
     """The Ray cluster can hold the workers the job asks for; else name the shortage and the fix.
 
     Call right after connecting, with `ray.available_resources()` (or, for a local Ray,
     what the machine has): without it Ray leaves the actors pending for minutes and
     then blames CPUs even when GPUs are what is missing. Pure: no Ray import.
     """
-    cluster = config.cluster
     workers = cluster.num_worker_actors
     gpus_needed, gpus = workers * cluster.num_gpus_per_worker, float(available.get("GPU", 0.0))
     if gpus_needed > gpus:
@@ -482,7 +486,7 @@ def check_cluster_resources(config: JobConfig, available: dict[str, float]) -> N
             "cluster.num_workers, or add nodes")
 
 
-def master_gpus(config: JobConfig, available: dict[str, float], node: dict[str, float] | None = None,
+def master_gpus(cluster: ClusterSection, available: dict[str, float], node: dict[str, float] | None = None,
                 node_name: str = "the driver's node") -> int:
     """The master's GPU count: `cluster.master_gpus`, or 1 when a GPU the workers leave free is on `node`.
 
@@ -491,7 +495,6 @@ def master_gpus(config: JobConfig, available: dict[str, float], node: dict[str, 
     counts the cluster only. Call after `check_cluster_resources`; ValueError if an explicit 1 does not
     fit. Pure: no Ray.
     """
-    cluster = config.cluster
     ranks = cluster.master_tp  # a tensor-parallel master: a GPU per rank, all on the master's node
     worker_gpus = cluster.num_worker_actors * cluster.num_gpus_per_worker
     spare = float(available.get("GPU", 0.0)) - worker_gpus

@@ -74,12 +74,12 @@ def model_dir(tmp_path_factory):
 
 
 def test_a_gpu_on_another_node_is_not_counted_for_the_master(tmp_path):
-    config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_workers": 2}))
+    section = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_workers": 2})).cluster
     cluster = {"CPU": 3.0, "GPU": 1.0}
-    assert master_gpus(config, cluster) == 1  # the cluster alone would give it one
-    assert master_gpus(config, cluster, {"CPU": 2.0}, "head") == 0
-    assert master_gpus(config, cluster, {"CPU": 2.0, "GPU": 1.0}, "head") == 1
-    explicit = config.model_copy(update={"cluster": config.cluster.model_copy(update={"master_gpus": 1})})
+    assert master_gpus(section, cluster) == 1  # the cluster alone would give it one
+    assert master_gpus(section, cluster, {"CPU": 2.0}, "head") == 0
+    assert master_gpus(section, cluster, {"CPU": 2.0, "GPU": 1.0}, "head") == 1
+    explicit = section.model_copy(update={"master_gpus": 1})
     with pytest.raises(ValueError, match=r"^cluster\.master_gpus 1: the MasterActor is pinned to the driver's "
                                          r"node head, which has 0 GPUs and 2 CPUs, and asks for 1 GPU and 0 CPUs; "
                                          r"run the driver on a node with a free GPU, or set cluster\.master_gpus: 0$"):

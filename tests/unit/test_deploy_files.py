@@ -128,10 +128,10 @@ def _assert_nodes_hold(job: JobConfig, nodes: list[Node]) -> None:
     """The whole cluster holds the master's GPU (on the head, nodes[0]) and every worker, each worker's
     bundle on one node (first fit, at most `workers_per_node` per node), as Ray places them."""
     totals = {r: sum(n.get(r, 0.0) for n in nodes) for r in ("CPU", "GPU")}
-    check_cluster_resources(job, totals)
     cluster = job.cluster
+    check_cluster_resources(cluster, totals)
     free = [dict(n) for n in nodes]
-    free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(job, totals) * cluster.master_tp  # a GPU per rank
+    free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(cluster, totals) * cluster.master_tp  # a GPU per rank
     per_node = cluster.workers_per_node or cluster.num_workers
     placed = [0] * len(nodes)
     for worker in range(cluster.num_worker_actors):  # the others live in the master's process

@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.fixtures import job_dict, make_checkpoint, write_job
-from vela_ray.config import JobConfig
+from vela_ray.config import ClusterSection, JobConfig
 from vela_ray.data.datasets import build_dataset
 from vela_ray.preflight import check_cluster_resources
 from vela_ray.training.schedule import OptimizerConfig, lr_at
@@ -120,10 +120,10 @@ def test_raised_training_steps_on_resume_say_in_one_line_what_the_schedule_now_d
 def test_cluster_resources_name_the_real_shortage(checkpoint, tmp_path, cluster, available, message):
     config = _config(checkpoint, tmp_path, cluster=cluster)
     if message is None:
-        check_cluster_resources(config, available)
+        check_cluster_resources(config.cluster, available)
     else:
         with pytest.raises(ValueError, match=message):
-            check_cluster_resources(config, available)
+            check_cluster_resources(config.cluster, available)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
@@ -241,26 +241,27 @@ def test_vela_train_with_a_config_typo_imports_no_heavy_module(checkpoint, tmp_p
 def test_the_master_gets_a_gpu_the_workers_leave_free(tmp_path):
     from vela_ray.preflight import master_gpus
 
-    def job(**cluster) -> JobConfig:
-        return JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_workers": 2, **cluster}))
+    def cluster(**settings) -> ClusterSection:
+        """The `cluster` section of a valid job with two workers and `settings`."""
+        return JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", cluster={"num_workers": 2, **settings})).cluster
 
-    assert master_gpus(job(), {"CPU": 8}) == 0
-    assert master_gpus(job(), {"CPU": 8, "GPU": 1}) == 1  # workers on CPUs: the GPU is the master's
-    assert master_gpus(job(num_gpus_per_worker=1), {"CPU": 8, "GPU": 2}) == 0
-    assert master_gpus(job(num_gpus_per_worker=1), {"CPU": 8, "GPU": 3}) == 1
-    assert master_gpus(job(master_gpus=0), {"CPU": 8, "GPU": 3}) == 0
+    assert master_gpus(cluster(), {"CPU": 8}) == 0
+    assert master_gpus(cluster(), {"CPU": 8, "GPU": 1}) == 1  # workers on CPUs: the GPU is the master's
+    assert master_gpus(cluster(num_gpus_per_worker=1), {"CPU": 8, "GPU": 2}) == 0
+    assert master_gpus(cluster(num_gpus_per_worker=1), {"CPU": 8, "GPU": 3}) == 1
+    assert master_gpus(cluster(master_gpus=0), {"CPU": 8, "GPU": 3}) == 0
     with pytest.raises(ValueError, match=r"cluster\.master_gpus 1 needs a GPU beyond the workers' 2, but the Ray "
                                          r"cluster has 2; set cluster\.master_gpus: 0"):
-        master_gpus(job(num_gpus_per_worker=1, master_gpus=1), {"CPU": 8, "GPU": 2})
+        master_gpus(cluster(num_gpus_per_worker=1, master_gpus=1), {"CPU": 8, "GPU": 2})
     # a tensor-parallel master: a GPU for each of its ranks, on the driver's node
-    assert master_gpus(job(master_tp=2), {"CPU": 8, "GPU": 1}) == 0
-    assert master_gpus(job(master_tp=2), {"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2}) == 1
+    assert master_gpus(cluster(master_tp=2), {"CPU": 8, "GPU": 1}) == 0
+    assert master_gpus(cluster(master_tp=2), {"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2}) == 1
     with pytest.raises(ValueError, match=r"cluster\.master_gpus 1 x cluster\.master_tp 4 needs 4 GPUs beyond the "
                                          r"workers' 0, but the Ray cluster has 2"):
-        master_gpus(job(master_tp=4, master_gpus=1), {"CPU": 8, "GPU": 2})
+        master_gpus(cluster(master_tp=4, master_gpus=1), {"CPU": 8, "GPU": 2})
     with pytest.raises(ValueError, match=r"master_tp 2: the MasterActor is pinned to the driver's node n0, which has "
                                          r"1 GPUs and 8 CPUs, and asks for 2 GPU"):
-        master_gpus(job(master_tp=2, master_gpus=1), {"CPU": 16, "GPU": 2}, {"CPU": 8, "GPU": 1}, "n0")
+        master_gpus(cluster(master_tp=2, master_gpus=1), {"CPU": 16, "GPU": 2}, {"CPU": 8, "GPU": 1}, "n0")
 
 
 def test_rows_travel_the_collective_plane_by_default_with_any_number_of_master_processes(tmp_path):

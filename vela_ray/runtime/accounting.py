@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vela_ray.config import JobConfig
+from vela_ray.config import JobConfig, OutputSection
 from vela_ray.data.locality import DriftTracker
 from vela_ray.model.condensation import CondenserCounts
 from vela_ray.model.traffic import TrafficSnapshot
@@ -52,11 +52,11 @@ def segment_totals(live: Live, state: RunState) -> EarlierSegments:
         train_s=0.0 if state.train_started is None else time.perf_counter() - state.train_started)
 
 
-def run_file(config: JobConfig, out_dir: Path, name: str) -> str:
+def run_file(output: OutputSection, out_dir: Path, name: str) -> str:
     """Where the run's file `name` ends up, as the summary and the closing lines name it: on object storage for
     an `output.dir` there (the run writes a local mirror and uploads it), else in `out_dir`."""
-    if is_remote(config.output.dir):
-        return f"{config.output.dir}/{name}"
+    if is_remote(output.dir):
+        return f"{output.dir}/{name}"
     return str((out_dir / name).resolve())
 
 
@@ -174,12 +174,12 @@ class StepAccounting:
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),
             links=state.links, timings_s=timings,
-            adapter_dir=run_file(config, out_dir, "adapter"),
+            adapter_dir=run_file(config.output, out_dir, "adapter"),
             checkpoint=None if state.last_checkpoint is None else str(state.last_checkpoint),
             data=DataRecord.of(config.data, live.backbone.train_set),
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries, resumes=state.resumes,
             run_id=None if state.identity is None else state.identity.run_id,
             condensation=CondensationRecord.of(dispatcher.condenser, self.peers_condensed),
             expert_tiers=[stats for stats in live.workers.tier_stats() if stats is not None],
-            report=run_file(config, out_dir, "report.html"),
+            report=run_file(config.output, out_dir, "report.html"),
         )

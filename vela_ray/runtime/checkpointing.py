@@ -71,7 +71,7 @@ class CheckpointWriter:
         """Checkpoint of `step` (`save`) of what `live` holds; the adapters must be settled (ZO). With
         `checkpoint.asynchronous` it becomes `state.last_checkpoint` at the next `settle()`."""
         self.settle()  # at most one in flight
-        meta = {**live.backbone.checkpoint_meta(self.config), "run_id": self.state.identity.run_id}
+        meta = {**live.backbone.checkpoint_meta(self.config.lora), "run_id": self.state.identity.run_id}
         self.save(step, live.workers, meta, lambda copy: self._contents(live, step, copy))
 
     def _contents(self, live: Live, step: int, copy: bool) -> tuple[dict[str, torch.Tensor], dict]:

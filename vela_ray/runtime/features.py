@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from vela_ray.config import JobConfig
+from vela_ray.config import JobConfig, TrainingSection
 from vela_ray.data.datasets import sequential_batches
 from vela_ray.model.condensation import Condenser
 from vela_ray.observability.metrics import MetricsSink
@@ -70,8 +70,8 @@ class ZoSteps:
         self.trainer.settle(live.master, live.workers)
 
 
-def stepper_for(config: JobConfig) -> Stepper:
-    training = config.training
+def stepper_for(training: TrainingSection) -> Stepper:
+    """The steps `training.method` asks for, with their `training` settings (seed, ZO's eps, clipping)."""
     if training.method == "zo":
         return ZoSteps(training.zo.eps, training.seed)
     return GradientSteps(training.optimizer.max_grad_norm, training.seed)
@@ -107,17 +107,20 @@ class ExpertTiers(RunFeature):
     """APTMoE's CPU/device expert tiers (`expert_tiers`): the popularity predictor is fitted on the
     routing of the profile batches and sent to every worker (new ones too); the tiers' counts are metrics."""
 
-    def __init__(self, config: JobConfig, metrics: MetricsSink):
-        self.config = config
+    def __init__(self, metrics: MetricsSink, batch_size: int, profile_batches: int):
+        """The predictor is fitted on `profile_batches` batches of `batch_size` rows (`training.batch_size`,
+        `placement.profile_batches`: the batches the placement profiles)."""
         self.metrics = metrics
+        self.batch_size = batch_size
+        self.profile_batches = profile_batches
         self.predictor: tuple[dict, int] | None = None  # (state, top-k), re-sent to workers that replace lost ones
 
     def after_placement(self, live: Live) -> None:
         backbone = live.backbone
         if len(backbone.blocks) < 2:  # it predicts a layer's routing from the one before
             return
-        batches = sequential_batches(backbone.train_set, self.config.training.batch_size,
-                                     max_batches=self.config.placement.profile_batches, token_mask=True)
+        batches = sequential_batches(backbone.train_set, self.batch_size, max_batches=self.profile_batches,
+                                     token_mask=True)
         pairs = routing_pairs(live.master.peft_model, batches, backbone.blocks)
         predictor = PopularityPredictor.from_model(backbone.model, backbone.blocks)
         predictor.fit(pairs)
@@ -135,10 +138,11 @@ class ExpertTiers(RunFeature):
 
 
 def run_features(config: JobConfig, metrics: MetricsSink, condenser: Condenser | None) -> list[RunFeature]:
-    """The optional features this job runs with, in the order their hooks are called."""
+    """The optional features this job runs with, in the order their hooks are called. The one place that reads
+    the job for them: each feature is given only its own settings."""
     features: list[RunFeature] = []
     if condenser is not None:
         features.append(Condensation(condenser))
     if config.expert_tiers.enabled:
-        features.append(ExpertTiers(config, metrics))
+        features.append(ExpertTiers(metrics, config.training.batch_size, config.placement.profile_batches))
     return features

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vela_ray.config import JobConfig
+from vela_ray.config import CondensationSection, JobConfig, MastersSection
 from vela_ray.data.datasets import on_device
 from vela_ray.data.locality import AccessProfile, profile_forwards, profile_model
 from vela_ray.model.condensation import Condenser, CondenserCounts
@@ -181,9 +181,9 @@ class MasterRank:
             self.spec, master_table(np.asarray(table), self.m),
             rows.transport(self.mesh.flat(self.m, self.t), self.node, self.spec.device), groups.tp,
             rank=self.mesh.flat(self.m, self.t), node=groups.node, dp_mesh=groups.dp_mesh,
-            condenser=condenser_for(self.config))
-        self.migration = sequence_migration(self.config, self.m, self.master, NodeMap.of(nodes, worker_nodes))
-        self.loss_fn = master_loss(self.config, self.m, self.master, self.migration, self.replicas,
+            condenser=condenser_for(self.config.training.condensation))
+        self.migration = sequence_migration(self.config.masters, self.m, self.master, NodeMap.of(nodes, worker_nodes))
+        self.loss_fn = master_loss(self.config.masters, self.m, self.master, self.migration, self.replicas,
                                    self.spec.device)
 
     def train_step(self, micro_batches: list[Batch], lr: float, max_grad_norm: float | None) -> dict:
@@ -293,7 +293,7 @@ class MasterGroup:
     def _leader_migration(self) -> SequenceMigration | None:
         if self.mesh.dp == 1:
             return None
-        return sequence_migration(self.config, 0, self.leader, NodeMap.of(self.nodes, self.worker_nodes))
+        return sequence_migration(self.config.masters, 0, self.leader, NodeMap.of(self.nodes, self.worker_nodes))
 
     def restart_ranks(self, pool: RankPool, transport: Transport, worker_nodes: list[str], table) -> None:
         """New hosted ranks over new workers (recovery: the old ones may be stuck in the failed step's gradient
@@ -330,7 +330,7 @@ class MasterGroup:
         """Master 0's loss of a micro-batch: all of it, or its share among the data-parallel masters."""
         if self.mesh.dp == 1:
             return model_loss
-        return master_loss(self.config, 0, self.leader, self.migration, self.replicas, _device(self.leader))
+        return master_loss(self.config.masters, 0, self.leader, self.migration, self.replicas, _device(self.leader))
 
     # --- what the ranks do together ---------------------------------------------------------------
 
@@ -448,26 +448,26 @@ def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) ->
     return [cycle[i % len(cycle)] for i in range(num_peers)]
 
 
-def condenser_for(config: JobConfig) -> Condenser | None:
+def condenser_for(condensation: CondensationSection) -> Condenser | None:
     """A master rank's own `Condenser` (token condensation, LOSSY) with `training.condensation.enabled`: one per
     dispatcher, each rank's condensing the rows it sends."""
-    cfg = config.training.condensation
-    return Condenser(cfg) if cfg.enabled else None
+    return Condenser(condensation) if condensation.enabled else None
 
 
-def sequence_migration(config: JobConfig, rank: int, master: MasterModel, nodes: NodeMap) -> SequenceMigration | None:
+def sequence_migration(masters: MastersSection, rank: int, master: MasterModel, nodes: NodeMap
+                       ) -> SequenceMigration | None:
     """Master `rank`'s `SequenceMigration` (hooks on its model) with `masters.sequence_migration`, else None."""
-    if not config.masters.sequence_migration:
+    if not masters.sequence_migration:
         return None
-    return SequenceMigration(master.peft_model, master.dispatcher, rank, config.masters.count, nodes,
-                             config.masters.sequence_migration_candidates, config.masters.sequence_migration_combine)
+    return SequenceMigration(master.peft_model, master.dispatcher, rank, masters.count, nodes,
+                             masters.sequence_migration_candidates, masters.sequence_migration_combine)
 
 
-def master_loss(config: JobConfig, rank: int, master: MasterModel, migration: SequenceMigration | None,
+def master_loss(masters: MastersSection, rank: int, master: MasterModel, migration: SequenceMigration | None,
                 exchanger: Exchanger, device: torch.device | str = "cpu") -> LossFn:
-    """Master `rank`'s loss function of a step: its share of each micro-batch, its sequences moving among
-    the masters (over `exchanger`, its member of the masters' group) when it has a `migration`."""
-    share = master_share(rank, config.masters.count, master.peft_model, device)
+    """Master `rank`'s loss function of a step: its share of each micro-batch (of `masters.count`), its sequences
+    moving among the masters (over `exchanger`, its member of the masters' group) when it has a `migration`."""
+    share = master_share(rank, masters.count, master.peft_model, device)
     return share.loss if migration is None else migration.loss_fn(share, exchanger)
 
 

@@ -39,13 +39,14 @@ from vela_ray.training.summary import LinkRecord, PlacementRecord, ReplanRecord
 logger = logging.getLogger(__name__)
 
 
-def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarray | None, links: list[LinkRecord],
-                      capacities: list[int], worker_nodes: list[str], master_node: str,
+def placement_problem(tokens_per_step: int, dtype: torch.dtype, backbone: Backbone, probs_LE: np.ndarray | None,
+                      links: list[LinkRecord], capacities: list[int], worker_nodes: list[str], master_node: str,
                       compute_seconds_per_row: list[float] | None = None,
                       shared_links: list[SharedLink] | None = None,
                       master_nodes: list[str] | None = None) -> PlacementProblem:
-    """The placement problem of this job: its profile (uniform if None), tokens, row size, links (and what
-    they share) and capacities.
+    """The placement problem of this job: its profile (uniform if None), tokens (`training.batch_size` x
+    `data.seq_len` a step), row size (elements of `dtype`, `model.dtype`'s), links (and what they share) and
+    capacities.
 
     With data-parallel `master_nodes`, `links` and `shared_links` are master 0's (`master_node`'s)
     measurements: the NICs keep their measured bandwidths and carry every master's crossing rows,
@@ -62,9 +63,9 @@ def placement_problem(config: JobConfig, backbone: Backbone, probs_LE: np.ndarra
         shared_links = node_shared_links(worker_nodes, master_nodes, nics) if nics else []
     return PlacementProblem(
         probs=probs_LE, top_k=top_k,
-        tokens_per_step=config.training.batch_size * config.data.seq_len,
+        tokens_per_step=tokens_per_step,
         hidden_size=backbone.blocks[0].layout.hidden_size,
-        bits_per_element=torch.finfo(config.torch_dtype).bits,
+        bits_per_element=torch.finfo(dtype).bits,
         bandwidths=bandwidths, capacities=capacities, worker_nodes=worker_nodes, master_node=master_node,
         master_nodes=master_nodes, master_bandwidths=per_master, compute_seconds_per_row=compute_seconds_per_row,
         shared_links=shared_links or [],
@@ -191,13 +192,13 @@ class Placer:
         if not state.links:
             state.links, state.shared_links = self.pool.measure_links(shared=cfg.placement.shared_links == "measure")
         compute = state.problem.compute_seconds_per_row if state.problem else None
+        tokens = cfg.training.batch_size * cfg.data.seq_len  # a step's
         if compute is None and cfg.placement.cost_model == "communication+compute":
-            rows = max(1, cfg.training.batch_size * cfg.data.seq_len * backbone.top_k
-                       // cfg.cluster.num_workers)  # rows a worker gets per layer, on average
+            rows = max(1, tokens * backbone.top_k // cfg.cluster.num_workers)  # a worker's per layer, on average
             compute = self.pool.measure_compute(rows)
         capacities = state.problem.capacities if state.problem else self._capacities(backbone)
-        return placement_problem(cfg, backbone, probs, state.links, capacities, live.hosted.node_ids,
-                                 self.pool.master_node, compute, state.shared_links,
+        return placement_problem(tokens, cfg.torch_dtype, backbone, probs, state.links, capacities,
+                                 live.hosted.node_ids, self.pool.master_node, compute, state.shared_links,
                                  master_nodes=live.masters.nodes if live.masters.num_masters > 1 else None)
 
     def _profile(self, live: Live, resume: ResumePoint | None) -> np.ndarray | None:

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Callable
 
-from vela_ray.config import JobConfig
+from vela_ray.config import FaultToleranceSection
 from vela_ray.errors import WorkerLostError
 from vela_ray.runtime.checkpointing import CheckpointWriter
 from vela_ray.runtime.features import RunFeature
@@ -23,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class Recovery:
-    def __init__(self, config: JobConfig, pool: WorkerPool, state: RunState, checkpoints: CheckpointWriter,
-                 placer: Placer, features: list[RunFeature]):
-        self.config = config
+    def __init__(self, fault_tolerance: FaultToleranceSection, num_workers: int, pool: WorkerPool, state: RunState,
+                 checkpoints: CheckpointWriter, placer: Placer, features: list[RunFeature]):
+        """`num_workers` (`cluster.num_workers`): every worker is started afresh after a loss mid-migration."""
+        self.fault_tolerance = fault_tolerance
+        self.num_workers = num_workers
         self.pool = pool
         self.state = state
         self.checkpoints = checkpoints
@@ -34,7 +36,7 @@ class Recovery:
 
     @property
     def enabled(self) -> bool:
-        return self.config.fault_tolerance.on_worker_loss == "recover"
+        return self.fault_tolerance.on_worker_loss == "recover"
 
     def guarded(self, step: int, work: Callable[[], None]) -> None:
         """Run `work`; a lost worker becomes a WorkerLostError naming it and the checkpoint to resume from."""
@@ -58,13 +60,13 @@ class Recovery:
         off, used up, or has no checkpoint of this run to go back to."""
         self.checkpoints.settle(failing=True)  # the one in flight, once published, is the one to go back to
         state, last = self.state, self.state.last_checkpoint
-        if not self.enabled or len(state.recoveries) >= self.config.fault_tolerance.max_recoveries or last is None:
+        if not self.enabled or len(state.recoveries) >= self.fault_tolerance.max_recoveries or last is None:
             raise lost
         start = time.perf_counter()
         logger.warning("expert worker(s) %s lost during step %d: replacing them and rolling back to %s",
                        lost.workers, step + 1, last)
         # Lost mid-migration, the survivors host parts of two tables: start all of them afresh on the old one.
-        replaced = list(range(self.config.cluster.num_workers)) if state.migrating else lost.workers
+        replaced = list(range(self.num_workers)) if state.migrating else lost.workers
         state.migrating = False
         try:
             live.hosted = self.pool.replace(replaced)

@@ -75,10 +75,11 @@ class JobRunner:
         self.checkpoints = CheckpointWriter(config, self.state, pool)
         self.placer = Placer(config, pool, self.state, self.metrics, self.out_dir)
         self.accounting = StepAccounting(config, self.state, self.metrics)
-        self.stepper = stepper_for(config)
-        self.condenser = condenser_for(config)
+        self.stepper = stepper_for(config.training)
+        self.condenser = condenser_for(config.training.condensation)
         self.features = run_features(config, self.metrics, self.condenser)
-        self.recovery = Recovery(config, pool, self.state, self.checkpoints, self.placer, self.features)
+        self.recovery = Recovery(config.fault_tolerance, config.cluster.num_workers, pool, self.state, self.checkpoints,
+                                 self.placer, self.features)
         self.live: Live | None = None  # from the master's build to the end of the run
         self.tracking = RunTracking(config, self.state, self.accounting, self.out_dir)  # opened at the first step
         self.metrics.set_method(config.training.method)
@@ -93,7 +94,7 @@ class JobRunner:
         started = time.perf_counter()
         resume = ResumePoint.of(self.config)  # `latest` may set a corrupt checkpoint aside: under the hold
         if self.hold_output:
-            check_output_free(self.config, resume.path if resume else None)  # since the caller's preflight
+            check_output_free(self.config.output, resume.path if resume else None)  # since the caller's preflight
         self.state.identity = resume.run if resume and resume.run else RunIdentity.new(
             self.config.model_dump(mode="json"))
         table = self.state.tables = self.placer.initial_table(resume)
@@ -132,7 +133,7 @@ class JobRunner:
     def _start(self, backbone: Backbone, table, resume: ResumePoint | None) -> Live:
         """The workers up, master 0 built over them, the other masters started; `config.json` written."""
         if resume:
-            checkpoint.check_compatible(resume.manifest, backbone.checkpoint_meta(self.config), resume.path)
+            checkpoint.check_compatible(resume.manifest, backbone.checkpoint_meta(self.config.lora), resume.path)
         if is_remote(self.config.output.dir):
             pull_outputs(self.config.output.dir, self.out_dir, fresh=resume is None)
         elif self.config.output.overwrite and not resume:

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from placement import Placement, PlacementProblem, SharedLink
-from vela_ray.config import JobConfig
+from vela_ray.config import JobConfig, LoraSection
 from vela_ray.data.datasets import TokenizedDataset, build_dataset
 from vela_ray.data.locality import AccessProfile
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
@@ -65,12 +65,13 @@ class Backbone:
     def top_k(self) -> int:
         return top_k_of(self.model)
 
-    def checkpoint_meta(self, config: JobConfig) -> dict:
-        """What a checkpoint of this model must match to be resumed (`checkpoint.check_compatible`)."""
+    def checkpoint_meta(self, lora: LoraSection) -> dict:
+        """What a checkpoint of this model with the job's `lora` must match to be resumed
+        (`checkpoint.check_compatible`)."""
         layout = self.blocks[0].layout
         return {"model_type": self.model.config.model_type, "moe_layers": len(self.blocks),
                 "experts": layout.num_experts, "hidden_size": layout.hidden_size,
-                "lora_r": config.lora.r, "lora_alpha": config.lora.alpha}
+                "lora_r": lora.r, "lora_alpha": lora.alpha}
 
 
 @dataclass
