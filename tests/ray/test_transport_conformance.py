@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from vela_ray.errors import ExpertWorkerError
 from actors.transports import RayObjectRefTransport, collective_transport
 from actors.workers import actor_workers
-from tests.equivalence import LORA, OPTIM, build_pair, reference_adapter_state, run_both
+from tests.equivalence import LORA, build_pair, reference_adapter_state, run_both
 from tests.ray.helpers import (
     HIDDEN, NUM_WORKERS, TIMEOUT_S, random_lora_state, specs_for, specs_from_shards, split_weights,
     synthetic_placement, synthetic_prototypes, synthetic_weights,
