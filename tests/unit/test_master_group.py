@@ -69,6 +69,19 @@ def test_tensor_parallel_ranks_in_one_process_train_equal_to_peft(model_dir, tmp
     assert split.master_tp == tp
 
 
+@pytest.mark.job
+@pytest.mark.parametrize("saved_tp,resumed_tp", [(2, 1), (1, 2)])
+def test_a_run_saved_at_one_tp_degree_resumes_at_another(model_dir, tmp_path, saved_tp, resumed_tp):
+    """A checkpoint holds full tensors whatever the TP degree (`tensor_parallel.state`): a run saved at step 2 by
+    `saved_tp` ranks resumes on `resumed_tp` ranks and steps on as the saved run did."""
+    saved = run_in_process(_config(model_dir, tmp_path / "saved", tp=saved_tp, checkpoint={"every": 2}))
+    job = _config(model_dir, tmp_path / "resumed", tp=resumed_tp).model_dump(mode="json")
+    job["checkpoint"]["resume"] = str(tmp_path / "saved" / "checkpoints" / "step-000002")
+    resumed = run_in_process(JobConfig.from_dict(job))
+    assert [r.step for r in resumed.resumes] == [2]
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(saved.losses), rtol=1e-5, atol=0)
+
+
 def test_a_setting_threads_cannot_host_is_refused_with_its_fix(model_dir, tmp_path):
     config = JobConfig.from_dict(job_dict(model_dir, tmp_path / "fsdp", steps=1,
                                           masters={"count": 2, "shard_frozen_backbone": True},
