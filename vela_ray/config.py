@@ -58,6 +58,17 @@ class Refusal:
         return f"{self.settings} do not combine: {self.why}. Fix: {self.fix}"
 
 
+@dataclass(frozen=True)
+class RunsSerially:
+    """A setting with which a feature that runs work concurrently must run it one piece at a time, declared by that
+    feature's own section in its `serial_with`: the job runs, serially, and says why in one log line (the numbers
+    are the same either way, so this is no refusal)."""
+
+    settings: str
+    why: str
+    applies: Callable[["JobConfig"], bool]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     refusals: ClassVar[tuple[Refusal, ...]] = ()  # what this feature cannot combine with (`Refusal`)
@@ -471,6 +482,45 @@ def _wandb_problem() -> str | None:
     return None if found else f"W&B is online and has no API key here: {fix}"
 
 
+class OverlapSection(_Section):
+    """Several micro-batches in flight on every master (issue 46): while one micro-batch's rows are at the experts,
+    forward or backward, the master computes another's attention, router and shared experts, and the workers serve
+    whichever rows arrive (`training.step.forward_backward`). Exact: the gradients of the micro-batches are summed
+    in the order their backward passes end, so the numbers equal the serial step's to rounding (rel ~1e-7)."""
+
+    serial_with: ClassVar[tuple[RunsSerially, ...]] = (
+        RunsSerially("cluster.master_tp above 1", "the tensor-parallel ranks' collectives inside every layer must "
+                     "run in one order on every rank", lambda job: job.cluster.master_tp > 1),
+        RunsSerially("masters.sequence_migration", "the masters exchange sequences inside every layer's forward, "
+                     "in one order on every master", lambda job: job.masters.sequence_migration),
+        RunsSerially("masters.shard_frozen_backbone", "FSDP2 gathers every layer's weights from the other masters, "
+                     "in one order on every master", lambda job: job.masters.shard_frozen_backbone),
+        RunsSerially("lora.lora_dropout above 0", "peft's dropout masks come from one torch generator in "
+                     "micro-batch order", lambda job: job.lora.lora_dropout > 0),
+        RunsSerially("training.condensation.enabled", "the condenser's adaptive state follows the calls in order",
+                     lambda job: job.training.condensation.enabled),
+        RunsSerially("training.method: zo", "a ZO step runs no backward to overlap",
+                     lambda job: job.training.method == "zo"),
+    )
+
+    micro_batches_in_flight: int = Field(
+        1, ge=1, description="micro-batches a master runs at once, each on a thread of its own (its own CUDA stream "
+        "on a GPU): while one's rows travel to the experts and back, another computes. 1: the serial step. Runs "
+        "serially, saying why, with the settings it cannot overlap (`OverlapSection.serial_with`)")
+
+    def in_flight(self, job: "JobConfig") -> int:
+        """The micro-batches this job runs at once: the setting, or 1 (logged once, with the reason) where a
+        setting of the job needs the serial step."""
+        if self.micro_batches_in_flight == 1:
+            return 1
+        for serial in self.serial_with:
+            if serial.applies(job):
+                logger.info("training.overlap.micro_batches_in_flight %d: running micro-batches one at a time, "
+                            "as %s: %s", self.micro_batches_in_flight, serial.settings, serial.why)
+                return 1
+        return self.micro_batches_in_flight
+
+
 class TrainingSection(_Section):
     refusals = (
         Refusal("training.method: zo and several master processes (masters.count or cluster.master_tp above 1)",
@@ -502,6 +552,8 @@ class TrainingSection(_Section):
         "steps with optimizer.lr and its schedule (AdamW's other settings and max_grad_norm are unused). A "
         "different optimizer: it needs many more steps and a smaller lr")
     zo: ZoSection = Field(default_factory=ZoSection, description="settings of method: zo")
+    overlap: OverlapSection = Field(default_factory=OverlapSection,
+                                    description="several micro-batches in flight on every master")
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward instead of keeping them (long "
         "contexts in less master memory, ~a third more master compute); the experts' outputs are kept, so expert "

@@ -275,14 +275,16 @@ def _ray_pair(family: str, kind: str, ray_pool):
     return pair
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family, in_flight", [("mixtral", 1), ("qwen3_moe", 3)],
+                         ids=["mixtral", "qwen3_moe-3-in-flight"])
 @pytest.mark.parametrize("transport", BACKENDS)
-def test_train_step_over_three_workers_matches_peft(transport, family, request):
+def test_train_step_over_three_workers_matches_peft(transport, family, in_flight, request):
+    """The serial step, and 3 of 4 micro-batches in flight at once (`training.overlap`) on every transport."""
     if transport == "in_process":
         pair = build_pair(family)
     else:
         pair = _ray_pair(family, transport, request.getfixturevalue("ray_pool"))
-    ref_losses, vela_losses = run_both(pair, steps=5)
+    ref_losses, vela_losses = run_both(pair, steps=5, count=2 if in_flight == 1 else 4, in_flight=in_flight)
     torch.testing.assert_close(torch.tensor(vela_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert ref_losses[0] != ref_losses[-1]
 

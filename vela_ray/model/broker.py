@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from dataclasses import replace
 from typing import Callable, Iterator
@@ -72,6 +73,8 @@ class ExpertDispatcher:
         # workers' expert compute, i.e. the part of a step that the placement can change.
         self.round_trip_s = {"forward": 0.0, "backward": 0.0}
         self._keys = itertools.count(master, num_masters)
+        # several micro-batches in flight (`training.overlap`) count from threads of their own
+        self._counting = threading.Lock()
         # the features' stages, None where a feature is off; `_in_order` puts them with the dispatcher's own
         self._share: TensorParallelShare | None = None
         self._relay: RelayRows | None = None
@@ -157,7 +160,8 @@ class ExpertDispatcher:
         expert_P = top_k_index_TK.reshape(-1).to(torch.long).cpu()
         pair_R = torch.nonzero(expert_P < self.num_experts).squeeze(1)  # ids >= E mark dropped slots
         expert_R = expert_P[pair_R]
-        self._traffic.route(layer, expert_R.numpy())
+        with self._counting:
+            self._traffic.route(layer, expert_R.numpy())
         worker_R = self.expert_to_worker[layer][expert_R]
         order = torch.argsort(worker_R * self.num_experts + expert_R, stable=True)
         pair_R, expert_R, worker_R = pair_R[order], expert_R[order], worker_R[order]
@@ -167,17 +171,21 @@ class ExpertDispatcher:
         return DispatchPlan(layer, pair_R // top_k, pair_R % top_k, expert_R, worker_rows)
 
     def new_key(self, layer: int) -> tuple[int, int]:
-        return (next(self._keys), layer)
+        with self._counting:
+            return (next(self._keys), layer)
 
     def _observe(self, layer: int, start: float, phase: str) -> None:
         seconds = time.perf_counter() - start
-        self.round_trip_s[phase] += seconds
-        if self.latency is not None:
-            self.latency.observe(layer, seconds, phase)
+        with self._counting:
+            self.round_trip_s[phase] += seconds
+            if self.latency is not None:
+                self.latency.observe(layer, seconds, phase)
 
     def _count(self, layer: int, direction, parts: dict[int, torch.Tensor]) -> None:
-        for worker, tensor in parts.items():
-            self._traffic.record(layer, worker, direction, tensor.shape[0], tensor.numel() * tensor.element_size())
+        with self._counting:
+            for worker, tensor in parts.items():
+                self._traffic.record(layer, worker, direction, tensor.shape[0],
+                                     tensor.numel() * tensor.element_size())
 
     def forward(self, plan: DispatchPlan, rows_RD: torch.Tensor, key) -> torch.Tensor:
         """The experts' outputs [R, D] of the plan's rows; zeros where a row's output went to another master."""

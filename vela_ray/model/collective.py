@@ -99,6 +99,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -732,16 +733,27 @@ class CollectiveTransport:
         self._lost: int | None = None  # the worker whose link broke: the message streams are out of step
         self._out_of_step: str | None = None  # why the data plane is out of step (its peers all alive)
         self._in_flight: list[_InFlight] = []  # NCCL results the host has not seen arrive (`settle`)
+        # one exchange at a time: the message streams to each worker are ordered (micro-batches in flight,
+        # `training.overlap`, call from threads of their own; one waits while the other's rows travel)
+        self._exchanging = threading.RLock()
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         """Results on the data plane's device (the master's GPU with NCCL, the CPU with gloo)."""
+        with self._exchanging:
+            return self._forward(requests)
+
+    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        with self._exchanging:
+            return self._backward(key, grads)
+
+    def _forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         self._check_usable()
         results = {w: r.rows.new_zeros(r.rows.shape) for w, r in requests.items() if r.rows.shape[0] == 0}
         outgoing = [self._forward_message(w, r) for w, r in requests.items() if w not in results]
         results.update(self._exchange(outgoing))
         return results
 
-    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def _backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         self._check_usable()
         key_id = self._keys.pop(key, None)
         if key_id is None and not grads:  # the forward sent no rows anywhere: nothing was saved

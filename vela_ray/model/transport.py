@@ -24,7 +24,6 @@ migration then combines on the old master).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -105,12 +104,13 @@ class InProcessTransport:
     def __init__(self, shards: list[ExpertShard], lock: threading.Lock | None = None,
                  tiers: list[LinkTier] | None = None):
         """`lock`: shared by the transports of masters in several threads of this process (data-parallel
-        masters, `vela_ray.runtime.masters`): a shard's saved forwards and gradients are not thread-safe.
+        masters, `vela_ray.runtime.masters`): a shard's saved forwards and gradients are not thread-safe; by
+        default one of its own, for this master's micro-batches in flight (`training.overlap`).
         `tiers`: the link tier each worker's traffic is counted under (an emulated cluster's; default: all
         same_process)."""
         self.shards = shards
         self.num_workers = len(shards)
-        self.lock = lock or contextlib.nullcontext()
+        self.lock = lock or threading.Lock()
         self.tiers: list[LinkTier] = list(tiers) if tiers is not None else ["same_process"] * self.num_workers
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:

@@ -43,14 +43,15 @@ class GradientSteps:
     """First-order steps: `train_step` with the masters' gradient sum and clipping, each from torch seeded by
     (`seed`, step) (`step_seed`; a tensor-parallel master's ranks take master 0's state in `train_step`)."""
 
-    def __init__(self, max_grad_norm: float | None, seed: int):
+    def __init__(self, max_grad_norm: float | None, seed: int, in_flight: int = 1):
         self.max_grad_norm = max_grad_norm
         self.seed = seed
+        self.in_flight = in_flight  # micro-batches at once (`training.overlap`)
 
     def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
         torch.manual_seed(step_seed(self.seed, step))
         return train_step(live.master, live.workers, micro_batches, lr, self.max_grad_norm, loss_fn=loss_fn,
-                          replicas=live.masters.replicas)
+                          replicas=live.masters.replicas, in_flight=self.in_flight)
 
     def settle(self, live: Live) -> None:
         pass
@@ -70,11 +71,12 @@ class ZoSteps:
         self.trainer.settle(live.master, live.workers)
 
 
-def stepper_for(training: TrainingSection) -> Stepper:
-    """The steps `training.method` asks for, with their `training` settings (seed, ZO's eps, clipping)."""
+def stepper_for(training: TrainingSection, in_flight: int = 1) -> Stepper:
+    """The steps `training.method` asks for, with their `training` settings (seed, ZO's eps, clipping), and
+    `in_flight` micro-batches at once (`OverlapSection.in_flight`)."""
     if training.method == "zo":
         return ZoSteps(training.zo.eps, training.seed)
-    return GradientSteps(training.optimizer.max_grad_norm, training.seed)
+    return GradientSteps(training.optimizer.max_grad_norm, training.seed, in_flight)
 
 
 class RunFeature:

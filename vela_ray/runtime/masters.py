@@ -167,6 +167,7 @@ class MasterRank:
         self.replicas: Replicas = SINGLE  # its member of its TP index's data-parallel group
         self.migration: SequenceMigration | None = None
         self.loss_fn: LossFn = model_loss
+        self.in_flight = config.training.overlap.in_flight(config)
 
     def pid(self) -> int:
         return os.getpid()
@@ -194,7 +195,7 @@ class MasterRank:
         before = dispatcher.traffic()
         condensed = dispatcher.condenser.counts() if dispatcher.condenser is not None else None
         loss = train_step(self.master, STEPPED_ELSEWHERE, [on_device(m, self.spec.device) for m in micro_batches],
-                          lr, max_grad_norm, loss_fn=self.loss_fn, replicas=self.replicas)
+                          lr, max_grad_norm, loss_fn=self.loss_fn, replicas=self.replicas, in_flight=self.in_flight)
         if dispatcher.condenser is not None:
             dispatcher.condenser.observe_loss(loss)
             condensed = dispatcher.condenser.counts() - condensed

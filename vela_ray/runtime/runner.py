@@ -75,7 +75,7 @@ class JobRunner:
         self.checkpoints = CheckpointWriter(config, self.state, pool)
         self.placer = Placer(config, pool, self.state, self.metrics, self.out_dir)
         self.accounting = StepAccounting(config, self.state, self.metrics)
-        self.stepper = stepper_for(config.training)
+        self.stepper = stepper_for(config.training, config.training.overlap.in_flight(config))
         self.condenser = condenser_for(config.training.condensation)
         self.features = run_features(config, self.metrics, self.condenser)
         self.recovery = Recovery(config.fault_tolerance, config.cluster.num_workers, pool, self.state, self.checkpoints,

@@ -132,16 +132,19 @@ def reference_step(pair: Pair, batches, lr: float) -> float:
     return total
 
 
-def run_both(pair: Pair, steps: int = 5, vocab: int = 128) -> tuple[list[float], list[float]]:
-    """`steps` steps on both sides; (peft's losses, vela-ray's losses)."""
+def run_both(pair: Pair, steps: int = 5, vocab: int = 128, count: int = 2, in_flight: int = 1
+             ) -> tuple[list[float], list[float]]:
+    """`steps` steps of `count` micro-batches on both sides, vela-ray's with `in_flight` of them at once
+    (`training.overlap`); (peft's losses, vela-ray's losses)."""
     ref_losses, vela_losses = [], []
     for step in range(steps):
-        batches = micro_batches(step, vocab, device=pair.device)
+        batches = micro_batches(step, vocab, count, device=pair.device)
         lr = lr_at(pair.optim, step, steps)
         torch.manual_seed(step)  # both sides draw the same numbers (PhiMoE's router samples in training)
         ref_losses.append(reference_step(pair, batches, lr))
         torch.manual_seed(step)
-        vela_losses.append(train_step(pair.master, pair.workers, batches, lr, pair.optim.max_grad_norm))
+        vela_losses.append(train_step(pair.master, pair.workers, batches, lr, pair.optim.max_grad_norm,
+                                      in_flight=in_flight))
     return ref_losses, vela_losses
 
 
