@@ -43,7 +43,7 @@ from actors.expert_parallel import run_expert_parallel
 from actors.master import MasterActor
 from actors.transports import data_plane_env
 from vela_ray.config import JobConfig
-from vela_ray.errors import ClusterError, RunInterrupted, VelaActorError, first_line
+from vela_ray.errors import ClusterError, RunInterrupted, StartupInterrupts, VelaActorError, first_line
 from vela_ray.export import export_run  # the Python API of `vela export`
 from vela_ray.generate import add_samples, generate  # `generate`: the Python API of `vela generate`
 from vela_ray.local_ray import LocalRay, local_resources, start_local_ray, stop_local_ray
@@ -84,6 +84,7 @@ class VelaJob:
             return self._run()
 
     def _run(self) -> RunSummary:
+        StartupInterrupts.check()  # a Ctrl-C during preflight, lost where it was raised
         local_ray = self._connect()
         try:
             check_cluster_resources(self.config.cluster, ray.cluster_resources())
@@ -91,6 +92,7 @@ class VelaJob:
             gpus = master_gpus(self.config.cluster, ray.cluster_resources(), node, node_name)
             self.config = self.config.model_copy(update={"cluster": self.config.cluster.model_copy(
                 update={"master_gpus": gpus})})
+            StartupInterrupts.check()  # ... or during Ray's start
             if self.config.mode == "expert_parallel":
                 return _unwrapped(lambda: run_expert_parallel(self.config))
             summary = self._run_master()

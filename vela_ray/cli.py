@@ -235,6 +235,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from vela_ray.config import JobConfig
+    from vela_ray.errors import StartupInterrupts
+
+    StartupInterrupts.install()  # a Ctrl-C from here on ends the start-up, even one lost where Python raised it
 
     config = JobConfig.from_yaml(args.config).with_resume(args.resume)  # a typo fails here, before torch loads
     if args.overwrite:

@@ -9,6 +9,9 @@ can `pytest.raises(ExpertWorkerError, match="worker 2")` on the driver.
 
 from __future__ import annotations
 
+import signal
+import threading
+
 
 def first_line(err: BaseException, innermost: bool = False) -> str:
     """The first line of an error's message, or its type's name when it has none: what reaches the user
@@ -78,3 +81,28 @@ class RunInterrupted(VelaActorError):
 
     def __reduce__(self):
         return (type(self), (self.step, self.checkpoint, self.reason))
+
+
+class StartupInterrupts:
+    """Ctrl-C before the run can stop between steps: Python's handler raises KeyboardInterrupt wherever the main
+    thread is, and there it can be lost (raised inside a finalizer or a weakref callback, Python prints it and goes
+    on). `record` is the SIGINT handler `vela train` installs first: it remembers the signal, then raises as
+    Python's does; `check` raises it again at the start-up's milestones if it was lost."""
+
+    seen = threading.Event()
+
+    @classmethod
+    def record(cls, signum, frame) -> None:
+        cls.seen.set()
+        signal.default_int_handler(signum, frame)
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.seen.is_set():
+            raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        """`record` as the SIGINT handler (from the main thread only: signals are delivered there)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, cls.record)
