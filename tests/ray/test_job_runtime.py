@@ -76,6 +76,9 @@ def test_job_through_ray_matches_single_process_peft(ray_session, tmp_path, fami
     assert 0 < placed["expected_comm_time_s"] < placed["expected_step_time_s"]
     split = written["step_breakdown_s"]
     assert 0 < split["expert_round_trip"] < split["step"] and split["worker_compute_sum"] > 0
+    for step in summary.history:  # serial: the master idles for its whole wait on the experts
+        assert step.master_idle_s == pytest.approx(step.expert_round_trip_s, rel=0.05, abs=2e-3)
+    assert 0 < split["master"] < split["step"]
 
 
 def test_a_family_outside_the_tested_set_is_verified_at_preflight_and_trains(ray_session, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ import torch
 from tests.equivalence import build_pair, exported_adapter, reference_adapter_state, run_both
 from tests.fixtures import job_dict
 from vela_ray.config import JobConfig, OverlapSection
+from vela_ray.model.activity import MasterActivity
 from vela_ray.model.transport import InProcessTransport
 
 STEPS, MICRO_BATCHES, IN_FLIGHT = 3, 4, 3
@@ -66,12 +67,40 @@ class _SlowLink(InProcessTransport):
 @pytest.mark.parametrize("in_flight", [1, IN_FLIGHT])
 def test_the_micro_batches_rows_are_at_the_experts_at_once(in_flight):
     """The serial step has one broker call away at a time; with 3 in flight, 3 micro-batches' rows are away
-    together (each thread waiting on the link while the others compute), and the numbers stay peft's."""
+    together (each thread waiting on the link while the others compute), and the numbers stay peft's. The master
+    is idle (`MasterActivity`) for its whole wait when serial, and only while every micro-batch waits when not:
+    less than the summed round trips, which overlap."""
     links = []
     pair = build_pair("mixtral", make_transport=lambda shards: links.append(_SlowLink(shards)) or links[-1])
+    dispatcher = pair.master.dispatcher
+    start = time.perf_counter()
     ref_losses, vela_losses = run_both(pair, 1, count=MICRO_BATCHES, in_flight=in_flight)
     torch.testing.assert_close(torch.tensor(vela_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert links[0].most_away == 1 if in_flight == 1 else links[0].most_away >= 2
+    round_trips, idle = sum(dispatcher.round_trip_s.values()), dispatcher.activity.idle_s
+    calls = 2 * MICRO_BATCHES * 2  # forward and backward of 2 MoE layers per micro-batch
+    assert round_trips >= calls * links[0].delay_s
+    if in_flight == 1:
+        assert idle == pytest.approx(round_trips, rel=0.02)
+    else:
+        assert idle < 0.7 * round_trips
+    assert idle < time.perf_counter() - start
+
+
+def test_the_master_is_idle_only_while_every_running_micro_batch_waits():
+    activity = MasterActivity()
+    with activity.waiting():  # outside a step (eval, profiling): a wait is idle
+        time.sleep(0.02)
+    assert activity.idle_s == pytest.approx(0.02, abs=0.015)
+    before = activity.idle_s
+    with activity.running(), activity.running():
+        with activity.waiting():  # one of two waits while the other computes: not idle
+            time.sleep(0.03)
+            assert activity.idle_s == before
+            with activity.waiting():  # both wait: idle
+                time.sleep(0.03)
+        time.sleep(0.02)
+    assert activity.idle_s - before == pytest.approx(0.03, abs=0.015)
 
 
 @pytest.mark.parametrize("setting, says", [

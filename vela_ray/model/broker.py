@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from vela_ray.model import wire
+from vela_ray.model.activity import MasterActivity
 from vela_ray.model.checkpoint_replay import CheckpointReplay
 from vela_ray.model.condensation import Condensation, Condenser
 from vela_ray.model.dispatch_stages import BrokerCall, DispatchPlan, DispatchStage, RelayRows, RowRouter, StandIn
@@ -72,6 +73,7 @@ class ExpertDispatcher:
         # Seconds the master spent waiting on the transport, per phase: communication plus the
         # workers' expert compute, i.e. the part of a step that the placement can change.
         self.round_trip_s = {"forward": 0.0, "backward": 0.0}
+        self.activity = MasterActivity()  # the seconds every micro-batch in flight waited: the master idle
         self._keys = itertools.count(master, num_masters)
         # several micro-batches in flight (`training.overlap`) count from threads of their own
         self._counting = threading.Lock()
@@ -174,7 +176,13 @@ class ExpertDispatcher:
         with self._counting:
             return (next(self._keys), layer)
 
-    def _observe(self, layer: int, start: float, phase: str) -> None:
+    @contextlib.contextmanager
+    def _round_trip(self, layer: int, phase: str) -> Iterator[None]:
+        """A transport call of `layer`'s `phase`: timed into `round_trip_s` and the latency metrics, and a wait of
+        this micro-batch on the experts (`activity`)."""
+        start = time.perf_counter()
+        with self.activity.waiting():
+            yield
         seconds = time.perf_counter() - start
         with self._counting:
             self.round_trip_s[phase] += seconds
@@ -197,9 +205,8 @@ class ExpertDispatcher:
             for w, s, e in plan.worker_rows
         }
         self._count(plan.layer, "dispatch", {w: r.rows for w, r in requests.items()})
-        start = time.perf_counter()
-        outputs = self.transport.forward(requests)
-        self._observe(plan.layer, start, "forward")
+        with self._round_trip(plan.layer, "forward"):
+            outputs = self.transport.forward(requests)
         self._count(plan.layer, "gather", outputs)
         out_RD = _concat_in_plan_order(plan, outputs, rows_RD)
         kept_R = plan.kept_R
@@ -216,18 +223,16 @@ class ExpertDispatcher:
                                 self.row_format)
                  for w, s, e in plan.worker_rows}
         self._count(plan.layer, "grad_dispatch", grads)
-        start = time.perf_counter()
-        grad_rows = self.transport.backward(key, grads)
-        self._observe(plan.layer, start, "backward")
+        with self._round_trip(plan.layer, "backward"):
+            grad_rows = self.transport.backward(key, grads)
         self._count(plan.layer, "grad_gather", grad_rows)
         return _concat_in_plan_order(plan, grad_rows, grad_RD)
 
     def collect(self, layer: int, key, workers: list[int], like: torch.Tensor) -> torch.Tensor:
         """The outputs another master's relayed forward (`key`) left on `workers` for this master, in worker
         order, as `like`'s dtype and device; counted as this master's gather."""
-        start = time.perf_counter()
-        parts = self.transport.collect(key, self.master, workers)
-        self._observe(layer, start, "forward")
+        with self._round_trip(layer, "forward"):
+            parts = self.transport.collect(key, self.master, workers)
         self._count(layer, "gather", parts)
         return torch.cat([like.new_zeros((0, like.shape[-1])),
                           *(wire.decode(parts[w].to(like.device), like.dtype) for w in workers)])
@@ -236,9 +241,8 @@ class ExpertDispatcher:
         """Send each worker the d(outputs) of the rows it answered here under `key` (this master's grad dispatch)."""
         encoded = {w: wire.encode(g.contiguous(), self.row_format) for w, g in grads.items()}
         self._count(layer, "grad_dispatch", encoded)
-        start = time.perf_counter()
-        self.transport.deposit(key, self.master, encoded)
-        self._observe(layer, start, "backward")
+        with self._round_trip(layer, "backward"):
+            self.transport.deposit(key, self.master, encoded)
 
 
 def _concat_in_plan_order(plan: DispatchPlan, parts: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ class StepMark:
 
     traffic: TrafficSnapshot
     waited_s: float
+    idle_s: float
     allreduce_bytes: int
 
 
@@ -95,7 +96,7 @@ class StepAccounting:
     @staticmethod
     def begin_step(live: Live) -> StepMark:
         dispatcher = live.master.dispatcher
-        return StepMark(dispatcher.traffic(), sum(dispatcher.round_trip_s.values()),
+        return StepMark(dispatcher.traffic(), sum(dispatcher.round_trip_s.values()), dispatcher.activity.idle_s,
                         live.masters.replicas.grad_bytes)
 
     def end_step(self, live: Live, mark: StepMark, step: int, loss: float, step_time_s: float, tokens: int,
@@ -112,6 +113,7 @@ class StepAccounting:
         drift_L = drift.record_step(counts_LE) if drift else None
         record = StepRecord(step=step, loss=loss, step_time_s=step_time_s, tokens=tokens,
                             expert_round_trip_s=sum(dispatcher.round_trip_s.values()) - mark.waited_s,
+                            master_idle_s=dispatcher.activity.idle_s - mark.idle_s,
                             bytes_by_tier=added([own.bytes_by_tier(), *[p["bytes_by_tier"] for p in peer_steps]]),
                             bytes_by_worker=sum(traffic[1:], own).bytes_by_worker(),
                             allreduce_bytes=live.masters.replicas.grad_bytes - mark.allreduce_bytes,
@@ -135,7 +137,7 @@ class StepAccounting:
             "train/loss": record.loss, "train/lr": lr, "train/grad_norm": live.master.grad_norm,
             "train/tokens_per_s": record.tokens / record.step_time_s if record.step_time_s > 0 else None,
             "time/step_s": record.step_time_s, "time/expert_round_trip_s": record.expert_round_trip_s,
-            "time/master_s": record.step_time_s - record.expert_round_trip_s, "time/worker_compute_max_s": worker_s,
+            "time/master_s": record.step_time_s - record.master_idle_s, "time/worker_compute_max_s": worker_s,
             "placement/version": self.state.version, "eval/loss": record.eval_loss,
         }
         values.update({f"bytes/{tier}": count for tier, count in record.bytes_by_tier.items()})

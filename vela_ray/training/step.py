@@ -13,6 +13,7 @@ adapter's files (`vela_ray.training.adapter_io`) live beside it.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from vela_ray.model import tensor_parallel
+from vela_ray.model.activity import MasterActivity
 from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm
 from vela_ray.training.expert_workers import ExpertWorkers
 from vela_ray.training.master import MasterModel
@@ -43,7 +45,7 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def forward_backward(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn = model_loss,
-                     in_flight: int = 1) -> float:
+                     in_flight: int = 1, activity: MasterActivity | None = None) -> float:
     """Forward and backward of every micro-batch, each loss scaled by 1/len(micro_batches); their summed loss.
 
     `in_flight` > 1 (`training.overlap`): that many micro-batches at once, each driven by a thread of its own (on
@@ -52,12 +54,16 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: 
     shared experts compute meanwhile and the workers get rows from both. Threads, not a hand-written schedule:
     autograd already orders each micro-batch's graph, and its engine accumulates into the shared LoRA gradients
     under a lock, in whichever order the backward passes end (a sum in another order: rel ~1e-7).
+    `activity`: the master's (its dispatcher's), told of each micro-batch running, to count the seconds in which
+    all of them wait on the experts.
     """
     scale = len(micro_batches)
+    running = contextlib.nullcontext if activity is None else activity.running
 
     def one(batch: Batch) -> float:
-        loss = loss_fn(model, batch) / scale
-        loss.backward()
+        with running():
+            loss = loss_fn(model, batch) / scale
+            loss.backward()
         return float(loss.detach())
 
     if in_flight == 1 or scale == 1:
@@ -101,7 +107,7 @@ def train_step(
     model.train()
     if master.tp is not None and master.tp.draws_dropout:
         tensor_parallel.agree_on_rng(master.tp)  # the group's ranks draw the dropout masks one master would
-    total_loss = forward_backward(model, micro_batches, loss_fn, in_flight)
+    total_loss = forward_backward(model, micro_batches, loss_fn, in_flight, master.dispatcher.activity)
     params = master.trainable_parameters()
     replicas.sync_grads(params)
     if master.tp is None:

@@ -48,7 +48,11 @@ class StepRecord(_Record):
     loss: float
     step_time_s: float
     expert_round_trip_s: float = 0.0
-    """Seconds the master waited on the transport (communication + the workers' expert compute)."""
+    """Seconds the master's transport calls took (communication + the workers' expert compute), summed over its
+    micro-batches: with several in flight (`training.overlap`) they overlap each other and the master's compute."""
+    master_idle_s: float = 0.0
+    """Seconds of the step in which every micro-batch in flight waited on the experts (`model.activity`): the master
+    idle. With one micro-batch at a time, its whole wait on the transport."""
     bytes_by_tier: dict[str, int] = Field(default_factory=dict)
     bytes_by_worker: list[int] = Field(default_factory=list)
     eval_loss: float | None = None
@@ -71,6 +75,7 @@ class StepBreakdown(_Record):
     step: float
     expert_round_trip: float
     master: float
+    """The master computing: the step less the seconds it was idle, waiting on the experts."""
     worker_compute_per_worker: list[float]
     worker_compute_max: float
     worker_compute_sum: float
@@ -412,7 +417,8 @@ def _resolved_in(run_dir: Path, path: str | None) -> str | None:
 
 
 def step_breakdown(history: list[StepRecord], worker_compute_s: list[float]) -> StepBreakdown | None:
-    """Medians over steps: the step, the master's wait on expert round trips, and the rest (the master's own).
+    """Medians over steps: the step, its expert round trips, and the master computing (the step less its idle wait
+    on the experts).
 
     Worker compute (per-step mean per worker) shows how much of the round trips is arithmetic.
     """
@@ -420,7 +426,8 @@ def step_breakdown(history: list[StepRecord], worker_compute_s: list[float]) -> 
         return None
     step = float(np.median([h.step_time_s for h in history]))
     round_trip = float(np.median([h.expert_round_trip_s for h in history]))
+    master = float(np.median([h.step_time_s - h.master_idle_s for h in history]))
     per_worker = [s / len(history) for s in worker_compute_s]
-    return StepBreakdown(step=step, expert_round_trip=round_trip, master=step - round_trip,
+    return StepBreakdown(step=step, expert_round_trip=round_trip, master=master,
                          worker_compute_per_worker=per_worker, worker_compute_max=max(per_worker, default=0.0),
                          worker_compute_sum=sum(per_worker))
