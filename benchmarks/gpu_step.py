@@ -7,6 +7,8 @@
                       CUDA, rows by direct call (`cluster.workers_on_master = num_workers`)
     vela_cpu_workers  vela-ray: the master (backbone, its LoRA and AdamW) on the GPU, the experts on 2 CPU
                       ExpertManagers (Ray actors, `--worker-cpus` each) over the collective data plane (gloo)
+    vela_gpu_overlap  vela_gpu with its `--micro-batches` in flight at once (`training.overlap`: each on a thread
+                      and CUDA stream of its own), against vela_gpu's serial step over the same micro-batches
 
 Models with real dimensions and random weights, built here from transformers configs (no hub):
 
@@ -14,7 +16,7 @@ Models with real dimensions and random weights, built here from transformers con
     qwen3   Qwen3-30B-A3B: 12 of its 48 layers (or `--layers`), 128 experts top-8, hidden 2048, expert
             intermediate 768
 
-The same step for all three: one micro-batch of `--batch` x `--seq` tokens (8 x 1024), bf16 weights,
+The same step for all: `--batch` x `--seq` tokens (8 x 1024) in `--micro-batches` micro-batches (1), bf16 weights,
 LoRA r=8 alpha=16, forward, backward, global grad-norm clipping to 1.0, AdamW (vela-ray's
 `train_step`, and its clipping and AdamW code for peft). Reported: tokens/s (median step over
 `--steps` after `--warmup`) and peak GPU memory of the steps (allocated, after the build). A setup
@@ -57,7 +59,7 @@ from benchmarks._harness import benchmark_device, command, parser, run, write_re
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_step.json"
 MODELS = ("olmoe", "qwen3")
-SETUPS = ("peft", "vela_gpu", "vela_cpu_workers")
+SETUPS = ("peft", "vela_gpu", "vela_cpu_workers", "vela_gpu_overlap")
 MAX_LAYERS = {"olmoe": 16, "qwen3": 48}  # the real models'
 LAYERS = {"olmoe": 16, "qwen3": 12}  # run by default: OLMoE whole, 12 of Qwen3's 48 (peft fits an H100)
 LR, MAX_GRAD_NORM = 1e-4, 1.0
@@ -71,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"layers of each model (default {LAYERS}; peft needs the most GPU memory)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches the batch is split into (every setup; vela_gpu_overlap runs them at once)")
     p.add_argument("--rank", type=int, default=8, help="LoRA r (alpha = 2r)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights' dtype")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (kernel selection, allocator)")
@@ -182,15 +186,18 @@ def build_peft(config, dtype, device, args) -> Setup:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(params, OptimizerConfig(lr=LR))
 
-    def step(batch: dict) -> float:  # what train_step does for a lone master, on the whole model
-        loss = model(**batch).loss
-        loss.backward()
+    def step(micro_batches: list[dict]) -> float:  # what train_step does for a lone master, on the whole model
+        total = 0.0
+        for batch in micro_batches:
+            loss = model(**batch).loss / len(micro_batches)
+            loss.backward()
+            total += float(loss.detach())
         apply_step(optimizer, LR, clip_coefficient(grad_sq_norm(params), MAX_GRAD_NORM))
-        return float(loss.detach())
+        return total
     return Setup(step)
 
 
-def build_vela(config, dtype, device, args, cpu_workers: bool) -> Setup:
+def build_vela(config, dtype, device, args, cpu_workers: bool, in_flight: int = 1) -> Setup:
     from vela_ray.model.experts import LoraSpec
     from vela_ray.model.transport import InProcessTransport
     from vela_ray.training.expert_manager import ExpertManager
@@ -211,7 +218,8 @@ def build_vela(config, dtype, device, args, cpu_workers: bool) -> Setup:
     master = build_master(model, table, transport, LoraSpec(r=args.rank, alpha=2.0 * args.rank),
                           OptimizerConfig(lr=LR))
     master.peft_model.to(device)  # as the runner does; everything but the brokers is there already
-    return Setup(lambda batch: train_step(master, workers, [batch], LR, MAX_GRAD_NORM), close)
+    return Setup(lambda micro_batches: train_step(master, workers, micro_batches, LR, MAX_GRAD_NORM,
+                                                  in_flight=in_flight), close)
 
 
 def ray_workers(specs: list, worker_cpus: int) -> tuple:
@@ -238,7 +246,8 @@ def ray_workers(specs: list, worker_cpus: int) -> tuple:
 
 
 BUILDERS = {"peft": build_peft, "vela_gpu": lambda *a: build_vela(*a, cpu_workers=False),
-            "vela_cpu_workers": lambda *a: build_vela(*a, cpu_workers=True)}
+            "vela_cpu_workers": lambda *a: build_vela(*a, cpu_workers=True),
+            "vela_gpu_overlap": lambda *a: build_vela(*a, cpu_workers=False, in_flight=a[-1].micro_batches)}
 
 
 # -- measuring -------------------------------------------------------------------------------------------
@@ -260,7 +269,7 @@ def run_setup(name: str, model: str, args: argparse.Namespace, device: torch.dev
         config = model_config(model, args)
         generator = torch.Generator().manual_seed(args.seed)
         input_ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
-        batch = {"input_ids": input_ids, "labels": input_ids}
+        batch = [{"input_ids": ids, "labels": ids} for ids in input_ids.chunk(args.micro_batches)]
         build_start = time.perf_counter()
         setup = BUILDERS[name](config, dtype, device, args)
         build_s = time.perf_counter() - build_start

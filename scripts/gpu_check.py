@@ -10,7 +10,8 @@ The parts, in order, each a subprocess with its own timeout, under one wall-cloc
     exactness   `scripts/gpu_exactness.py`: debug Mixtral and Qwen3-MoE as whole in-process jobs with the
                 master and every expert on the GPU against peft on the GPU (fp32, losses rel 1e-4), and
                 bf16 expert-factor updates within peft-bf16's own spread
-    speed       `benchmarks/gpu_step.py --setups peft vela_gpu` at OLMoE-1B-7B width, 4 of its 16 layers
+    speed       `benchmarks/gpu_step.py --setups peft vela_gpu vela_gpu_overlap --micro-batches 2` at OLMoE-1B-7B
+                width, 4 of its 16 layers (vela-ray's step serial and with both micro-batches in flight)
     tiers       `benchmarks/big_on_one_gpu.py --layers 2 --setups vela_tiers vela_zo` under a 4 GiB budget
                 with 8 of the 16 experts cached, so the tiers upload and compute on both sides (2 x 256 tokens,
                 2 timed steps: the CPU's share of a Mixtral-8x7B expert is seconds)
@@ -82,7 +83,8 @@ PARTS = [
     Part("exactness", [sys.executable, "scripts/gpu_exactness.py", "--out", "{out}/exactness.json"], 120,
          "exactness.json", cpu_args=["--device", "cpu"]),
     Part("speed", [sys.executable, "benchmarks/gpu_step.py", "--models", "olmoe", "--layers", "4", "--setups", "peft",
-                   "vela_gpu", "--steps", "5", "--out", "{out}/gpu_step.json"], 90, "gpu_step.json",
+                   "vela_gpu", "vela_gpu_overlap", "--micro-batches", "2", "--steps", "5",
+                   "--out", "{out}/gpu_step.json"], 90, "gpu_step.json",
          cpu_args=["--device", "cpu", "--tiny"]),
     Part("tiers", [sys.executable, "benchmarks/big_on_one_gpu.py", "--layers", "2", "--setups", "vela_tiers", "vela_zo",
                    "--gpu-memory", "4", "--cache-experts", "8", "--batch", "2", "--seq", "256", "--steps", "2",
