@@ -26,11 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_pair(family: str, make_transport: Callable | None = None, dtype=torch.float32,
-               num_workers: int = 3, optim: OptimizerConfig = OPTIM, **config_overrides) -> Pair:
+               num_workers: int = 3, optim: OptimizerConfig = OPTIM, shared_experts: bool = True,
+               **config_overrides) -> Pair:
     """The peft reference and vela-ray's master + `num_workers` shards of `family`'s debug model in
-    `dtype`, both with the same adapter and `optim` (which `run_both` then uses)."""
+    `dtype`, both with the same adapter and `optim` (which `run_both` then uses); `shared_experts`:
+    `training.overlap.shared_experts`."""
     make_model = functools.partial(debug_model, family, seed=0, **config_overrides)
-    return equivalence.build_pair(make_model, make_transport, dtype, num_workers, optim)
+    return equivalence.build_pair(make_model, make_transport, dtype, num_workers, optim,
+                                  overlap_shared_experts=shared_experts)
 
 
 def exact_reference(pair: Pair, family: str, dtype: torch.dtype, **config_overrides) -> Pair:

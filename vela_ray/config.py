@@ -69,6 +69,11 @@ class RunsSerially:
     applies: Callable[["JobConfig"], bool]
 
 
+def first_serial(serials: tuple[RunsSerially, ...], job: "JobConfig") -> RunsSerially | None:
+    """The first of a feature's `serials` that `job` has (its work then runs one piece at a time), or None."""
+    return next((serial for serial in serials if serial.applies(job)), None)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     refusals: ClassVar[tuple[Refusal, ...]] = ()  # what this feature cannot combine with (`Refusal`)
@@ -486,7 +491,9 @@ class OverlapSection(_Section):
     """Several micro-batches in flight on every master (issue 46): while one micro-batch's rows are at the experts,
     forward or backward, the master computes another's attention, router and shared experts, and the workers serve
     whichever rows arrive (`training.step.forward_backward`). Exact: the gradients of the micro-batches are summed
-    in the order their backward passes end, so the numbers equal the serial step's to rounding (rel ~1e-7)."""
+    in the order their backward passes end, so the numbers equal the serial step's to rounding (rel ~1e-7).
+    Within one micro-batch, a block's shared expert computes while its own rows are away (`shared_experts`,
+    `vela_ray.model.shared_expert`): the block's module, tokens and graph, so its numbers."""
 
     serial_with: ClassVar[tuple[RunsSerially, ...]] = (
         RunsSerially("cluster.master_tp above 1", "the tensor-parallel ranks' collectives inside every layer must "
@@ -502,23 +509,46 @@ class OverlapSection(_Section):
         RunsSerially("training.method: zo", "a ZO step runs no backward to overlap",
                      lambda job: job.training.method == "zo"),
     )
+    shared_experts_serial_with: ClassVar[tuple[RunsSerially, ...]] = (
+        RunsSerially("cluster.master_tp above 1", "a tensor-parallel shared expert's collectives would run while the "
+                     "rows travel on another thread, in no one order on every rank",
+                     lambda job: job.cluster.master_tp > 1),
+    )
 
     micro_batches_in_flight: int = Field(
         1, ge=1, description="micro-batches a master runs at once, each on a thread of its own (its own CUDA stream "
         "on a GPU): while one's rows travel to the experts and back, another computes. 1: the serial step. Runs "
         "serially, saying why, with the settings it cannot overlap (`OverlapSection.serial_with`)")
+    shared_experts: bool = Field(
+        True, description="compute each MoE block's shared expert (DeepSeek-V3, GLM-4.5, Llama 4) on the master while "
+        "the block's routed rows are at the experts, their round trip on a thread of its own: exact, the block's own "
+        "module on its own tokens. A block that calls its shared expert before its experts (Qwen2-MoE) has nothing to "
+        "overlap. false: computed once the rows are back, as the block does. Runs serially, saying why, with the "
+        "settings in `OverlapSection.shared_experts_serial_with`")
 
     def in_flight(self, job: "JobConfig") -> int:
         """The micro-batches this job runs at once: the setting, or 1 (logged once, with the reason) where a
         setting of the job needs the serial step."""
         if self.micro_batches_in_flight == 1:
             return 1
-        for serial in self.serial_with:
-            if serial.applies(job):
-                logger.info("training.overlap.micro_batches_in_flight %d: running micro-batches one at a time, "
-                            "as %s: %s", self.micro_batches_in_flight, serial.settings, serial.why)
-                return 1
+        serial = first_serial(self.serial_with, job)
+        if serial is not None:
+            logger.info("training.overlap.micro_batches_in_flight %d: running micro-batches one at a time, "
+                        "as %s: %s", self.micro_batches_in_flight, serial.settings, serial.why)
+            return 1
         return self.micro_batches_in_flight
+
+    def overlaps_shared_experts(self, job: "JobConfig") -> bool:
+        """Whether this job's blocks compute their shared experts while their rows are away: the setting, or False
+        (logged once, with the reason) where a setting of the job needs them after the rows are back."""
+        if not self.shared_experts:
+            return False
+        serial = first_serial(self.shared_experts_serial_with, job)
+        if serial is not None:
+            logger.info("training.overlap.shared_experts: computing each shared expert one at a time, once its "
+                        "block's rows are back, as %s: %s", serial.settings, serial.why)
+            return False
+        return True
 
 
 class TrainingSection(_Section):

@@ -12,6 +12,8 @@ reverse. Its own two:
     original module;
   * `SendRows`: dispatch + gather through the transport inside `_RemoteExperts`, a custom autograd Function:
     its backward sends d(outputs) to the owners and gathers d(rows), so LoRA gradients accumulate on the workers.
+    A block with a shared expert (`shared_expert`) sends its rows on a thread of its own and computes the shared
+    expert on the calling thread while they are away.
 
 The arithmetic equals the original experts module; only where it runs changes. Two exceptions are opt-in and
 LOSSY: condensation (`condensation.Condensation`: training forwards send one representative of each group of
@@ -26,6 +28,7 @@ import contextlib
 import itertools
 import threading
 import time
+from concurrent import futures
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -37,6 +40,7 @@ from vela_ray.model.activity import MasterActivity
 from vela_ray.model.checkpoint_replay import CheckpointReplay
 from vela_ray.model.condensation import Condensation, Condenser
 from vela_ray.model.dispatch_stages import BrokerCall, DispatchPlan, DispatchStage, RelayRows, RowRouter, StandIn
+from vela_ray.model.shared_expert import SharedExpert
 from vela_ray.model.tensor_parallel import TensorParallelPlan, TensorParallelShare
 from vela_ray.model.traffic import TrafficCounter, TrafficSnapshot
 from vela_ray.model.transport import ForwardRequest, RowRelay, Transport
@@ -177,11 +181,11 @@ class ExpertDispatcher:
             return (next(self._keys), layer)
 
     @contextlib.contextmanager
-    def _round_trip(self, layer: int, phase: str) -> Iterator[None]:
-        """A transport call of `layer`'s `phase`: timed into `round_trip_s` and the latency metrics, and a wait of
-        this micro-batch on the experts (`activity`)."""
+    def _round_trip(self, layer: int, phase: str, master_waits: bool = True) -> Iterator[None]:
+        """A transport call of `layer`'s `phase`: timed into `round_trip_s` and the latency metrics, and, unless the
+        calling micro-batch computes meanwhile (`master_waits` False), a wait of it on the experts (`activity`)."""
         start = time.perf_counter()
-        with self.activity.waiting():
+        with self.activity.waiting() if master_waits else contextlib.nullcontext():
             yield
         seconds = time.perf_counter() - start
         with self._counting:
@@ -195,8 +199,10 @@ class ExpertDispatcher:
                 self._traffic.record(layer, worker, direction, tensor.shape[0],
                                      tensor.numel() * tensor.element_size())
 
-    def forward(self, plan: DispatchPlan, rows_RD: torch.Tensor, key) -> torch.Tensor:
-        """The experts' outputs [R, D] of the plan's rows; zeros where a row's output went to another master."""
+    def forward(self, plan: DispatchPlan, rows_RD: torch.Tensor, key, master_waits: bool = True) -> torch.Tensor:
+        """The experts' outputs [R, D] of the plan's rows; zeros where a row's output went to another master.
+        `master_waits` False: called on another thread while the micro-batch computes (`SendRows`), which counts
+        its own wait."""
         if plan.reply_to_R is not None and not isinstance(self.transport, RowRelay):
             raise ValueError(f"the {self.transport.describe()} data plane cannot answer rows to another master")
         requests = {
@@ -205,7 +211,7 @@ class ExpertDispatcher:
             for w, s, e in plan.worker_rows
         }
         self._count(plan.layer, "dispatch", {w: r.rows for w, r in requests.items()})
-        with self._round_trip(plan.layer, "forward"):
+        with self._round_trip(plan.layer, "forward", master_waits):
             outputs = self.transport.forward(requests)
         self._count(plan.layer, "gather", outputs)
         out_RD = _concat_in_plan_order(plan, outputs, rows_RD)
@@ -257,15 +263,16 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
 
 class _RemoteExperts(torch.autograd.Function):
     """rows -> expert outputs, computed wherever the experts live; backward goes there too.
-    `replayed`: a checkpoint's recompute, which returns the first forward's output and sends nothing
-    (its node's backward never runs: backward goes through the first forward's node)."""
+    `answered`: the outputs, fetched already, so forward sends nothing: a checkpoint recompute's replay of the first
+    forward's (its node's backward never runs: backward goes through the first forward's node), or the round trip
+    that ran while the block's shared expert computed (`SendRows`)."""
 
     @staticmethod
     def forward(ctx, hidden_TD, grad_anchor, dispatcher: ExpertDispatcher, plan: DispatchPlan, key,
-                replayed: torch.Tensor | None = None):
+                answered: torch.Tensor | None = None):
         ctx.dispatcher, ctx.plan, ctx.key, ctx.num_tokens = dispatcher, plan, key, hidden_TD.shape[0]
-        if replayed is not None:
-            return replayed.detach()
+        if answered is not None:
+            return answered.detach()
         rows_RD = hidden_TD.index_select(0, plan.token_idx_R.to(hidden_TD.device))
         return dispatcher.forward(plan, rows_RD, key)
 
@@ -303,26 +310,72 @@ class PlanRows:
 
 class SendRows:
     """The dispatcher's own stage that sends (`dispatch_stages`): the call's `sent` rows to their workers and
-    their outputs back, through `_RemoteExperts` (or a recompute's replayed outputs, nothing sent)."""
+    their outputs back, through `_RemoteExperts` (or a recompute's replayed outputs, nothing sent).
+
+    A call whose block has a shared expert due (`SharedExpert.due`) sends its rows on a thread of its own and
+    computes the shared expert on this one while they are away: only the round trip, pure tensors, leaves this
+    thread; the shared expert's graph and `_RemoteExperts`' node are built here. A recompute does as its first
+    forward did, at the same point, with nothing away: the checkpoint finds the tensors it saves in the same order."""
 
     def __init__(self, dispatcher: ExpertDispatcher):
         self.dispatcher = dispatcher
+        # a thread per calling thread with rows away (micro-batches in flight), started when first needed
+        self._away = futures.ThreadPoolExecutor(32, thread_name_prefix="vela-rows-away")
 
     def dispatch(self, call: BrokerCall) -> BrokerCall:
         # The anchor makes the Function's output require grad even when no input does
         # (no backbone adapter upstream), so expert LoRA still gets its backward.
         anchor = torch.zeros((), requires_grad=call.track_grad)
+        tokens = _shared_tokens(call)
+        answered = call.replayed_RD if tokens is None else self._beside_shared_expert(call, tokens)
         # In-process workers build their graphs in this thread: keep them out of a checkpoint's saved-tensor
         # hooks, which would drop them (its recompute never rebuilds them)
         kept = torch.autograd.graph.saved_tensors_hooks(_kept, _kept) if call.in_checkpoint \
             else contextlib.nullcontext()
         with kept:
-            out_RD = _RemoteExperts.apply(call.hidden_TD, anchor, self.dispatcher, call.sent, call.key,
-                                          call.replayed_RD)
-        return replace(call, expert_out_RD=out_RD)
+            out_RD = _RemoteExperts.apply(call.hidden_TD, anchor, self.dispatcher, call.sent, call.key, answered)
+        return replace(call, expert_out_RD=out_RD, shared_meanwhile=tokens is not None)
+
+    def _beside_shared_expert(self, call: BrokerCall, tokens: torch.Tensor) -> torch.Tensor:
+        """The sent rows' outputs, fetched on a thread of their own while this thread computes the block's shared
+        expert on `tokens` (a recompute's replayed outputs, with the shared expert computed all the same)."""
+        if call.replayed_RD is not None:
+            call.shared.compute(tokens)
+            return call.replayed_RD
+        hidden_TD = call.hidden_TD.detach()
+        rows_RD = hidden_TD.index_select(0, call.sent.token_idx_R.to(hidden_TD.device))
+        away = self._away.submit(_on_this_streams(hidden_TD.device, self.dispatcher.forward), call.sent, rows_RD,
+                                 call.key, False)
+        try:
+            call.shared.compute(tokens)
+        finally:
+            with self.dispatcher.activity.waiting():  # the master idles from here, not while it computes
+                futures.wait([away])  # the rows are back before the call goes on, whatever happened here
+        return away.result()
 
     def combine(self, call: BrokerCall, out_RD: torch.Tensor) -> torch.Tensor:
         return out_RD
+
+
+def _shared_tokens(call: BrokerCall) -> torch.Tensor | None:
+    """The tokens whose shared expert `call` computes (`SharedExpert.due`), None if it computes none; a recompute
+    does as its first forward did (`CheckpointReplay`)."""
+    if call.shared is None:
+        return None
+    return call.shared.due(decided=call.shared_meanwhile if call.replayed_RD is not None else None)
+
+
+def _on_this_streams(device: torch.device, run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`run` for another thread, on this thread's current CUDA stream (where the rows were made, and where their
+    outputs are used next, so no event is needed); on the CPU, `run` itself."""
+    if device.type != "cuda":
+        return run
+    stream = torch.cuda.current_stream(device)
+
+    def on_stream(*args) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return run(*args)
+    return on_stream
 
 
 def grouped_routing(grouped_XD: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,11 +388,12 @@ def grouped_routing(grouped_XD: torch.Tensor, num_experts: int) -> tuple[torch.T
 class ExpertBroker(nn.Module):
     """Drop-in replacement for a MoE block's `experts`: same call, experts elsewhere (its dispatcher's stages)."""
 
-    def __init__(self, layer: int, dispatcher: ExpertDispatcher, layout=None):
+    def __init__(self, layer: int, dispatcher: ExpertDispatcher, layout=None, shared: SharedExpert | None = None):
         super().__init__()
         self.layer = layer
         self.dispatcher = dispatcher
         self.layout = layout  # modeling.ExpertsLayout of the experts this broker stands in for
+        self.shared = shared  # the block's shared expert, computed while the rows are away (`SendRows`)
 
     def forward(self, hidden_TD: torch.Tensor, *index_and_weights: torch.Tensor, **by_name: torch.Tensor):
         """`experts(hidden, top_k_index, top_k_weights)`, positional or under the family's names
@@ -348,7 +402,7 @@ class ExpertBroker(nn.Module):
             return self._grouped(hidden_TD)
         top_k_index_TK, top_k_weights_TK = [*index_and_weights, *by_name.values()]
         return self.dispatcher.route(BrokerCall.of(self.layer, hidden_TD, top_k_index_TK, top_k_weights_TK, None,
-                                                   self.training))
+                                                   self.training, self.shared))
 
     def _grouped(self, grouped_XD: torch.Tensor) -> torch.Tensor:
         """Llama 4's call: `experts(x)`, x [E*T, D] with expert e's input (pre-scaled by its routing score)
@@ -357,7 +411,8 @@ class ExpertBroker(nn.Module):
         rows, expert_R = grouped_routing(grouped_XD, self.layout.num_experts)
         token_R = torch.remainder(rows, grouped_XD.shape[0] // self.layout.num_experts)
         out_RD = self.dispatcher.route(BrokerCall.of(self.layer, grouped_XD.index_select(0, rows), expert_R[:, None],
-                                                     grouped_XD.new_ones(len(rows), 1), token_R, self.training))
+                                                     grouped_XD.new_ones(len(rows), 1), token_R, self.training,
+                                                     self.shared))
         return torch.zeros_like(grouped_XD).index_add(0, rows, out_RD)
 
     def extra_repr(self) -> str:

@@ -3,9 +3,10 @@
 torch's non-reentrant checkpoint around decoder layers (`recompute_contexts`, `modeling.enable_activation_
 checkpointing`) runs a checkpointed layer's forward twice, once in the forward pass and again in backward to
 rebuild what it saved. `CheckpointReplay`, the dispatcher's second stage, records each broker call's plan,
-key, selection and the experts' output in the first forward; the recompute replays them, so no row crosses the
-data plane a second time, the routing is counted once, and backward still goes through the first call's
-`_RemoteExperts` node and its key.
+key, selection, the experts' output and whether it computed the block's shared expert (`shared_expert`) in the
+first forward; the recompute replays them, so no row crosses the data plane a second time, the routing is counted
+once, the recompute saves its tensors in the first forward's order, and backward still goes through the first
+call's `_RemoteExperts` node and its key.
 
     torch.utils.checkpoint.checkpoint(layer, hidden, use_reentrant=False, context_fn=recompute_contexts)
 """
@@ -30,6 +31,7 @@ class _RecordedCall:
     key: tuple[int, int]
     selection: object | None  # `condensation.Selection`
     expert_out_RD: torch.Tensor  # detached: the recompute's copy of the first forward's output
+    shared_meanwhile: bool  # the block's shared expert computed in the call: the recompute's saves come in this order
 
 
 class _LayerCalls:
@@ -51,7 +53,8 @@ class _LayerCalls:
             _CHECKPOINTED_LAYER.reset(token)
 
     def record(self, call: BrokerCall) -> None:
-        self.calls.append(_RecordedCall(call.plan, call.sent, call.key, call.selection, call.expert_out_RD.detach()))
+        self.calls.append(_RecordedCall(call.plan, call.sent, call.key, call.selection, call.expert_out_RD.detach(),
+                                        call.shared_meanwhile))
 
     def replay(self) -> _RecordedCall:
         if self.next >= len(self.calls) or self.calls[self.next] is None:
@@ -84,7 +87,8 @@ class CheckpointReplay:
             return replace(call, in_checkpoint=True)
         first = layer.replay()
         return replace(call, in_checkpoint=True, plan=first.plan, sent=first.sent, key=first.key,
-                       selection=first.selection, replayed_RD=first.expert_out_RD)
+                       selection=first.selection, replayed_RD=first.expert_out_RD,
+                       shared_meanwhile=first.shared_meanwhile)
 
     def combine(self, call: BrokerCall, out: torch.Tensor) -> torch.Tensor:
         if call.in_checkpoint and call.replayed_RD is None:

@@ -12,7 +12,8 @@ it on the way back. The order, and where each stage lives:
      tokens, weighted;
   4. `RelayRows` (here): where each row's output goes (sequence migration) / the relayed rows' weights told;
   5. `condensation.Condensation`: which rows travel (LOSSY, opt-in) / every row takes its representative's;
-  6. `broker.SendRows`: the rows to their workers and back (`_RemoteExperts`).
+  6. `broker.SendRows`: the rows to their workers and back (`_RemoteExperts`); while they are away, the block's
+     shared expert computes on the calling thread (`shared_expert.SharedExpert`, `training.overlap.shared_experts`).
 
 `StandIn` (here) replaces them all while a probe runs (`ExpertDispatcher.probing`).
 
@@ -22,9 +23,12 @@ Legend: T = tokens, D = hidden, K = top-k, R = routed rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from vela_ray.model.shared_expert import SharedExpert
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class BrokerCall:
     track_grad: bool = False  # a forward with a backward: its rows get a key and their gradients travel
     training: bool = False  # the broker's training mode (condensation leaves eval forwards exact)
     in_checkpoint: bool = False  # inside a checkpointed layer (`CheckpointReplay`)
+    shared: SharedExpert | None = None  # the block's shared expert, computed while the rows are away (`SendRows`)
     plan: DispatchPlan | None = None  # every routed row
     sent: DispatchPlan | None = None  # the rows that travel (the plan's, or condensation's representatives)
     key: tuple[int, int] | None = None  # the forward the workers save for its backward
@@ -85,14 +90,15 @@ class BrokerCall:
     weights_R: torch.Tensor | None = None  # [R] the plan rows' routing weights, in the graph
     token_idx_R: torch.Tensor | None = None  # [R] the plan rows' tokens on hidden_TD's device (copied there once)
     replayed_RD: torch.Tensor | None = None  # a recompute's copy of the first forward's outputs of `sent`
+    shared_meanwhile: bool = False  # `SendRows` computed the shared expert (a recompute: its first forward did)
     expert_out_RD: torch.Tensor | None = None  # the outputs of `sent`'s rows, once sent
 
     @classmethod
     def of(cls, layer: int, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
-           token_T: torch.Tensor | None, training: bool) -> BrokerCall:
+           token_T: torch.Tensor | None, training: bool, shared: SharedExpert | None = None) -> BrokerCall:
         """A call as a broker makes it (grad tracking read here, once)."""
         return cls(layer, hidden_TD, top_k_index_TK, top_k_weights_TK, hidden_TD.shape[0], token_T,
-                   torch.is_grad_enabled(), training)
+                   torch.is_grad_enabled(), training, shared=shared)
 
 
 class DispatchStage(Protocol):

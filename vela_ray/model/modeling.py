@@ -28,6 +28,7 @@ from torch import nn
 from vela_ray.model.broker import ExpertBroker
 from vela_ray.model.checkpoint_replay import recompute_contexts
 from vela_ray.model.experts import ExpertsCall, experts_call, weight_stacks
+from vela_ray.model.shared_expert import stand_in_shared_expert
 
 def _register_unmapped_causal_lms() -> None:
     """transformers 5.23 defines Mistral4ForCausalLM but leaves it out of AutoModelForCausalLM's mapping
@@ -189,8 +190,10 @@ def expert_weights(blocks: list[MoeBlock], keys=None) -> dict[tuple[int, int], d
     return out
 
 
-def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
-    """Replace every MoE block's `experts` with an `ExpertBroker` sharing `dispatcher`.
+def attach_brokers(model: nn.Module, dispatcher, shared_experts: bool = True) -> list[nn.Module]:
+    """Replace every MoE block's `experts` with an `ExpertBroker` sharing `dispatcher`; with `shared_experts`
+    (`training.overlap.shared_experts`), a block's shared expert computes while its broker's rows are away, its router
+    and shared expert made stand-ins of themselves (`shared_expert.stand_in_shared_expert`).
 
     A model that already checkpoints its activations gets the broker's recompute contexts
     (`enable_activation_checkpointing`): a plain recompute would send every row to the
@@ -207,7 +210,8 @@ def attach_brokers(model: nn.Module, dispatcher) -> list[nn.Module]:
         )
     brokers = []
     for block in blocks:
-        broker = ExpertBroker(block.index, dispatcher, block.layout)
+        shared = stand_in_shared_expert(block.block, block.path) if shared_experts else None
+        broker = ExpertBroker(block.index, dispatcher, block.layout, shared)
         block.block.experts = broker
         brokers.append(broker)
     return brokers

@@ -434,6 +434,7 @@ def master_spec(config: JobConfig) -> MasterSpec:
         num_masters=config.masters.count * config.cluster.master_tp, row_format=config.data_plane.row_format,
         device=master_device(bool(config.cluster.master_gpus)),
         activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
+        overlap_shared_experts=config.training.overlap.overlaps_shared_experts(config),
     )
 
 

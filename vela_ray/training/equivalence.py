@@ -76,12 +76,14 @@ class Pair:
 
 def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | None = None,
                dtype: torch.dtype = torch.float32, num_workers: int = 3,
-               optim: OptimizerConfig = OPTIM, lora: LoraSpec = LORA, device: str | torch.device = "cpu") -> Pair:
+               optim: OptimizerConfig = OPTIM, lora: LoraSpec = LORA, device: str | torch.device = "cpu",
+               overlap_shared_experts: bool = True) -> Pair:
     """The peft reference and vela-ray's master + shards, both from `make_model()` (called twice: it
     must return the same weights each time), with one shared random-B adapter. `lora`: the LoRA options
     both sides train with (peft's `LoraConfig` from `full_lora_config`, the same spec for vela-ray).
     `device`: where both sides compute: peft's model, vela-ray's master and its in-process shards (the
-    one-GPU configuration, `cluster.workers_on_master = num_workers`)."""
+    one-GPU configuration, `cluster.workers_on_master = num_workers`). `overlap_shared_experts`: vela-ray's
+    blocks compute their shared experts while their rows are away (`training.overlap.shared_experts`)."""
     device = torch.device(device)
     reference = make_model().to(dtype)
     cfg = full_lora_config(reference, lora)
@@ -103,7 +105,7 @@ def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | N
     ]
     shards = [shard.to(device) for shard in shards]
     transport = (make_transport or InProcessTransport)(shards)
-    master = build_master(model, table, transport, lora, optim)
+    master = build_master(model, table, transport, lora, optim, overlap_shared_experts=overlap_shared_experts)
     master.peft_model.to(device)  # as the runner does: after the brokers replaced the experts
     trainers = [ShardTrainer(s, optim) for s in shards]
     workers = ExpertWorkers.in_process(trainers)

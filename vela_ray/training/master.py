@@ -90,6 +90,7 @@ class MasterSpec:
     row_format: RowFormat = "exact"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     activation_checkpointing: bool = False
+    overlap_shared_experts: bool = True  # `training.overlap.shared_experts`, where the job allows it
 
 
 def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
@@ -157,7 +158,8 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
         model = seeded_backbone(spec, read=False) if model is None else model
         master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
                               num_masters=spec.num_masters, row_format=spec.row_format, latency=latency,
-                              condenser=condenser, activation_checkpointing=spec.activation_checkpointing)
+                              condenser=condenser, activation_checkpointing=spec.activation_checkpointing,
+                              overlap_shared_experts=spec.overlap_shared_experts)
     stats = None
     if mesh is not None or node is not None or not read:
         stats = shard_and_read(master, spec, mesh, node, holds_backbone=read)
@@ -195,7 +197,7 @@ def shard_and_read(master: MasterModel, spec: MasterSpec, mesh=None, node=None, 
 def build_master(
     model: nn.Module, expert_to_worker, transport: Transport, lora: LoraSpec, optim: OptimizerConfig,
     *, master: int = 0, num_masters: int = 1, row_format: RowFormat = "exact", latency=None, condenser=None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, overlap_shared_experts: bool = True,
 ) -> MasterModel:
     """Strip `model`'s experts (brokers over `transport`) and wrap the rest with peft LoRA.
 
@@ -203,6 +205,8 @@ def build_master(
     `row_format`: how its rows travel (`vela_ray.model.wire`; LOSSY unless exact).
     `activation_checkpointing`: recompute decoder layers in backward, replaying the experts' outputs
     (`modeling.enable_activation_checkpointing`).
+    `overlap_shared_experts`: compute each block's shared expert while its rows are away
+    (`model.shared_expert`, `training.overlap.shared_experts`).
 
     Training needs no KV cache; without one, a batch with `position_ids` and no `attention_mask`
     (packed rows) gets transformers' per-example attention mask (it only looks when no cache is given)."""
@@ -212,7 +216,7 @@ def build_master(
     dispatcher = ExpertDispatcher(torch.as_tensor(expert_to_worker), transport, master=master,
                                   num_masters=num_masters, row_format=row_format, latency=latency,
                                   condenser=condenser)
-    attach_brokers(model, dispatcher)
+    attach_brokers(model, dispatcher, shared_experts=overlap_shared_experts)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     peft_model = get_peft_model(model, backbone_lora_config(full_cfg))
