@@ -98,23 +98,26 @@ class ExpertWorkers:
         the same optimizer step and stay identical."""
         if not self.copies:
             return float(sum(self._calls.all("grad_sq_norm")))
-        self._sum_copies()
-        return float(sum(self._calls.all("grad_sq_norm", self.not_counted)))
+        # a worker runs its calls in order: its sum comes before its norm, and one wait covers both
+        summing = self._sum_copies()
+        norms = [self.call_one(n, "grad_sq_norm", self.not_counted) for n in range(self.num_workers)]
+        return float(sum(self.wait(summing + norms)[len(summing):]))
 
-    def _sum_copies(self) -> None:
-        by_worker: dict[int, list[ExpertKey]] = {}
+    def _sum_copies(self) -> list[Any]:
+        """Start the copies' gradient sums among their workers (`ExpertManager.sum_copy_grads`); the pending
+        answers. Each worker holding copies hands its copies' gradients, pending, to the other holders of the
+        same experts: the master never waits for them nor sums them (over Ray, see `actors.workers` for the
+        route their bytes take)."""
+        held: dict[int, list[ExpertKey]] = {}
         for key, workers in self.copies.items():
             for worker in workers:
-                by_worker.setdefault(worker, []).append(key)
-        summed: LoraState = {}
-        for part in self._calls.all("lora_grads", by_worker):  # in worker order: every copy sums alike
-            for key, named in part.items():
-                if key in summed:
-                    for name, grad in named.items():
-                        summed[key][name] += grad
-                else:
-                    summed[key] = named
-        self._calls.all("set_lora_grads", summed)
+                held.setdefault(worker, []).append(key)
+        grads = {n: self.call_one(n, "lora_grads", keys) for n, keys in held.items()}
+        summing = []
+        for n, keys in held.items():
+            peers = sorted({m for key in keys for m in self.copies[key]} - {n})
+            summing.append(self.call_one(n, "sum_copy_grads", peers, *[grads[m] for m in peers]))
+        return summing
 
     def step(self, lr: float, clip_coef: float) -> None:
         self._calls.all("step", lr, clip_coef)
