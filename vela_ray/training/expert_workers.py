@@ -10,6 +10,8 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from vela_ray.model.experts import ExpertKey
+from vela_ray.training.tiers import TierCounters
+from vela_ray.training.worker_report import WorkerCounters, WorkerReport
 
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
 
@@ -63,6 +65,9 @@ class ExpertWorkers:
         # Replicated experts (several masters, each using its nearest copy): {expert: its workers}. The
         # first worker of each counts it in norms and checkpoints; the others' copies are `not_counted`.
         self.copies: dict[ExpertKey, list[int]] = {}
+        # Per worker: its counters as of the last step's fan-out (`step`, `zo_apply` answer them) or report,
+        # whichever came last; what the trackers and the tiers' metrics read each step without asking.
+        self.counters: list[WorkerCounters] = []
 
     @classmethod
     def in_process(cls, workers: Sequence[Any]) -> "ExpertWorkers":
@@ -120,12 +125,15 @@ class ExpertWorkers:
         return summing
 
     def step(self, lr: float, clip_coef: float) -> None:
-        self._calls.all("step", lr, clip_coef)
+        """Every worker's optimizer step; their answers are the latest `counters`."""
+        self.counters = self._calls.all("step", lr, clip_coef)
 
     def zo_apply(self, terms: list[tuple[int, float]]) -> None:
         """Zeroth-order training (`vela_ray.training.zo`): every worker adds each (step seed, coefficient)
-        term's noise to its own experts' LoRA, drawing the noise itself; only the scalars travel."""
-        self._calls.all("zo_apply", terms)
+        term's noise to its own experts' LoRA, drawing the noise itself; only the scalars travel. Their
+        answers are the latest `counters`: a ZO step's last fan-out comes before its second forward pass, whose
+        rows and compute the next step's counters include."""
+        self.counters = self._calls.all("zo_apply", terms)
 
     def lora_state(self) -> LoraState:
         """All experts' adapters, keyed by logical (layer, expert)."""
@@ -163,13 +171,16 @@ class ExpertWorkers:
     def load_checkpoint(self, checkpoint_dir: str) -> None:
         self._calls.all("load_checkpoint", checkpoint_dir)
 
-    def reports(self) -> list:
-        """Per worker: its `worker_report.WorkerReport` (where it runs, its sizing, its counters so far)."""
-        return self._calls.all("report")
+    def reports(self) -> list[WorkerReport]:
+        """Per worker: its `worker_report.WorkerReport` (where it runs, its sizing, its counters so far), in a
+        round trip of its own (the latest `counters` too): for what is read once a run, not each step."""
+        reports = self._calls.all("report")
+        self.counters = reports
+        return reports
 
-    def tier_stats(self) -> list:
-        """Per worker: its `tiers.TierCounters` (`expert_tiers`), None where untiered."""
-        return [report.tiers for report in self.reports()]
+    def tier_stats(self) -> list[TierCounters | None]:
+        """Per worker: its `tiers.TierCounters` (`expert_tiers`) in the latest `counters`, None where untiered."""
+        return [counters.tiers for counters in self.counters]
 
     def set_predictor(self, state: dict[str, torch.Tensor], top_k: int) -> None:
         """Every tiered worker forecasts next-layer demand with this `popularity.PopularityPredictor` state."""
