@@ -30,7 +30,7 @@ from placement import SharedLink, node_shared_links
 from vela_ray.model.collective import PeerLostError
 from vela_ray.model.transport import InProcessTransport, SplitTransport, Transport
 from vela_ray.config import JobConfig
-from vela_ray.runtime.migration import MigrationPlan
+from vela_ray.runtime.migration import MigrationPlan, move_experts
 from vela_ray.runtime.masters import MasterMesh
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.runtime.local import IN_PROCESS_LINK
@@ -122,22 +122,12 @@ class RayWorkerPool:
         return getattr(self.local[worker - self.num_actors], method)(*args, **kwargs)
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
-        """Worker-to-worker: each receiver gets its senders' object refs, so the state travels from the
-        sender's object store to the receiver's without passing through the master."""
+        """Worker-to-worker (`migration.move_experts`): each receiver gets its senders' object refs, which the
+        master never waits for (`actors.workers`)."""
         plan = MigrationPlan.between(self.table, table)
-        sent = {pair: self._call(pair[0], "expert_states", keys) for pair, keys in plan.by_pair().items()}
-        stats = [self._call(n, "rehost", plan.keys_of(n), *[sent[p] for p in plan.senders_to(n)])
-                 for n in plan.touched()]
+        stats = move_experts(actor_workers(self.cluster.handles, local=self.local), plan)
         self.table = plan.new
-        return [_value(s) for s in stats]
-
-    def _call(self, worker: int, method: str, *args: Any) -> Any:
-        """`method` on `worker`: an ObjectRef from an actor, the value from a worker in this process (which
-        gets the values of ObjectRef arguments)."""
-        if worker < self.num_actors:
-            return getattr(self.cluster.handles[worker], method).remote(*args)
-        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
-        return getattr(self.local[worker - self.num_actors], method)(*args)
+        return stats
 
     def replace(self, workers: list[int]) -> HostedExperts:
         """New actors for `workers` in their bundles (new objects for those in this process: the runner
@@ -223,7 +213,3 @@ class RayWorkerPool:
             self.cluster = None
         self.local = []
 
-
-def _value(answer: Any) -> Any:
-    """What `RayWorkerPool._call` answered: an actor's ObjectRef resolved, a local worker's value as is."""
-    return ray.get(answer) if isinstance(answer, ray.ObjectRef) else answer

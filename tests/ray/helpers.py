@@ -17,6 +17,7 @@ from vela_ray.config import DataPlaneSection
 from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights, LoraSpec
 from vela_ray.model.families import mixtral_debug
 from vela_ray.model.modeling import experts_prototypes
+from vela_ray.training.expert_workers import ExpertWorkers
 
 RAY_CPUS = 4
 CPUS_PER_WORKER = 0.25  # actors mostly wait; this lets a few clusters coexist on a 2-core machine
@@ -69,6 +70,50 @@ def specs_for(parts: list[dict], hf_config=SYNTHETIC_CONFIG, lora: LoraSpec = LO
 def specs_from_shards(shards: list[ExpertShard], hf_config) -> list[ExpertManagerSpec]:
     """Specs hosting exactly the experts (and frozen weights) of in-process shards."""
     return specs_for([s.weights() for s in shards], hf_config)
+
+
+# Replicated experts (several masters, each using its nearest copy) on the synthetic model's 3 workers: expert
+# (0, 0) copied on every worker, (1, 0) on workers 0 and 1, the others hosted once.
+REPLICATED_KEYS = [[(0, 0), (0, 1), (1, 0)], [(0, 0), (0, 2), (1, 0)], [(0, 0), (0, 3)]]
+REPLICATED_COPIES = {(0, 0): [0, 1, 2], (1, 0): [0, 1]}
+
+
+def replicated_specs() -> list[ExpertManagerSpec]:
+    weights = synthetic_weights()
+    return specs_for([{key: weights[key] for key in keys} for keys in REPLICATED_KEYS])
+
+
+def worker_rows(keys: list[ExpertKey], seed: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A worker's share of a step: per layer of `keys`, (layer, expert ids [R], rows [R, HIDDEN], d(outputs)
+    [R, HIDDEN]) with 4 rows for each of its experts there, drawn from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for layer in sorted({layer for layer, _ in keys}):
+        ids = torch.tensor([e for l, e in keys if l == layer]).repeat_interleave(4)
+        out.append((layer, ids, torch.randn(len(ids), HIDDEN, generator=g), torch.randn(len(ids), HIDDEN, generator=g)))
+    return out
+
+
+def replicas_mid_step(workers: ExpertWorkers) -> list[dict]:
+    """Workers of `replicated_specs` with the same random adapters, after each ran a share of rows of its own
+    forward and backward (so copies of one expert have different gradients); each worker's gradients."""
+    workers.load_lora_state(random_lora_state(sorted({key for keys in REPLICATED_KEYS for key in keys})))
+    for worker, keys in enumerate(REPLICATED_KEYS):
+        for layer, ids, rows, grad in worker_rows(keys, seed=worker):
+            workers.wait([workers.call_one(worker, "forward_rows", layer, ids, rows, layer)])
+            workers.wait([workers.call_one(worker, "backward_rows", layer, grad)])
+    return workers.wait([workers.call_one(worker, "lora_grads") for worker in range(workers.num_workers)])
+
+
+def summed_in_worker_order(grads: list[dict], copies: dict[ExpertKey, list[int]]) -> dict:
+    """{copied expert: {factor: the sum of its copies' gradients `grads[worker]`, added in worker order}}."""
+    summed = {}
+    for key, workers in copies.items():
+        summed[key] = {name: grads[workers[0]][key][name].clone() for name in grads[workers[0]][key]}
+        for worker in workers[1:]:
+            for name, grad in grads[worker][key].items():
+                summed[key][name] += grad
+    return summed
 
 
 def spawn(specs: list[ExpertManagerSpec]) -> ExpertCluster:

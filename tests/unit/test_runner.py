@@ -6,8 +6,10 @@ transformers + peft on the same batches; and a run in which a worker holds no ex
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +25,10 @@ from vela_ray.config import JobConfig
 from vela_ray.errors import RunInterrupted
 from vela_ray.observability.metrics import MemoryMetricsBackend, MetricsSink
 from vela_ray.observability.report import summary_text
+from vela_ray.runtime.accounting import StepAccounting
 from vela_ray.runtime.local import InProcessPool
 from vela_ray.training import checkpoint
+from vela_ray.training.expert_manager import ExpertManager
 from vela_ray.training.master import master_device
 from vela_ray.training.summary import RunSummary
 
@@ -219,6 +223,51 @@ def test_the_workers_are_launched_before_the_backbone_loads_and_closed_when_it_f
     config = JobConfig.from_dict(job_dict(model_dir, tmp_path / "ok", steps=1))
     run_in_process(config, pool=_RecordingPool(config, events))
     assert events == ["launch", "start", "close"]
+
+
+def _count_calls(cls: type, calls: list[str], monkeypatch) -> None:
+    """Every public method of `cls` appends its name to `calls`, then runs as it is."""
+    for name, method in list(vars(cls).items()):
+        if callable(method) and not name.startswith("_"):
+            def counting(self, *args, _real=method, _name=name, **kwargs):
+                calls.append(_name)
+                return _real(self, *args, **kwargs)
+            monkeypatch.setattr(cls, name, functools.wraps(method)(counting))
+
+
+@pytest.mark.parametrize("method, step_calls", [
+    ("first_order", {"forward_rows", "backward_rows", "grad_sq_norm", "step"}),
+    ("zo", {"zo_apply", "forward_rows"}),  # +eps z (with the last step's update), forward, -2 eps z, forward
+])
+def test_a_step_makes_no_worker_round_trip_that_carries_only_telemetry(model_dir, tmp_path, monkeypatch, method,
+                                                                         step_calls):
+    """With trackers and expert tiers on, each step calls the workers for what it needs (rows, the gradient norm and
+    the optimizer step, or ZO's perturbations) and nothing else: the trackers' compute and the tiers' metrics are
+    the counters the step's last fan-out answered (`ExpertWorkers.counters`)."""
+    calls: list[str] = []
+    _count_calls(ExpertManager, calls, monkeypatch)
+    per_step: list[Counter] = []
+    tracked: list[dict] = []
+    real_tracked = StepAccounting.tracked
+    monkeypatch.setattr(StepAccounting, "tracked", lambda *args: tracked.append(real_tracked(*args)) or tracked[-1])
+
+    def step_ended() -> None:  # the runner asks between steps
+        per_step.append(Counter(calls))
+        calls.clear()
+
+    job = job_dict(model_dir, tmp_path / "out", steps=4, expert_tiers={"enabled": True},
+                   training={"method": method, "report_to": ["tensorboard"]})
+    backend = MemoryMetricsBackend()
+    run_in_process(JobConfig.from_dict(job), metrics=MetricsSink(backend), should_stop=step_ended)
+
+    assert len(per_step) == 4
+    # the first step's calls also hold the start (placement, the predictor, the first reports), the last's the
+    # checkpoint at the end
+    for counts in per_step[1:-1]:
+        assert set(counts) == step_calls, counts
+        assert counts["zo_apply" if method == "zo" else "step"] == 3 * (2 if method == "zo" else 1)  # 3 workers
+    assert len(tracked) == 4 and all(values["time/worker_compute_max_s"] > 0 for values in tracked[1:])
+    assert sum(backend.value("vela_tier_rows_total", worker=str(w), tier="cpu") for w in range(3)) > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -37,7 +37,8 @@ class StepMark:
 
 
 def _counters(live: Live) -> tuple[list[int], list[float]]:
-    """Each worker's received bytes and compute seconds so far, from one round of reports."""
+    """Each worker's received bytes and compute seconds so far, from one round of reports (at the start and
+    the end of the training: a step's own fan-out answers them, `ExpertWorkers.counters`)."""
     reports = live.workers.reports()
     return [r.received_bytes for r in reports], [r.compute_s for r in reports]
 
@@ -128,9 +129,9 @@ class StepAccounting:
     def tracked(self, live: Live, record: StepRecord, lr: float) -> dict[str, float | None]:
         """What the trackers log for `record` (`training.report_to`): loss, lr, gradient norm, non-padding
         tokens per second, the step's time and its parts, bytes per link tier, the placement version and the
-        eval loss when there is one. The workers' compute is read with one round of reports per step, only
-        for the trackers."""
-        compute = _counters(live)[1]
+        eval loss when there is one. The workers' compute is what their step answered (`ExpertWorkers.counters`):
+        no round trip of its own."""
+        compute = [counters.compute_s for counters in live.workers.counters]
         mark, self._compute_mark = self._compute_mark or compute, compute
         worker_s = max((a - b for a, b in zip(compute, mark)), default=0.0)
         values: dict[str, float | None] = {
@@ -182,6 +183,6 @@ class StepAccounting:
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries, resumes=state.resumes,
             run_id=None if state.identity is None else state.identity.run_id,
             condensation=CondensationRecord.of(dispatcher.condenser, self.peers_condensed),
-            expert_tiers=[stats for stats in live.workers.tier_stats() if stats is not None],
+            expert_tiers=[report.tiers for report in live.workers.reports() if report.tiers is not None],
             report=run_file(config.output, out_dir, "report.html"),
         )

@@ -107,7 +107,8 @@ class Condensation(RunFeature):
 
 class ExpertTiers(RunFeature):
     """APTMoE's CPU/device expert tiers (`expert_tiers`): the popularity predictor is fitted on the
-    routing of the profile batches and sent to every worker (new ones too); the tiers' counts are metrics."""
+    routing of the profile batches and sent to every worker (new ones too); the tiers' counts, as each step
+    answered them (`ExpertWorkers.tier_stats`), are metrics."""
 
     def __init__(self, metrics: MetricsSink, batch_size: int, profile_batches: int):
         """The predictor is fitted on `profile_batches` batches of `batch_size` rows (`training.batch_size`,

@@ -23,7 +23,7 @@ from vela_ray.model.traffic import LOCAL_NODE, link_tiers
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.model.collective import make_group, make_store
 from vela_ray.runtime.masters import MasterMesh, MasterRank, Pending, RankGroups
-from vela_ray.runtime.migration import MigrationPlan
+from vela_ray.runtime.migration import MigrationPlan, move_experts
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.training.expert_manager import ExpertManager, MigrationStats
 from vela_ray.training.expert_workers import ExpertWorkers
@@ -85,9 +85,7 @@ class InProcessPool:
 
     def migrate(self, table: np.ndarray) -> list[MigrationStats]:
         plan = MigrationPlan.between(self.table, table)
-        sent = {pair: self.managers[pair[0]].expert_states(keys) for pair, keys in plan.by_pair().items()}
-        stats = [self.managers[n].rehost(plan.keys_of(n), *[sent[pair] for pair in plan.senders_to(n)])
-                 for n in plan.touched()]
+        stats = move_experts(ExpertWorkers.in_process(self.managers), plan)
         self.table = plan.new
         return stats
 

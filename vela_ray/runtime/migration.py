@@ -30,6 +30,7 @@ import numpy as np
 from placement import PlacementProblem, cost
 from vela_ray.model.experts import ExpertKey
 from vela_ray.training.expert_manager import MigrationStats
+from vela_ray.training.expert_workers import ExpertWorkers
 from vela_ray.training.summary import MigrationRecord
 
 
@@ -98,6 +99,15 @@ class MigrationPlan:
     def senders_to(self, worker: int) -> list[tuple[int, int]]:
         """The (sender, receiver) pairs whose state `worker` receives."""
         return [pair for pair in self.by_pair() if pair[1] == worker]
+
+
+def move_experts(workers: ExpertWorkers, plan: MigrationPlan) -> list[MigrationStats]:
+    """Carry `plan` out on the live workers (steps 1 and 2 above), worker to worker: each receiver is handed
+    its senders' pending `expert_states` (Ray actors: object refs, which the master never waits for:
+    `actors.workers`); every touched worker's stats."""
+    sent = {pair: workers.call_one(pair[0], "expert_states", keys) for pair, keys in plan.by_pair().items()}
+    return workers.wait([workers.call_one(n, "rehost", plan.keys_of(n), *[sent[pair] for pair in plan.senders_to(n)])
+                         for n in plan.touched()])
 
 
 def _routes(table: np.ndarray) -> np.ndarray:

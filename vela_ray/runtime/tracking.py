@@ -45,8 +45,8 @@ class RunTracking:
         self.trackers.params(flat_params(self.config.model_dump(mode="json")))
 
     def step(self, live: Live, record: StepRecord, lr: float) -> None:
-        """Queue `record`'s values. The training thread's share (one round of worker reports and a queued
-        dict) is timed as `trackers_step_s`; what was sent is kept for a resume."""
+        """Queue `record`'s values. The training thread's share (a queued dict: the workers' counters came with
+        their step) is timed as `trackers_step_s`; what was sent is kept for a resume."""
         if not self.trackers.trackers:
             return
         start = time.perf_counter()

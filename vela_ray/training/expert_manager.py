@@ -24,7 +24,9 @@ is one method of this class; what is not about rows and steps lives in delegates
   several masters' sequence migration also `collect_rows` and `backward_rows(..., master=)`
   (`transport.RowRelay`: rows answered to a master other than the sender, held in `held`);
 - control plane: `grad_sq_norm`, `step`, `lora_state`, `load_lora_state`, `lora_grads` and
-  `set_lora_grads` (replicated experts); `zo_apply` for zeroth-order training (`vela_ray.training.zo`);
+  `sum_copy_grads` (replicated experts: the copies' holders hand each other their gradients); `zo_apply` for
+  zeroth-order training (`vela_ray.training.zo`). `step` and `zo_apply` answer the worker's counters
+  (`worker_report.WorkerCounters`): the step's own fan-out carries its telemetry;
 - checkpoints (`checkpoint_parts`, `vela_ray.training.checkpoint_parts`): `snapshot_checkpoint_part`
   (copies, then writes on a thread), `finish_checkpoint_part` (polled by the master), `load_checkpoint`.
   Loading state (`load_lora_state`, `load_checkpoint`) starts the worker at a step boundary: a step in
@@ -67,7 +69,7 @@ from vela_ray.training.rehosting import (
     ExpertMove, ExpertStates, MigrationStats, arriving_weights, expert_states, host_experts, load_expert_states,
 )
 from vela_ray.training.tiered import TieredExperts
-from vela_ray.training.worker_report import WorkerReport
+from vela_ray.training.worker_report import WorkerCounters, WorkerReport
 
 __all__ = ["ExpertManager", "ExpertManagerSpec", "ExpertStates", "LoraState", "MigrationStats", "NotCounted",
            "load_expert_weights"]
@@ -244,17 +246,22 @@ class ExpertManager:
             return self.trainer.grad_sq_norm()
         return grad_sq_norm([p for key in self.keys if key not in skip for p in self.shard.expert(*key).parameters()])
 
-    def step(self, lr: float, clip_coef: float) -> None:
+    def step(self, lr: float, clip_coef: float) -> WorkerCounters:
+        """The optimizer step; answers the counters after it, so that the trackers and the tiers' metrics need
+        no round trip of their own (`ExpertWorkers.counters`)."""
         self.held.release()
         if self.trainer:
             self.trainer.step(lr, clip_coef)
+        return self._counters()
 
-    def zo_apply(self, terms: list[ZoTerm]) -> None:
+    def zo_apply(self, terms: list[ZoTerm]) -> WorkerCounters:
         """Zeroth-order training (`vela_ray.training.zo`): add each (step seed, coefficient) term's noise to
         every hosted expert's LoRA. Each tensor's noise comes from its logical checkpoint name, so any
-        placement adds the same numbers (and copies of a replicated expert stay identical)."""
+        placement adds the same numbers (and copies of a replicated expert stay identical). Answers the
+        counters, as `step` does."""
         by_name = {key: dict(self.shard.expert(*key).named_parameters()) for key in self.keys}
         apply_zo_terms(checkpoint.expert_part_tensors(by_name), terms)
+        return self._counters()
 
     def lora_state(self) -> LoraState:
         """This worker's adapters, keyed by logical (layer, expert), on the CPU."""
@@ -270,13 +277,17 @@ class ExpertManager:
             for key in (self.keys if keys is None else [tuple(k) for k in keys])
         }
 
-    def set_lora_grads(self, grads: LoraState) -> None:
-        """Overwrite the gradients of the hosted experts in `grads` (the summed gradients of replicated
-        experts, so that every copy takes the same optimizer step)."""
-        for key, named in grads.items():
-            if tuple(key) in self.keys:
-                for name, p in self.shard.expert(*key).named_parameters():
-                    p.grad.copy_(named[name].to(p.grad.device))
+    def sum_copy_grads(self, workers: list[int], *parts: LoraState) -> None:
+        """Replicated experts: the gradient of each copy hosted here becomes the sum of every copy's (the
+        gradient of the one expert they stand for), so that all copies take the same optimizer step.
+        `parts[i]`: the `lora_grads` of worker `workers[i]`'s copies (handed over by Ray, not by the master).
+        Each expert's sum runs in worker order, this worker's own gradient at its place, so every copy sums
+        the same numbers in the same order and gets the same bits."""
+        keys = sorted({tuple(key) for part in parts for key in part} & set(self.keys))
+        by_worker = dict(zip(workers, parts)) | {self.worker: self.lora_grads(keys)}
+        for key, named in _summed_in_order([by_worker[n] for n in sorted(by_worker)], keys).items():
+            for name, p in self.shard.expert(*key).named_parameters():
+                p.grad.copy_(named[name].to(p.grad.device))
 
     def load_lora_state(self, state: LoraState) -> None:
         """Load this worker's experts from `state` (a full or partial dict keyed by (layer, expert)), dropping
@@ -376,8 +387,27 @@ class ExpertManager:
             memory_pool=worker_report.memory_pool(self.device, tiered, node),
             seconds_per_row=None if num_rows is None else worker_report.measured_seconds_per_row(
                 self.shard, self.keys, self.tiers, num_rows),
-            received_bytes=self.received_bytes, compute_s=self.compute_s,
-            tiers=self.tiers.stats() if self.tiers else None)
+            **dict(self._counters()))
+
+    def _counters(self) -> WorkerCounters:
+        return WorkerCounters(received_bytes=self.received_bytes, compute_s=self.compute_s,
+                              tiers=self.tiers.stats() if self.tiers else None)
+
+
+def _summed_in_order(parts: list[LoraState], keys: list[ExpertKey]) -> LoraState:
+    """For each of `keys`, the sum of its gradients over the `parts` that hold it, added in the parts' order.
+    The first is copied, not added to: a part from Ray may be a read-only view of the object store."""
+    summed: LoraState = {}
+    for part in parts:
+        for key in keys:
+            if key not in part:
+                continue
+            if key in summed:
+                for name, grad in part[key].items():
+                    summed[key][name] += grad
+            else:
+                summed[key] = {name: grad.clone() for name, grad in part[key].items()}
+    return summed
 
 
 def _experts_of(layer: int, expert_ids: torch.Tensor) -> list[ExpertKey]:

@@ -1,8 +1,9 @@
 """What an ExpertManager reports about itself (`ExpertManager.report`): one `WorkerReport`.
 
 Where it runs and what the placement sizes it by (free memory, bytes per expert, and when asked the
-compute seconds per row), and its data plane's counters so far. The pools (`vela_ray.runtime.local`,
-`actors.pool`) read capacities, compute and pids from the reports; `ExpertWorkers` the counters:
+compute seconds per row), and its counters so far (`WorkerCounters`: also what every step answers, so the
+trackers and the tiers' metrics read them without a round trip of their own: `ExpertWorkers.counters`).
+The pools (`vela_ray.runtime.local`, `actors.pool`) read capacities, compute and pids from the reports:
 
     reports = [manager.report() for manager in managers]
     capacity_from_memory([r.free_bytes for r in reports], hosted_bytes_per_expert(reports),
@@ -28,10 +29,19 @@ from vela_ray.training.tiers import TierCounters
 _LORA_COPIES = 4
 
 
-class WorkerReport(BaseModel):
-    """One ExpertManager's answer to `report`."""
+class WorkerCounters(BaseModel):
+    """One ExpertManager's running counters: its answer to every step (`ExpertManager.step`, `zo_apply`), and
+    part of its `report`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    received_bytes: int = Field(description="rows and gradients received so far, as counted on this side")
+    compute_s: float = Field(description="wall seconds of expert forward/backward so far (CUDA: as launched)")
+    tiers: TierCounters | None = Field(description="APTMoE's tier counters so far; None when untiered")
+
+
+class WorkerReport(WorkerCounters):
+    """One ExpertManager's answer to `report`: its counters, and where it runs and what it is sized by."""
 
     worker: int
     node_id: str = Field(description="the Ray node this worker runs on, or LOCAL_NODE outside Ray")
@@ -43,9 +53,6 @@ class WorkerReport(BaseModel):
     memory_pool: str = Field(description="names that memory: workers with the same name split it")
     seconds_per_row: float | None = Field(description="one row's forward + backward, when `report` was "
                                                       "asked to time it and the worker hosts an expert")
-    received_bytes: int = Field(description="rows and gradients received so far, as counted on this side")
-    compute_s: float = Field(description="wall seconds of expert forward/backward so far (CUDA: as launched)")
-    tiers: TierCounters | None = Field(description="APTMoE's tier counters so far; None when untiered")
 
 
 def hosted_bytes_per_expert(reports: Sequence[WorkerReport]) -> int:
