@@ -1,7 +1,8 @@
 """Start ExpertManager actors with placement groups, and know where each one runs.
 
 This is the one place where `ray.remote` turns the plain `ExpertManager` class
-into an actor. One placement-group bundle per worker reserves its CPUs (and its
+into an actor (`actors.workers.ExpertManagerActor`: the class, plus calls whose answers stay on the actor). One
+placement-group bundle per worker reserves its CPUs (and its
 GPU with `num_gpus_per_worker=1`, so Ray pins each actor to one device):
 
     cluster = spawn_expert_managers(specs, SpawnConfig(num_gpus_per_worker=1, workers_per_node=8))
@@ -29,7 +30,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vela_ray.errors import ClusterError
-from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
+from actors.workers import ExpertManagerActor
+from vela_ray.training.expert_manager import ExpertManagerSpec
 from vela_ray.model.traffic import LinkTier, link_tiers
 
 logger = logging.getLogger(__name__)
@@ -130,7 +132,7 @@ def respawn_expert_managers(cluster: ExpertCluster, specs: Sequence[ExpertManage
 
 def _start_actor(spec: ExpertManagerSpec, pg: PlacementGroup, config: SpawnConfig) -> Any:
     """ExpertManager `spec.worker` as an actor in bundle `spec.worker` of `pg`."""
-    return ray.remote(ExpertManager).options(
+    return ray.remote(ExpertManagerActor).options(
         num_cpus=config.num_cpus_per_worker,
         num_gpus=config.num_gpus_per_worker,
         max_restarts=0,

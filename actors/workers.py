@@ -6,11 +6,11 @@ workers step, zero and report their grad norms in parallel:
     workers = actor_workers(cluster.handles)
     train_step(master, workers, micro_batches, lr, max_grad_norm)
 
-A call of one worker answers an ObjectRef (`ActorCalls.one`): passed as an argument of another worker's call,
-Ray hands that worker the value, which the master never waits for nor deserializes (replicated experts' gradient
-sums, live migration's expert states). A value above `data_plane.inline_bytes` goes from the object store of the
-actor that made it to the receiver's; a smaller one rides inside Ray's own messages, by way of this process (Ray
-returns small results to their caller and inlines them into the calls that take them).
+A call of one worker (`ActorCalls.one`) runs through the actor's `pass_on`: its answer is put in that worker's
+object store and only a reference (`Stored`) comes back; passed as an argument of another worker's call, the
+receiver fetches the value from the sender's object store. So replicated experts' gradient sums and live
+migration's expert states go worker to worker, never through the master's process, however small (Ray would
+return a small answer to its caller and inline it into the calls that take it, by way of this process).
 
 The data plane (rows and gradients) goes through a transport (`actors.transports`).
 """
@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import ray
 
+from vela_ray.training.expert_manager import ExpertManager
 from vela_ray.training.expert_workers import ExpertWorkers
 
 
@@ -30,6 +31,23 @@ def actor_workers(handles: Sequence[Any], timeout_s: float | None = None, local:
     """ExpertWorkers over actor handles; `handles[n]` is worker n, and `local[i]` (ExpertManagers in this
     process, `cluster.workers_on_master`) worker len(handles) + i, called while the actors work."""
     return ExpertWorkers(ActorCalls(list(handles), list(local), timeout_s), len(handles) + len(local))
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A worker's answer kept in its own object store (`ExpertManagerActor.pass_on`): what its caller holds."""
+
+    ref: ray.ObjectRef
+
+
+class ExpertManagerActor(ExpertManager):
+    """The ExpertManager as a Ray actor (`actors.cluster`): the plain class, plus calls whose answers stay on it."""
+
+    def pass_on(self, method: str, *args: Any) -> Stored:
+        """`method(*args)`, each `Stored` argument (another worker's answer) fetched from its worker's object store,
+        the answer put in this worker's: the caller gets a reference, never the bytes, however small."""
+        values = [ray.get(a.ref) if isinstance(a, Stored) else a for a in args]
+        return Stored(ray.put(getattr(self, method)(*values)))
 
 
 @dataclass(frozen=True)
@@ -49,15 +67,17 @@ class ActorCalls:
         return ray.get(refs, timeout=self.timeout_s) + here
 
     def one(self, worker: int, method: str, *args: Any) -> Any:
-        """An actor's ObjectRef, or the value of a worker in this process, called now with the values of
-        ObjectRef arguments (it is in this process: those bytes do come here)."""
+        """An actor's pending answer (the ObjectRef of its `pass_on`: a `Stored` reference, the bytes left on the
+        actor), or the value of a worker in this process, called now with the values of pending arguments (it is
+        in this process: those bytes do come here)."""
         if worker < len(self.handles):
-            return getattr(self.handles[worker], method).remote(*args)
+            return self.handles[worker].pass_on.remote(method, *args)
         return getattr(self.local[worker - len(self.handles)], method)(*self.wait(list(args)))
 
     def wait(self, pending: list[Any]) -> list[Any]:
         refs = [p for p in pending if isinstance(p, ray.ObjectRef)]
-        values = iter(ray.get(refs, timeout=self.timeout_s) if refs else [])
+        stored = ray.get(refs, timeout=self.timeout_s) if refs else []
+        values = iter(ray.get([s.ref for s in stored], timeout=self.timeout_s) if stored else [])
         return [next(values) if isinstance(p, ray.ObjectRef) else p for p in pending]
 
 

@@ -1,5 +1,6 @@
 """Replicated experts' gradients over Ray actors: summed among the workers that hold the copies, each handed the
-others' gradients as object refs (`ExpertManager.sum_copy_grads`), so that the master gets none of them back; with
+others' gradients as references to their object stores (`ExpertManager.sum_copy_grads`, `ExpertManagerActor.pass_on`),
+so that no gradient passes through the master's process; with
 ExpertManagers in the master's process too (`cluster.workers_on_master`), which get the values of the refs.
 The in-process form and the summing order: tests/unit/test_replicated_grads.py."""
 
@@ -9,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from actors.workers import actor_workers
+from actors.workers import Stored, actor_workers
 from tests.ray.helpers import (
     REPLICATED_COPIES, TIMEOUT_S, replicas_mid_step, replicated_specs, spawn, summed_in_worker_order,
 )
@@ -61,6 +62,9 @@ def test_copies_sum_their_gradients_among_the_actors_and_the_master_gets_none_ba
     assert received and sq_norm > 0  # the driver got the norms through `ray.get` ...
     assert sum(map(_tensor_bytes, received)) == 0  # ... and no gradient
     _assert_copies_hold_the_worker_order_sum(workers, before)
+    # what a worker's pending answer holds for the driver: a reference to its own object store, however small the
+    # gradients (Ray would otherwise return them inline, through the driver's process)
+    assert isinstance(ray.get(workers.call_one(0, "lora_grads", [(1, 0)])), Stored)
 
 
 def test_a_worker_in_the_masters_process_sums_with_the_actors(replicated_cluster):
