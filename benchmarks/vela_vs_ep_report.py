@@ -4,9 +4,11 @@
 (`vela_vs_ep.run_one`: a `RunSummary` as JSON data plus wall time, load and wire
 bytes) into the numbers the paper reports: cross-node bytes per node per
 step (mean, and per step as Fig. 5), median step time and its ratio to expert
-parallelism (Fig. 6), predicted (cost model) vs measured communication time,
-final loss; `write_all` saves results.json, results.md, traffic_over_steps.png
-and step_time.png; `markdown` renders the tables.
+parallelism (Fig. 6), final loss; and the training step the cost model predicts
+against the measured one (`step_prediction`: the whole step, the master's waits on
+the experts and the master's compute, each measured directly by the run);
+`write_all` saves results.json, results.md, traffic_over_steps.png and
+step_time.png; `markdown` renders the tables.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import paper_scale  # noqa: E402
 from benchmarks._harness import write_results  # noqa: E402
-from placement import cost  # noqa: E402
+from placement import PlacementProblem, TrainingStep, cost  # noqa: E402
 from vela_ray.observability.report import expected_times  # noqa: E402
 from vela_ray.training.summary import RunSummary  # noqa: E402
 
@@ -70,40 +72,62 @@ def link_view(summary: RunSummary) -> dict | None:
     return view
 
 
-def predicted_comm_delta(shaped: RunSummary, unshaped: RunSummary, compute_s_per_row: list[float] | None,
-                         full_duplex: bool = False) -> float | None:
-    """The cost model's step time on the shaped run's probed links minus on the unshaped run's, for the
-    placement trained with: the same quantity as the measured communication (shaped minus unshaped
-    step time), unlike the solver's absolute communication estimate. With the workers' measured
-    compute a layer waits for its slowest worker's link plus compute, so communication that overlaps
-    a busier worker's compute costs nothing, as it does in the measurement.
+def measured_parts(summary: RunSummary, warmup: int) -> dict[str, float]:
+    """Medians over the steady steps: the step, the master's waits on the experts (`expert_round_trip_s`, summed
+    over its calls) and the master computing (the step less its idle wait, `master_idle_s`; a run from before
+    that was recorded ran one micro-batch at a time, so its whole wait was idle)."""
+    history = summary.history[warmup:] or summary.history
+    recorded = any(h.master_idle_s for h in history)
+    idle = [h.master_idle_s if recorded else h.expert_round_trip_s for h in history]
+    return {"step": float(np.median([h.step_time_s for h in history])),
+            "round_trips": float(np.median([h.expert_round_trip_s for h in history])),
+            "master": float(np.median([h.step_time_s - i for h, i in zip(history, idle)]))}
 
-    The model counts a NIC's two directions against one bandwidth (half duplex: an upper bound).
-    `full_duplex` gives each direction the whole bandwidth (the emulated NICs shape egress and ingress
-    apart), the lower bound: a worker's gather can overlap another's dispatch only in part, as each
-    worker's rows go out before its results come back."""
-    problems = shaped.placement.problem, unshaped.placement.problem
-    if None in problems:
+
+def step_inputs(summary: RunSummary, micro_batches: int, warmup: int) -> tuple[PlacementProblem, dict] | None:
+    """The problem a vela-ray run's step is predicted from, and where each of its inputs was measured (None: no
+    placement problem, the expert-parallel baseline).
+
+    A run that measured the step's inputs before training (`PlacementRecord.predicts_step`) is predicted from its
+    own problem. A run from before is completed from its summary: each link's latency as the start-up probe
+    measured it (`RunSummary.links`); the workers' compute per row as measured at start-up where its cost model
+    counted compute, else from the run (each worker's compute seconds per step over the rows it serves); the
+    master's compute from the run (`measured_parts`), which then holds the prediction's master part equal to the
+    measured one: the comparison tests the round trips alone."""
+    record = summary.placement
+    problem = record.problem
+    if problem is None:
         return None
-    table = shaped.placement.table if shaped.placement.routes is None else np.asarray(shaped.placement.routes)
-    scale = 2.0 if full_duplex else 1.0  # the traffic is even both ways: dispatch rows = gathered results
-    with_compute = [p.model_copy(update={
-        "compute_seconds_per_row": compute_s_per_row,
-        "shared_links": [link.model_copy(update={"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s * scale})
-                         for link in p.shared_links]}) for p in problems]
-    return cost.step_time(with_compute[0], table) - cost.step_time(with_compute[1], table)
+    if record.predicts_step:
+        return problem, {"latency": "start-up", "worker compute": "start-up", "master compute": "start-up"}
+    sources = {"latency": "start-up", "worker compute": "start-up", "master compute": "run"}
+    compute = problem.compute_seconds_per_row
+    if compute is None:
+        rows = cost.worker_layer_probs(problem, record.tables()).sum(axis=1) * problem.tokens_per_step
+        per_step = np.asarray(summary.timings_s["worker_compute_s"]) / len(summary.history)
+        compute, sources["worker compute"] = (per_step / np.maximum(rows, 1.0)).tolist(), "run"
+    step = TrainingStep(master_compute_s=measured_parts(summary, warmup)["master"], micro_batches=micro_batches)
+    return problem.model_copy(update={"latencies_s": [link.latency_s for link in summary.links],
+                                      "compute_seconds_per_row": compute, "training_step": step}), sources
 
 
-def measured_compute(runs: dict) -> list[float] | None:
-    """Seconds per row of each worker as the placement service measured them in any of the runs."""
-    for run in runs.values():
-        problem = RunSummary.model_validate(run["summary"]).placement.problem
-        if problem is not None and problem.compute_seconds_per_row is not None:
-            return problem.compute_seconds_per_row
-    return None
+def step_prediction(summary: RunSummary, micro_batches: int, warmup: int) -> dict | None:
+    """The cost model's step (`placement.cost.predict_step`) against the measured one, in parts, with each part's
+    error and where the inputs came from; None for the expert-parallel baseline (no placement problem)."""
+    inputs = step_inputs(summary, micro_batches, warmup)
+    if inputs is None:
+        return None
+    problem, sources = inputs
+    predicted = cost.predict_step(problem, summary.placement.tables())
+    measured = measured_parts(summary, warmup)
+    return {"predicted": {"step": predicted.step_s, "round_trips": predicted.round_trips_s,
+                          "master": predicted.master_s},
+            "measured": measured, "inputs": sources,
+            "step_error": predicted.step_s / measured["step"] - 1,
+            "round_trip_error": predicted.round_trips_s / measured["round_trips"] - 1}
 
 
-def method_row(run: dict, unshaped: dict | None, warmup: int, compute_s_per_row: list[float] | None = None) -> dict:
+def method_row(run: dict, unshaped: dict | None, warmup: int, micro_batches: int = 1) -> dict:
     """One method's numbers from a raw run (`vela_vs_ep.run_one`) and, if any, its unshaped rerun."""
     summary = RunSummary.model_validate(run["summary"])
     per_step = cross_per_node_by_step(summary)
@@ -115,6 +139,7 @@ def method_row(run: dict, unshaped: dict | None, warmup: int, compute_s_per_row:
         "median_step_time_s": step,
         "p25_step_time_s": float(np.percentile(steady_step_times(summary, warmup), 25)),
         "predicted_comm_s": expected_times(summary.placement).get("expected comm"),
+        "step_prediction": step_prediction(summary, micro_batches, warmup),
         "final_loss": summary.losses[-1],
         "eval_loss": summary.eval_loss,
         "losses": summary.losses,
@@ -130,20 +155,16 @@ def method_row(run: dict, unshaped: dict | None, warmup: int, compute_s_per_row:
     if unshaped:
         again = RunSummary.model_validate(unshaped["summary"])
         row["unshaped_median_step_time_s"] = median_step(again, min(warmup, len(again.history) - 1))
-        row["measured_comm_s"] = step - row["unshaped_median_step_time_s"]
-        row["predicted_comm_delta_s"] = predicted_comm_delta(summary, again, compute_s_per_row)
-        row["predicted_comm_delta_full_duplex_s"] = predicted_comm_delta(summary, again, compute_s_per_row,
-                                                                         full_duplex=True)
     return row
 
 
 def build_results(args, grid: dict, links: dict) -> dict:
     """{"datasets": {name: {method: row}}, "links": ..., "paper_scale": ..., "settings": ...}."""
     datasets = {}
+    micro_batches = args.batch_size // (getattr(args, "micro_batch_size", None) or args.batch_size)
     for name, runs in grid["runs"].items():
         unshaped = grid.get("unshaped", {}).get(name, {})
-        compute = measured_compute(runs)
-        rows = {m: method_row(s, unshaped.get(m), args.warmup_steps, compute) for m, s in runs.items()}
+        rows = {m: method_row(s, unshaped.get(m), args.warmup_steps, micro_batches) for m, s in runs.items()}
         if "ep" in rows:
             ep = rows["ep"]
             for row in rows.values():
@@ -165,23 +186,66 @@ def markdown(results: dict) -> str:
         lines += ["**Unshaped cluster** (`--no-emulate`): 3 Ray nodes on one loopback; cross-node bytes are "
                   "counted, but cross-node links are no slower than intra-node ones.", ""]
     lines += [_links_line(results["links"]), ""]
-    lines += ["| data set | method | cross-node MB/node/step | vs EP | median step s | / EP | predicted comm s | "
-              "measured comm s | final loss |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| data set | method | cross-node MB/node/step | vs EP | median step s | / EP | predicted step s | "
+              "error | final loss |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in results["datasets"].items():
         for method, r in rows.items():
+            predicted = r.get("step_prediction") or {}
             lines.append(
                 f"| {name} | {LABELS[method]} | {r['cross_bytes_per_node_per_step'] / 1e6:.3f} | "
                 f"{_fmt(r.get('bytes_vs_ep'), '+.1%')} | {r['median_step_time_s']:.3f} | "
-                f"{_fmt(r.get('step_time_vs_ep'), '.2f')} | {_fmt(r['predicted_comm_s'], '.3f')} | "
-                f"{_fmt(r.get('measured_comm_s'), '.3f')} | {r['final_loss']:.4f} |")
-    lines += ["", _placement_view_line(results["datasets"]), "", *_breakdown_lines(results)]
+                f"{_fmt(r.get('step_time_vs_ep'), '.2f')} | {_fmt(predicted.get('predicted', {}).get('step'), '.3f')} | "
+                f"{_fmt(predicted.get('step_error'), '+.0%')} | {r['final_loss']:.4f} |")
+    lines += ["", *_prediction_lines(results), "", _placement_view_line(results["datasets"]), "",
+              *_breakdown_lines(results)]
     lines += ["", "Paper-scale simulation (cost model, Mixtral-8x7B on the paper's cluster, our profiles):", "",
               paper_scale.markdown(results["paper_scale"])]
     return "\n".join(lines)
 
 
+def _prediction_lines(results: dict) -> list[str]:
+    """The predicted step against the measured one, in parts (`step_prediction`), and the range of the errors."""
+    lines = ["The step the cost model predicts (`placement.cost.predict_step`: the master's compute + over the "
+             "layers, the slowest contacted worker's latency x calls + bytes / bandwidth + compute, or its shared "
+             "link) against the measured one, medians over steps. Round trips: the master's waits on the experts, "
+             "summed over its calls (`expert_round_trip_s`); master: the step less its idle wait. Inputs: where "
+             "each was measured, at start-up or taken from the run.", "",
+             "| data set | method | step s | predicted | error | round trips s | predicted | error | master s | "
+             "predicted | latency / worker compute / master from |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    steps, trips, from_run = [], [], False
+    for name, rows in results["datasets"].items():
+        for method, r in rows.items():
+            p = r.get("step_prediction")
+            if not p:
+                continue
+            measured, predicted, inputs = p["measured"], p["predicted"], p["inputs"]
+            steps.append(p["step_error"])
+            trips.append(p["round_trip_error"])
+            from_run |= inputs["master compute"] == "run"
+            lines.append(f"| {name} | {LABELS[method]} | {measured['step']:.3f} | {predicted['step']:.3f} | "
+                         f"{p['step_error']:+.0%} | {measured['round_trips']:.3f} | {predicted['round_trips']:.3f} | "
+                         f"{p['round_trip_error']:+.0%} | {measured['master']:.3f} | {predicted['master']:.3f} | "
+                         f"{inputs['latency']} / {inputs['worker compute']} / {inputs['master compute']} |")
+    if not steps:
+        return ["No vela-ray run: no step to predict."]
+    lines += ["", f"Predicted step against the measured one: {min(steps):+.0%} … {max(steps):+.0%} over the "
+                  f"{len(steps)} vela-ray runs (round trips alone: {min(trips):+.0%} … {max(trips):+.0%}). EP: no "
+                  "prediction (no placement problem: its step is the data-parallel ranks' all-to-all, not the "
+                  "master-worker step the cost model describes)."]
+    if from_run:
+        lines += ["", "Where the master's compute is taken from the run (runs from before it was measured at "
+                      "start-up), the predicted master part equals the measured one, and the step's error is the "
+                      "round trips' error times their share of the step."]
+    if any("unshaped_median_step_time_s" in r for rows in results["datasets"].values() for r in rows.values()):
+        lines += ["", "The unshaped reruns' median steps are in results.json (`unshaped_median_step_time_s`). Their "
+                      "difference from the shaped step is no measure of communication: the machine's load moves "
+                      "between the runs, and the difference comes out negative when the unshaped run meets more "
+                      "of it. The round trips measured in the step stand for the communication instead."]
+    return lines
+
+
 def _breakdown_lines(results: dict) -> list[str]:
-    """Where the step time goes: communication (shaped - unshaped) and the rest, against the arithmetic alone."""
+    """Where a vela-ray step goes, as the runs recorded it, against the arithmetic alone."""
     lines = ["Where a vela-ray step goes (median s over steps; the master waits on expert round trips, which "
              "hold the workers' compute; worker compute is wall time per step, max and sum over workers):", "",
              "| data set | method | step | master | expert round trips | worker compute max | sum |",
@@ -193,37 +257,17 @@ def _breakdown_lines(results: dict) -> list[str]:
                 lines.append(f"| {name} | {LABELS[method]} | {split['step']:.3f} | {split['master']:.3f} | "
                              f"{split['expert_round_trip']:.3f} | {split['worker_compute_max']:.3f} | "
                              f"{split['worker_compute_sum']:.3f} |")
-    lines += ["", "Step time breakdown (median s; comm = shaped - unshaped, rest = unshaped):", ""]
-    for name, rows in results["datasets"].items():
-        for method, r in rows.items():
-            if r.get("measured_comm_s") is not None:
-                lines.append(f"- {name} / {LABELS[method]}: step {r['median_step_time_s']:.3f} = comm "
-                             f"{r['measured_comm_s']:.3f} ({r['measured_comm_s'] / r['median_step_time_s']:.0%}) + "
-                             f"rest {r['unshaped_median_step_time_s']:.3f}"
-                             + _delta_text(r.get("predicted_comm_delta_s"), r["measured_comm_s"],
-                                           r.get("predicted_comm_delta_full_duplex_s")))
-        serial = results["serial_compute"].get(name)
-        if serial:
-            lines.append(f"- {name}: the step's arithmetic alone (single process, one thread, no transport): "
-                         f"{serial['median_step_time_s']:.3f}")
+    serial = [(name, s) for name, s in results["serial_compute"].items() if s]
+    if serial:
+        lines.append("")
+    for name, s in serial:
+        lines.append(f"- {name}: the step's arithmetic alone (single process, one thread, no transport): "
+                     f"{s['median_step_time_s']:.3f}")
     loads = [load for rows in results["datasets"].values() for r in rows.values() for load in r.get("loadavg_1m") or []]
     if loads:
         lines += ["", f"Machine load (1-minute average) at run starts and ends: {min(loads):.1f} to {max(loads):.1f} "
                       "(2 cores, shared with other work)."]
     return lines
-
-
-def _delta_text(predicted: float | None, measured: float, full_duplex: float | None = None) -> str:
-    if predicted is None:
-        return ""
-
-    def off(value: float) -> str:
-        return f" ({value / measured - 1:+.0%})" if measured > 0 else ""
-
-    text = f"; the cost model (links + compute) predicts comm {predicted:.3f}{off(predicted)}"
-    if full_duplex is not None and full_duplex != predicted:
-        text += f", {full_duplex:.3f}{off(full_duplex)} with full-duplex NICs"
-    return text
 
 
 def _placement_view_line(datasets: dict) -> str:
@@ -271,11 +315,12 @@ def plot_step_time(results: dict, path: Path) -> None:
     for i, method in enumerate(methods):
         x = np.arange(len(names)) + i * width
         steps = [results["datasets"][n][method]["median_step_time_s"] for n in names]
-        comm = [max(0.0, results["datasets"][n][method].get("measured_comm_s") or 0.0) for n in names]
+        waits = [((results["datasets"][n][method].get("step_prediction") or {}).get("measured") or {})
+                 .get("round_trips", 0.0) for n in names]
         ax.bar(x, steps, width, label=LABELS[method])
-        ax.bar(x, comm, width, color="none", edgecolor="black", hatch="//", linewidth=0.5)
+        ax.bar(x, waits, width, color="none", edgecolor="black", hatch="//", linewidth=0.5)
     ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
-    ax.set(ylabel="median step time (s)", title="Step time (hatched: measured communication time)")
+    ax.set(ylabel="median step time (s)", title="Step time (hatched: the master's waits on the experts)")
     ax.legend(fontsize=8)
     _save(fig, path)
 

@@ -32,6 +32,9 @@ _HOMES = {
     "cross_node_bytes": "placement.cost",
     "layer_times": "placement.cost",
     "layer_worker_times": "placement.cost",
+    "StepPrediction": "placement.cost",
+    "predict_step": "placement.cost",
+    "round_trip_times": "placement.cost",
     "shared_link_times": "placement.cost",
     "step_time": "placement.cost",
     "worker_bytes": "placement.cost",
@@ -40,6 +43,7 @@ _HOMES = {
     "solve_lp": "placement.lp",
     "PlacementProblem": "placement.problem",
     "SharedLink": "placement.problem",
+    "TrainingStep": "placement.problem",
     "build_problem": "placement.problem",
     "node_shared_links": "placement.problem",
     "synthetic_probs": "placement.problem",
@@ -68,13 +72,18 @@ if TYPE_CHECKING:
         cross_node_bytes,
         layer_times,
         layer_worker_times,
+        StepPrediction,
+        predict_step,
+        round_trip_times,
         shared_link_times,
         step_time,
         worker_bytes,
     )
     from placement.io import load_profile, probs_from_counts
     from placement.lp import solve_lp
-    from placement.problem import PlacementProblem, SharedLink, build_problem, node_shared_links, synthetic_probs
+    from placement.problem import (
+        PlacementProblem, SharedLink, TrainingStep, build_problem, node_shared_links, synthetic_probs,
+    )
     from placement.eplb import eplb_copies, eplb_routes, eplb_slots
     from placement.replicas import nearest_routes, replicate
     from placement.rounding import round_relaxed

@@ -1,4 +1,5 @@
-"""The cost model: expected communication time (and, if given, expert compute) and bytes of any placement.
+"""The cost model: expected communication time (and, if given, expert compute) and bytes of any placement, and
+the training step it predicts.
 
 A placement is `expert_to_worker: [num_layers, num_experts]` ints (worker of
 expert e of layer l). With X[n,l,e] = 1 where expert_to_worker[l,e] == n:
@@ -40,6 +41,25 @@ every time and byte count here is doubled; with it off, only the forward pass
 
     report = cost_report(problem, expert_to_worker)
     report.step_time, report.worker_bytes, report.cross_node_bytes
+
+The step prediction (`predict_step`) is what a training step takes, not only what placement minimises. Every
+call a layer makes (one per pass and micro-batch: `problem.calls_per_layer`) also pays the latency lat_n of each
+worker it contacts (`problem.latencies_s`), and each worker's compute counts whether or not the objective
+counts it (`problem.compute_in_objective`):
+
+    R_l = max(max_{n contacted in l} (calls * lat_n + (passes * b*H / (4 * B_n) + c_n) * K * sum_e X[n,l,e] * P[l,e]),
+              max_r T_{r,l})
+    serial step      = C + sum_l R_l                                         (C: the master's compute)
+    overlapped step  = max(C, R) + min(C, R) / micro_batches                 (R = sum_l R_l)
+
+The serial step is the master computing, then waiting on each layer's round trips in turn (what one
+micro-batch at a time does). With several micro-batches in flight (`TrainingStep.in_flight` > 1) the master
+computes one while another's rows are at the experts; the overlapped step is Johnson's two-machine flow
+shop with each micro-batch one job (its compute, then its round trips), the master and the round trips each
+busy with one at a time (the data plane carries one call at a time, and the same bytes cross the same
+links): the step waits for the busier of the two, plus the first micro-batch's compute or the last one's
+round trips, whichever is shorter. Optimistic where the master's threads contend (they share one interpreter).
+Without latencies and `training_step` the serial step is `step_time` exactly.
 """
 
 from __future__ import annotations
@@ -210,6 +230,59 @@ def layer_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.n
 def step_time(problem: PlacementProblem, expert_to_worker: np.ndarray) -> float:
     """Expected seconds per step: sum_l max(max_n E[T_{n,l}], max_r T_{r,l}) (module docstring)."""
     return float(layer_times(problem, expert_to_worker).sum())
+
+
+def round_trip_times(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:
+    """[num_layers] seconds per step the master waits on each layer's experts: its slowest contacted worker's
+    latencies + link + compute, or its slowest shared link (module docstring; `layer_times` with the latency,
+    and with every worker's compute).
+
+    Latency is no term of the objective: a layer waits for its slowest contacted worker, and with top-k routing
+    nearly every layer contacts every worker whatever the placement, so the decision would not change."""
+    counted = problem if problem.compute_in_objective else problem.model_copy(update={"compute_in_objective": True})
+    contacted = worker_layer_probs(problem, expert_to_worker) > 0  # [N, L]
+    latency = problem.calls_per_layer * problem.latency_seconds[:, None] * contacted
+    slowest_worker = (layer_worker_times(counted, expert_to_worker) + latency).max(axis=0)
+    return np.maximum(slowest_worker, shared_link_times(problem, expert_to_worker).max(axis=0, initial=0.0))
+
+
+class StepPrediction(BaseModel):
+    """The training step the cost model predicts for a placement (`predict_step`), in seconds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    master_s: float
+    """C: the master's compute per step (`TrainingStep.master_compute_s`; 0 without it)."""
+    round_trips_s: float
+    """R: the step's waits on the experts, sum_l R_l (`round_trip_times`)."""
+    micro_batches: int = 1
+    in_flight: int = 1
+
+    @property
+    def serial_s(self) -> float:
+        """One micro-batch at a time: C + R."""
+        return self.master_s + self.round_trips_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """Several in flight: max(C, R) + min(C, R) / micro_batches (module docstring)."""
+        busier, other = max(self.master_s, self.round_trips_s), min(self.master_s, self.round_trips_s)
+        return busier + other / self.micro_batches
+
+    @property
+    def step_s(self) -> float:
+        """The step this job runs: overlapped when more than one micro-batch is in flight, else serial."""
+        return self.overlapped_s if min(self.in_flight, self.micro_batches) > 1 else self.serial_s
+
+
+def predict_step(problem: PlacementProblem, expert_to_worker: np.ndarray) -> StepPrediction:
+    """The training step of a placement of `problem`: the master's compute and the round trips (module docstring)."""
+    step = problem.training_step
+    round_trips = float(round_trip_times(problem, check_expert_to_worker(problem, expert_to_worker)).sum())
+    if step is None:
+        return StepPrediction(master_s=0.0, round_trips_s=round_trips)
+    return StepPrediction(master_s=step.master_compute_s, round_trips_s=round_trips,
+                          micro_batches=step.micro_batches, in_flight=step.in_flight)
 
 
 def worker_bytes(problem: PlacementProblem, expert_to_worker: np.ndarray) -> np.ndarray:

@@ -61,7 +61,7 @@ def worker_classes(problem: PlacementProblem, *, direct: bool = False) -> list[n
     """
     if direct:
         return [np.array([n]) for n in range(problem.num_workers)]
-    compute = problem.compute_seconds_per_row or [0.0] * problem.num_workers
+    compute = (problem.compute_seconds_per_row if problem.compute_in_objective else None) or [0.0] * problem.num_workers
     links = [tuple(column) for column in problem.shared_link_members.T]  # the shared links of each worker
     keys = list(zip(problem.bandwidths, problem.capacities, compute, links))
     classes: dict[tuple, list[int]] = {}

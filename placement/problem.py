@@ -38,6 +38,13 @@ both passes, so every expected time and byte count is twice the paper's
 forward-only eq. 5-6; with False it matches the paper exactly. The factor is
 applied in one place, `bytes_per_row`, which all times and bytes derive from.
 
+Step prediction: besides what the placement decides, a training step pays each call's latency
+(`latencies_s`, per worker: a layer calls its workers once per pass and micro-batch) and the master's
+own compute (`training_step`); `placement.cost.predict_step` adds them to the objective's round trips.
+Neither is in the solvers' objective: the latency a layer pays is its slowest contacted worker's, and
+nearly every layer contacts every worker whatever the placement, so it is a constant for the decision;
+the master's compute does not depend on the placement at all.
+
 Every user error is a `ValueError` (pydantic's `ValidationError` is one)
 whose message names the field, the offending value and the fix.
 """
@@ -116,6 +123,36 @@ class SharedLink(BaseModel):
         return self
 
 
+class TrainingStep(BaseModel):
+    """How a training step runs, besides the traffic the placement decides: what `placement.cost.predict_step`
+    adds to the round trips (measured before training, by the runtime's placer)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    master_compute_s: float
+    """Seconds per step the master computes (forward and backward of its micro-batches, experts excluded)."""
+    micro_batches: int = 1
+    """Micro-batches per step (`training.batch_size / micro_batch_size`): each calls every layer's workers once
+    per pass, and pays their latency each time."""
+    in_flight: int = 1
+    """Micro-batches run at once (`training.overlap.micro_batches_in_flight`): above 1 the master computes one
+    while another's rows are at the experts."""
+
+    @field_validator("master_compute_s")
+    @classmethod
+    def _non_negative_seconds(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"master_compute_s = {value!r}: give the master's finite seconds >= 0 per step")
+        return value
+
+    @field_validator("micro_batches", "in_flight")
+    @classmethod
+    def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
+        if value < 1:
+            raise ValueError(f"{info.field_name} = {value}: a step runs at least one micro-batch")
+        return value
+
+
 class PlacementProblem(BaseModel):
     """One placement problem: L MoE layers of E experts onto N workers."""
 
@@ -156,6 +193,15 @@ class PlacementProblem(BaseModel):
     compute_seconds_per_row: list[float] | None = None
     """c_n: seconds worker n spends on the arithmetic of one routed row per step (forward and backward),
     added to its communication time; None: the paper's communication-only model."""
+    compute_in_objective: bool = True
+    """Whether the solvers minimise `compute_seconds_per_row` too (`placement.cost_model: communication+compute`);
+    False: it is there for the step prediction alone (`placement.cost.predict_step`), the objective the paper's."""
+    latencies_s: list[float] | None = None
+    """Seconds each call to worker n costs besides its bytes (the probe's fitted latency), one per worker: the
+    step prediction's, not the objective's (module docstring); None: no latency."""
+    training_step: TrainingStep | None = None
+    """The master's compute and micro-batches per step, for the step prediction; None: round trips alone, of
+    one micro-batch."""
     shared_links: list[SharedLink] = []
     """Links several workers' traffic shares (NICs; see `node_shared_links`); empty: the paper's independent links."""
 
@@ -201,6 +247,15 @@ class PlacementProblem(BaseModel):
                     f"compute_seconds_per_row[{worker}] = {seconds!r}: give a finite time >= 0 per row "
                     "(time one expert's forward+backward on that worker), or leave the field out"
                 )
+        return value
+
+    @field_validator("latencies_s")
+    @classmethod
+    def _non_negative_latencies(cls, value: list[float] | None) -> list[float] | None:
+        for worker, seconds in enumerate(value or []):
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"latencies_s[{worker}] = {seconds!r}: give a finite latency >= 0 in seconds "
+                                 "(the link probe's fitted intercept), or leave the field out")
         return value
 
     @field_validator("capacities")
@@ -253,7 +308,7 @@ class PlacementProblem(BaseModel):
 
     def _check_worker_lists(self) -> None:
         num_workers = len(self.bandwidths)
-        for name in ("capacities", "worker_names", "worker_nodes", "compute_seconds_per_row"):
+        for name in ("capacities", "worker_names", "worker_nodes", "compute_seconds_per_row", "latencies_s"):
             values = getattr(self, name)
             if values is not None and len(values) != num_workers:
                 raise ValueError(
@@ -365,10 +420,21 @@ class PlacementProblem(BaseModel):
 
     @property
     def compute_seconds_per_prob(self) -> np.ndarray:
-        """[num_workers] `seconds_per_prob`'s compute part: K * c_n (zeros without compute)."""
-        if self.compute_seconds_per_row is None:
+        """[num_workers] `seconds_per_prob`'s compute part: K * c_n (zeros without compute, or with compute
+        left out of the objective: `compute_in_objective`)."""
+        if self.compute_seconds_per_row is None or not self.compute_in_objective:
             return np.zeros(self.num_workers)
         return self.tokens_per_step * np.asarray(self.compute_seconds_per_row, dtype=np.float64)
+
+    @property
+    def calls_per_layer(self) -> int:
+        """Calls each MoE layer makes to each of its workers per step: one per pass and micro-batch."""
+        return self.passes * (self.training_step.micro_batches if self.training_step else 1)
+
+    @property
+    def latency_seconds(self) -> np.ndarray:
+        """[num_workers] `latencies_s` (zeros without them)."""
+        return np.zeros(self.num_workers) if self.latencies_s is None else np.asarray(self.latencies_s, dtype=np.float64)
 
     @property
     def shared_link_seconds_per_prob(self) -> np.ndarray:

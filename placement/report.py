@@ -36,7 +36,8 @@ def format_summary(problem: PlacementProblem, placement: Placement, lower_bound:
     bound = lower_bound if lower_bound is not None else placement.lower_bound
     lines.append("")
     lines.append(f"solver: {placement.solver} ({placement.solve_seconds:.2f} s)")
-    what = "communication + compute" if problem.compute_seconds_per_row is not None else "communication"
+    counts_compute = problem.compute_seconds_per_row is not None and problem.compute_in_objective
+    what = "communication + compute" if counts_compute else "communication"
     lines.append(f"expected {what} time per step: {report.step_time * 1e3:.2f} ms"
                  + ("" if problem.include_backward else " (forward only)"))
     if bound:

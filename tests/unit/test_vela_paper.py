@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -21,6 +22,10 @@ from benchmarks import paper_scale, vela_vs_ep  # noqa: E402
 from benchmarks._harness import alpaca_mix  # noqa: E402
 from benchmarks import vela_vs_ep_report as report  # noqa: E402
 from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, ShapingUnavailable, check_can_shape  # noqa: E402
+from placement import TrainingStep, predict_step  # noqa: E402
+from vela_ray.training.summary import RunSummary, StepRecord  # noqa: E402
+
+STORED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "vela_vs_ep_tp2"  # the smallest stored set
 
 
 def test_paper_flag_sets_the_papers_conditions_and_keeps_explicit_choices():
@@ -105,6 +110,53 @@ def test_write_paper_writes_table_json_and_both_figures(tmp_path):
     text = (tmp_path / "paper.md").read_text()
     assert "-25.3% … -18.1%" in text and "-28.2% … -20.6%" in text and "ratio 16.0" in text
     assert {"paper.md", "paper.json", "fig5_traffic.png", "fig6_step_time.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_render_predicts_every_vela_run_of_a_stored_set_from_its_summaries(tmp_path, monkeypatch):
+    """--render runs nothing: each vela-ray run's step is predicted from what its summary stored (latencies and
+    the workers' compute as measured at start-up, the master's compute from the run, as these runs predate its
+    measurement), against the round trips the run measured, not the shaped - unshaped difference."""
+    saved = json.loads((STORED / "results.json").read_text())
+    shutil.copy(STORED / "results.json", tmp_path / "results.json")
+    monkeypatch.setattr(report.paper_scale, "simulate", lambda: saved["paper_scale"])  # not what is tested
+    vela_vs_ep.render(tmp_path)
+    rows = json.loads((tmp_path / "results.json").read_text())["datasets"]["wikitext"]
+    assert rows["ep"]["step_prediction"] is None  # no placement problem
+    for method in ("improved", "tp2"):
+        p = rows[method]["step_prediction"]
+        assert p["inputs"] == {"latency": "start-up", "worker compute": "start-up", "master compute": "run"}
+        assert p["predicted"]["master"] == p["measured"]["master"]
+        assert p["step_error"] == pytest.approx(p["predicted"]["step"] / p["measured"]["step"] - 1)
+        assert "measured_comm_s" not in rows[method]
+    text = (tmp_path / "results.md").read_text()
+    assert "| data set | method | step s | predicted | error | round trips s |" in text
+    assert "measured comm" not in text and "Predicted step against the measured one: " in text
+
+
+def _stored_run(method: str) -> RunSummary:
+    raw = json.loads((STORED / "results.json").read_text())["raw"]["runs"]["wikitext"][method]["summary"]
+    return RunSummary.model_validate(raw)
+
+
+def test_a_run_that_measured_its_step_at_start_up_is_predicted_from_its_own_problem():
+    summary = _stored_run("improved")
+    problem = summary.placement.problem.model_copy(update={
+        "latencies_s": [1e-3] * 6, "training_step": TrainingStep(master_compute_s=0.05, micro_batches=2)})
+    summary = summary.model_copy(update={"placement": summary.placement.model_copy(update={"problem": problem})})
+    p = report.step_prediction(summary, micro_batches=1, warmup=2)  # the problem's micro-batches, not these
+    assert set(p["inputs"].values()) == {"start-up"}
+    assert p["predicted"]["master"] == 0.05
+    assert p["predicted"]["step"] == pytest.approx(predict_step(problem, summary.placement.tables()).step_s)
+
+
+def test_the_masters_compute_is_the_step_less_its_idle_wait_or_its_whole_wait_in_runs_before_that():
+    summary = _stored_run("improved")
+    history = [StepRecord(step=i, loss=1.0, step_time_s=1.0, expert_round_trip_s=0.8, master_idle_s=0.5)
+               for i in range(3)]
+    assert report.measured_parts(summary.model_copy(update={"history": history}), 0) == {
+        "step": 1.0, "round_trips": 0.8, "master": 0.5}  # several in flight: the waits overlap the master
+    before = [h.model_copy(update={"master_idle_s": 0.0}) for h in history]
+    assert report.measured_parts(summary.model_copy(update={"history": before}), 0)["master"] == pytest.approx(0.2)
 
 
 def test_mixtral_probs_keeps_real_32_layer_profiles_and_can_skip_the_permutation():

@@ -192,24 +192,31 @@ def expected_times(plan: PlacementRecord) -> dict[str, float]:
 
     Communication alone is always "expected comm"; under `communication+compute` the solver's
     objective also counts expert compute, so it is shown apart as the expected step, never
-    as communication.
+    as communication. The "predicted step" is the training step the cost model predicts (the master's
+    compute and its waits on the experts: `placement.cost.predict_step`), where the run measured both.
     """
+    objective = plan.objective_s
     comm = plan.expected_comm_time_s
     if comm is None and plan.cost_model == "communication":
-        comm = plan.expected_step_time_s  # the objective is communication alone
+        comm = objective  # the objective is communication alone
     times = {} if comm is None else {"expected comm": comm}
-    if plan.cost_model == "communication+compute" and plan.expected_step_time_s is not None:
-        times["expected step (comm + compute)"] = plan.expected_step_time_s
+    if plan.cost_model == "communication+compute" and objective is not None:
+        times[OBJECTIVE_WITH_COMPUTE] = objective
+    if plan.predicts_step:
+        times["predicted step"] = plan.expected_step_time_s
     return times
 
 
+OBJECTIVE_WITH_COMPUTE = "expected step (comm + compute)"
+
+
 def _expected_texts(plan: PlacementRecord) -> dict[str, str]:
-    """`expected_times` as text; the LP bound goes with the solver's objective (the last entry)."""
+    """`expected_times` as text; the LP bound goes with the solver's objective."""
     texts = {label: f"{seconds * 1e3:.3f} ms/step" for label, seconds in expected_times(plan).items()}
-    if texts and plan.lower_bound_s and plan.expected_step_time_s:
-        last = list(texts)[-1]
-        gap = plan.expected_step_time_s / plan.lower_bound_s - 1
-        texts[last] += f" (LP bound {plan.lower_bound_s * 1e3:.3f} ms, gap {gap:.1%})"
+    objective = OBJECTIVE_WITH_COMPUTE if OBJECTIVE_WITH_COMPUTE in texts else "expected comm"
+    if objective in texts and plan.lower_bound_s and plan.objective_s:
+        gap = plan.objective_s / plan.lower_bound_s - 1
+        texts[objective] += f" (LP bound {plan.lower_bound_s * 1e3:.3f} ms, gap {gap:.1%})"
     return texts
 
 

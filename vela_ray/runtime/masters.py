@@ -58,7 +58,7 @@ from vela_ray.training.master import (
 )
 from vela_ray.training.replicas import SINGLE, Exchanger, ReplicaShare, Replicas
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
-from vela_ray.training.step import Batch, LossFn, eval_loss, model_loss, train_step
+from vela_ray.training.step import Batch, LossFn, eval_loss, master_compute_seconds, model_loss, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,11 @@ class MasterRank:
     def profile(self, batches: list[Batch]) -> None:
         """Master 0's routing profile's forwards, computed with it (`MasterGroup.profile`)."""
         profile_forwards(self.master.peft_model, batches)
+
+    def master_compute(self, batches: list[Batch]) -> float:
+        """Master 0's timed micro-batch, computed with it (`MasterGroup.master_compute_s`)."""
+        return master_compute_seconds(self.master, on_device(batches[0], self.spec.device),
+                                      own_share(self.config.masters, self.m, self.master, self.spec.device))
 
     def shard_state(self, copy: bool) -> dict[str, torch.Tensor]:
         """This rank's shards of the backbone LoRA and AdamW state (master 0 merges its TP group's)."""
@@ -360,6 +365,13 @@ class MasterGroup:
         with self._alongside("evaluate", batches):
             return eval_loss(self.leader, [on_device(b, _device(self.leader)) for b in batches])
 
+    def master_compute_s(self, micro_batch: Batch) -> float:
+        """Seconds master 0 computes its share of `micro_batch`'s forward and backward, the experts stood in for
+        (`step.master_compute_seconds`); the ranks that compute its forwards with it run the same."""
+        with self._alongside("master_compute", [micro_batch]):
+            return master_compute_seconds(self.leader, on_device(micro_batch, _device(self.leader)),
+                                          own_share(self.config.masters, 0, self.leader, _device(self.leader)))
+
     def profile(self, batches: Sequence[Batch], blocks: list[MoeBlock], source: str = "") -> AccessProfile:
         """Master 0's routing profile over `batches` (`locality.profile_model`), computed with the same ranks."""
         batches = list(batches)
@@ -471,6 +483,12 @@ def master_loss(masters: MastersSection, rank: int, master: MasterModel, migrati
     moving among the masters (over `exchanger`, its member of the masters' group) when it has a `migration`."""
     share = master_share(rank, masters.count, master.peft_model, device)
     return share.loss if migration is None else migration.loss_fn(share, exchanger)
+
+
+def own_share(masters: MastersSection, rank: int, master: MasterModel, device: torch.device | str) -> LossFn:
+    """Master `rank`'s loss of its own share of a micro-batch, its sequences staying where they are: the whole
+    micro-batch for one master."""
+    return model_loss if masters.count == 1 else master_share(rank, masters.count, master.peft_model, device).loss
 
 
 def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: torch.device | str = "cpu"

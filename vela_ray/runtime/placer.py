@@ -2,7 +2,8 @@
 live workers, and re-placement when the routing drifts (`Placer`).
 
 At the start the placer measures what the placement needs (the profile through the brokers, links,
-compute, capacities), builds the problem (`placement_problem`, pure) and solves it, or keeps a
+compute, capacities) and what the step prediction adds (each link's latency, the master's compute: see
+`placement.cost.predict_step`), builds the problem (`placement_problem`, pure) and solves it, or keeps a
 resumed run's placement; the experts that change worker move between the live workers
 (`vela_ray.runtime.migration`). Every `placement.replan.every` steps it re-solves on the recent
 routing when it drifted, and adopts the candidate only when its saving pays for the migration.
@@ -20,11 +21,12 @@ import numpy as np
 import torch
 
 from placement import (
-    Placement, PlacementProblem, SharedLink, node_shared_links, replicate, sequential_table, solve, step_time,
+    Placement, PlacementProblem, SharedLink, TrainingStep, node_shared_links, replicate, sequential_table, solve,
+    step_time,
 )
 from placement.io import load_profile
 from vela_ray.config import JobConfig
-from vela_ray.data.datasets import sequential_batches
+from vela_ray.data.datasets import batch_rows, micro_batches, sequential_batches
 from vela_ray.data.locality import AccessProfile, DriftTracker, total_variation
 from vela_ray.model.loading import moe_layout
 from vela_ray.observability.metrics import MetricsSink
@@ -43,10 +45,12 @@ def placement_problem(tokens_per_step: int, dtype: torch.dtype, backbone: Backbo
                       links: list[LinkRecord], capacities: list[int], worker_nodes: list[str], master_node: str,
                       compute_seconds_per_row: list[float] | None = None,
                       shared_links: list[SharedLink] | None = None,
-                      master_nodes: list[str] | None = None) -> PlacementProblem:
+                      master_nodes: list[str] | None = None, *, compute_in_objective: bool = True,
+                      training_step: TrainingStep | None = None) -> PlacementProblem:
     """The placement problem of this job: its profile (uniform if None), tokens (`training.batch_size` x
-    `data.seq_len` a step), row size (elements of `dtype`, `model.dtype`'s), links (and what they share) and
-    capacities.
+    `data.seq_len` a step), row size (elements of `dtype`, `model.dtype`'s), links (and what they share, and
+    their latencies) and capacities; the workers' compute (in the objective or for the step prediction alone)
+    and the step (`TrainingStep`) as measured.
 
     With data-parallel `master_nodes`, `links` and `shared_links` are master 0's (`master_node`'s)
     measurements: the NICs keep their measured bandwidths and carry every master's crossing rows,
@@ -68,7 +72,8 @@ def placement_problem(tokens_per_step: int, dtype: torch.dtype, backbone: Backbo
         bits_per_element=torch.finfo(dtype).bits,
         bandwidths=bandwidths, capacities=capacities, worker_nodes=worker_nodes, master_node=master_node,
         master_nodes=master_nodes, master_bandwidths=per_master, compute_seconds_per_row=compute_seconds_per_row,
-        shared_links=shared_links or [],
+        compute_in_objective=compute_in_objective, latencies_s=[link.latency_s for link in links],
+        shared_links=shared_links or [], training_step=training_step,
     )
 
 
@@ -94,12 +99,14 @@ class Placer:
     """Settles, records and changes this run's placement; `drift` tracks the routing against the profile
     the current placement was solved for (None when it was solved for a uniform one)."""
 
-    def __init__(self, config: JobConfig, pool: WorkerPool, state: RunState, metrics: MetricsSink, out_dir: Path):
+    def __init__(self, config: JobConfig, pool: WorkerPool, state: RunState, metrics: MetricsSink, out_dir: Path,
+                 in_flight: int = 1):
         self.config = config
         self.pool = pool
         self.state = state
         self.metrics = metrics
         self.out_dir = out_dir
+        self.in_flight = in_flight  # micro-batches the step runs at once (`OverlapSection.in_flight`)
         self.drift: DriftTracker | None = None
 
     # --- the start --------------------------------------------------------------------------
@@ -187,19 +194,37 @@ class Placer:
                                        "solver": f"{plan.solver}+replicas"})
 
     def _problem(self, live: Live, probs: np.ndarray | None) -> PlacementProblem:
-        """This job's placement problem for profile `probs`; links, compute and capacities measured once."""
+        """This job's placement problem for profile `probs`; links, compute, capacities and the step measured once.
+        The workers' compute is measured whatever `placement.cost_model` says: the step prediction counts it."""
         cfg, state, backbone = self.config, self.state, live.backbone
         if not state.links:
             state.links, state.shared_links = self.pool.measure_links(shared=cfg.placement.shared_links == "measure")
-        compute = state.problem.compute_seconds_per_row if state.problem else None
         tokens = cfg.training.batch_size * cfg.data.seq_len  # a step's
-        if compute is None and cfg.placement.cost_model == "communication+compute":
+        if state.problem:
+            compute, step = state.problem.compute_seconds_per_row, state.problem.training_step
+        else:
             rows = max(1, tokens * backbone.top_k // cfg.cluster.num_workers)  # a worker's per layer, on average
-            compute = self.pool.measure_compute(rows)
+            compute, step = self.pool.measure_compute(rows), self._training_step(live)
         capacities = state.problem.capacities if state.problem else self._capacities(backbone)
         return placement_problem(tokens, cfg.torch_dtype, backbone, probs, state.links, capacities,
                                  live.hosted.node_ids, self.pool.master_node, compute, state.shared_links,
-                                 master_nodes=live.masters.nodes if live.masters.num_masters > 1 else None)
+                                 master_nodes=live.masters.nodes if live.masters.num_masters > 1 else None,
+                                 compute_in_objective=cfg.placement.cost_model == "communication+compute",
+                                 training_step=step)
+
+    def _training_step(self, live: Live) -> TrainingStep:
+        """How this job's step runs, the master's compute timed on the first step's first micro-batch, the experts
+        stood in for (`MasterGroup.master_compute_s`): a real forward and backward before training, cheaper than
+        a step and not mixed with waits on the experts, as every step's time is."""
+        cfg = self.config.training
+        train_set = live.backbone.train_set
+        first = micro_batches(train_set.rows(batch_rows(train_set, 0, cfg.batch_size, cfg.seed)),
+                              cfg.micro_batch_size or cfg.batch_size)[0]
+        seconds = live.masters.master_compute_s(first)
+        logger.info("the master computes %.3g s per micro-batch (%d a step, %d in flight)", seconds,
+                    cfg.grad_accumulation, self.in_flight)
+        return TrainingStep(master_compute_s=cfg.grad_accumulation * seconds, micro_batches=cfg.grad_accumulation,
+                            in_flight=self.in_flight)
 
     def _profile(self, live: Live, resume: ResumePoint | None) -> np.ndarray | None:
         """P [L, E] to place by: measured through the brokers, read from a file, or None (uniform).

@@ -73,9 +73,10 @@ class JobRunner:
         self.out_dir = config.output_local_dir  # output.dir, or its local mirror when that is on object storage
         self.state = RunState()
         self.checkpoints = CheckpointWriter(config, self.state, pool)
-        self.placer = Placer(config, pool, self.state, self.metrics, self.out_dir)
+        in_flight = config.training.overlap.in_flight(config)  # micro-batches at once: the step and its prediction
+        self.placer = Placer(config, pool, self.state, self.metrics, self.out_dir, in_flight)
         self.accounting = StepAccounting(config, self.state, self.metrics)
-        self.stepper = stepper_for(config.training, config.training.overlap.in_flight(config))
+        self.stepper = stepper_for(config.training, in_flight)
         self.condenser = condenser_for(config.training.condensation)
         self.features = run_features(config, self.metrics, self.condenser)
         self.recovery = Recovery(config.fault_tolerance, config.cluster.num_workers, pool, self.state, self.checkpoints,

@@ -14,6 +14,7 @@ adapter's files (`vela_ray.training.adapter_io`) live beside it.
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -75,6 +76,37 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: 
     with ThreadPoolExecutor(min(in_flight, scale), thread_name_prefix="vela-micro-batch") as pool:
         losses = list(pool.map(lambda batch: _on_own_stream(device, one, batch), micro_batches))
     return sum(losses)
+
+
+def master_compute_seconds(master: MasterModel, micro_batch: Batch, loss_fn: LossFn = model_loss,
+                           repeats: int = 2) -> float:
+    """Seconds the master computes one micro-batch's forward and backward, the experts stood in for by zeros
+    (`ExpertDispatcher.probing`): no row travels, no worker computes or keeps a gradient. Best of `repeats`, the
+    first building what the later reuse; the gradients it leaves are dropped, so training starts as it would have.
+
+    The step prediction's master compute (`placement.TrainingStep.master_compute_s` = micro-batches x this),
+    measured before training because a step cannot tell it apart: its time mixes the master's compute with its
+    waits on the experts. A real forward and backward rather than the profile's forwards times a backward
+    factor: those run without gradients, saved activations or dropout, and LoRA's backward through a frozen
+    backbone costs no fixed multiple of a forward (its weight gradients are the adapters' alone). Left out:
+    the optimizer step, the gradient norm and the broker's own planning, small beside the passes."""
+    model = master.peft_model
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.train()
+    seconds = []
+    try:
+        with master.dispatcher.probing(torch.zeros_like):
+            for _ in range(repeats):
+                start = time.perf_counter()
+                loss_fn(model, micro_batch).backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                seconds.append(time.perf_counter() - start)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return min(seconds)
 
 
 def _on_own_stream(device: torch.device, run: Callable[[Batch], float], batch: Batch) -> float:

@@ -96,9 +96,12 @@ class PlacementRecord(_Record):
     """[L][E] worker of each expert."""
     cost_model: Literal["communication", "communication+compute", "none"] = "communication"
     expected_step_time_s: float | None = None
-    """The cost model's seconds per step: communication, plus expert compute under communication+compute."""
+    """The training step the cost model predicts (`placement.cost.predict_step`): the master's compute plus its
+    waits on the experts (each call's latency, the bytes, the workers' compute), overlapped with several
+    micro-batches in flight. From a problem without the step's inputs (a run from before them) it is the
+    objective: communication, plus expert compute under communication+compute."""
     expected_comm_time_s: float | None = None
-    """The communication part of it alone."""
+    """The communication part alone: what the paper's cost model (eq. 7) expects."""
     lower_bound_s: float | None = None
     problem: PlacementProblem | None = None
     """The problem the placement was solved for (None: not solved in this run)."""
@@ -108,21 +111,36 @@ class PlacementRecord(_Record):
     @classmethod
     def of(cls, plan: Placement, problem: PlacementProblem | None, cost_model: str) -> PlacementRecord:
         comm = None if problem is None else cost.step_time(problem.communication_only(), plan.tables())
+        step = None if problem is None else cost.predict_step(problem, plan.tables()).step_s
         return cls(solver=plan.solver, expert_to_worker=plan.expert_to_worker, routes=plan.routes,
-                   cost_model=cost_model,
-                   expected_step_time_s=plan.expected_step_time if problem is not None else None,
-                   expected_comm_time_s=comm, lower_bound_s=plan.lower_bound, problem=problem)
+                   cost_model=cost_model, expected_step_time_s=step, expected_comm_time_s=comm,
+                   lower_bound_s=plan.lower_bound, problem=problem)
 
     @property
     def table(self) -> np.ndarray:
         """[L, E] int64 worker of each expert."""
         return np.asarray(self.expert_to_worker, dtype=np.int64)
 
+    def tables(self) -> np.ndarray:
+        """What the workers host and the masters send to: routes [M, L, E], or the one table [L, E]."""
+        return self.table if self.routes is None else np.asarray(self.routes, dtype=np.int64)
+
+    @property
+    def objective_s(self) -> float | None:
+        """What the solver minimised for this placement (`placement.cost.step_time`): communication, plus expert
+        compute under communication+compute."""
+        return self.expected_step_time_s if self.problem is None else cost.step_time(self.problem, self.tables())
+
+    @property
+    def predicts_step(self) -> bool:
+        """Whether `expected_step_time_s` is the predicted training step: the problem has the master's compute."""
+        return self.problem is not None and self.problem.training_step is not None
+
     def predicted_bytes_per_worker(self) -> np.ndarray | None:
         """[N] bytes per training step the cost model expects between the master and each worker."""
         if self.problem is None:
             return None
-        return cost.worker_bytes(self.problem, self.table if self.routes is None else np.asarray(self.routes))
+        return cost.worker_bytes(self.problem, self.tables())
 
 
 class MigrationRecord(_Record):
