@@ -100,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=None, choices=METHODS,
                    help="methods to compare (default all; --paper: ep sequential random vela improved)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per step, global (the paper: 8)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="rows per micro-batch of vela-ray's runs (training.micro_batch_size; default: the whole batch)")
+    p.add_argument("--in-flight", type=int, default=1,
+                   help="micro-batches vela-ray's masters run at once (training.overlap.micro_batches_in_flight; 1: "
+                        "the serial step)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row")
     p.add_argument("--limit", type=int, default=1500, help="rows / examples read from each data set")
     p.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (the paper: 3e-5)")
@@ -176,7 +181,9 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
         # The paper's LP minimises communication only; `improved` is vela-ray's best: it also weighs
         # each worker's measured expert compute (sequential and random ignore the cost model).
         placement=placement,
-        training={"steps": steps, "batch_size": args.batch_size, "eval_batches": 1, "optimizer": {"lr": args.lr}})
+        training={"steps": steps, "batch_size": args.batch_size, "eval_batches": 1, "optimizer": {"lr": args.lr},
+                  "micro_batch_size": getattr(args, "micro_batch_size", None),
+                  "overlap": {"micro_batches_in_flight": getattr(args, "in_flight", 1)}})
 
 
 def paper_placement(method: str, args) -> dict:
