@@ -66,6 +66,10 @@ class SharedExpert:
         self.serves = True  # False once the block called its shared expert on other inputs than its router's
         self._calls = _ThisThread()
 
+    def __deepcopy__(self, memo: dict) -> "SharedExpert":
+        """Itself: a copy of the block's router (peft's `modules_to_save` trains one) notes for the same block."""
+        return self
+
     def saw(self, tokens: torch.Tensor | None) -> None:
         """The router's stand-in: the tokens of the block's current call."""
         calls = self._calls
