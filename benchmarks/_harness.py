@@ -64,9 +64,10 @@ def write_results(path: Path | str | None, payload: dict, markdown: str | None =
     """Write `payload` as JSON to `path` (and `markdown` beside it as .md); returns the JSON text.
 
     Through a .tmp and a rename, so a crash or kill mid-write leaves the previous complete file (scripts
-    that write after every setup rely on it). Paths and other non-JSON values are written as strings.
-    `path` None: nothing is written (a script whose results file is optional)."""
-    text = json.dumps(payload, indent=1, default=str)
+    that write after every setup rely on it). Paths and other non-JSON values are written as strings, without
+    this machine's directories (`without_machine_paths`). `path` None: nothing is written (a script whose results
+    file is optional)."""
+    text = without_machine_paths(json.dumps(payload, indent=1, default=str))
     if path is not None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +76,19 @@ def write_results(path: Path | str | None, payload: dict, markdown: str | None =
         os.replace(tmp, path)
         if markdown is not None:
             path.with_suffix(".md").write_text(markdown + "\n")
+    return text
+
+
+def without_machine_paths(text: str) -> str:
+    """`text` with this machine's directories named as the project names them: the data sets' as $VELA_DATA_DIR,
+    the cache's as $VELA_CACHE_DIR, the repository's relative to it, temporary ones as $TMPDIR (a results file
+    committed from one machine reads the same on any other)."""
+    from vela_ray.paths import cache_dir
+
+    named = {str(data_dir()): "$VELA_DATA_DIR", str(cache_dir()): "$VELA_CACHE_DIR", str(ROOT) + "/": "",
+             str(ROOT): ".", tempfile.gettempdir().rstrip("/"): "$TMPDIR"}
+    for directory, name in sorted(named.items(), key=lambda item: -len(item[0])):  # the longest first
+        text = text.replace(directory, name)
     return text
 
 
