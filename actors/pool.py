@@ -1,9 +1,9 @@
 """RayWorkerPool: the job runner's `WorkerPool` over ExpertManager actors.
 
 Workers are spawned with one placement-group bundle each (`actors.cluster`), the data
-plane is a Ray transport (object refs, or the collective plane formed through Ray), and links and compute are
-measured by the PlacementService on the master's node. A dead actor shows up as a
-`RayActorError`; `lost_workers` pings every worker to name the dead ones.
+plane is a Ray transport (object refs, or the collective plane formed through Ray), and links are
+measured by the PlacementService's probe in this (the master's) process, compute by the workers. A dead actor
+shows up as a `RayActorError`; `lost_workers` pings every worker to name the dead ones.
 
 With `cluster.workers_on_master: K` the last K workers are ExpertManagers in this (the master's)
 process on its device: `SplitTransport` serves them by direct call while the actors' rows travel,
@@ -23,7 +23,7 @@ import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
 from actors.masters import RayRanks
-from actors.placement_service import spawn_placement_service
+from actors.placement_service import PlacementService
 from actors.transports import data_plane_env, master_transport
 from actors.workers import HomeWorker, actor_workers
 from placement import SharedLink, node_shared_links
@@ -64,13 +64,11 @@ class RayWorkerPool:
         self.num_actors = cluster.num_worker_actors
         self.local_device = "cuda" if cluster.master_gpus else "cpu"
         self.local: list[ExpertManager] = []  # workers num_actors.. in this process (`cluster.workers_on_master`)
-        self.placement_service: Any = None  # spawned by `launch`, ended by `measure_links` or `close`
 
     def launch(self, table: np.ndarray) -> None:
-        """Start the actors for `table`, and the PlacementService beside them, without waiting."""
+        """Start the actors for `table`, without waiting."""
         self.close()
         self.table = np.array(table)
-        self.placement_service = spawn_placement_service(self.master_node, self.env_vars)
         # no actors: every worker in this process, with other master processes to serve (`actors.master`)
         self.cluster = (launch_expert_managers(self._specs(), self.spawn_config) if self.num_actors
                         else ExpertCluster([], [], None))
@@ -162,20 +160,19 @@ class RayWorkerPool:
         self.transport = None
 
     def measure_links(self, shared: bool = False) -> tuple[list[LinkRecord], list[SharedLink]]:
-        """Probed by the PlacementService `launch` spawned beside the workers (its process starts while
-        they load), which ends here. Shared links: the NICs master traffic crosses
-        (`placement.node_shared_links`), each probed through its workers."""
-        service, self.placement_service = self.placement_service, None
-        service = service or spawn_placement_service(self.master_node, self.env_vars)
-        try:
-            links = ray.get(service.probe.remote(self.cluster.handles)) + [IN_PROCESS_LINK] * len(self.local)
-            nics = node_shared_links(self.cluster.node_ids, self.master_node, 1.0) if shared else []
-            if not nics:
-                return links, []
-            measured = ray.get(service.probe_shared.remote(self.cluster.handles,
-                                                           {link.name: link.workers for link in nics}))
-        finally:
-            ray.kill(service)
+        """Probed from this process, the master's, over the Ray transport and data-plane settings its rows take
+        (`PlacementService`). Shared links: the NICs master traffic crosses (`placement.node_shared_links`),
+        each probed through its workers.
+
+        In this process, not in an actor of its own beside it: such a process imported torch, and the
+        ExpertManager's module with transformers to take the workers' handles, before its first ping (3 s of a
+        job's start on an idle 2-core machine, 5-8 s under load), for a probe of about 0.3 s."""
+        service = PlacementService()
+        links = service.probe(self.cluster.handles) + [IN_PROCESS_LINK] * len(self.local)
+        nics = node_shared_links(self.cluster.node_ids, self.master_node, 1.0) if shared else []
+        if not nics:
+            return links, []
+        measured = service.probe_shared(self.cluster.handles, {link.name: link.workers for link in nics})
         return links, node_shared_links(self.cluster.node_ids, self.master_node,
                                         {link.name.removeprefix("nic:"): measured[link.name] for link in nics})
 
@@ -212,9 +209,6 @@ class RayWorkerPool:
         return dead
 
     def close(self) -> None:
-        if self.placement_service is not None:
-            ray.kill(self.placement_service)
-            self.placement_service = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
