@@ -26,7 +26,7 @@ from typing import Any, Literal, Sequence
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vela_ray.errors import ClusterError
@@ -65,6 +65,14 @@ class ExpertCluster:
     handles: list[Any]
     node_ids: list[str]
     placement_group: PlacementGroup | None  # None without actors (every worker in the master's process)
+
+    def bundle_nodes(self) -> list[str]:
+        """The node of each worker's bundle, known once `launch_expert_managers` returns (the bundles are
+        reserved), before the actors are up: worker n runs on `bundle_nodes()[n]`."""
+        if self.placement_group is None:
+            return []
+        nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
+        return [nodes[n] for n in range(len(self.handles))]
 
     def worker_tiers(self, master_node_id: str | None = None) -> list[LinkTier]:
         """Link tier of each worker from `master_node_id` (default: the caller's node)."""

@@ -141,23 +141,31 @@ def _raise_if_failed(refs: list, timeout_s: float = 0.0) -> None:
         raise errors[0]
 
 
+def spawn_rank_actors(config: JobConfig, mesh: MasterMesh, nodes: list[str]) -> list:
+    """A MasterRank actor for every rank of `mesh` but master 0, master m's on `nodes[m]`, without waiting: its
+    constructor only records its place, so the actor is its process starting (`RayRanks` joins and builds it)."""
+    env = data_plane_env(config.data_plane.inline_bytes, config.data_plane.zero_copy_tensors)
+    return [
+        ray.remote(MasterRankActor).options(
+            num_cpus=0, num_gpus=config.cluster.master_gpus or 0, max_restarts=0, max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[m], soft=False),
+            **({"runtime_env": {"env_vars": env}} if env else {}),
+        ).remote(config, m, t, nodes[m])
+        for m, t in mesh.ranks()[1:]
+    ]
+
+
 class RayRanks:
     """`RankHosts` of MasterRank actors (module docstring), one per rank of `mesh` but master 0, master m's on
-    `nodes[m]`, with rows to the ExpertManager `handles` on `worker_nodes`."""
+    `nodes[m]`, with rows to the ExpertManager `handles` on `worker_nodes`. `actors`: those `spawn_rank_actors`
+    started for `nodes` already (the pool starts them beside the workers), else they are started here."""
 
-    def __init__(self, config: JobConfig, mesh: MasterMesh, nodes: list[str], handles: list, worker_nodes: list[str]):
+    def __init__(self, config: JobConfig, mesh: MasterMesh, nodes: list[str], handles: list, worker_nodes: list[str],
+                 actors: list | None = None):
         self.config, self.mesh, self.nodes = config, mesh, nodes
         self._rows = RayRows(config, list(handles), list(worker_nodes))
-        env = data_plane_env(config.data_plane.inline_bytes, config.data_plane.zero_copy_tensors)
         self.ranks = mesh.ranks()[1:]
-        self.actors = [
-            ray.remote(MasterRankActor).options(
-                num_cpus=0, num_gpus=config.cluster.master_gpus or 0, max_restarts=0, max_task_retries=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[m], soft=False),
-                **({"runtime_env": {"env_vars": env}} if env else {}),
-            ).remote(config, m, t, nodes[m])
-            for m, t in self.ranks
-        ]
+        self.actors = actors if actors is not None else spawn_rank_actors(config, mesh, nodes)
         self._stores: list[dist.Store] = []  # the rendezvous must outlive the joins
 
     def rendezvous(self) -> ProcessRendezvous:

@@ -1,14 +1,13 @@
 """PlacementService: measure the master's link to every ExpertManager, for the placement.
 
-It runs on the master's node (pinned there by `spawn_placement_service`) in its own
-process, so the bandwidth it measures to each ExpertManager is the master's link to it,
-over the same Ray transport and data-plane settings the broker uses. The placement itself
-is a pure function of what is measured (`vela_ray.runtime.runner.placement_problem`, then
-`placement.solve`), solved by the job runner.
+It runs in the master's process (`actors.pool.RayWorkerPool.measure_links`), so the bandwidth it
+measures to each ExpertManager is the master's link to it, over the same Ray transport and data-plane
+settings the broker uses. The placement itself is a pure function of what is measured
+(`vela_ray.runtime.placer.placement_problem`, then `placement.solve`), solved by the job runner.
 
-    service = spawn_placement_service(master_node_id, data_plane_env(...))
-    links = ray.get(service.probe.remote(handles))           # [LinkRecord], one per worker
-    nics = ray.get(service.probe_shared.remote(handles, {"nic:node1": [2, 3]}))  # {name: bytes/s}
+    service = PlacementService()
+    links = service.probe(handles)                           # [LinkRecord], one per worker
+    nics = service.probe_shared(handles, {"nic:node1": [2, 3]})  # {name: bytes/s}
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from vela_ray.quiet import silence_known_warnings
 from vela_ray.training.summary import LinkRecord
 
 logger = logging.getLogger(__name__)
@@ -40,10 +37,7 @@ def fit_link(samples: Sequence[tuple[int, float]]) -> LinkRecord:
 
 
 class PlacementService:
-    """Plain class; `spawn_placement_service` makes it an actor on the master's node."""
-
-    def __init__(self) -> None:
-        silence_known_warnings()  # an actor process: Ray is imported by now, so the filters stay in front
+    """The link probes, called in the master's process."""
 
     def probe(self, handles: list[Any], sizes: Sequence[int] = PROBE_SIZES, repeats: int = 3,
               enough_s: float = 0.1) -> list[LinkRecord]:
@@ -90,15 +84,3 @@ class PlacementService:
         start = time.perf_counter()
         ray.get([h.ping.remote(payload) for h in handles])
         return time.perf_counter() - start
-
-
-def spawn_placement_service(node_id: str, env_vars: dict[str, str] | None = None) -> Any:
-    """The PlacementService actor, pinned to `node_id` (the master's node).
-
-    `env_vars`: the master's data-plane settings (`actors.transports.data_plane_env`), so the probe
-    measures links the way the broker uses them.
-    """
-    return ray.remote(PlacementService).options(
-        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        runtime_env={"env_vars": env_vars or {}},
-    ).remote()

@@ -1,9 +1,11 @@
 """RayWorkerPool: the job runner's `WorkerPool` over ExpertManager actors.
 
 Workers are spawned with one placement-group bundle each (`actors.cluster`), the data
-plane is a Ray transport (object refs, or the collective plane formed through Ray), and links and compute are
-measured by the PlacementService on the master's node. A dead actor shows up as a
-`RayActorError`; `lost_workers` pings every worker to name the dead ones.
+plane is a Ray transport (object refs, or the collective plane formed through Ray), and links are
+measured by the PlacementService's probe in this (the master's) process, compute by the workers. A dead actor
+shows up as a `RayActorError`; `lost_workers` pings every worker to name the dead ones. The other master
+processes' MasterRank actors (`rank_hosts`) are started with the workers (`launch_ranks`), so that their processes
+load while the workers' do.
 
 With `cluster.workers_on_master: K` the last K workers are ExpertManagers in this (the master's)
 process on its device: `SplitTransport` serves them by direct call while the actors' rows travel,
@@ -22,8 +24,8 @@ import numpy as np
 import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
-from actors.masters import RayRanks
-from actors.placement_service import spawn_placement_service
+from actors.masters import RayRanks, spawn_rank_actors
+from actors.placement_service import PlacementService
 from actors.transports import data_plane_env, master_transport
 from actors.workers import HomeWorker, actor_workers
 from placement import SharedLink, node_shared_links
@@ -31,7 +33,7 @@ from vela_ray.model.collective import PeerLostError
 from vela_ray.model.transport import InProcessTransport, SplitTransport, Transport
 from vela_ray.config import JobConfig
 from vela_ray.runtime.migration import MigrationPlan, move_experts
-from vela_ray.runtime.masters import MasterMesh
+from vela_ray.runtime.masters import MasterMesh, peer_nodes
 from vela_ray.runtime.pool import HostedExperts, capacity_from_memory, fill_unmeasured, manager_specs
 from vela_ray.runtime.local import IN_PROCESS_LINK
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec, MigrationStats
@@ -64,23 +66,38 @@ class RayWorkerPool:
         self.num_actors = cluster.num_worker_actors
         self.local_device = "cuda" if cluster.master_gpus else "cpu"
         self.local: list[ExpertManager] = []  # workers num_actors.. in this process (`cluster.workers_on_master`)
-        self.placement_service: Any = None  # spawned by `launch`, ended by `measure_links` or `close`
+        self.early_ranks: tuple[list[str], list] | None = None  # (nodes, actors) `launch` started for `rank_hosts`
+        self.launched = False  # by `launch`, not waited for by `start` yet
 
     def launch(self, table: np.ndarray) -> None:
-        """Start the actors for `table`, and the PlacementService beside them, without waiting."""
+        """Start the actors for `table`, and the master ranks' beside them (`launch_ranks`), without waiting."""
         self.close()
         self.table = np.array(table)
-        self.placement_service = spawn_placement_service(self.master_node, self.env_vars)
         # no actors: every worker in this process, with other master processes to serve (`actors.master`)
         self.cluster = (launch_expert_managers(self._specs(), self.spawn_config) if self.num_actors
                         else ExpertCluster([], [], None))
+        self.early_ranks = self.launch_ranks()
+        self.launched = True
+
+    def launch_ranks(self) -> tuple[list[str], list] | None:
+        """The MasterRank actors of the masters' mesh (ranks other than master 0) on the nodes the runner will ask
+        `rank_hosts` for (`MasterGroup.start`: master m on `peer_nodes` of the workers' nodes, known from their
+        bundles), started now so that their processes load while the workers' do, not after the workers are up.
+        None with one master process."""
+        mesh = MasterMesh.of(self.config)
+        if mesh.size == 1:
+            return None
+        worker_nodes = [*self.cluster.bundle_nodes(), *[self.master_node] * (self.config.cluster.num_workers
+                                                                              - self.num_actors)]
+        nodes = [self.master_node, *peer_nodes(worker_nodes, self.master_node, mesh.dp - 1)]
+        return nodes, spawn_rank_actors(self.config, mesh, nodes)
 
     def start(self, table: np.ndarray) -> HostedExperts:
         """Wait for the actors `launch` started for `table` (launching them now if it did not)."""
-        waiting = self.cluster is not None and len(self.cluster.node_ids) < self.num_actors  # launched, not waited for
-        if not (waiting and np.array_equal(self.table, table)):
+        if not (self.launched and np.array_equal(self.table, table)):
             self.launch(table)
         self.cluster.wait_ready(self.spawn_config.ready_timeout_s)
+        self.launched = False
         self.local = [ExpertManager(spec) for spec in manager_specs(self.config, self.table, self.local_device)
                       [self.num_actors:]]
         return self._connect()
@@ -114,8 +131,14 @@ class RayWorkerPool:
             raise RuntimeError("the ExpertManagers in the master's process (cluster.workers_on_master) serve other "
                                "master processes only through the actor the pool runs in: pass RayWorkerPool's home")
         here = [HomeWorker(self.home, n) for n in range(self.num_actors, self.num_actors + len(self.local))]
+        early, self.early_ranks = self.early_ranks, None
+        actors = None
+        if early is not None and early[0] == list(nodes) and len(early[1]) == mesh.size - 1:
+            actors = early[1]  # started by `launch` for these nodes
+        elif early is not None:
+            _kill(early[1])
         return RayRanks(self.config, mesh, nodes, [*self.cluster.handles, *here],
-                        [*self.cluster.node_ids, *[self.master_node] * len(here)])
+                        [*self.cluster.node_ids, *[self.master_node] * len(here)], actors=actors)
 
     def call_local(self, worker: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """`method` of worker `worker`, one of those in this process, for another master process (`HomeWorker`)."""
@@ -152,20 +175,19 @@ class RayWorkerPool:
         self.transport = None
 
     def measure_links(self, shared: bool = False) -> tuple[list[LinkRecord], list[SharedLink]]:
-        """Probed by the PlacementService `launch` spawned beside the workers (its process starts while
-        they load), which ends here. Shared links: the NICs master traffic crosses
-        (`placement.node_shared_links`), each probed through its workers."""
-        service, self.placement_service = self.placement_service, None
-        service = service or spawn_placement_service(self.master_node, self.env_vars)
-        try:
-            links = ray.get(service.probe.remote(self.cluster.handles)) + [IN_PROCESS_LINK] * len(self.local)
-            nics = node_shared_links(self.cluster.node_ids, self.master_node, 1.0) if shared else []
-            if not nics:
-                return links, []
-            measured = ray.get(service.probe_shared.remote(self.cluster.handles,
-                                                           {link.name: link.workers for link in nics}))
-        finally:
-            ray.kill(service)
+        """Probed from this process, the master's, over the Ray transport and data-plane settings its rows take
+        (`PlacementService`). Shared links: the NICs master traffic crosses (`placement.node_shared_links`),
+        each probed through its workers.
+
+        In this process, not in an actor of its own beside it: such a process imported torch, and the
+        ExpertManager's module with transformers to take the workers' handles, before its first ping (3 s of a
+        job's start on an idle 2-core machine, 5-8 s under load), for a probe of about 0.3 s."""
+        service = PlacementService()
+        links = service.probe(self.cluster.handles) + [IN_PROCESS_LINK] * len(self.local)
+        nics = node_shared_links(self.cluster.node_ids, self.master_node, 1.0) if shared else []
+        if not nics:
+            return links, []
+        measured = service.probe_shared(self.cluster.handles, {link.name: link.workers for link in nics})
         return links, node_shared_links(self.cluster.node_ids, self.master_node,
                                         {link.name.removeprefix("nic:"): measured[link.name] for link in nics})
 
@@ -202,9 +224,10 @@ class RayWorkerPool:
         return dead
 
     def close(self) -> None:
-        if self.placement_service is not None:
-            ray.kill(self.placement_service)
-            self.placement_service = None
+        self.launched = False
+        if self.early_ranks is not None:  # started by `launch`, never taken by `rank_hosts`
+            _kill(self.early_ranks[1])
+            self.early_ranks = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -213,3 +236,8 @@ class RayWorkerPool:
             self.cluster = None
         self.local = []
 
+
+
+def _kill(actors: list) -> None:
+    for actor in actors:
+        ray.kill(actor, no_restart=True)

@@ -1,4 +1,4 @@
-"""Test-wide settings: small thread pools (CI has 2 cores) and quiet libraries."""
+"""Test-wide settings: one torch thread (CI has 2 cores) and quiet libraries."""
 
 import os
 import re
@@ -10,7 +10,11 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the `datasets` Arrow cache of the records files tests write: per run, not in the user's ~/.cache
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="vela-tests-datasets-"))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread: every model here is debug-size, too small to split, and a second OpenMP thread only
+# spin-waits at barriers on a shared 2-core machine (peft's 4 reference steps: 0.34 s on 1 thread, 7-8 s on 2
+# with the machine busy). The Ray actors run on one too (Ray's OMP_NUM_THREADS=1); a test that wants more sets
+# them itself.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,13 @@ side; models over `report.samples_max_params` parameters are skipped with the re
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from peft import PeftModel
@@ -71,6 +73,25 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+# Below this many parameters a model generates on one intra-op thread: a token's matrix products are too small to
+# split, and OpenMP threads wait for each other at every one (a debug-size model's 3 prompts x 32 tokens, base and
+# tuned: 4.7-8 s on 2 threads of a busy 2-core machine, 1.4-2.3 s on 1).
+ONE_THREAD_PARAMS = 100e6
+
+
+@contextlib.contextmanager
+def _threads_for(model: torch.nn.Module) -> Iterator[None]:
+    """One torch thread while `model` generates if it has under `ONE_THREAD_PARAMS` parameters, else as set
+    (a GPU model's generation is the GPU's: the count only decides the host's threads)."""
+    threads = torch.get_num_threads()
+    if sum(p.numel() for p in model.parameters()) < ONE_THREAD_PARAMS:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
 def continuation(model, tokenizer, ids: list[int], max_new_tokens: int = 64,
                  repetition_penalty: float = REPETITION_PENALTY) -> list[int]:
@@ -79,9 +100,10 @@ def continuation(model, tokenizer, ids: list[int], max_new_tokens: int = 64,
     if not ids:
         raise ValueError("the prompt is empty")
     input_ids = torch.tensor([ids], device=model.device)
-    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
-                         pad_token_id=_pad_id(tokenizer, model))
+    with _threads_for(model):
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
+                             pad_token_id=_pad_id(tokenizer, model))
     return out[0, len(ids):].tolist()
 
 

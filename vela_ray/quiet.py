@@ -1,7 +1,7 @@
 """The warnings vela-ray triggers knowingly, silenced one by one so that real ones stand out.
 
     from vela_ray.quiet import silence_known_warnings
-    silence_known_warnings()   # first thing in the driver and every actor (master, ExpertManager, PlacementService)
+    silence_known_warnings()   # first thing in the driver and every actor (master, ExpertManager, MasterRank)
 
 Each filter names the message, the category and the module that warns, so the same
 text from anywhere else still shows; one log filter drops Ray's token-auth notice in

@@ -182,25 +182,25 @@ def test_master_transport_gives_each_master_process_the_configured_plane(two_wor
 
 
 @pytest.mark.timeout(900)
-def test_two_data_parallel_masters_with_the_collective_plane_train_as_over_object_refs(ray_session, tmp_path):
-    """The job: masters.count 2 with data_plane.transport: collective trains as the same job over object refs and
-    as transformers + peft: equal losses, the same bytes to every worker and the same routed tokens. (Master 0's
+def test_two_data_parallel_masters_with_the_collective_plane_train_as_in_one_process(ray_session, tmp_path):
+    """The job: masters.count 2 with data_plane.transport: collective trains as the same job in one process and as
+    transformers + peft: equal losses, the same bytes to every worker and the same routed tokens. (Master 0's
     rows travel its collective plane; each other master's travel the plane `MasterReplica` builds with
-    `master_transport`.)"""
-    from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses
+    `master_transport`.) The reference runs in one process (what the brokers send each worker does not depend on
+    the pool or plane); several masters over Ray object refs train as peft in tests/ray/test_multinode.py."""
+    from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
     from vela_ray.api import VelaJob
     from vela_ray.config import JobConfig
 
     model_dir = make_checkpoint(tmp_path / "model", "mixtral")
     lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))}
-    configs = {t: JobConfig.from_dict(job_dict(model_dir, tmp_path / t, steps=3, lora=lora, masters={"count": 2},
-                                               data_plane={"transport": t}))
-               for t in ("object_ref", "collective")}
-    summaries = {t: VelaJob(config).run() for t, config in configs.items()}
-    over_refs, collective = summaries["object_ref"], summaries["collective"]
-    assert collective.data_plane == "collective (gloo)" and over_refs.data_plane == "object_ref"
-    torch.testing.assert_close(torch.tensor(collective.losses), torch.tensor(over_refs.losses), rtol=1e-5, atol=0)
-    ref_losses, _ = reference_losses(configs["collective"])
+    config, in_process = (JobConfig.from_dict(job_dict(model_dir, tmp_path / out, steps=3, lora=lora,
+                                                       masters={"count": 2}, data_plane={"transport": "collective"}))
+                          for out in ("collective", "in-process"))
+    collective, one_process = VelaJob(config).run(), run_in_process(in_process)
+    assert collective.data_plane == "collective (gloo)" and len(collective.master_nodes) == 2
+    torch.testing.assert_close(torch.tensor(collective.losses), torch.tensor(one_process.losses), rtol=1e-5, atol=0)
+    ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(collective.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert collective.traffic_bytes_by_worker == over_refs.traffic_bytes_by_worker
-    assert collective.tokens_routed == over_refs.tokens_routed
+    assert collective.traffic_bytes_by_worker == one_process.traffic_bytes_by_worker
+    assert collective.tokens_routed == one_process.tokens_routed
