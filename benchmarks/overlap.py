@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/overlap.py`: the root
 
 from benchmarks import vela_vs_ep  # noqa: E402
 from benchmarks._harness import command, parser, run, write_results  # noqa: E402
-from deploy.emulated_cluster import ClusterSpec, wire_bytes  # noqa: E402
+from deploy.emulated_cluster import ClusterSpec  # noqa: E402
 
 logger = logging.getLogger("overlap")
 RESULTS = ROOT / "benchmarks" / "results" / "overlap"
@@ -141,28 +141,12 @@ def job_dict(args, model_dir: Path, setting: str, out_dir: Path, placement: Path
 
 def run_job(args, model: str, model_dir: Path, setting: str, spec: ClusterSpec | None,
             placement: Path | None) -> dict:
-    """One fine-tuning run: {"summary": its RunSummary as JSON data, "job", "wall_s", "loadavg_1m",
-    "wire_bytes_by_node"}."""
-    from vela_ray.api import VelaJob
-    from vela_ray.config import JobConfig
-    from vela_ray.training.summary import RunSummary
-
-    out_dir = Path(tempfile.mkdtemp(prefix=f"overlap-{model}-{setting}-"))
-    job = job_dict(args, model_dir, setting, out_dir, placement)
-    config = JobConfig.from_dict(job, source=f"{model} {setting} job")
-    load_before = vela_vs_ep.wait_for_quiet(args.max_load, args.max_wait_s)
-    wire_before = wire_bytes(spec) if spec else None
-    start = time.perf_counter()
-    try:
-        VelaJob(config).run()
-        summary = RunSummary.load(out_dir)
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    run = {"summary": summary.model_dump(mode="json"), "job": job, "wall_s": time.perf_counter() - start,
-           "loadavg_1m": [load_before, os.getloadavg()[0]],
-           "wire_bytes_by_node": [a - b for a, b in zip(wire_bytes(spec), wire_before)] if spec else None}
-    logger.info("%s / %s: median step %.3f s, loss %.4f, %.0f s wall", model, setting,
-                summary.median_step_time_s, summary.losses[-1], run["wall_s"])
+    """One fine-tuning run (`vela_vs_ep.run_job`)."""
+    run = vela_vs_ep.run_job(args, job_dict(args, model_dir, setting, Path("."), placement), f"overlap {model} "
+                             f"{setting}", spec)
+    summary = run["summary"]
+    logger.info("%s / %s: median step %.3f s, loss %.4f, %.0f s wall", model, setting, summary["median_step_time_s"],
+                summary["losses"][-1], run["wall_s"])
     return run
 
 

@@ -67,10 +67,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -88,7 +85,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks import vela_vs_ep  # noqa: E402
 from benchmarks import vela_vs_ep_report as ep_report  # noqa: E402
 from benchmarks._harness import SHAKESPEARE, command, parser, run, write_results  # noqa: E402
-from deploy.emulated_cluster import ClusterSpec, wire_bytes  # noqa: E402
+from deploy.emulated_cluster import ClusterSpec  # noqa: E402
 from vela_ray.model.traffic import LINK_TIERS  # noqa: E402
 
 logger = logging.getLogger("replacement_drift")
@@ -137,29 +134,12 @@ def job_dict(args, replan_on: bool, out_dir: Path) -> dict:
 
 
 def run_job(args, label: str, spec: ClusterSpec | None) -> dict:
-    """One fine-tuning run: {"summary": its RunSummary as JSON data, "job", "wall_s", "loadavg_1m",
-    "wire_bytes_by_node"}."""
-    from vela_ray.api import VelaJob
-    from vela_ray.config import JobConfig
-    from vela_ray.training.summary import RunSummary
-
-    out_dir = Path(tempfile.mkdtemp(prefix=f"replacement-drift-{label}-"))
-    job = job_dict(args, label == "on", out_dir)
-    config = JobConfig.from_dict(job, source=f"{label} job")
-    load_before = vela_vs_ep.wait_for_quiet(args.max_load, args.max_wait_s)
-    wire_before = wire_bytes(spec) if spec else None
-    start = time.perf_counter()
-    try:
-        VelaJob(config).run()
-        summary = RunSummary.load(out_dir)
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    run = {"summary": summary.model_dump(mode="json"), "job": job, "wall_s": time.perf_counter() - start,
-           "loadavg_1m": [load_before, os.getloadavg()[0]],
-           "wire_bytes_by_node": [a - b for a, b in zip(wire_bytes(spec), wire_before)] if spec else None}
+    """One fine-tuning run (`vela_vs_ep.run_job`)."""
+    run = vela_vs_ep.run_job(args, job_dict(args, label == "on", Path(".")), f"replacement-drift {label}", spec)
+    summary = run["summary"]
     logger.info("%s: median step %.3f s, loss %.4f, %d re-solves, %d adopted, %.0f s wall", label,
-                summary.median_step_time_s, summary.losses[-1], len(summary.replans),
-                sum(r.adopted for r in summary.replans), run["wall_s"])
+                summary["median_step_time_s"], summary["losses"][-1], len(summary["replans"]),
+                sum(r["adopted"] for r in summary["replans"]), run["wall_s"])
     return run
 
 

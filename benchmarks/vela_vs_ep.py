@@ -246,6 +246,30 @@ def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | Non
     return run
 
 
+def run_job(args, job: dict, label: str, spec: ClusterSpec | None) -> dict:
+    """One vela-ray run of `job` (its output.dir a fresh temporary directory, removed after), started once the
+    machine is quiet: {"summary": its RunSummary as JSON data, "job", "wall_s", "loadavg_1m", "wire_bytes_by_node"}
+    (the benchmarks that bring their own jobs to the cluster: replacement_drift.py, overlap.py)."""
+    from vela_ray.api import VelaJob
+    from vela_ray.config import JobConfig
+    from vela_ray.training.summary import RunSummary
+
+    out_dir = Path(tempfile.mkdtemp(prefix=f"{label.replace(' ', '-')}-"))
+    job = {**job, "output": {**job.get("output", {}), "dir": str(out_dir)}}
+    config = JobConfig.from_dict(job, source=f"{label} job")
+    load_before = wait_for_quiet(args.max_load, args.max_wait_s)
+    wire_before = wire_bytes(spec) if spec else None
+    start = time.perf_counter()
+    try:
+        VelaJob(config).run()
+        summary = RunSummary.load(out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return {"summary": summary.model_dump(mode="json"), "job": job, "wall_s": time.perf_counter() - start,
+            "loadavg_1m": [load_before, os.getloadavg()[0]],
+            "wire_bytes_by_node": [a - b for a, b in zip(wire_bytes(spec), wire_before)] if spec else None}
+
+
 def serial_compute(args, dataset: str) -> dict:
     """Median step time of single-process vela-ray on one thread: the step's arithmetic with no transport."""
     import torch
