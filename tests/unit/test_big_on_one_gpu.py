@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks import big_on_one_gpu as bench
+from benchmarks._harness import without_machine_paths
 
 SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
 
@@ -27,7 +28,7 @@ def test_smoke_run_trains_all_three_setups_and_reports_the_tiers(tmp_path):
             "--out", str(out)]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["command"] == "python benchmarks/big_on_one_gpu.py " + " ".join(argv)
+    assert result["command"] == without_machine_paths("python benchmarks/big_on_one_gpu.py " + " ".join(argv))
     runs = result["results"]
     assert list(runs) == list(SETUPS)
     for name in SETUPS:

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from benchmarks._harness import without_machine_paths
 from tests.scripts import ROOT, load_script
 
 
@@ -25,7 +26,7 @@ def test_smoke_run_trains_both_models_with_peft_and_with_vela_experts_in_process
             "--out", str(out)]
     assert load_script("benchmarks/gpu_step.py").main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["command"] == "python benchmarks/gpu_step.py " + " ".join(argv)
+    assert result["command"] == without_machine_paths("python benchmarks/gpu_step.py " + " ".join(argv))
     for model in ("olmoe", "qwen3"):
         for setup in ("peft", "vela_gpu"):
             run = result["results"][model][setup]
