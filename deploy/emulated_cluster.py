@@ -44,6 +44,7 @@ import atexit
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -247,6 +248,7 @@ class EmulatedCluster:
         self.intra_bytes_per_s: float | None = None  # shaped intra-node rate, if any
         self.ray_links: dict | None = None
         self._up = False
+        self._ray_env = ray_env()
 
     @property
     def ray_address(self) -> str:
@@ -374,14 +376,14 @@ class EmulatedCluster:
                     else ["--address", self.ray_address])
             argv = [ray_cli, "start", "--node-ip-address", spec.node_ip(node), *role, *common]
             result = subprocess.run(["ip", "netns", "exec", spec.netns(node), *argv], capture_output=True,
-                                    text=True, env=ray_env(), timeout=180)
+                                    text=True, env=self._ray_env, timeout=180)
             if result.returncode:
                 raise RuntimeError(f"ray start on node {node} failed: {result.stderr[-2000:]}")
 
     def run_in_node(self, node: int, argv: Sequence[str], env: dict[str, str] | None = None,
                     **kwargs) -> subprocess.CompletedProcess:
         """Run `argv` inside node `node`'s namespace (RAY_ADDRESS and the node address set)."""
-        full_env = {**ray_env(), "RAY_ADDRESS": self.ray_address, "VELA_NODE_IP": self.spec.node_ip(node),
+        full_env = {**self._ray_env, "RAY_ADDRESS": self.ray_address, "VELA_NODE_IP": self.spec.node_ip(node),
                     HOST_NETNS_ENV: f"/proc/{os.getpid()}/ns/net", **(env or {})}
         return subprocess.run(["ip", "netns", "exec", self.spec.netns(node), *argv], env=full_env, **kwargs)
 
@@ -465,9 +467,13 @@ def _neighbour_ip(ip: str) -> str:
 
 
 def ray_env() -> dict[str, str]:
-    """Environment for our Ray processes: token auth on (the machine's ~/.ray token), no usage stats."""
-    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
-            "TOKENIZERS_PARALLELISM": "false"}
+    """Environment for one cluster's Ray processes: token auth on, no usage stats. The token is the caller's
+    (RAY_AUTH_TOKEN), else the machine's (~/.ray/auth_token), else one made for this cluster: a fresh machine has
+    none, and `ray start` with token auth refuses to run without one."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if "RAY_AUTH_TOKEN" not in env and not (Path.home() / ".ray" / "auth_token").is_file():
+        env["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    return env
 
 
 # --- command line -----------------------------------------------------------------------------------
