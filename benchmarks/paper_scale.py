@@ -37,10 +37,10 @@ Reads top to bottom:
   5. expert parallelism for comparison: each rank holds K/6 tokens, row (token,
      expert) crosses nodes when the expert's owner (e mod 6) is on another node
      than the token's rank; plus the ring all-reduce of the backbone LoRA
-     gradients (r = 8 on q, k, v, o of 32 layers, fp32: 27 MB). Its NIC time counts
-     the bytes through a NIC in both directions, as the placement cost model counts
-     a link's (an earlier version counted only the bytes leaving a NIC for EP, which
-     halved EP's time against vela-ray's).
+     gradients (r = 8 on q, k, v, o of 32 layers, fp32: 27 MB). Its NIC time is the
+     busier direction through a NIC (full duplex), as the placement cost model counts a
+     shared link's (`placement.problem.SharedLink`): every row's bytes split evenly
+     between the two directions, so half the bytes through it.
 
 Bytes count forward and backward (dispatch, gather, grad dispatch, grad gather),
 as `placement.cost` does with `include_backward` (twice the paper's eq. 5-6).
@@ -193,20 +193,21 @@ def ring_allreduce(rank_nodes: list[str]) -> tuple[float, float]:
     """(cross-node bytes, shared-NIC seconds) of one ring all-reduce of the backbone LoRA gradients.
 
     rank_nodes: the node of each rank, in ring order. Bytes are those sent across nodes (each
-    rank sends 2 (R-1)/R of the gradients to the next); each NIC sends and receives its share.
+    rank sends 2 (R-1)/R of the gradients to the next); each NIC sends its share while it receives as much
+    (full duplex, as `placement.cost` counts a shared link).
     """
     ranks = len(rank_nodes)
     crossings = sum(rank_nodes[r] != rank_nodes[(r + 1) % ranks] for r in range(ranks))
     cross = crossings * 2 * (ranks - 1) / ranks * BACKBONE_LORA_BYTES
-    return cross, 2 * cross / len(set(rank_nodes)) / CROSS
+    return cross, cross / len(set(rank_nodes)) / CROSS
 
 
 def ep_traffic(problem: PlacementProblem) -> dict:
     """Expected cross-node bytes per step and shared-NIC comm seconds of expert parallelism.
 
-    A NIC's seconds count the bytes through it in both directions against its bandwidth, as
-    `placement.cost` counts a link's (rows out and outputs back, each pass): a row between two
-    nodes loads both nodes' NICs with all of its bytes.
+    A NIC's seconds are its busier direction, as `placement.cost` counts a shared link's: a row between two
+    nodes loads both nodes' NICs with all of its bytes, half each way (rows out and outputs back, each pass),
+    so half the bytes through the busiest NIC against its bandwidth.
     """
     ranks, nodes = len(NODES), sorted(set(NODES))
     owner_node = [NODES[e % ranks] for e in range(EXPERTS)]
@@ -222,7 +223,7 @@ def ep_traffic(problem: PlacementProblem) -> dict:
                     total += moved
                     through[src] += moved
                     through[owner_node[e]] += moved
-        nic_time += max(through.values()) / CROSS
+        nic_time += max(through.values()) / (2 * CROSS)
     allreduce, allreduce_s = ring_allreduce(NODES)
     return {"token_cross_bytes": total, "allreduce_cross_bytes": allreduce,
             "cross_bytes_per_node": (total + allreduce) / len(nodes), "nic_comm_s": nic_time + allreduce_s}

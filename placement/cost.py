@@ -8,11 +8,12 @@ expert e of layer l). With X[n,l,e] = 1 where expert_to_worker[l,e] == n:
     step time  = sum_l max_n E[T_{n,l}]                                      (paper eq. 7)
 
 With `problem.shared_links` (links several workers' traffic crosses, such as
-the master node's NIC), each shared link r with bandwidth B_r is busy
+the master node's NIC), each shared link r with bandwidth B_r (each direction) is busy
 
-    T_{r,l} = passes * b*H / (4 * B_r) * sum_{n in r} sum_e X[n,l,e] * P[l,e] * K
+    T_{r,l} = passes * b*H / (8 * B_r) * sum_{n in r} sum_e X[n,l,e] * P[l,e] * K
 
-in layer l, and a layer waits for it as for a worker:
+in layer l (half a worker link's term: a NIC carries rows out and outputs back at the same time, each
+direction at B_r; `problem.SharedLink`), and a layer waits for it as for a worker:
 
     step time  = sum_l max(max_n E[T_{n,l}], max_r T_{r,l})
 

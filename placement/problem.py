@@ -69,14 +69,21 @@ from pydantic import (
 from placement.io import as_probs_matrix, read_problem_fields
 
 ROW_SUM_RTOL = 1e-6
+DUPLEX_DIRECTIONS = 2  # a shared link (a NIC) carries the step's two directions at once (`SharedLink`)
 
 
 class SharedLink(BaseModel):
     """A link that the master traffic of several workers crosses, e.g. a node's NIC.
 
     In layer l it is busy for seconds_per_prob * (routing mass of its workers in l), where
-    seconds_per_prob is a worker link's communication part with this link's bandwidth
+    seconds_per_prob is half a worker link's communication part with this link's bandwidth
     (`PlacementProblem.shared_link_seconds_per_prob`): a layer waits for it as for a worker.
+
+    Half, because a NIC is full duplex: the rows going out to some workers and the outputs coming back from
+    others cross it at the same time, each direction at the full bandwidth, and a step's traffic is the same
+    size each way. A worker's own link is not halved: its call's reply cannot start before its request has
+    arrived. (Counting both directions against one bandwidth over-predicted the step of spread placements by up
+    to 2x on the emulated cluster, whose veths are shaped per direction as real NICs are.)
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -84,7 +91,7 @@ class SharedLink(BaseModel):
     name: str
     """Display name, unique within a problem (e.g. `nic:node0`)."""
     bandwidth_bytes_per_s: float
-    """Bandwidth of the shared resource in bytes/s (both directions counted as a worker link counts them)."""
+    """Bandwidth of the shared resource in bytes/s, each direction (a NIC's rate, as `probe_shared` measures it)."""
     workers: list[int]
     """Indices of the workers whose rows to and from the master cross this link."""
     masters: list[list[int]] | None = None
@@ -441,10 +448,11 @@ class PlacementProblem(BaseModel):
         """[num_shared_links] seconds one unit of routing probability of its workers costs each shared link per layer.
 
         T_{r,l} = shared_link_seconds_per_prob[r] * sum_{n in r} sum_e X[n,l,e] * P[l,e], i.e.
-        K * passes * b*H / (4 * B_r): `seconds_per_prob`'s communication part at the shared bandwidth.
+        K * passes * b*H / (8 * B_r): `seconds_per_prob`'s communication part at the shared bandwidth, halved
+        for the two directions the link carries at once (`SharedLink`).
         """
         bandwidths = np.array([link.bandwidth_bytes_per_s for link in self.shared_links], dtype=np.float64)
-        return self.tokens_per_step * self.bytes_per_row / bandwidths
+        return self.tokens_per_step * self.bytes_per_row / (DUPLEX_DIRECTIONS * bandwidths)
 
     @property
     def shared_link_members(self) -> np.ndarray:

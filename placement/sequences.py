@@ -301,7 +301,8 @@ def _traffic(problem: PlacementProblem, nodes: list[str], flow_LNN: np.ndarray, 
              gather: np.ndarray, residual: np.ndarray, path: list[list[int]]) -> SequenceTraffic:
     """The report: per-NIC bytes from the node-to-node flows, and each layer's busiest NIC."""
     cross_LNN = flow_LNN * (1 - np.eye(len(nodes)))
-    through_LN = cross_LNN.sum(axis=2) + cross_LNN.sum(axis=1)  # out of and into each node
+    leaving_LN, entering_LN = cross_LNN.sum(axis=2), cross_LNN.sum(axis=1)
+    through_LN = leaving_LN + entering_LN
     bandwidth = {link.name.removeprefix("nic:"): link.bandwidth_bytes_per_s
                  for link in problem.shared_links if link.name.startswith("nic:")}
     seconds = None
@@ -311,7 +312,8 @@ def _traffic(problem: PlacementProblem, nodes: list[str], flow_LNN: np.ndarray, 
             raise ValueError(f"node {missing[0]!r} carries cross-node bytes but has no 'nic:{missing[0]}' shared link: "
                              "build the links with node_shared_links(worker_nodes, master_nodes, bandwidth)")
         nic_N = np.array([bandwidth.get(n, math.inf) for n in nodes])
-        seconds = (through_LN / nic_N).max(axis=1, initial=0.0).tolist()
+        # a NIC carries both directions at once, each at its bandwidth (`problem.SharedLink`): its busier one
+        seconds = (np.maximum(leaving_LN, entering_LN) / nic_N).max(axis=1, initial=0.0).tolist()
     return SequenceTraffic(dispatch_bytes=dispatch.tolist(), gather_bytes=gather.tolist(),
                            residual_bytes=residual.tolist(),
                            nic_bytes={n: through_LN[:, i].tolist() for i, n in enumerate(nodes)},

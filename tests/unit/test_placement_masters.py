@@ -46,7 +46,8 @@ def recount(problem: PlacementProblem, routes) -> float:
 
     Master m sends K/M * P[l, e] rows of expert e to the worker its table names; a (master, worker)
     link takes passes * b*H / (4 * B_n) per row, a worker waits for its busiest master link plus its
-    compute of every master's rows; a node's NIC carries the rows of each pair it separates."""
+    compute of every master's rows; a node's NIC carries the rows of each pair it separates, half of them
+    each way at once."""
     def per_row(bandwidth: float) -> float:
         return problem.passes * problem.bits_per_element * problem.hidden_size / (4 * bandwidth)
 
@@ -64,7 +65,7 @@ def recount(problem: PlacementProblem, routes) -> float:
                       for n in range(problem.num_workers))
         for node, bandwidth in nic.items():
             through = sum(r for (m, n), r in rows.items() if (masters[m] == node) != (nodes[n] == node))
-            slowest = max(slowest, through * per_row(bandwidth))
+            slowest = max(slowest, through * per_row(bandwidth) / 2)
         total += slowest
     return total
 
@@ -84,7 +85,7 @@ def test_two_masters_worked_by_hand():
     problem = PlacementProblem(
         probs=[[0.6, 0.4]], top_k=1, tokens_per_step=1000, hidden_size=1000, bandwidths=[4e9, 4e9],
         capacities=[1, 1], worker_nodes=["a", "b"], master_nodes=["a", "b"],
-        shared_links=node_shared_links(["a", "b"], ["a", "b"], 1e9))
+        shared_links=node_shared_links(["a", "b"], ["a", "b"], 0.5e9))  # 1 GB/s of both directions
     assert [(link.name, link.workers, link.masters) for link in problem.shared_links] == [
         ("nic:a", [0, 1], [[1], [0]]), ("nic:b", [0, 1], [[1], [0]])]
     bytes_per_row = 2 * 2 * 16 * 1000 / 8  # forward and backward, out and back, bf16
@@ -97,7 +98,7 @@ def test_two_masters_worked_by_hand():
     assert total == pytest.approx(500 * bytes_per_row)
     # one master on a: its NIC carries all 400 rows of w1, w0's 600 rows stay on the node
     one = problem.model_copy(update={"master_nodes": None, "master_node": "a",
-                                     "shared_links": node_shared_links(["a", "b"], "a", 1e9)})
+                                     "shared_links": node_shared_links(["a", "b"], "a", 0.5e9)})
     assert step_time(one, [[0, 1]]) == pytest.approx(max(400 * bytes_per_row / 1e9, 600 * bytes_per_row / 4e9))
 
 

@@ -119,6 +119,7 @@ def loop_count(problem: PlacementProblem, counts, tokens, routes, q, residual_ro
     master = list(contiguous_masters(len(tokens), problem.num_masters))
     dispatch, gather, residual = ([0.0] * problem.num_layers for _ in range(3))
     through = {n: [0.0] * problem.num_layers for n in nodes}
+    leaving, entering = ({n: [0.0] * problem.num_layers for n in nodes} for _ in range(2))
     path = [master]
 
     def cross(layer, source, target, amount, into):
@@ -126,6 +127,8 @@ def loop_count(problem: PlacementProblem, counts, tokens, routes, q, residual_ro
             into[layer] += amount
             through[source][layer] += amount
             through[target][layer] += amount
+            leaving[source][layer] += amount
+            entering[target][layer] += amount
 
     for layer in range(problem.num_layers):
         served = [[0] * len(nodes) for _ in tokens]
@@ -145,7 +148,9 @@ def loop_count(problem: PlacementProblem, counts, tokens, routes, q, residual_ro
                 cross(layer, masters[master[s]], masters[following[s]], residual_rows_per_token * half_row, residual)
         master = following
         path.append(master)
-    seconds = [max(through[n][layer] / nic[n] for n in nodes) for layer in range(problem.num_layers)]
+    # a NIC carries both directions at once: its busier one
+    seconds = [max(max(leaving[n][layer], entering[n][layer]) / nic[n] for n in nodes)
+               for layer in range(problem.num_layers)]
     return dispatch, gather, residual, through, seconds, path
 
 

@@ -30,12 +30,12 @@ FAST_BUDGET_S = 0.5
 
 
 def nic_problem(**overrides) -> PlacementProblem:
-    """w0 next to the master (node a, 4 GB/s), w1 and w2 on node b (2 GB/s each) behind a's 2 GB/s NIC."""
+    """w0 next to the master (node a, 4 GB/s), w1 and w2 on node b (2 GB/s each) behind a's NIC, 1 GB/s each way."""
     nodes = ["a", "b", "b"]
     fields = dict(
         probs=[[0.5, 0.3, 0.2], [1.0, 0.0, 0.0]], top_k=1, tokens_per_step=1000, hidden_size=1000,
         bandwidths=[4e9, 2e9, 2e9], capacities=[2, 2, 2], worker_nodes=nodes, master_node="a",
-        shared_links=node_shared_links(nodes, "a", {"a": 2e9, "b": 5e9}),
+        shared_links=node_shared_links(nodes, "a", {"a": 1e9, "b": 2.5e9}),
     )
     return PlacementProblem(**{**fields, **overrides})
 
@@ -62,8 +62,9 @@ def random_nic_problem(rng: np.random.Generator, num_layers: int, num_experts: i
 
 
 def recount_step_time(problem: PlacementProblem, expert_to_worker) -> float:
-    """sum_l max(slowest worker, slowest shared link), with plain loops; every link time is
-    passes * b*H/(4*B) * rows (no compute term), a worker's adds c_n * rows."""
+    """sum_l max(slowest worker, slowest shared link), with plain loops; a worker link's time is
+    passes * b*H/(4*B) * rows plus c_n * rows, a shared link's half of that at its bandwidth (both directions
+    at once)."""
     def seconds_per_row(bandwidth: float) -> float:
         return problem.passes * problem.bits_per_element * problem.hidden_size / (4 * bandwidth)
 
@@ -75,7 +76,7 @@ def recount_step_time(problem: PlacementProblem, expert_to_worker) -> float:
         slowest = max((seconds_per_row(problem.bandwidths[n]) + compute[n]) * rows[n]
                       for n in range(problem.num_workers))
         for link in problem.shared_links:
-            slowest = max(slowest, seconds_per_row(link.bandwidth_bytes_per_s) * sum(rows[n] for n in link.workers))
+            slowest = max(slowest, seconds_per_row(link.bandwidth_bytes_per_s) / 2 * sum(rows[n] for n in link.workers))
         total += slowest
     return total
 
@@ -106,8 +107,8 @@ def test_shared_nic_step_time_worked_by_hand():
     # A row is b*H/8 = 2000 bytes each way, forward + backward = 8000 bytes; 1000 tokens.
     # Layer 0, table [0, 1, 2]: w0 serves 500 rows = 4e6 B at 4 GB/s = 1 ms, w1 300 rows = 2.4e6 B at
     # 2 GB/s = 1.2 ms, w2 200 rows = 1.6e6 B at 2 GB/s = 0.8 ms; the master's NIC (nic:a) carries w1 and w2,
-    # 500 rows = 4e6 B at 2 GB/s = 2 ms, node b's NIC the same bytes at 5 GB/s = 0.8 ms. The layer takes 2 ms,
-    # not the paper model's 1.2 ms.
+    # 500 rows = 2e6 B each way at 1 GB/s each way = 2 ms, node b's NIC the same bytes at 2.5 GB/s = 0.8 ms. The
+    # layer takes 2 ms, not the paper model's 1.2 ms.
     # Layer 1: w0 serves all 1000 rows = 8e6 B at 4 GB/s = 2 ms; nobody else: 2 ms. Step: 4 ms.
     problem = nic_problem()
     table = np.array([[0, 1, 2], [0, 1, 2]])
@@ -137,13 +138,14 @@ def test_node_shared_links_give_the_master_nic_every_remote_worker_and_each_node
 
 
 def test_greedy_finishes_a_worker_when_its_nic_does():
-    # Seconds per unit prob: w0 (master's node) 1/1, w1 and w2 1/4 each, their shared NIC 1/2 (in 1/GB/s).
+    # Seconds per unit prob: w0 (master's node) 1/1, w1 and w2 1/4 each, their shared NIC 1/2 (in 1/GB/s: the
+    # NIC's 1 GB/s each way carries half the bytes in each direction).
     # 0.6 -> w1: max(0.6/4, NIC 0.6/2) = 0.3 beats w0's 0.6 (w1, w2 tie; the lower index wins).
     # 0.4 -> w0: 0.4 beats w2's max(0.1, NIC 1.0/2 = 0.5); without the NIC it would go to w2 (0.1).
     nodes = ["a", "b", "b"]
     fields = dict(probs=[[0.6, 0.4]], top_k=1, tokens_per_step=8, hidden_size=8, bandwidths=[1e9, 4e9, 4e9],
                   capacities=[2, 2, 2], worker_nodes=nodes, master_node="a")
-    aware = PlacementProblem(**fields, shared_links=node_shared_links(nodes, "a", {"a": 2e9, "b": 8e9}))
+    aware = PlacementProblem(**fields, shared_links=node_shared_links(nodes, "a", {"a": 1e9, "b": 4e9}))
     np.testing.assert_array_equal(greedy_placement(aware), [[1, 0]])
     np.testing.assert_array_equal(greedy_placement(PlacementProblem(**fields)), [[1, 2]])
 
@@ -193,13 +195,14 @@ def test_every_solver_costs_what_it_claims_and_improved_is_never_worse_than_vela
 
 
 def test_modelling_the_nic_puts_more_rows_on_the_master_node_and_wins():
-    # Equal 1 GB/s links for w0 (master's node) and w1, w2 (node b), and a 1 GB/s master NIC. Ignoring the NIC,
+    # Equal 1 GB/s links for w0 (master's node) and w1, w2 (node b), and a master NIC as fast (0.5 GB/s each way,
+    # half the bytes each way). Ignoring the NIC,
     # the best layer loads are at most 0.4 per worker (0.4 | 0.3 + 0.1 | 0.2, say), so w1 and w2 carry >= 0.6,
     # all through the NIC. With it, w0 takes 0.5 and the NIC 0.5: the layer drops from >= 0.6 to 0.5 units.
     nodes = ["a", "b", "b"]
     blind = PlacementProblem(probs=[[0.4, 0.3, 0.2, 0.1]], top_k=1, tokens_per_step=1000, hidden_size=1000,
                              bandwidths=[1e9] * 3, capacities=[4] * 3, worker_nodes=nodes, master_node="a")
-    aware = blind.model_copy(update={"shared_links": node_shared_links(nodes, "a", 1e9)})
+    aware = blind.model_copy(update={"shared_links": node_shared_links(nodes, "a", 0.5e9)})
     ignoring = solve(blind, "improved", time_budget_s=FAST_BUDGET_S).as_array()
     modelling = solve(aware, "improved", time_budget_s=FAST_BUDGET_S).as_array()
     assert step_time(aware, modelling) == pytest.approx(brute_force_optimum(aware))
@@ -266,8 +269,8 @@ def test_problem_with_shared_links_round_trips_through_json_and_problem_files(tm
         "probs: [[0.5, 0.3, 0.2], [1.0, 0.0, 0.0]]\ntokens_per_step: 1000\nhidden_size: 1000\n"
         "bandwidths_gb_s: [4, 2, 2]\ncapacities: 2\nworker_nodes: [a, b, b]\nmaster_node: a\n"
         "shared_links:\n"
-        "  - {name: 'nic:a', bandwidth_bytes_per_s: 2.0e+9, workers: [1, 2]}\n"
-        "  - {name: 'nic:b', bandwidth_bytes_per_s: 5.0e+9, workers: [1, 2]}\n"
+        "  - {name: 'nic:a', bandwidth_bytes_per_s: 1.0e+9, workers: [1, 2]}\n"
+        "  - {name: 'nic:b', bandwidth_bytes_per_s: 2.5e+9, workers: [1, 2]}\n"
     )
     from_yaml = PlacementProblem.from_file(tmp_path / "problem.yaml")
     assert from_yaml.shared_links == problem.shared_links
@@ -283,6 +286,6 @@ def test_summary_prints_one_line_per_shared_link():
     placement = solve(problem, "improved", time_budget_s=FAST_BUDGET_S)
     report = cost_report(problem, placement.as_array())
     summary = format_summary(problem, placement)
-    assert f"shared link nic:a (2 GB/s, 2 workers): busy {report.shared_link_busy_share['nic:a']:.1%}" in summary
-    assert "shared link nic:b (5 GB/s, 2 workers)" in summary
+    assert f"shared link nic:a (1 GB/s, 2 workers): busy {report.shared_link_busy_share['nic:a']:.1%}" in summary
+    assert "shared link nic:b (2.5 GB/s, 2 workers)" in summary
     assert "shared link" not in format_summary(problem.model_copy(update={"shared_links": []}), placement)
