@@ -61,7 +61,8 @@ def command(script: str | Path, argv: Sequence[str] | None = None) -> str:
 
 
 def write_results(path: Path | str | None, payload: dict, markdown: str | None = None) -> str:
-    """Write `payload` as JSON to `path` (and `markdown` beside it as .md); returns the JSON text.
+    """Write `payload` as JSON to `path` (and `markdown` beside it as .md, both without this machine's directories);
+    returns the JSON text.
 
     Through a .tmp and a rename, so a crash or kill mid-write leaves the previous complete file (scripts
     that write after every setup rely on it). Paths and other non-JSON values are written as strings, without
@@ -75,7 +76,7 @@ def write_results(path: Path | str | None, payload: dict, markdown: str | None =
         tmp.write_text(text + "\n")
         os.replace(tmp, path)
         if markdown is not None:
-            path.with_suffix(".md").write_text(markdown + "\n")
+            path.with_suffix(".md").write_text(without_machine_paths(markdown) + "\n")
     return text
 
 

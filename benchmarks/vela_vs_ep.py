@@ -182,7 +182,8 @@ def job_dict(args, dataset: str, method: str, steps: int, out_dir: Path) -> dict
         # each worker's measured expert compute (sequential and random ignore the cost model).
         placement=placement,
         training={"steps": steps, "batch_size": args.batch_size, "eval_batches": 1, "optimizer": {"lr": args.lr},
-                  "micro_batch_size": getattr(args, "micro_batch_size", None),
+                  # vela-ray's runs only: EP's ranks split the batch among themselves
+                  "micro_batch_size": None if method == "ep" else getattr(args, "micro_batch_size", None),
                   "overlap": {"micro_batches_in_flight": getattr(args, "in_flight", 1)}})
 
 

@@ -15,6 +15,7 @@ from vela_ray.model.adapters import ADAPTER_FILE, fuse_expert_factors
 from vela_ray.model.families import FAMILIES, debug_model
 from vela_ray.model.modeling import find_moe_blocks
 from vela_ray.training.adapter_io import export
+from vela_ray.training.step import master_compute_seconds
 
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -173,3 +174,41 @@ def test_broker_counts_exactly_the_rows_it_dispatched():
             assert rows_counted[layer, worker].tolist() == [rows] * 4
             assert bytes_counted[layer, worker].tolist() == [rows * hidden * 4] * 4
     assert rows_counted.sum() == 4 * sum(t.numel() for t in routed.values())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_the_master_compute_probe_runs_every_broker_call_and_leaves_no_trace(family):
+    """`master_compute_seconds` times the master's own work around the experts (`answering_at_once`): each call
+    plans, packs and combines its rows as in a step, the experts answer zeros, and the step after it sees no
+    row, byte, wait, key or gradient of it."""
+    pair = build_pair(family)
+    master, model = pair.master, pair.master.peft_model
+    dispatcher = master.dispatcher
+    batch = micro_batches(0)[0]
+    calls = []
+    for block in find_moe_blocks(model):
+        block.block.experts.register_forward_pre_hook(lambda mod, args: calls.append(args[1].shape))
+    with dispatcher.probing(torch.zeros_like):
+        stood_in = model(**batch).loss
+    planned = []
+    real_plan = dispatcher.plan
+    dispatcher.plan = lambda layer, top_k_index: planned.append(layer) or real_plan(layer, top_k_index)
+    with dispatcher.answering_at_once():
+        assert model(**batch).loss == stood_in  # the experts' part is zeros either way
+    del dispatcher.plan
+    assert planned == list(range(len(find_moe_blocks(model))))  # every call planned its rows
+
+    sent = []
+    real_transport = dispatcher.transport
+    real_transport.forward = lambda requests, real=real_transport.forward: sent.append(requests) or real(requests)
+    dispatcher.reset_traffic()
+    next_key = dispatcher.new_key(0)
+    seconds = master_compute_seconds(master, batch)
+    assert seconds > 0
+    assert dispatcher.new_key(0)[0] == next_key[0] + 1  # the probe took no key from the step's count
+    assert not torch.tensor(dispatcher.traffic().rows).any()
+    assert dispatcher.round_trip_s == {"forward": 0.0, "backward": 0.0}
+    assert all(p.grad is None for p in model.parameters())
+    assert not sent  # no worker got a row
+    model(**batch).loss.backward()
+    assert sent  # the step's calls reach the workers again

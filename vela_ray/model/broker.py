@@ -43,7 +43,7 @@ from vela_ray.model.dispatch_stages import BrokerCall, DispatchPlan, DispatchSta
 from vela_ray.model.shared_expert import SharedExpert
 from vela_ray.model.tensor_parallel import TensorParallelPlan, TensorParallelShare
 from vela_ray.model.traffic import TrafficCounter, TrafficSnapshot
-from vela_ray.model.transport import ForwardRequest, RowRelay, Transport
+from vela_ray.model.transport import ForwardRequest, RowRelay, Transport, ZeroAnswers
 
 
 class ExpertDispatcher:
@@ -70,8 +70,7 @@ class ExpertDispatcher:
         self.expert_to_worker = table
         self.transport = transport
         self.row_format = row_format
-        self._traffic = TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers(),
-                                       num_experts=table.shape[1])
+        self._traffic = self._new_traffic(table, transport)
         self.latency = latency
         self.master = master
         # Seconds the master spent waiting on the transport, per phase: communication plus the
@@ -115,6 +114,30 @@ class ExpertDispatcher:
         finally:
             self.stages = stages
 
+    @contextlib.contextmanager
+    def answering_at_once(self) -> Iterator[None]:
+        """Within the block every broker call runs as in a step (the tensor-parallel share, checkpoint replay, the
+        plan and the send: grouping, packing, encoding, combining) but the workers' answers are zeros, at once
+        (`ZeroAnswers`), and nothing is counted, timed or keyed where a step would see it: the master's own
+        compute around the experts, which the step prediction times (`step.master_compute_seconds`). The relay
+        and condensation stages are left out: the one waits on masters that take no part, the other counts
+        what it merges."""
+        saved = self.stages, self.transport, self._traffic, self._keys, self.round_trip_s, self.latency, self.activity
+        self.transport, self._keys = ZeroAnswers(self.transport), itertools.count()  # keys: no worker sees them
+        self._traffic = self._new_traffic(self.expert_to_worker, self.transport)
+        self.round_trip_s, self.latency, self.activity = {"forward": 0.0, "backward": 0.0}, None, MasterActivity()
+        _, plan, send = self._own
+        self.stages = tuple(s for s in (self._share, CheckpointReplay(), plan, send) if s is not None)
+        try:
+            yield
+        finally:
+            self.stages, self.transport, self._traffic, self._keys, self.round_trip_s, self.latency, self.activity = saved
+
+    @staticmethod
+    def _new_traffic(table: torch.Tensor, transport: Transport) -> TrafficCounter:
+        return TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers(),
+                              num_experts=table.shape[1])
+
     @property
     def tp(self) -> TensorParallelPlan | None:
         """This master's TP plan when its brokers send a TP rank's share of the rows (`share_rows`), else None."""
@@ -151,8 +174,7 @@ class ExpertDispatcher:
             raise ValueError(f"new placement is {tuple(table.shape)}, expected {tuple(self.expert_to_worker.shape)}")
         transport = transport or self.transport
         if transport.num_workers != self.transport.num_workers:
-            self._traffic = TrafficCounter(table.shape[0], transport.num_workers, transport.worker_tiers(),
-                                           num_experts=table.shape[1])
+            self._traffic = self._new_traffic(table, transport)
         self.expert_to_worker, self.transport = table, transport
 
     @property

@@ -94,6 +94,27 @@ def relay_kwargs(request: ForwardRequest) -> dict:
     return {} if request.reply_to is None else {"reply_to": request.reply_to}
 
 
+class ZeroAnswers:
+    """Workers that answer zeros at once: each reply shaped as its request, as every worker's is (`wire`). What a
+    broker call costs the master around the experts is timed with it (`ExpertDispatcher.answering_at_once`)."""
+
+    def __init__(self, like: Transport):
+        self.like = like
+        self.num_workers = like.num_workers
+
+    def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
+        return {worker: torch.zeros_like(req.rows) for worker, req in requests.items()}
+
+    def backward(self, key: Hashable, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {worker: torch.zeros_like(grad) for worker, grad in grads.items()}
+
+    def worker_tiers(self) -> list[LinkTier]:
+        return self.like.worker_tiers()
+
+    def describe(self) -> str:
+        return f"zeros in place of {self.like.describe()}"
+
+
 class InProcessTransport:
     """Experts in the master's process: a direct call, no copies.
 
