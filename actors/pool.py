@@ -25,11 +25,11 @@ import ray
 
 from actors.cluster import ExpertCluster, SpawnConfig, launch_expert_managers, respawn_expert_managers
 from actors.masters import RayRanks, spawn_rank_actors
-from actors.placement_service import PlacementService
+from actors.placement_service import PlacementService, Ping, collective_ping, ray_ping
 from actors.transports import data_plane_env, master_transport
 from actors.workers import HomeWorker, actor_workers
 from placement import SharedLink, node_shared_links
-from vela_ray.model.collective import PeerLostError
+from vela_ray.model.collective import CollectiveTransport, PeerLostError
 from vela_ray.model.transport import InProcessTransport, SplitTransport, Transport
 from vela_ray.config import JobConfig
 from vela_ray.runtime.migration import MigrationPlan, move_experts
@@ -175,21 +175,27 @@ class RayWorkerPool:
         self.transport = None
 
     def measure_links(self, shared: bool = False) -> tuple[list[LinkRecord], list[SharedLink]]:
-        """Probed from this process, the master's, over the Ray transport and data-plane settings its rows take
-        (`PlacementService`). Shared links: the NICs master traffic crosses (`placement.node_shared_links`),
+        """Probed from this process, the master's, over the data plane its rows take (`PlacementService` over
+        `_link_ping`). Shared links: the NICs master traffic crosses (`placement.node_shared_links`),
         each probed through its workers.
 
         In this process, not in an actor of its own beside it: such a process imported torch, and the
         ExpertManager's module with transformers to take the workers' handles, before its first ping (3 s of a
         job's start on an idle 2-core machine, 5-8 s under load), for a probe of about 0.3 s."""
-        service = PlacementService()
-        links = service.probe(self.cluster.handles) + [IN_PROCESS_LINK] * len(self.local)
+        service = PlacementService(self._link_ping())
+        links = service.probe(range(len(self.cluster.handles))) + [IN_PROCESS_LINK] * len(self.local)
         nics = node_shared_links(self.cluster.node_ids, self.master_node, 1.0) if shared else []
         if not nics:
             return links, []
-        measured = service.probe_shared(self.cluster.handles, {link.name: link.workers for link in nics})
+        measured = service.probe_shared({link.name: link.workers for link in nics})
         return links, node_shared_links(self.cluster.node_ids, self.master_node,
                                         {link.name.removeprefix("nic:"): measured[link.name] for link in nics})
+
+    def _link_ping(self) -> Ping:
+        """How the probes reach the actors: over the plane the rows take (the collective plane's own ping, or Ray
+        calls carrying the payload as the object-ref plane's rows are)."""
+        remote = self.transport.remote if isinstance(self.transport, SplitTransport) else self.transport
+        return collective_ping(remote) if isinstance(remote, CollectiveTransport) else ray_ping(self.cluster.handles)
 
     def measure_compute(self, num_rows: int) -> list[float]:
         return fill_unmeasured([report.seconds_per_row for report in self._ask_all("report", num_rows)])

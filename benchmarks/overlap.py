@@ -194,6 +194,7 @@ def run_view(run: dict, warmup: int) -> dict:
     train_s = s.timings_s.get("train_s") or float(sum(h.step_time_s for h in s.history))
     compute = s.timings_s.get("worker_compute_s", [])
     return {
+        **machine_cpu(run, s.timings_s, float(np.mean(step_s))),
         "median_step_time_s": float(np.median(step_s)),
         "master_idle_fraction": float(np.median(idle_s / step_s)),
         "master_idle_s_median": float(np.median(idle_s)),
@@ -208,6 +209,24 @@ def run_view(run: dict, warmup: int) -> dict:
         "wall_s": run["wall_s"],
         "loadavg_1m": run["loadavg_1m"],
     }
+
+
+def machine_cpu(run: dict, timings_s: dict, mean_step_s: float) -> dict:
+    """The machine's cores while the run trained (`vela_vs_ep.CpuSampler`, from the run's start-up to its end, less
+    the first fifth, where warm-up steps fall): their busy share, the CPU seconds a step takes over every process
+    (master, workers, Ray), the step this machine could reach at best with that work spread over all its cores
+    (`cpu_floor_step_s`: no schedule beats it here), and the cores master 0's process kept busy."""
+    cpu = run.get("cpu")
+    busy = None
+    if cpu and "startup_s" in timings_s and "train_s" in timings_s:
+        start, train = timings_s["startup_s"], timings_s["train_s"]
+        busy = vela_vs_ep.busy_fraction(cpu, start + train / 5, start + train)
+    if busy is None:
+        return {"machine_cpu_busy_fraction": None, "cpu_seconds_per_step": None, "cpu_floor_step_s": None,
+                "master_process_cores": None}
+    return {"machine_cpu_busy_fraction": busy["machine"], "cpu_seconds_per_step": busy["machine"] * cpu["cores"] *
+            mean_step_s, "cpu_floor_step_s": busy["machine"] * mean_step_s, "master_process_cores": busy["master"],
+            "cores": cpu["cores"]}
 
 
 def compare(serial: dict, overlapped: dict) -> dict:
@@ -225,6 +244,10 @@ def compare(serial: dict, overlapped: dict) -> dict:
         "master_idle_fraction_overlapped": median(overlapped, "master_idle_fraction"),
         "worker_busy_fraction_serial": median(serial, "worker_busy_fraction_mean"),
         "worker_busy_fraction_overlapped": median(overlapped, "worker_busy_fraction_mean"),
+        **({f"{key}_{name}": median(views, key) for key in ("machine_cpu_busy_fraction", "cpu_seconds_per_step",
+                                                             "master_process_cores")
+            for name, views in (("serial", serial), ("overlapped", overlapped))}
+           if serial[0].get("machine_cpu_busy_fraction") is not None else {}),
         "same_bytes": bytes_s == bytes_o, "bytes_per_step_by_tier": bytes_s,
         "max_rel_loss_diff": float(np.max(np.abs(losses_o - losses_s) / np.abs(losses_s))),
         **{f"predicted_step_s_{name}": median(views, "predicted_step_s") for name, views in
@@ -272,6 +295,7 @@ def markdown(results: dict) -> str:
             f"{c['worker_busy_fraction_overlapped']:.2f} | {c['same_bytes']} | {c['max_rel_loss_diff']:.1e} | "
             f"{c['predicted_step_s_serial']:.3f} ({c['predicted_step_error_serial']:+.0%}) / "
             f"{c['predicted_step_s_overlapped']:.3f} ({c['predicted_step_error_overlapped']:+.0%}) |")
+    lines += _cpu_lines(results)
     lines += ["", "Master idle: the share of a step in which every micro-batch in flight waited on the experts. "
               "Worker busy: a worker's expert compute over the training time (mean over workers). Predicted step: "
               "the cost model's (`placement.cost.predict_step`: the master's compute timed before training, each "
@@ -279,6 +303,30 @@ def markdown(results: dict) -> str:
               "two-machine flow shop), its error against the measured median step.", "",
               "![step time](step_time.png)"]
     return "\n".join(lines)
+
+
+def _cpu_lines(results: dict) -> list[str]:
+    """The machine's cores while the runs trained (`machine_cpu`), where they were sampled."""
+    rows = {m: c for m, c in results["comparison"].items() if "cpu_seconds_per_step_serial" in c}
+    if not rows:
+        return []
+    lines = ["", "| model | cores busy serial / overlapped | CPU s per step serial / overlapped | "
+             "master 0's process, cores serial / overlapped | serial's CPU s over the cores / serial step |",
+             "|---|---|---|---|---|"]
+    for model, c in rows.items():
+        cores = results["runs"][model]["serial"][0]["cores"]
+        floor = c["cpu_seconds_per_step_serial"] / cores / c["median_step_time_s_serial"]
+        lines.append(f"| {model} | {c['machine_cpu_busy_fraction_serial']:.2f} / "
+                     f"{c['machine_cpu_busy_fraction_overlapped']:.2f} | {c['cpu_seconds_per_step_serial']:.3f} / "
+                     f"{c['cpu_seconds_per_step_overlapped']:.3f} | {c['master_process_cores_serial']:.2f} / "
+                     f"{c['master_process_cores_overlapped']:.2f} | {floor:.2f} |")
+    lines += ["", "Cores busy: the machine's busy share of its cores over the training steps (every process: the "
+              "master, the workers, Ray; /proc/stat). CPU s per step: the CPU seconds a step took over all of them. "
+              "Master 0's process: the cores it kept busy (its micro-batch threads, its broker's planes, Ray's "
+              "threads). "
+              "The last column is the shortest step any schedule could reach on this machine with the serial step's "
+              "CPU work spread over all its cores, as a share of the serial step: overlap cannot go below it here."]
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:

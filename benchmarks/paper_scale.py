@@ -37,10 +37,11 @@ Reads top to bottom:
   5. expert parallelism for comparison: each rank holds K/6 tokens, row (token,
      expert) crosses nodes when the expert's owner (e mod 6) is on another node
      than the token's rank; plus the ring all-reduce of the backbone LoRA
-     gradients (r = 8 on q, k, v, o of 32 layers, fp32: 27 MB). Its NIC time is the
-     busier direction through a NIC (full duplex), as the placement cost model counts a
-     shared link's (`placement.problem.SharedLink`): every row's bytes split evenly
-     between the two directions, so half the bytes through it.
+     gradients (r = 8 on q, k, v, o of 32 layers, fp32: 27 MB). Its NIC time (`ep_exchange`):
+     every all-to-all is a barrier that lasts its busiest NIC's busier direction (a NIC
+     sends and receives at once, full duplex, as the placement cost model counts a shared
+     link, `placement.problem.SharedLink`; a node that hosts hot experts receives more than
+     it sends). The same model predicts the emulated cluster's EP step in vela_vs_ep.py.
 
 Bytes count forward and backward (dispatch, gather, grad dispatch, grad gather),
 as `placement.cost` does with `include_backward` (twice the paper's eq. 5-6).
@@ -85,6 +86,7 @@ from placement import (  # noqa: E402
     eplb_routes,
     node_shared_links,
     replicate,
+    sequential_table,
     solve,
     step_time,
 )
@@ -189,44 +191,71 @@ def masters_problem_for(probs: np.ndarray, capacity: int, *, shared_nic: bool = 
                             shared_links=links)
 
 
-def ring_allreduce(rank_nodes: list[str]) -> tuple[float, float]:
-    """(cross-node bytes, shared-NIC seconds) of one ring all-reduce of the backbone LoRA gradients.
+def ring_allreduce(rank_nodes: list[str], grad_bytes: float = BACKBONE_LORA_BYTES,
+                   nic_bytes_per_s: float = CROSS) -> tuple[float, float]:
+    """(cross-node bytes, shared-NIC seconds) of one ring all-reduce of `grad_bytes` (default: the backbone LoRA
+    gradients at paper scale).
 
     rank_nodes: the node of each rank, in ring order. Bytes are those sent across nodes (each
     rank sends 2 (R-1)/R of the gradients to the next); each NIC sends its share while it receives as much
     (full duplex, as `placement.cost` counts a shared link).
     """
     ranks = len(rank_nodes)
+    if ranks < 2:
+        return 0.0, 0.0
     crossings = sum(rank_nodes[r] != rank_nodes[(r + 1) % ranks] for r in range(ranks))
-    cross = crossings * 2 * (ranks - 1) / ranks * BACKBONE_LORA_BYTES
-    return cross, cross / len(set(rank_nodes)) / CROSS
+    cross = crossings * 2 * (ranks - 1) / ranks * grad_bytes
+    return cross, cross / len(set(rank_nodes)) / nic_bytes_per_s
+
+
+def ep_exchange(probs: np.ndarray, table: np.ndarray, rank_nodes: list[str], rank_tokens: list[float],
+                bytes_per_row: float) -> dict:
+    """Expert parallelism's all-to-alls over a step, expected from routing probabilities.
+
+    probs: [L, E] routing probability of each expert (top-k mass per token); table: [L, E] the rank that owns
+    each expert; rank_tokens: the tokens each rank holds; bytes_per_row: a (token, expert) row's bytes over
+    its four transfers (`PlacementProblem.bytes_per_row`: rows out and outputs back, forward and backward).
+
+    Each transfer is an all-to-all every rank waits for. In it, a NIC sends the rows its node's ranks send to
+    other nodes while it receives the rows sent to its node's ranks, both directions at once (full duplex, as
+    `placement.cost` counts a shared link), so the transfer lasts the busiest NIC's busier direction; the
+    transfers back (outputs, gradients) are the same rows the other way. A node's ranks exchange with each other
+    over its loopback, one interface for both directions.
+
+    Returns "cross_bytes" (every row between nodes, all four transfers), "nic_bytes" (summed over layers: the
+    busiest NIC's busier direction, all four transfers) and "loopback_bytes" (summed over layers: the busiest
+    node's same-node rows between different ranks): divided by a NIC's and a loopback's bandwidth, the seconds
+    the all-to-alls take.
+    """
+    nodes = sorted(set(rank_nodes))
+    cross, nic, loopback = 0.0, 0.0, 0.0
+    for layer in range(probs.shape[0]):
+        out, into, loop = ({n: 0.0 for n in nodes} for _ in range(3))
+        for src, tokens in enumerate(rank_tokens):
+            for expert, owner in enumerate(table[layer]):
+                rows = tokens * probs[layer, expert]
+                a, b = rank_nodes[src], rank_nodes[owner]
+                if a != b:
+                    out[a] += rows
+                    into[b] += rows
+                elif owner != src:
+                    loop[a] += rows
+        cross += sum(out.values()) * bytes_per_row
+        nic += max(max(out[n], into[n]) for n in nodes) * bytes_per_row
+        loopback += max(loop.values()) * bytes_per_row
+    return {"cross_bytes": cross, "nic_bytes": nic, "loopback_bytes": loopback}
 
 
 def ep_traffic(problem: PlacementProblem) -> dict:
-    """Expected cross-node bytes per step and shared-NIC comm seconds of expert parallelism.
-
-    A NIC's seconds are its busier direction, as `placement.cost` counts a shared link's: a row between two
-    nodes loads both nodes' NICs with all of its bytes, half each way (rows out and outputs back, each pass),
-    so half the bytes through the busiest NIC against its bandwidth.
-    """
-    ranks, nodes = len(NODES), sorted(set(NODES))
-    owner_node = [NODES[e % ranks] for e in range(EXPERTS)]
-    tokens_per_node = {n: TOKENS * NODES.count(n) / ranks for n in nodes}
-    bytes_per_row = problem.bytes_per_row
-    total, nic_time = 0.0, 0.0
-    for layer in range(LAYERS):
-        through = {n: 0.0 for n in nodes}  # bytes through each node's NIC in this layer, both directions
-        for src in nodes:
-            for e in range(EXPERTS):
-                if owner_node[e] != src:
-                    moved = tokens_per_node[src] * problem.probs[layer, e] * bytes_per_row
-                    total += moved
-                    through[src] += moved
-                    through[owner_node[e]] += moved
-        nic_time += max(through.values()) / (2 * CROSS)
+    """Expected cross-node bytes per step and shared-NIC comm seconds of expert parallelism (`ep_exchange`: each
+    all-to-all lasts its busiest NIC's busier direction), plus the ring all-reduce of the backbone gradients."""
+    ranks = len(NODES)
+    exchange = ep_exchange(problem.probs, sequential_table(LAYERS, EXPERTS, ranks), NODES, [TOKENS / ranks] * ranks,
+                           problem.bytes_per_row)
     allreduce, allreduce_s = ring_allreduce(NODES)
-    return {"token_cross_bytes": total, "allreduce_cross_bytes": allreduce,
-            "cross_bytes_per_node": (total + allreduce) / len(nodes), "nic_comm_s": nic_time + allreduce_s}
+    return {"token_cross_bytes": exchange["cross_bytes"], "allreduce_cross_bytes": allreduce,
+            "cross_bytes_per_node": (exchange["cross_bytes"] + allreduce) / len(set(NODES)),
+            "nic_comm_s": exchange["nic_bytes"] / CROSS + allreduce_s}
 
 
 def simulate(seed: int = 0, profiles: dict[str, Path] | None = None, permute: bool = True) -> dict:

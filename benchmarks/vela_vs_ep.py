@@ -49,6 +49,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -218,6 +219,68 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
     return os.getloadavg()[0]
 
 
+class CpuSampler:
+    """The machine's busy CPU seconds (every core, every process: /proc/stat through psutil) and master 0's
+    (the processes whose title starts with `master_title`: Ray names an actor's process after its class), sampled
+    every `interval_s` on a daemon thread while the block runs: `samples` = [[seconds since start, machine busy
+    seconds, master CPU seconds]].
+
+    On the emulated cluster every node shares this machine's cores, so this is what a run costs in CPU time,
+    how close it came to the cores' limit and how much of it master 0's process took (`busy_fraction`)."""
+
+    def __init__(self, interval_s: float = 0.25, master_title: str = "ray::MasterActor"):
+        self.interval_s, self.master_title, self.samples = interval_s, master_title, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="cpu-sampler", daemon=True)
+
+    @staticmethod
+    def busy_s() -> float:
+        import psutil
+
+        times = psutil.cpu_times()
+        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+    def master_s(self) -> float:
+        """CPU seconds so far of the processes titled `master_title` (0 while there is none)."""
+        import psutil
+
+        total = 0.0
+        for process in psutil.process_iter(["cmdline", "cpu_times"]):
+            cmdline, times = process.info["cmdline"], process.info["cpu_times"]
+            if cmdline and times and cmdline[0].startswith(self.master_title):
+                total += times.user + times.system
+        return total
+
+    def _sample(self) -> None:
+        start, base = time.perf_counter(), self.busy_s()
+        while True:
+            self.samples.append([time.perf_counter() - start, self.busy_s() - base, self.master_s()])
+            if self._stop.wait(self.interval_s):
+                break
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def record(self) -> dict:
+        return {"cores": os.cpu_count(), "samples": [[round(v, 3) for v in sample] for sample in self.samples]}
+
+
+def busy_fraction(cpu: dict, start_s: float, end_s: float) -> dict | None:
+    """Between two times of a run's `CpuSampler.record`: "machine", its busy share of all its cores, and
+    "master", the cores master 0's process kept busy (None: no samples there)."""
+    inside = [sample for sample in cpu["samples"] if start_s <= sample[0] <= end_s]
+    if len(inside) < 2:
+        return None
+    (t0, *first), (t1, *last) = inside[0], inside[-1]
+    machine = (last[0] - first[0]) / ((t1 - t0) * cpu["cores"])
+    return {"machine": machine, "master": (last[1] - first[1]) / (t1 - t0) if len(last) > 1 else None}
+
+
 def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | None) -> dict:
     """One fine-tuning run: {"summary": its RunSummary as JSON data, "wall_s", "loadavg_1m", "wire_bytes_by_node"}.
 
@@ -235,11 +298,12 @@ def run_one(args, dataset: str, method: str, steps: int, spec: ClusterSpec | Non
     wire_before = wire_bytes(spec) if spec else None
     start = time.perf_counter()
     try:
-        run_expert_parallel(config) if method == "ep" else VelaJob(config).run()
+        with CpuSampler() as cpu:
+            run_expert_parallel(config) if method == "ep" else VelaJob(config).run()
         summary = RunSummary.load(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    run = {"summary": summary.model_dump(mode="json"), "wall_s": time.perf_counter() - start,
+    run = {"summary": summary.model_dump(mode="json"), "wall_s": time.perf_counter() - start, "cpu": cpu.record(),
            "loadavg_1m": [load_before, os.getloadavg()[0]],
            "wire_bytes_by_node": [a - b for a, b in zip(wire_bytes(spec), wire_before)] if spec else None}
     logger.info("%s / %s: median step %.3f s, loss %.4f, %.0f s wall, load %.1f -> %.1f", dataset, method,
@@ -262,11 +326,13 @@ def run_job(args, job: dict, label: str, spec: ClusterSpec | None) -> dict:
     wire_before = wire_bytes(spec) if spec else None
     start = time.perf_counter()
     try:
-        VelaJob(config).run()
+        with CpuSampler() as cpu:
+            VelaJob(config).run()
         summary = RunSummary.load(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     return {"summary": summary.model_dump(mode="json"), "job": job, "wall_s": time.perf_counter() - start,
+            "cpu": cpu.record(),
             "loadavg_1m": [load_before, os.getloadavg()[0]],
             "wire_bytes_by_node": [a - b for a, b in zip(wire_bytes(spec), wire_before)] if spec else None}
 
@@ -318,7 +384,7 @@ def run_grid(args, spec: ClusterSpec | None, cross_mbit: float | None) -> dict:
                     unshaped.setdefault(dataset, {})[method] = again
                 finally:
                     set_cross_rate(spec, cross_mbit)
-    return {"runs": runs, "unshaped": unshaped, "serial_compute": serial}
+    return {"runs": runs, "unshaped": unshaped, "serial_compute": serial, "cores": os.cpu_count()}
 
 
 Work = Callable[[argparse.Namespace, "ClusterSpec | None", "float | None"], dict]

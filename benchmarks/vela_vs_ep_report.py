@@ -27,6 +27,7 @@ from placement import PlacementProblem, TrainingStep, cost  # noqa: E402
 from vela_ray.observability.report import expected_times  # noqa: E402
 from vela_ray.training.summary import RunSummary  # noqa: E402
 
+STORED_RUNS_CORES = 2  # the machine the runs stored before `cores` was recorded ran on
 LABELS = {"ep": "EP", "sequential": "vela-ray + sequential", "random": "vela-ray + random",
           "vela": "vela-ray + LP (paper)", "improved": "vela-ray + improved",
           "per_node": "vela-ray, a master per node + replicas", "tp2": "vela-ray + improved, TP-2 master"}
@@ -127,6 +128,38 @@ def step_prediction(summary: RunSummary, micro_batches: int, warmup: int) -> dic
             "round_trip_error": predicted.round_trips_s / measured["round_trips"] - 1}
 
 
+def ep_step_prediction(summary: RunSummary, profile: PlacementProblem, tcp: dict, serial_compute_s: float,
+                       cores: int, batch_size: int, warmup: int) -> dict:
+    """Expert parallelism's step as this benchmark's cluster runs it, against the measured one: its compute, its
+    all-to-alls and its all-reduce, one after the other (the ranks compute, then all wait for an all-to-all).
+
+    Inputs, all measured: the routing profile of the same data set (`profile`, a vela-ray run's placement
+    problem: the same model and data); the links as TCP carries them (`tcp`: gloo's all-to-alls go over TCP,
+    each node's NIC and loopback as the start-up probe measured them); the step's arithmetic on one thread
+    (`serial_compute_s`, the whole batch with no transport), spread over the ranks, as many at once as the
+    machine has cores (on 2 cores the 6 ranks share them), or the biggest rank's share of the batch's rows
+    (`batch_size`, split as `vela_ray.training.replicas.shard_rows` splits it) where the cores are enough.
+    Each all-to-all lasts its busiest NIC's busier direction and the busiest loopback
+    (`paper_scale.ep_exchange`); the ring all-reduce of the backbone gradients its NICs' share
+    (`paper_scale.ring_allreduce`). Left out: gloo's per-call latency (not probed)."""
+    ranks = len(summary.worker_nodes)
+    rows = np.asarray([len(part) for part in np.array_split(np.arange(batch_size), ranks)])  # `shard_rows`' split
+    tokens = float(np.mean([h.tokens for h in summary.history]))
+    exchange = paper_scale.ep_exchange(profile.probs, np.asarray(summary.placement.expert_to_worker),
+                                       summary.worker_nodes, list(tokens * rows / rows.sum()), profile.bytes_per_row)
+    all_to_all = (exchange["nic_bytes"] / tcp["cross_bytes_per_s"]
+                  + exchange["loopback_bytes"] / tcp["intra_bytes_per_s"])
+    allreduce = paper_scale.ring_allreduce(summary.worker_nodes, summary.allreduce_bytes_per_step or 0,
+                                           tcp["cross_bytes_per_s"])[1]
+    compute = serial_compute_s * max(rows.max() / rows.sum(), 1 / min(cores, ranks))
+    predicted = compute + all_to_all + allreduce
+    measured = median_step(summary, warmup)
+    return {"predicted": {"step": predicted, "compute": compute, "all_to_all": all_to_all, "allreduce": allreduce},
+            "measured": {"step": measured}, "step_error": predicted / measured - 1,
+            "inputs": {"routing": "a vela-ray run of the data set", "links": "TCP probes",
+                       "compute": f"serial step on one thread over {min(cores, ranks)} of {ranks} ranks at once"}}
+
+
 def method_row(run: dict, unshaped: dict | None, warmup: int, micro_batches: int = 1) -> dict:
     """One method's numbers from a raw run (`vela_vs_ep.run_one`) and, if any, its unshaped rerun."""
     summary = RunSummary.model_validate(run["summary"])
@@ -167,6 +200,7 @@ def build_results(args, grid: dict, links: dict) -> dict:
         rows = {m: method_row(s, unshaped.get(m), args.warmup_steps, micro_batches) for m, s in runs.items()}
         if "ep" in rows:
             ep = rows["ep"]
+            ep["step_prediction"] = _ep_prediction(args, grid, name, links)
             for row in rows.values():
                 row["bytes_vs_ep"] = row["cross_bytes_per_node_per_step"] / ep["cross_bytes_per_node_per_step"] - 1
                 row["step_time_vs_ep"] = row["median_step_time_s"] / ep["median_step_time_s"]
@@ -174,6 +208,19 @@ def build_results(args, grid: dict, links: dict) -> dict:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("inner", "spec")}
     return {"datasets": datasets, "links": links, "paper_scale": paper_scale.simulate(), "settings": settings,
             "shaped": not args.no_emulate, "serial_compute": grid.get("serial_compute", {}), "raw": grid}
+
+
+def _ep_prediction(args, grid: dict, dataset: str, links: dict) -> dict | None:
+    """`ep_step_prediction` of the data set's EP run, where the links were probed over TCP (an emulated cluster)
+    and a vela-ray run of the data set measured its routing; None otherwise."""
+    runs, serial = grid["runs"][dataset], grid.get("serial_compute", {}).get(dataset)
+    profiles = (RunSummary.model_validate(run["summary"]).placement.problem for m, run in runs.items() if m != "ep")
+    profile = next((p for p in profiles if p is not None), None)
+    if not links.get("tcp") or serial is None or profile is None:
+        return None
+    return ep_step_prediction(RunSummary.model_validate(runs["ep"]["summary"]), profile, links["tcp"],
+                              serial["median_step_time_s"], grid.get("cores", STORED_RUNS_CORES), args.batch_size,
+                              args.warmup_steps)
 
 
 def _fmt(value, spec: str, missing: str = "n/a") -> str:
@@ -216,7 +263,7 @@ def _prediction_lines(results: dict) -> list[str]:
     for name, rows in results["datasets"].items():
         for method, r in rows.items():
             p = r.get("step_prediction")
-            if not p:
+            if not p or method == "ep":
                 continue
             measured, predicted, inputs = p["measured"], p["predicted"], p["inputs"]
             steps.append(p["step_error"])
@@ -229,9 +276,8 @@ def _prediction_lines(results: dict) -> list[str]:
     if not steps:
         return ["No vela-ray run: no step to predict."]
     lines += ["", f"Predicted step against the measured one: {min(steps):+.0%} … {max(steps):+.0%} over the "
-                  f"{len(steps)} vela-ray runs (round trips alone: {min(trips):+.0%} … {max(trips):+.0%}). EP: no "
-                  "prediction (no placement problem: its step is the data-parallel ranks' all-to-all, not the "
-                  "master-worker step the cost model describes)."]
+                  f"{len(steps)} vela-ray runs (round trips alone: {min(trips):+.0%} … {max(trips):+.0%}).", "",
+              *_ep_prediction_lines(results)]
     if from_run:
         lines += ["", "Where the master's compute is taken from the run (runs from before it was measured at "
                       "start-up), the predicted master part equals the measured one, and the step's error is the "
@@ -241,6 +287,25 @@ def _prediction_lines(results: dict) -> list[str]:
                       "difference from the shaped step is no measure of communication: the machine's load moves "
                       "between the runs, and the difference comes out negative when the unshaped run meets more "
                       "of it. The round trips measured in the step stand for the communication instead."]
+    return lines
+
+
+def _ep_prediction_lines(results: dict) -> list[str]:
+    """EP's predicted step (`ep_step_prediction`) against the measured one."""
+    rows = [(name, rows["ep"]["step_prediction"]) for name, rows in results["datasets"].items()
+            if (rows.get("ep") or {}).get("step_prediction")]
+    if not rows:
+        return ["EP: no prediction (it needs the links probed over TCP, the serial compute and a vela-ray run's "
+                "routing profile of the same data set)."]
+    lines = ["EP's step predicted from its all-to-alls (`ep_step_prediction`: the ranks' compute, then each "
+             "all-to-all for as long as its busiest NIC direction and loopback take, then the ring all-reduce; "
+             "gloo's per-call latency left out):", "",
+             "| data set | step s | predicted | error | compute | all-to-all | all-reduce |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, p in rows:
+        q = p["predicted"]
+        lines.append(f"| {name} | {p['measured']['step']:.3f} | {q['step']:.3f} | {p['step_error']:+.0%} | "
+                     f"{q['compute']:.3f} | {q['all_to_all']:.3f} | {q['allreduce']:.3f} |")
     return lines
 
 

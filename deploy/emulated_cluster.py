@@ -439,20 +439,18 @@ def _ray_probe() -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.placement_service import PlacementService
+    from actors.placement_service import PlacementService, ray_ping
 
     class Echo:
-        def echo(self, payload) -> int:
+        def ping(self, payload) -> int:  # what `ray_ping` calls
             return payload.numel()
-
-        ping = echo  # what PlacementService.probe calls now
 
     ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["VELA_NODE_IP"], log_to_driver=False)
     by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
     nodes = [by_ip[os.environ["VELA_NODE_IP"]], by_ip[_neighbour_ip(os.environ["VELA_NODE_IP"])]]
     handles = [ray.remote(Echo).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
                .remote() for n in nodes]
-    probes = [PlacementService().probe(handles, repeats=3) for _ in range(3)]
+    probes = [PlacementService(ray_ping(handles)).probe(range(len(handles)), repeats=3) for _ in range(3)]
     same, cross = (statistics.median(p[i].bandwidth_bytes_per_s for p in probes) for i in (0, 1))
     print(json.dumps({"same_node_bytes_per_s": same, "cross_node_bytes_per_s": cross, "ratio": same / cross,
                       "same_node_latency_s": statistics.median(p[0].latency_s for p in probes),

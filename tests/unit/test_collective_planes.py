@@ -132,6 +132,39 @@ def test_rows_travel_on_their_own_plane_and_come_back_in_the_requests_shape_and_
         planes.close()
 
 
+class CountingServer(FakeServer):
+    """FakeServer that counts the calls it serves: a ping must reach none."""
+
+    calls: int = 0
+
+    def forward_rows(self, *args, **kwargs):
+        self.calls += 1
+        return super().forward_rows(*args, **kwargs)
+
+
+def test_a_ping_goes_over_the_data_plane_and_the_link_probe_fits_it():
+    """The placement's link probe over the collective plane: the payload's bytes are counted, the experts compute
+    nothing, and rows still travel after it (the plane stays in step, its first row came back)."""
+    from actors.placement_service import PlacementService, collective_ping
+
+    servers = [CountingServer(0), CountingServer(1)]
+    planes = form(servers)
+    try:
+        payload = torch.arange(12.0).reshape(3, 4)
+        assert planes.transport.ping({0: payload, 1: payload}) == 2 * payload.numel() * 4
+        links = PlacementService(collective_ping(planes.transport)).probe([0, 1], sizes=(16 << 10, 256 << 10))
+        assert len(links) == 2 and all(link.bandwidth_bytes_per_s > 0 and link.latency_s > 0 for link in links)
+        nics = PlacementService(collective_ping(planes.transport)).probe_shared({"nic": [0, 1]}, sizes=(16 << 10,
+                                                                                                     256 << 10))
+        assert nics["nic"] > 0
+        assert [s.calls for s in servers] == [0, 0]
+        request = _request(0, 4)
+        torch.testing.assert_close(planes.transport.forward({1: request})[1],
+                                   request.rows * 2 + request.expert_ids[:, None].float())
+    finally:
+        planes.close()
+
+
 def test_expert_ids_ride_in_the_header_as_runs_and_follow_on_their_own_past_max_runs():
     """A broker's request (rows grouped by expert) costs one control message; ids with more runs than the
     header holds follow on TAG_IDS. Either way the worker sees the exact ids, and the streams stay in step."""

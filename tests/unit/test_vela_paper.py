@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -121,7 +122,10 @@ def test_render_predicts_every_vela_run_of_a_stored_set_from_its_summaries(tmp_p
     monkeypatch.setattr(report.paper_scale, "simulate", lambda: saved["paper_scale"])  # not what is tested
     vela_vs_ep.render(tmp_path)
     rows = json.loads((tmp_path / "results.json").read_text())["datasets"]["wikitext"]
-    assert rows["ep"]["step_prediction"] is None  # no placement problem
+    ep = rows["ep"]["step_prediction"]  # from the improved run's routing, the TCP probes and the serial compute
+    assert ep["predicted"]["step"] == pytest.approx(sum(ep["predicted"][k] for k in ("compute", "all_to_all",
+                                                                                      "allreduce")))
+    assert abs(ep["step_error"]) < 0.25
     for method in ("improved", "tp2"):
         p = rows[method]["step_prediction"]
         assert p["inputs"] == {"latency": "start-up", "worker compute": "start-up", "master compute": "run"}
@@ -131,6 +135,7 @@ def test_render_predicts_every_vela_run_of_a_stored_set_from_its_summaries(tmp_p
     text = (tmp_path / "results.md").read_text()
     assert "| data set | method | step s | predicted | error | round trips s |" in text
     assert "measured comm" not in text and "Predicted step against the measured one: " in text
+    assert "| data set | step s | predicted | error | compute | all-to-all | all-reduce |" in text
 
 
 def _stored_run(method: str) -> RunSummary:
@@ -170,6 +175,77 @@ def test_mixtral_probs_keeps_real_32_layer_profiles_and_can_skip_the_permutation
     tiled = paper_scale.mixtral_probs(tiny, seed=0)
     assert not np.array_equal(tiled, untiled)
     assert np.allclose(np.sort(tiled, axis=1), np.sort(untiled, axis=1))  # the same rows, ids permuted
+
+
+def _brute_force_nic_bytes(probs, table, rank_nodes, rank_tokens, bytes_per_row) -> float:
+    """Each of the four transfers on its own: the rows every rank sends to each other, per direction of each NIC
+    (rows out and gradients out go one way, outputs and input gradients the other), the busiest one per transfer."""
+    per_transfer = bytes_per_row / 4
+    total = 0.0
+    for layer in range(probs.shape[0]):
+        for backwards in (False, True, False, True):  # rows out, outputs back, grads out, grads back
+            sent = {n: 0.0 for n in set(rank_nodes)}
+            got = dict(sent)
+            for src, tokens in enumerate(rank_tokens):
+                for expert, owner in enumerate(table[layer]):
+                    a, b = rank_nodes[src], rank_nodes[owner]
+                    if a != b:
+                        a, b = (b, a) if backwards else (a, b)
+                        sent[a] += tokens * probs[layer, expert] * per_transfer
+                        got[b] += tokens * probs[layer, expert] * per_transfer
+            total += max(max(sent[n], got[n]) for n in sent)
+    return total
+
+
+def test_ep_exchange_lasts_the_busiest_nic_direction_of_every_all_to_all():
+    """A hot expert's node receives more than it sends: each all-to-all lasts that direction, not half of
+    all the bytes through the NIC."""
+    probs = np.array([[1.4, 0.2, 0.2, 0.2], [0.5, 0.5, 0.5, 0.5]])  # layer 0: expert 0 hot
+    table = np.array([[0, 1, 2, 3], [0, 1, 2, 3]])
+    nodes, tokens, row = ["a", "a", "b", "b"], [10.0, 20.0, 30.0, 40.0], 16.0
+    exchange = paper_scale.ep_exchange(probs, table, nodes, tokens, row)
+    assert exchange["nic_bytes"] == pytest.approx(_brute_force_nic_bytes(probs, table, nodes, tokens, row))
+    # layer 0: node a's ranks send 30 tokens x 0.4 rows out and get 70 x 1.6 rows in (expert 0 is hot)
+    assert exchange["nic_bytes"] > 0.5 * exchange["cross_bytes"] / 2 * 1.5
+    cross = sum(tokens[s] * probs[l, e] * row for l in range(2) for s in range(4) for e in range(4)
+                if nodes[s] != nodes[table[l, e]])
+    assert exchange["cross_bytes"] == pytest.approx(cross)
+    loop_a = sum(tokens[s] * probs[l, e] * row for l in range(2) for s in (0, 1) for e in (0, 1) if s != e)
+    loop_b = sum(tokens[s] * probs[l, e] * row for l in range(2) for s in (2, 3) for e in (2, 3) if s != e)
+    assert exchange["loopback_bytes"] >= max(loop_a, loop_b) - 1e-9
+
+
+def test_ep_step_prediction_spreads_compute_over_the_cores_and_adds_the_exchanges():
+    summary = _stored_run("ep")
+    profile = _stored_run("improved").placement.problem
+    tcp = {"cross_bytes_per_s": 1e7, "intra_bytes_per_s": 2e8}
+    two = report.ep_step_prediction(summary, profile, tcp, serial_compute_s=0.6, cores=2, batch_size=8, warmup=2)
+    many = report.ep_step_prediction(summary, profile, tcp, serial_compute_s=0.6, cores=64, batch_size=8, warmup=2)
+    assert two["predicted"]["compute"] == pytest.approx(0.3)  # 6 ranks on 2 cores
+    assert many["predicted"]["compute"] == pytest.approx(0.6 * 2 / 8)  # ranks 0 and 1 hold 2 of the 8 rows
+    assert two["predicted"]["all_to_all"] == many["predicted"]["all_to_all"] > 0
+    faster = report.ep_step_prediction(summary, profile, {k: 2 * v for k, v in tcp.items()}, 0.6, 2, 8, 2)
+    assert faster["predicted"]["all_to_all"] == pytest.approx(two["predicted"]["all_to_all"] / 2)
+
+
+def test_cpu_sampler_counts_the_machines_busy_seconds_and_the_masters(tmp_path):
+    """A process titled as master 0's actor spins a core while sampled: the machine and the master both count it."""
+    title = tmp_path / "vela-test-master"  # its cmdline[0], as Ray titles an actor's process "ray::MasterActor"
+    title.symlink_to(sys.executable)
+    spin = subprocess.Popen([str(title), "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # started
+        with vela_vs_ep.CpuSampler(interval_s=0.05, master_title=str(title)) as cpu:
+            time.sleep(1.0)
+    finally:
+        spin.kill()
+        spin.wait()
+    record = cpu.record()
+    assert record["cores"] == os.cpu_count() and len(record["samples"]) >= 5
+    busy = vela_vs_ep.busy_fraction(record, 0.0, 2.0)
+    assert 0.3 / record["cores"] < busy["machine"] <= 1.1  # /proc/stat counts in 10 ms ticks
+    assert 0.3 < busy["master"] <= 1.1  # one core at most (less when the machine is loaded)
+    assert vela_vs_ep.busy_fraction(record, 5.0, 6.0) is None  # no samples there
 
 
 def test_cluster_spec_leaves_intra_node_links_unshaped_by_default():

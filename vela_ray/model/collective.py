@@ -27,8 +27,9 @@ tests, on a gloo data plane, run the very protocol NCCL runs.
                        status ERROR / OUT_OF_STEP: the error; setup: the answer;   TAG_TEXT
                        uint8 [length]
     data plane (nccl or gloo, tensors on the rank's device, TAG_DATA, posting order)
-    master -> worker   forward: rows [R, D]; backward: d(outputs) [R, D]
-    worker -> master   result [R, D] in the request's dtype (zeros on error; none when OUT_OF_STEP)
+    master -> worker   forward: rows [R, D]; backward: d(outputs) [R, D]; OP_PING: any [R, D]
+    worker -> master   result [R, D] in the request's dtype (zeros on error; none when OUT_OF_STEP;
+                       OP_PING: the payload's first row [1, D], for the link probes, `CollectiveTransport.ping`)
 
 A forward's expert ids ride in its header as (expert, count) runs: the broker groups a worker's
 rows by expert, so a layer's request has one run per expert it reaches, and the ids cost no message
@@ -115,7 +116,7 @@ from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
 
-OP_STOP, OP_FORWARD, OP_BACKWARD, OP_DESCRIBE, OP_DATA_PLANE = range(5)
+OP_STOP, OP_FORWARD, OP_BACKWARD, OP_DESCRIBE, OP_DATA_PLANE, OP_PING = range(6)
 STATUS_OK, STATUS_ERROR, STATUS_OUT_OF_STEP = 0, 1, 2  # out of step: the worker posted nothing on the data plane
 TAG_HEADER, TAG_IDS, TAG_REPLY, TAG_TEXT = range(4)  # control plane
 HEADER_FIELDS = 7  # op, layer, key id, rows, width, dtype, runs (-1: the ids follow on TAG_IDS)
@@ -403,7 +404,7 @@ class _ServingLoop:
         if op == OP_STOP:
             return False
         self._unanswered = {OP_FORWARD: f"layer {layer}", OP_BACKWARD: f"backward of key id {key_id}",
-                            OP_DESCRIBE: "describing its device",
+                            OP_DESCRIBE: "describing its device", OP_PING: "a ping",
                             OP_DATA_PLANE: "joining the data plane"}.get(op, f"op {op}")
         if op == OP_DESCRIBE:
             self._answer(STATUS_OK, device_descriptor(self.server.device))
@@ -411,6 +412,10 @@ class _ServingLoop:
             self._join_data_plane(self._recv_text(num_rows))
         elif op == OP_FORWARD:
             self._forward(layer, key_id, (num_rows, width), DTYPES[dtype], _expert_ids(header))
+        elif op == OP_PING:
+            payload = self._recv_rows((num_rows, width), DTYPES[dtype], "a ping", "payload")
+            if payload is not None:
+                self._reply(lambda: payload[:1], payload[:1])
         else:
             self._backward(key_id, (num_rows, width), DTYPES[dtype])
         return True
@@ -699,6 +704,7 @@ class _Outgoing:
     worker: int
     control: list[tuple[torch.Tensor, int]]  # (tensor, tag)
     payload: torch.Tensor
+    result_rows: int | None = None  # the answer's rows, where not the payload's (a ping's: 1)
 
 
 @dataclass
@@ -770,6 +776,23 @@ class CollectiveTransport:
         if not self._keys:  # no saved forward left: a micro-batch's backward ends, its loss is read next
             self.settle()
         return results
+
+    def ping(self, payloads: dict[int, torch.Tensor]) -> int:
+        """Each worker's [R, D] payload sent over the data plane, its first row sent back; the bytes sent. The link
+        probes time it (`actors.placement_service.collective_ping`): the rows take this plane, not Ray's objects
+        (on one node, gloo's TCP through the loopback where Ray's objects go through shared memory). One way,
+        as Ray's ping: a shared link (a NIC) probed through several workers at once is then timed in the
+        direction the payloads take, as the cost model counts it."""
+        with self._exchanging:
+            self._check_usable()
+            outgoing = []
+            for worker, payload in payloads.items():
+                payload = payload.to(self.data.device).contiguous()
+                header = _header(OP_PING, 0, NO_KEY, payload.shape[0], payload.shape[1], DTYPES.index(payload.dtype))
+                outgoing.append(_Outgoing(worker, [(header, TAG_HEADER)], payload, result_rows=1))
+            self._exchange(outgoing)
+            self.settle()  # NCCL: arrived, not only ordered on the stream
+        return sum(p.numel() * p.element_size() for p in payloads.values())
 
     def worker_tiers(self) -> list[LinkTier]:
         return self.tiers
@@ -880,7 +903,8 @@ class CollectiveTransport:
         link's) leaves the data plane out of step: raised as itself, and the plane refused from then on."""
         self._check_usable()
         self._check_arrivals(block=False)  # results from earlier layers already late (NCCL): named now
-        pending = [_Pending(o.worker, torch.empty(2, dtype=torch.int64), torch.empty_like(o.payload))
+        pending = [_Pending(o.worker, torch.empty(2, dtype=torch.int64),
+                            torch.empty_like(o.payload if o.result_rows is None else o.payload[:o.result_rows]))
                    for o in outgoing]
         try:
             controls = [self._post(o, p) for o, p in zip(outgoing, pending)]
