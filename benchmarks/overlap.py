@@ -16,7 +16,9 @@ Reads top to bottom:
      waited on the experts, `StepRecord.master_idle_s`, over the step time), each worker's busy fraction (its
      expert compute over the training time), bytes per step by link tier, the losses, and the cost model's
      predicted step (`placement.cost.predict_step`, from what the job measured before training) against the
-     measured one; per model the overlapped/serial step-time ratio (the goal: <= 0.75 at equal bytes);
+     measured one; per model the overlapped/serial step-time ratio (the goal: <= 0.75 at equal bytes); and the
+     machine's cores while each run trained (`vela_vs_ep.CpuSampler`: their busy share, the CPU seconds a step
+     takes over every process, the cores master 0's process kept busy);
   4. write results.json, results.md and step_time.png to benchmarks/results/overlap/.
 
 Run (as root, ~10 minutes on 2 cores):  python benchmarks/overlap.py

@@ -14,10 +14,11 @@ Reads top to bottom:
      tensor-parallel master (`tp2`: `cluster.master_tp: 2` on node 0, improved placement);
   3. per method: cross-node bytes per node per step (the broker's counters, as
      the paper's Fig. 5; EP adds its backbone all-reduce, estimated as a ring),
-     median step time and its ratio to EP (Fig. 6), the cost model's predicted
-     communication time against the measured one (median step time shaped minus
-     unshaped: `--unshaped-methods` are run again for `--unshaped-steps` steps on the
-     first data set, right after their shaped run, with the rate lifted), final loss;
+     median step time and its ratio to EP (Fig. 6), the step the cost model predicts
+     against the measured one, in parts (`vela_vs_ep_report.step_prediction`; EP's from
+     its all-to-alls, `ep_step_prediction`), final loss; `--unshaped-methods` are run
+     again for `--unshaped-steps` steps on the first data set, right after their shaped
+     run, with the rate lifted; the machine's CPU is sampled through every run (`CpuSampler`);
   4. the paper-scale simulation (benchmarks/paper_scale.py): the cost model at
      Mixtral-8x7B scale on the paper's cluster, with our measured profiles;
   5. write results.md (tables), results.json (raw numbers), traffic_over_steps.png

@@ -6,7 +6,8 @@ bytes) into the numbers the paper reports: cross-node bytes per node per
 step (mean, and per step as Fig. 5), median step time and its ratio to expert
 parallelism (Fig. 6), final loss; and the training step the cost model predicts
 against the measured one (`step_prediction`: the whole step, the master's waits on
-the experts and the master's compute, each measured directly by the run);
+the experts and the master's compute, each measured directly by the run; EP's step from
+its all-to-alls, `ep_step_prediction`);
 `write_all` saves results.json, results.md, traffic_over_steps.png and
 step_time.png; `markdown` renders the tables.
 """
