@@ -119,6 +119,33 @@ def reset_peak() -> None:
 MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
 
 
+class Sampler:
+    """`sample()` every `interval_s` on a daemon thread while the `with` block runs (and once more as it ends):
+    the scaffold of the benchmarks' background measurements (peak memory, CPU time)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=type(self).__name__)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def benchmark_device(name: str, script: str):
     """The torch device a GPU benchmark runs on (`--device cuda|cpu`); None, after one line on stderr saying
     why and what to do, where CUDA is asked for and absent (the script then exits 2: it measured nothing)."""

@@ -87,7 +87,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -102,7 +101,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._harness import benchmark_device, command, parser, run, write_results  # noqa: E402
+from benchmarks._harness import Sampler, benchmark_device, command, parser, run, write_results  # noqa: E402
 from benchmarks.gpu_step import (  # noqa: E402
     LR, MAX_GRAD_NORM, Setup, error_line, expert_specs, random_model)
 
@@ -518,28 +517,15 @@ class VelaHost:
 
 # -- measuring -------------------------------------------------------------------------------------------
 
-class PeakRss:
+class PeakRss(Sampler):
     """Peak resident memory of this process (pinned memory included), sampled every `every_s` on a thread."""
 
     def __init__(self, every_s: float = 0.02):
-        self.every_s, self.peak = every_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True, name="peak-rss")
+        super().__init__(every_s)
+        self.peak, self._process = 0, psutil.Process()
 
-    def _sample(self) -> None:
-        process = psutil.Process()
-        while True:
-            self.peak = max(self.peak, process.memory_info().rss)
-            if self._stop.wait(self.every_s):
-                return
-
-    def __enter__(self) -> "PeakRss":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        self.peak = max(self.peak, self._process.memory_info().rss)
 
 
 def tier_delta(before, after, steps: int) -> dict:

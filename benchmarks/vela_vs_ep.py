@@ -50,7 +50,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -62,7 +61,8 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/vela_vs_ep.py`: the r
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import vela_vs_ep_report as report  # noqa: E402
-from benchmarks._harness import ALPACA_MIX, WIKITEXT, alpaca_mix, parser, run, tiny_job, write_results  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    ALPACA_MIX, WIKITEXT, Sampler, alpaca_mix, parser, run, tiny_job, write_results)
 from deploy.emulated_cluster import ClusterSpec, EmulatedCluster, set_cross_rate, wire_bytes  # noqa: E402
 from vela_ray.paths import data_dir  # noqa: E402
 
@@ -220,7 +220,7 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
     return os.getloadavg()[0]
 
 
-class CpuSampler:
+class CpuSampler(Sampler):
     """The machine's busy CPU seconds (every core, every process: /proc/stat through psutil) and master 0's
     (the processes whose title starts with `master_title`: Ray names an actor's process after its class), sampled
     every `interval_s` on a daemon thread while the block runs: `samples` = [[seconds since start, machine busy
@@ -230,9 +230,9 @@ class CpuSampler:
     how close it came to the cores' limit and how much of it master 0's process took (`busy_fraction`)."""
 
     def __init__(self, interval_s: float = 0.25, master_title: str = "ray::MasterActor"):
-        self.interval_s, self.master_title, self.samples = interval_s, master_title, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="cpu-sampler", daemon=True)
+        super().__init__(interval_s)
+        self.master_title, self.samples = master_title, []
+        self._start, self._base = time.perf_counter(), self.busy_s()
 
     @staticmethod
     def busy_s() -> float:
@@ -252,20 +252,8 @@ class CpuSampler:
                 total += times.user + times.system
         return total
 
-    def _sample(self) -> None:
-        start, base = time.perf_counter(), self.busy_s()
-        while True:
-            self.samples.append([time.perf_counter() - start, self.busy_s() - base, self.master_s()])
-            if self._stop.wait(self.interval_s):
-                break
-
-    def __enter__(self) -> "CpuSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        self.samples.append([time.perf_counter() - self._start, self.busy_s() - self._base, self.master_s()])
 
     def record(self) -> dict:
         return {"cores": os.cpu_count(), "samples": [[round(v, 3) for v in sample] for sample in self.samples]}
