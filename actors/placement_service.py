@@ -3,8 +3,9 @@
 It runs in the master's process (`actors.pool.RayWorkerPool.measure_links`), so the bandwidth it
 measures to each ExpertManager is the master's link to it, over the data plane the broker's rows take:
 the collective plane's own ping (`collective_ping`: gloo's TCP, or NCCL) or Ray calls carrying the payload
-(`ray_ping`, the object-ref plane); either way the payload goes one way and a small answer comes back. The two differ most within a node, where Ray's objects go through shared
-memory and the collective plane through the loopback. The placement itself is a pure function of what is
+(`ray_ping`, the object-ref plane); either way the payload goes one way and a small answer comes back. The
+two differ most within a node, where Ray's objects go through shared memory and the collective plane through
+the loopback. The placement itself is a pure function of what is
 measured (`vela_ray.runtime.placer.placement_problem`, then `placement.solve`), solved by the job runner.
 
     service = PlacementService(ray_ping(handles))            # or collective_ping(transport)

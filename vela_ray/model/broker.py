@@ -131,7 +131,8 @@ class ExpertDispatcher:
         try:
             yield
         finally:
-            self.stages, self.transport, self._traffic, self._keys, self.round_trip_s, self.latency, self.activity = saved
+            (self.stages, self.transport, self._traffic, self._keys, self.round_trip_s, self.latency,
+             self.activity) = saved
 
     @staticmethod
     def _new_traffic(table: torch.Tensor, transport: Transport) -> TrafficCounter:
