@@ -58,6 +58,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from vela_ray.model.quantization import frozen_matmul, part_name, quantized_weights
+
 ExpertKey = tuple[int, int]  # (MoE layer index, expert index): a *logical* expert
 ExpertParams = dict[str, torch.Tensor]  # one expert's slice of each per-expert parameter, by parameter name
 ExpertWeights = dict[ExpertKey, ExpertParams]
@@ -195,7 +197,8 @@ def expert_generator(seed: int, layer: int, expert: int) -> torch.Generator:
 
 
 def local_experts_module(prototype: nn.Module, per_expert: list[ExpertParams]) -> nn.Module:
-    """An instance of `prototype`'s class holding exactly `per_expert` (in that order), frozen.
+    """An instance of `prototype`'s class holding exactly `per_expert` (in that order), frozen. A weight stack
+    given as quantized parts (`vela_ray.model.quantization`) is held as those parts, stacked, in buffers.
 
     `prototype` is the model's experts module (on the meta device, from a skeleton); every
     per-expert parameter or buffer (leading dim = the layer's expert count) becomes the stack
@@ -204,10 +207,17 @@ def local_experts_module(prototype: nn.Module, per_expert: list[ExpertParams]) -
     """
     total = _num_experts(prototype)
     module = copy.deepcopy(prototype)
+    quantized = quantized_weights(per_expert[0]) if per_expert else {}
     for name, tensor in list(prototype.named_parameters(recurse=False)) + list(prototype.named_buffers(recurse=False)):
         if tensor.dim() == 0 or tensor.shape[0] != total:
             raise ValueError(f"{type(prototype).__name__}.{name} {tuple(tensor.shape)} is not per expert "
                              f"(leading dim {total}); vela-ray cannot split it over workers")
+        if name in quantized:  # held as its format's parts, buffers; the stack itself is never allocated
+            del module._parameters[name]
+            for part in quantized[name][0].parts:
+                key = part_name(name, quantized[name][0], part)
+                module._buffers[key] = torch.stack([p[key] for p in per_expert])
+            continue
         stacked = torch.stack([p[name] for p in per_expert]) if per_expert else tensor.new_empty((0, *tensor.shape[1:]))
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(stacked, requires_grad=False)
@@ -319,10 +329,12 @@ class LayerExperts(nn.Module):
     """The shard's experts of one MoE layer: the family's experts class over them, plus their adapters."""
 
     def __init__(self, layer: int, prototype: nn.Module, weights: dict[int, ExpertParams], lora: LoraSpec,
-                 seed: int | None = None, adapters: Mapping[int, ExpertAdapter] | None = None):
+                 seed: int | None = None, adapters: Mapping[int, ExpertAdapter] | None = None,
+                 dtype: torch.dtype | None = None):
         """`adapters`: each expert's existing LoRA factors instead of fresh ones, shared, so gradients reach
         them (a tiered worker's device copy of some experts, `vela_ray.training.tiered`); they may live on
-        another device than `weights`, whose device the factors are moved to in each call."""
+        another device than `weights`, whose device the factors are moved to in each call. `dtype`: what the
+        frozen weights compute in; required when `weights` hold quantized stacks, else their own dtype."""
         super().__init__()
         self.layer = layer
         self.expert_ids = sorted(weights)
@@ -334,11 +346,16 @@ class LayerExperts(nn.Module):
         self.lora = {s: spec for s in self.stacks if (spec := lora.stack(layer, s)) is not None}  # adapted stacks
         in_out = {slot_name(s): lora_in_out(prototype, s) for s in self.stacks}
         self.hidden_size = in_out[slot_name(self.stacks[0])][0]  # the first stack reads the hidden states
-        first = next(iter(weights.values()))[self.stacks[0]] if weights else torch.empty(0)
+        # {stack: (format, parts)}: the stacks held quantized, dequantized at each use in `dtype`
+        self.quantized = quantized_weights(dict(self.module.named_buffers(recurse=False)))
+        first = next(iter(next(iter(weights.values())).values())) if weights else torch.empty(0)
+        if self.quantized and dtype is None:
+            raise ValueError("quantized expert weights need the dtype they compute in (LayerExperts' `dtype`)")
+        self.dtype = dtype or (first.dtype if weights else torch.float32)
         slots = {slot_name(s): spec for s, spec in self.lora.items()}
         self.adapters = nn.ModuleDict({
             str(e): adapters[e] if adapters is not None
-            else ExpertAdapter(in_out, slots, adapter_dtype(first.dtype),
+            else ExpertAdapter(in_out, slots, adapter_dtype(self.dtype),
                                None if seed is None else expert_generator(seed, layer, e))
             for e in self.expert_ids
         })
@@ -405,13 +422,17 @@ class LayerExperts(nn.Module):
         """Each row's projection by its expert's `stack`, with bias and LoRA: peft's W + s B A, applied
         low-rank in the weights' dtype (see the module docstring). Rows are sorted by local expert
         (`local_R`); `offs` ends each expert's rows."""
-        weight = getattr(self.module, stack)
-        y_RO = grouped_mm(x_RI, weight if self.transposed else weight.transpose(-2, -1), offs)
+        if stack in self.quantized:  # made [n, in, out] for this multiply and again in backward, never kept
+            y_RO = frozen_matmul(x_RI, lambda: self._dequantized(stack).transpose(-2, -1),
+                                 lambda x, w: grouped_mm(x, w, offs))
+        else:
+            weight = getattr(self.module, stack)
+            y_RO = grouped_mm(x_RI, weight if self.transposed else weight.transpose(-2, -1), offs)
         if getattr(self.module, "has_bias", False):
             y_RO = y_RO + getattr(self.module, f"{stack}_bias")[local_R]
         if stack not in self.lora:  # a stack the job leaves frozen
             return y_RO
-        A_nrI, B_nOr = self._factors(slot_name(stack), weight.dtype)
+        A_nrI, B_nOr = self._factors(slot_name(stack), self.dtype)
         low_RO = grouped_mm(grouped_mm(x_RI, A_nrI.transpose(-2, -1), offs), B_nOr.transpose(-2, -1), offs)
         return y_RO + self.lora[stack].scaling * low_RO
 
@@ -437,9 +458,23 @@ class LayerExperts(nn.Module):
         packed = rows_RD.new_zeros(num_local * int(counts.max()), rows_RD.shape[1]).index_copy(0, flat_R, rows_RD)
         return functional_call(self.module, adapted, (packed,)).index_select(0, flat_R)
 
+    def _dequantized(self, stack: str) -> torch.Tensor:
+        """A quantized stack as [n, out, in] in `dtype` (its formats' orientation, whatever the family's layout)."""
+        fmt, parts = self.quantized[stack]
+        return fmt.dequantize({part: self.module._buffers[part_name(stack, fmt, part)] for part in parts},
+                              self.dtype)
+
+    def _frozen(self, stack: str) -> torch.Tensor:
+        """The stack in the family's layout: the parameter, or a quantized stack dequantized."""
+        if stack not in self.quantized:
+            return getattr(self.module, stack)
+        weight = self._dequantized(stack)
+        return weight.transpose(-2, -1) if self.transposed else weight
+
     def _adapted(self, stack: str) -> torch.Tensor:
-        """peft's fold of the LoRA update into the stack, in the stack's dtype (see the module docstring)."""
-        weight = getattr(self.module, stack)
+        """peft's fold of the LoRA update into the stack, in the stack's dtype (see the module docstring). A
+        quantized stack is folded dequantized: the folded stack lives for the call's graph, as any fold does."""
+        weight = self._frozen(stack)
         if stack not in self.lora:  # a stack the job leaves frozen
             return weight
         A_ErI, B_EOr = self._factors(slot_name(stack), weight.dtype)
@@ -470,6 +505,7 @@ class ExpertShard(nn.Module):
         lora: LoraSpec,
         prototypes: Mapping[int, nn.Module] | nn.Module,
         seed: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> "ExpertShard":
         """Build from {(layer, expert): {parameter name: that expert's slice}}.
 
@@ -477,13 +513,14 @@ class ExpertShard(nn.Module):
         or one module for every layer. With `seed`, each expert's LoRA init draws from its own
         generator seeded by (seed, layer, expert), so the init does not depend on which shard hosts
         it and building a shard leaves torch's global RNG (the caller's data order, dropout) alone.
-        Without `seed`, the init draws from the global RNG like any nn.Module.
+        Without `seed`, the init draws from the global RNG like any nn.Module. `dtype`: what quantized
+        weights compute in (`LayerExperts`).
         """
         by_layer: dict[int, dict[int, ExpertParams]] = {}
         for (layer, expert), params in sorted(weights.items()):
             by_layer.setdefault(layer, {})[expert] = params
         proto = (lambda layer: prototypes) if isinstance(prototypes, nn.Module) else prototypes.__getitem__
-        return cls({layer: LayerExperts(layer, proto(layer), experts, lora, seed)
+        return cls({layer: LayerExperts(layer, proto(layer), experts, lora, seed, dtype=dtype)
                     for layer, experts in by_layer.items()})
 
     def expert(self, layer: int, expert: int) -> ExpertAdapter:

@@ -32,6 +32,7 @@ from torch import nn
 from vela_ray.model.adapters import ADAPTER_FILE, backbone_state_of, full_lora_config, resolve_expert_lora
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
+from vela_ray.model.quantization import QuantizationSpec, quantize_backbone, quantize_expert_params, round_trip_model
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.training.optim import ShardTrainer, make_adamw
 from vela_ray.training.schedule import OptimizerConfig, lr_at
@@ -77,15 +78,19 @@ class Pair:
 def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | None = None,
                dtype: torch.dtype = torch.float32, num_workers: int = 3,
                optim: OptimizerConfig = OPTIM, lora: LoraSpec = LORA, device: str | torch.device = "cpu",
-               overlap_shared_experts: bool = True) -> Pair:
+               overlap_shared_experts: bool = True, quantization: QuantizationSpec | None = None) -> Pair:
     """The peft reference and vela-ray's master + shards, both from `make_model()` (called twice: it
     must return the same weights each time), with one shared random-B adapter. `lora`: the LoRA options
     both sides train with (peft's `LoraConfig` from `full_lora_config`, the same spec for vela-ray).
     `device`: where both sides compute: peft's model, vela-ray's master and its in-process shards (the
     one-GPU configuration, `cluster.workers_on_master = num_workers`). `overlap_shared_experts`: vela-ray's
-    blocks compute their shared experts while their rows are away (`training.overlap.shared_experts`)."""
+    blocks compute their shared experts while their rows are away (`training.overlap.shared_experts`).
+    `quantization`: vela-ray holds the frozen weights it names quantized (`model.quantization`), and peft trains
+    the same model with those weights dequantized (`quantization.round_trip_model`)."""
     device = torch.device(device)
     reference = make_model().to(dtype)
+    if quantization is not None:
+        round_trip_model(reference, quantization)
     cfg = full_lora_config(reference, lora)
     cfg.init_lora_weights = False  # random A and B: every factor gets gradients at step 0
     torch.manual_seed(1)
@@ -98,14 +103,19 @@ def build_pair(make_model: Callable[[], nn.Module], make_transport: Callable | N
     table = scattered_placement(len(blocks), blocks[0].layout.num_experts, num_workers)
     weights = expert_weights(blocks)
     resolved = resolve_expert_lora(model, lora)
+    prototypes = experts_prototypes(model.config)
+    if quantization is not None and quantization.experts:
+        weights = {k: quantize_expert_params(w, prototypes[k[0]], quantization) for k, w in weights.items()}
     shards = [
-        ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, resolved,
-                                 experts_prototypes(model.config))
+        ExpertShard.from_weights({k: w for k, w in weights.items() if table[k] == n}, resolved, prototypes,
+                                 dtype=dtype)
         for n in range(num_workers)
     ]
     shards = [shard.to(device) for shard in shards]
     transport = (make_transport or InProcessTransport)(shards)
     master = build_master(model, table, transport, lora, optim, overlap_shared_experts=overlap_shared_experts)
+    if quantization is not None and quantization.backbone:
+        quantize_backbone(master.peft_model, quantization)  # as a master does after reading its backbone
     master.peft_model.to(device)  # as the runner does: after the brokers replaced the experts
     trainers = [ShardTrainer(s, optim) for s in shards]
     workers = ExpertWorkers.in_process(trainers)

@@ -1,0 +1,399 @@
+"""Frozen weights held quantized, dequantized at use: the storage formats, and the one matmul that uses them.
+
+LoRA trains on top of frozen weights, so the frozen weights need not be held at full width: QLoRA keeps them
+in NF4, DeepSeek-V3 and Qwen3 ship them in FP8 with 128x128 block scales, gpt-oss its experts in MXFP4. A
+quantized matrix here is a few plain tensors (`parts`: integer codes and fp32 or e8m0 scales, every one with
+the matrix's leading dims, so an expert stack [E, out, in] slices, stacks, migrates and uploads per expert
+like any other expert tensor) and the format that reads them back:
+
+    fmt = FORMATS["nf4"]
+    parts = fmt.quantize(w_OI)                 # {"codes": uint8 [O, I/2], "absmax": fp32 [O, I/64]}
+    w_OI == fmt.dequantize(parts, torch.float32)  # up to NF4's rounding; exactly the same every time
+
+Every format quantizes a matrix in [out, in] orientation (blocks run along the input, the reduction dim; a
+channel scale is per output), whatever layout the model stores it in: a family whose stacks are [E, in, out]
+(`is_transposed`) transposes before quantizing and after dequantizing (`ExpertParams` then hold the [out, in]
+parts, as gpt-oss's checkpoint does).
+
+    fp8    e4m3 codes, one fp32 scale per 128 x 128 block (DeepSeek-V3's and Qwen3's `weight_scale_inv`)
+    int8   symmetric int8 codes, one fp32 scale per output channel
+    nf4    QLoRA's NormalFloat4 codes, two per byte, one fp32 absmax per 64 inputs (no double quantization)
+    mxfp4  OCP MX FP4 (e2m1) codes, two per byte, one e8m0 exponent per 32 inputs (gpt-oss's `_blocks`/`_scales`)
+
+Use (`frozen_matmul`): the weight is dequantized in the compute dtype for one multiply and dropped, and made
+again in backward for d(input) instead of being saved, so a step holds one layer's full-width weight at a time,
+never the model's (what bitsandbytes' 4-bit matmul does). Frozen weights get no gradient. Codes are integer
+tensors (fp8 codes as their uint8 bytes), so every transport, checkpoint and `.to(device)` moves them as bytes.
+
+Exact: training on quantized weights computes what training on `dequantize(parts)` computes, bit for bit in
+fp32 (tests/unit/test_quantization.py against peft on the dequantized model); the quantization itself is the
+lossy part, and the job says so (`model.quantization`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Mapping
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Parts = dict[str, torch.Tensor]
+
+PART_SEPARATOR = ":"
+"""A quantized weight's parts in a state or an expert's params: `<weight>:<format>:<part>`, e.g.
+`gate_up_proj:nf4:codes` (a module buffer name may not hold dots)."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """A storage format of [..., out, in] matrices. Subclasses define `_quantize` and `_dequantize`."""
+
+    name: ClassVar[str]
+    parts: ClassVar[tuple[str, ...]]
+    block: ClassVar[tuple[int, int]]  # (rows, inputs) one scale covers; 0 rows: a whole output channel
+    bits: ClassVar[float]  # code bits per weight, scales excluded
+
+    def unfit(self, shape: tuple[int, ...]) -> str | None:
+        """Why a matrix of `shape` ([..., out, in]) cannot be held in this format, None if it can."""
+        out_features, in_features = shape[-2:]
+        rows, inputs = self.block
+        if in_features % inputs or (rows and out_features % rows):
+            block = f"{rows} x {inputs}" if rows else f"{inputs} inputs"
+            return (f"its [out, in] = [{out_features}, {in_features}] is not a whole number of {self.name}'s "
+                    f"{block} blocks")
+        return None
+
+    def quantize(self, w_OI: torch.Tensor) -> Parts:
+        why = self.unfit(tuple(w_OI.shape))
+        if why:
+            raise ValueError(f"cannot quantize a {list(w_OI.shape)} weight to {self.name}: {why}")
+        with torch.no_grad():
+            return self._quantize(w_OI.detach().float())
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The [..., out, in] matrix `parts` hold, computed in fp32 and then cast to `dtype`."""
+        return self._dequantize(parts).to(dtype)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the parts of a [..., out, in] matrix: what a worker holds for it."""
+        return sum(math.prod(s) * dtype.itemsize for s, dtype in self.part_shapes(shape).values())
+
+    def part_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each part's shape and dtype for a [..., out, in] matrix (from a quantization of a meta tensor)."""
+        parts = self._quantize(torch.empty(shape, device="meta"))
+        return {name: (tuple(t.shape), t.dtype) for name, t in parts.items()}
+
+    def _quantize(self, w_OI: torch.Tensor) -> Parts:
+        raise NotImplementedError
+
+    def _dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def _blocks(x: torch.Tensor, rows: int, inputs: int) -> torch.Tensor:
+    """[..., O, I] as [..., O/rows, rows, I/inputs, inputs]."""
+    *lead, out_features, in_features = x.shape
+    return x.reshape(*lead, out_features // rows, rows, in_features // inputs, inputs)
+
+
+@dataclass(frozen=True)
+class Fp8Block(Format):
+    """DeepSeek-V3's fine-grained FP8: e4m3 codes, `scale_inv` = the block's absmax / 448 (what the weight is
+    multiplied by to dequantize, as the checkpoints name it)."""
+
+    name = "fp8"
+    parts = ("codes", "scale_inv")
+    block = (128, 128)
+    bits = 8
+
+    def _quantize(self, w_OI):
+        blocks = _blocks(w_OI, *self.block)
+        scale = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-12) / FP8_MAX
+        codes = (blocks / scale).to(FP8).reshape(w_OI.shape)
+        return {"codes": codes.view(torch.uint8), "scale_inv": scale.squeeze(-1).squeeze(-2)}
+
+    def _dequantize(self, parts):
+        codes = parts["codes"].view(FP8)
+        blocks = _blocks(codes.float(), *self.block)
+        return (blocks * parts["scale_inv"][..., :, None, :, None]).reshape(codes.shape)
+
+
+@dataclass(frozen=True)
+class Int8Channel(Format):
+    """Symmetric int8, one scale per output channel (absmax / 127)."""
+
+    name = "int8"
+    parts = ("codes", "scale")
+    block = (0, 1)
+    bits = 8
+
+    def _quantize(self, w_OI):
+        scale = w_OI.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+        return {"codes": torch.round(w_OI / scale).clamp(-127, 127).to(torch.int8), "scale": scale}
+
+    def _dequantize(self, parts):
+        return parts["codes"].float() * parts["scale"]
+
+
+NF4_CODES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+             0.7229568362236023, 1.0)
+"""QLoRA's NormalFloat4 (Dettmers et al. 2023, Appendix E): quantiles of N(0, 1) scaled to [-1, 1], with an
+exact zero."""
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The OCP MX FP4 (e2m1) values by 4-bit code."""
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes < 16, two per byte along the last dim, the first in the low nibble (gpt-oss's order)."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    low, high = (packed & 0x0F).long(), (packed >> 4).long()
+    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _nearest(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Each value's nearest entry of `table` (sorted ascending), as its index into `table`."""
+    midpoints = (table[1:] + table[:-1]) / 2
+    return torch.bucketize(values, midpoints)
+
+
+@dataclass(frozen=True)
+class Nf4(Format):
+    """QLoRA's NF4 storage, one fp32 absmax per block of 64 inputs (QLoRA's second quantization of the absmax,
+    0.37 bits per weight more saved, is left out)."""
+
+    name = "nf4"
+    parts = ("codes", "absmax")
+    block = (1, 64)
+    bits = 4
+
+    def _quantize(self, w_OI):
+        blocks = _blocks(w_OI, *self.block)
+        absmax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+        table = torch.tensor(NF4_CODES, device=w_OI.device)
+        codes = _nearest(blocks / absmax, table).reshape(w_OI.shape)
+        return {"codes": _pack_nibbles(codes), "absmax": absmax.reshape(*w_OI.shape[:-1], -1)}
+
+    def _dequantize(self, parts):
+        codes = _unpack_nibbles(parts["codes"])
+        values = torch.tensor(NF4_CODES, device=codes.device)[codes]
+        return (_blocks(values, *self.block) * parts["absmax"][..., None, :, None]).reshape(values.shape)
+
+
+@dataclass(frozen=True)
+class Mxfp4(Format):
+    """OCP MX FP4 as gpt-oss ships its experts: per output row, `blocks` [..., O, I/32, 16] (32 e2m1 codes in
+    16 bytes) and `scales` [..., O, I/32] (e8m0: the block's power of two + 127)."""
+
+    name = "mxfp4"
+    parts = ("blocks", "scales")
+    block = (1, 32)
+    bits = 4
+
+    def _quantize(self, w_OI):
+        blocks = _blocks(w_OI, *self.block).squeeze(-3)  # [..., O, I/32, 32]
+        absmax = blocks.abs().amax(dim=-1, keepdim=True)
+        # the scale that puts the block's largest value at or below 6 (e2m1's largest), as OCP's conversion does
+        exponent = torch.where(absmax > 0, torch.ceil(torch.log2(absmax.clamp(min=1e-30) / 6)), -127.0)
+        exponent = exponent.clamp(-127, 127)
+        table = torch.tensor(FP4_E2M1[:8], device=w_OI.device)  # the magnitudes
+        scaled = blocks / torch.exp2(exponent)
+        codes = _nearest(scaled.abs(), table) | ((scaled < 0).long() << 3)
+        return {"blocks": _pack_nibbles(codes), "scales": (exponent.squeeze(-1) + 127).to(torch.uint8)}
+
+    def _dequantize(self, parts):
+        codes = _unpack_nibbles(parts["blocks"])  # [..., O, I/32, 32]
+        values = torch.tensor(FP4_E2M1, device=codes.device)[codes]
+        values = torch.ldexp(values, parts["scales"].long()[..., None] - 127)
+        return values.flatten(-2)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (Fp8Block(), Int8Channel(), Nf4(), Mxfp4())}
+
+
+def part_name(weight: str, fmt: Format, part: str) -> str:
+    return PART_SEPARATOR.join((weight, fmt.name, part))
+
+
+def split_part_name(name: str) -> tuple[str, Format, str] | None:
+    """(weight, format, part) of a quantized part's name, None for any other name."""
+    pieces = name.split(PART_SEPARATOR)
+    if len(pieces) != 3 or pieces[1] not in FORMATS:
+        return None
+    return pieces[0], FORMATS[pieces[1]], pieces[2]
+
+
+def quantized_weights(named: Mapping[str, torch.Tensor]) -> dict[str, tuple[Format, Parts]]:
+    """{weight: (format, its parts)} of the quantized weights among `named` tensors (an expert's params, a
+    module's buffers)."""
+    found: dict[str, tuple[Format, Parts]] = {}
+    for name, tensor in named.items():
+        split = split_part_name(name)
+        if split is not None:
+            weight, fmt, part = split
+            found.setdefault(weight, (fmt, {}))[1][part] = tensor
+    return found
+
+
+def quantize_named(named: Mapping[str, torch.Tensor], fmt: Format, transposed: Callable[[str], bool],
+                   which: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """`named` with each weight that `which` names replaced by its parts in `fmt`; `transposed(name)`: the weight is
+    stored [..., in, out] (quantized as its transpose). The others are returned as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in named.items():
+        if not which(name):
+            out[name] = tensor
+            continue
+        w_OI = tensor.transpose(-2, -1) if transposed(name) else tensor
+        out.update({part_name(name, fmt, part): t for part, t in fmt.quantize(w_OI).items()})
+    return out
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """y = x w for a frozen w [K, N] (or [n, K, N] with grouped rows) that `make()` builds; backward makes w again
+    for dx = dy w^T rather than keeping it between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, make, multiply):
+        ctx.make, ctx.multiply = make, multiply
+        return multiply(x, make())
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.multiply(dy, ctx.make().transpose(-2, -1)), None, None
+
+
+def frozen_matmul(x: torch.Tensor, make: Callable[[], torch.Tensor],
+                  multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul) -> torch.Tensor:
+    """x times the frozen matrix `make()` returns, [K, N] (`multiply` = matmul) or [n, K, N] (`multiply` = a grouped
+    multiply over rows sorted by group), which is made in forward and again in backward, never kept: a
+    quantized weight's full-width copy lives for one multiply."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return multiply(x, make())
+    return _FrozenMatmul.apply(x, make, multiply)
+
+
+class QuantizedLinear(torch.nn.Linear):
+    """A frozen nn.Linear whose weight is held in a `Format`'s parts (buffers named `weight:<format>:<part>`),
+    dequantized at each use in `compute_dtype` (`frozen_matmul`); the bias stays as it was. peft wraps it like an
+    nn.Linear (it reads `compute_dtype` for the adapters' dtype, as for bitsandbytes' layers)."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: Format, parts: Parts | None = None):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fmt, self.compute_dtype = fmt, linear.weight.dtype
+        parts = fmt.quantize(linear.weight) if parts is None else parts
+        for part, tensor in parts.items():
+            self.register_buffer(part_name("weight", fmt, part), tensor)
+        self.bias = linear.bias
+
+    @property
+    def weight_parts(self) -> Parts:
+        return {part: self._buffers[part_name("weight", self.fmt, part)] for part in self.fmt.parts}
+
+    def dequantized(self) -> torch.Tensor:
+        return self.fmt.dequantize(self.weight_parts, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = frozen_matmul(x, lambda: self.dequantized().t())
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """Which frozen weights a job holds quantized, and in which format (`model.quantization`)."""
+
+    format: str
+    experts: bool = True  # the experts' weight stacks, on the ExpertManagers
+    backbone: bool = True  # the backbone's frozen linear layers on the master (not lm_head or modules trained in full)
+    keep_full: tuple[str, ...] = ()  # module names (a path ending) left at full width: peft's modules_to_save
+
+    @property
+    def fmt(self) -> Format:
+        return FORMATS[self.format]
+
+
+def _quantizable_linears(model: torch.nn.Module, spec: QuantizationSpec) -> list[tuple[torch.nn.Module, str, str]]:
+    """(parent, attribute, path) of each plain nn.Linear of the backbone that `spec` quantizes: every one but the
+    LM head and `keep_full`'s (peft's LoRA layers are walked into: their `base_layer` is one)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found, unfit = [], []
+    for path, parent in model.named_modules():
+        for name, child in parent.named_children():
+            full = f"{path}.{name}" if path else name
+            if type(child) is not torch.nn.Linear or child is head or ".lora_" in f".{full}":
+                continue  # a LoRA factor (peft's lora_A / lora_B linears) trains: never quantized
+            if any(full == keep or full.endswith(f".{keep}") or f".{keep}." in f".{full}." for keep in spec.keep_full):
+                continue
+            if spec.fmt.unfit(tuple(child.weight.shape)) is None:
+                found.append((parent, name, full))
+            else:  # a layer no whole number of blocks covers stays full width (transformers' modules_to_not_convert)
+                unfit.append(full)
+    if unfit:
+        logger.info("%d linear layers stay at full width, their shapes not whole %s blocks: %s", len(unfit),
+                    spec.format, ", ".join(unfit[:4]) + (" ..." if len(unfit) > 4 else ""))
+    return found
+
+
+def quantize_backbone(model: torch.nn.Module, spec: QuantizationSpec) -> int:
+    """Replace the backbone's frozen linear layers by `QuantizedLinear`s in `spec`'s format, in place (before or
+    after peft wraps them). Returns the bytes their weights took before minus after."""
+    saved = 0
+    for parent, name, _ in _quantizable_linears(model, spec):
+        linear = getattr(parent, name)
+        quantized = QuantizedLinear(linear, spec.fmt)
+        saved += linear.weight.nbytes - sum(t.nbytes for t in quantized.weight_parts.values())
+        setattr(parent, name, quantized)
+    return saved
+
+
+def round_trip_model(model: torch.nn.Module, spec: QuantizationSpec) -> torch.nn.Module:
+    """`model` with every weight `spec` quantizes replaced, in place, by its dequantized value in the weight's
+    dtype: the model a quantized job computes with, as plain modules peft can train (the reference of the tests
+    and of `benchmarks/quantized_experts.py`)."""
+    from vela_ray.model.experts import weight_stacks
+    from vela_ray.model.modeling import find_moe_blocks
+
+    fmt = spec.fmt
+    with torch.no_grad():
+        if spec.backbone:
+            for parent, name, _ in _quantizable_linears(model, spec):
+                weight = getattr(parent, name).weight
+                weight.copy_(fmt.dequantize(fmt.quantize(weight), weight.dtype))
+        if spec.experts:
+            for block in find_moe_blocks(model):
+                experts = block.block.experts
+                for stack in weight_stacks(experts):
+                    weight = getattr(experts, stack)
+                    transposed = bool(getattr(experts, "is_transposed", False))
+                    w_OI = weight.transpose(-2, -1) if transposed else weight
+                    back = fmt.dequantize(fmt.quantize(w_OI), weight.dtype)
+                    weight.copy_(back.transpose(-2, -1) if transposed else back)
+    return model
+
+
+def quantize_expert_params(params: Mapping[str, torch.Tensor], prototype: torch.nn.Module,
+                           spec: QuantizationSpec) -> dict[str, torch.Tensor]:
+    """One expert's params (`ExpertParams`) with its weight stacks in `spec`'s format (as `[out, in]` parts;
+    `prototype`: its layer's experts module, for which names are stacks and their layout)."""
+    from vela_ray.model.experts import weight_stacks
+
+    stacks = set(weight_stacks(prototype))
+    transposed = bool(getattr(prototype, "is_transposed", False))
+    return quantize_named(params, spec.fmt, lambda name: transposed, lambda name: name in stacks)
