@@ -124,7 +124,7 @@ def reference_losses(config: JobConfig, device: str = "cpu") -> tuple[list[float
                            train.micro_batch_size or train.batch_size) for step in range(train.steps)]
     return peft_losses(config.model.path, config.lora.init_adapter, steps, train.optimizer, device,
                        step_seeds=[step_seed(train.seed, step) for step in range(train.steps)],
-                       lora_dropout=config.lora.lora_dropout)
+                       lora_dropout=config.lora.lora_dropout, quantization=config.quantization_spec)
 
 
 # The MoE families of the installed transformers that vela-ray refuses, with what the refusal says,

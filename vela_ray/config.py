@@ -79,12 +79,49 @@ class _Section(BaseModel):
     refusals: ClassVar[tuple[Refusal, ...]] = ()  # what this feature cannot combine with (`Refusal`)
 
 
+class QuantizationSection(_Section):
+    """`model.quantization`: frozen weights held quantized where they live (the experts on the ExpertManagers, the
+    backbone's linear layers on the master), dequantized at each use (`vela_ray.model.quantization`); LoRA, its
+    gradients and AdamW stay fp32. LOSSY against the full-width model (the quantization), exact against peft on
+    the dequantized one."""
+
+    refusals = (
+        Refusal("model.quantization and mode: expert_parallel",
+                "the expert-parallel baseline runs plain transformers modules", "use mode: vela",
+                lambda job: job.model.quantization.on and job.mode != "vela"),
+        Refusal("model.quantization.backbone and cluster.master_tp above 1 or masters.shard_frozen_backbone",
+                "tensor parallelism and FSDP2 shard nn.Linear weights, and a quantized layer's are its format's "
+                "blocks", "set model.quantization.backbone: false, or master_tp: 1 and shard_frozen_backbone: false",
+                lambda job: job.model.quantization.on and job.model.quantization.backbone
+                and (job.cluster.master_tp > 1 or job.masters.shard_frozen_backbone)),
+        Refusal("model.quantization.experts and expert_tiers.enabled",
+                "the tiers' device cache and speed probes read full-width expert stacks",
+                "set model.quantization.experts: false or expert_tiers.enabled: false",
+                lambda job: job.model.quantization.on and job.model.quantization.experts and job.expert_tiers.enabled),
+    )
+
+    format: Literal["none", "fp8", "int8", "nf4", "mxfp4"] = Field(
+        "none", description="storage format of the frozen weights: fp8 (e4m3, a scale per 128x128 block: "
+                            "DeepSeek-V3's), int8 (a scale per output channel), nf4 (QLoRA's, a scale per 64 inputs), "
+                            "mxfp4 (gpt-oss's, an e8m0 scale per 32 inputs); none: the checkpoint's own width")
+    experts: bool = Field(True, description="hold the experts' weight stacks quantized on the ExpertManagers")
+    backbone: bool = Field(True, description="hold the backbone's frozen linear layers quantized on the master "
+                                             "(not lm_head, not lora.modules_to_save); a layer no whole number of "
+                                             "blocks covers stays full width")
+
+    @property
+    def on(self) -> bool:
+        return self.format != "none" and (self.experts or self.backbone)
+
+
 class ModelSection(_Section):
     path: UserPath = Field(description="Hugging Face checkpoint directory (config.json + safetensors)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype of backbone and experts")
     trust_remote_code: bool = Field(
         False, description="run the model's own code (config.json's auto_map) in every process that reads it; "
                            "preflight then checks its math against peft on a debug-size copy")
+    quantization: QuantizationSection = Field(
+        default_factory=QuantizationSection, description="frozen weights in FP8, int8, NF4 or MXFP4 (LOSSY)")
 
 
 class LoraSection(_Section):
@@ -772,6 +809,16 @@ class JobConfig(_Section):
         from vela_ray.model.adapters import resolve_expert_lora_of
 
         return resolve_expert_lora_of(self.model.path, spec, self.model.trust_remote_code)
+
+    @property
+    def quantization_spec(self):
+        """`vela_ray.model.quantization.QuantizationSpec` of `model.quantization`, None when nothing is quantized."""
+        section = self.model.quantization
+        if not section.on:
+            return None
+        from vela_ray.model.quantization import QuantizationSpec
+
+        return QuantizationSpec(section.format, section.experts, section.backbone, tuple(self.lora.modules_to_save))
 
     @property
     def torch_dtype(self):

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -195,11 +196,13 @@ def _leading_dim(experts) -> int:
 
 
 def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torch.dtype | None = None,
-                 trust_remote_code: bool = False) -> ExpertWeights:
+                 trust_remote_code: bool = False,
+                 convert: Callable[[tuple[int, int], ExpertParams], ExpertParams] | None = None) -> ExpertWeights:
     """{(layer, expert): {parameter name: slice}} for exactly `keys`, memory-mapped reads.
 
     The names are the experts class's own parameters (and buffers), read as transformers
-    would load them (see the module docstring), one expert's rows at a time.
+    would load them (see the module docstring), one expert's rows at a time. `convert(key, params)`: what is
+    kept of each expert, applied as it is read (a worker quantizes there, so one expert is at full width at a time).
     """
     ckpt = checkpoint_layout(model_key(model_dir, trust_remote_code))
     out: ExpertWeights = {}
@@ -212,7 +215,8 @@ def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torc
             params: ExpertParams = {
                 name: _read_expert_tensor(files, ckpt, f"{ckpt.experts_paths[layer]}.{name}", expert, model_dir)
                 for name in names}
-            out[(layer, expert)] = {n: t.to(dtype) if dtype is not None else t for n, t in params.items()}
+            params = {n: t.to(dtype) if dtype is not None else t for n, t in params.items()}
+            out[(layer, expert)] = convert((layer, expert), params) if convert is not None else params
     return out
 
 

@@ -167,7 +167,7 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def _nearest(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Each value's nearest entry of `table` (sorted ascending), as its index into `table`."""
     midpoints = (table[1:] + table[:-1]) / 2
-    return torch.bucketize(values, midpoints)
+    return torch.bucketize(values.contiguous(), midpoints)
 
 
 @dataclass(frozen=True)

@@ -160,9 +160,12 @@ class StepAccounting:
         timings = {**state.timings_s, **({"train_s": state.timings_s["train_s"] + state.earlier.train_s}
                                          if "train_s" in state.timings_s else {})}
         history, routed = state.history, state.tokens_routed_LE
+        reports = live.workers.reports()
         return RunSummary(
             mode="vela", method=config.training.method, row_format=config.data_plane.row_format,
             data_plane=live.hosted.transport.describe(), family_check=config.family_check,
+            quantization=quantization_label(config.model.quantization),
+            bytes_per_expert=next((r.bytes_per_expert for r in reports if r.bytes_per_expert), None),
             steps=len(history), losses=[h.loss for h in history],
             eval_loss=history[-1].eval_loss if history else None,
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
@@ -183,6 +186,13 @@ class StepAccounting:
             migrations=state.migrations, replans=state.replans, recoveries=state.recoveries, resumes=state.resumes,
             run_id=None if state.identity is None else state.identity.run_id,
             condensation=CondensationRecord.of(dispatcher.condenser, self.peers_condensed),
-            expert_tiers=[report.tiers for report in live.workers.reports() if report.tiers is not None],
+            expert_tiers=[report.tiers for report in reports if report.tiers is not None],
             report=run_file(config.output, out_dir, "report.html"),
         )
+
+
+def quantization_label(section) -> str | None:
+    """"nf4: experts, backbone": `model.quantization`'s format and what it holds in it; None when it is off."""
+    if not section.on:
+        return None
+    return f"{section.format}: " + ", ".join(part for part in ("experts", "backbone") if getattr(section, part))

@@ -114,6 +114,7 @@ def manager_specs(config: JobConfig, table: np.ndarray, device: str = "cpu") -> 
             model_dir=str(config.model.path.resolve()), lora=lora,
             optim=config.training.optimizer, seed=config.training.seed, dtype=config.model.dtype, device=device,
             tiers=config.expert_tiers, trust_remote_code=config.model.trust_remote_code,
+            quantization=config.quantization_spec,
         )
         for n in range(config.cluster.num_workers)
     ]

@@ -279,15 +279,18 @@ def rounding_excess(drifts: Drifts) -> list[str]:
 
 def peft_losses(model_dir: str, adapter_dir: str, step_batches: Sequence[list[dict[str, torch.Tensor]]],
                 optim: OptimizerConfig, device: str | torch.device = "cpu", step_seeds: Sequence[int] | None = None,
-                lora_dropout: float = 0.0) -> tuple[list[float], dict]:
+                lora_dropout: float = 0.0, quantization: QuantizationSpec | None = None) -> tuple[list[float], dict]:
     """Plain transformers + peft from `model_dir` and the start adapter `adapter_dir`, a step per entry of
     `step_batches` (its micro-batches, the loss of each divided by their number), global-norm clipping,
     `optim`'s AdamW and schedule: the reference a whole job is held to. (losses, the adapter's state after).
     `step_seeds`: torch's seed at each step's start (the job's `step.step_seed`), so `lora_dropout` (the job's,
-    replacing the start adapter's) draws the job's masks."""
+    replacing the start adapter's) draws the job's masks. `quantization`: the job's (`model.quantization`): the
+    weights it names are dequantized from their format (`quantization.round_trip_model`)."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, use_cache=False)  # as vela-ray's master: packed rows
+    if quantization is not None:
+        round_trip_model(base, quantization)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True).to(device)
     if lora_dropout:
         for module in model.modules():

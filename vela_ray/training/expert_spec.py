@@ -15,9 +15,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PretrainedConfig
 
-from vela_ray.model.experts import ExpertWeights, LoraSpec
+from vela_ray.model.experts import ExpertParams, ExpertWeights, LoraSpec
 from vela_ray.model.loading import checkpoint_prototypes, read_experts
 from vela_ray.model.modeling import experts_prototypes
+from vela_ray.model.quantization import QuantizationSpec, quantize_expert_params
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
 
@@ -50,6 +51,9 @@ class ExpertManagerSpec(BaseModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the experts run")
     tiers: ExpertTiersConfig = Field(default_factory=ExpertTiersConfig, description="APTMoE's CPU/device tiers: "
                                      "experts in host memory, `device` only the tier of a bounded cache")
+    quantization: QuantizationSpec | None = Field(
+        None, description="`model.quantization`: the experts' weight stacks held in its format, each expert "
+                          "quantized as it is read (its full-width copy lives for that expert only)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ExpertManagerSpec":
@@ -68,11 +72,31 @@ class ExpertManagerSpec(BaseModel):
 
 
 def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
-    """The spec's experts as {(layer, expert): {parameter: slice}} and each layer's experts prototype."""
+    """The spec's experts as {(layer, expert): {parameter: slice}} and each layer's experts prototype; with
+    `spec.quantization` on the experts, their stacks as its format's parts, each quantized as it is read."""
     dtype = _DTYPES[spec.dtype] if spec.dtype else None
+    quantized = spec.quantization if spec.quantization is not None and spec.quantization.experts else None
     if spec.weights is not None:
-        weights = {k: {n: t.to(dtype) if dtype else t for n, t in spec.weights[k].items()} for k in spec.keys}
-        return weights, experts_prototypes(spec.hf_config)
+        prototypes = experts_prototypes(spec.hf_config)
+        weights = {k: _held(k, {n: t.to(dtype) if dtype else t for n, t in spec.weights[k].items()}, prototypes,
+                            quantized) for k in spec.keys}
+        return weights, prototypes
     trust = spec.trust_remote_code
-    return (read_experts(spec.model_dir, list(spec.keys), dtype=dtype, trust_remote_code=trust),
-            checkpoint_prototypes(spec.model_dir, trust))
+    prototypes = checkpoint_prototypes(spec.model_dir, trust)
+    return (read_experts(spec.model_dir, list(spec.keys), dtype=dtype, trust_remote_code=trust,
+                         convert=lambda key, params: _held(key, params, prototypes, quantized)),
+            prototypes)
+
+
+def _held(key: tuple[int, int], params: ExpertParams, prototypes: dict, quantized: QuantizationSpec | None
+          ) -> ExpertParams:
+    """One expert's params as the worker holds them: quantized where the job says so."""
+    return params if quantized is None else quantize_expert_params(params, prototypes[key[0]], quantized)
+
+
+def compute_dtype(spec: ExpertManagerSpec, weights: ExpertWeights) -> torch.dtype:
+    """What the spec's experts compute in: `spec.dtype`, else their stored floating dtype (fp32 if none is)."""
+    if spec.dtype:
+        return _DTYPES[spec.dtype]
+    stored = (t.dtype for params in weights.values() for t in params.values() if t.is_floating_point())
+    return next(stored, torch.float32)

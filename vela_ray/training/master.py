@@ -26,6 +26,7 @@ from vela_ray.model.broker import ExpertDispatcher
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
+from vela_ray.model.quantization import QuantizationSpec, quantize_backbone
 from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.expert_workers import ExpertWorkers
@@ -91,6 +92,7 @@ class MasterSpec:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     activation_checkpointing: bool = False
     overlap_shared_experts: bool = True  # `training.overlap.shared_experts`, where the job allows it
+    quantization: QuantizationSpec | None = None  # `model.quantization`: the backbone's frozen linears held quantized
 
 
 def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
@@ -163,6 +165,9 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
     stats = None
     if mesh is not None or node is not None or not read:
         stats = shard_and_read(master, spec, mesh, node, holds_backbone=read)
+    if spec.quantization is not None and spec.quantization.backbone:  # read whole, then held quantized
+        saved = quantize_backbone(master.peft_model, spec.quantization)
+        logger.info("backbone linear layers held in %s: %.1f MB fewer", spec.quantization.format, saved / 1e6)
     master.peft_model.to(spec.device)
     if dp_mesh is not None:
         tensor_parallel.shard_frozen(master.peft_model, dp_mesh)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vela_ray.errors import ExpertWorkerError
 from vela_ray.model.experts import ExpertKey, ExpertShard, ExpertWeights
-from vela_ray.training.expert_spec import ExpertManagerSpec, load_expert_weights
+from vela_ray.training.expert_spec import ExpertManagerSpec, compute_dtype, load_expert_weights
 from vela_ray.training.optim import ShardTrainer
 from vela_ray.training.tiered import TieredExperts
 
@@ -48,7 +48,7 @@ class Hosting(NamedTuple):
     keys: list[ExpertKey]
     shard: ExpertShard
     trainer: ShardTrainer | None  # None without experts: torch's AdamW refuses an empty parameter list
-    dtype: torch.dtype  # the frozen weights', which rows are decoded to (`vela_ray.model.wire`)
+    dtype: torch.dtype  # what the frozen weights compute in, which rows are decoded to (`vela_ray.model.wire`)
     tiers: TieredExperts | None  # APTMoE's tiers (`vela_ray.training.tiered`), None when `spec.tiers` is off
 
 
@@ -58,9 +58,9 @@ def host_experts(spec: ExpertManagerSpec, weights: ExpertWeights, prototypes: di
     state. `previous_tiers`: this worker's tiers before a re-hosting, whose speeds, predictor and counters
     go on."""
     keys: list[ExpertKey] = sorted(weights)
-    shard = ExpertShard.from_weights(weights, spec.lora, prototypes, seed=spec.seed).to(device)
+    dtype = compute_dtype(spec, weights)
+    shard = ExpertShard.from_weights(weights, spec.lora, prototypes, seed=spec.seed, dtype=dtype).to(device)
     trainer = ShardTrainer(shard, spec.optim) if keys else None
-    dtype = next(iter(next(iter(weights.values())).values())).dtype if weights else torch.float32
     tiers = TieredExperts(shard, prototypes, spec.lora, spec.tiers, torch.device(spec.device), spec.worker,
                           previous=previous_tiers) if spec.tiers.enabled else None
     return Hosting(keys, shard, trainer, dtype, tiers)

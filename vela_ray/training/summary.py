@@ -310,6 +310,12 @@ class RunSummary(_Record):
     data_plane: str = ""
     """What carried the rows between master and workers (`Transport.describe`): "collective (gloo)",
     "collective (nccl)", "object_ref", "in-process", or a split such as "collective (nccl) + in-process"."""
+    quantization: str | None = None
+    """`model.quantization`: the format the frozen weights were held in and where ("nf4: experts, backbone"); None:
+    at the checkpoint's width. LOSSY against the full-width model."""
+    bytes_per_expert: int | None = None
+    """Mean bytes one hosted expert took on its worker: frozen weights (quantized or not), LoRA, its gradient and
+    AdamW moments (`worker_report.bytes_per_expert`): what the placement's capacity was sized by."""
     family_check: str | None = None
     """How the model's family was verified equal to peft before the run (`vela_ray.training.family_check`):
     by the test suite at the installed versions, or by preflight on a debug-size copy."""

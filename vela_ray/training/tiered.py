@@ -358,7 +358,7 @@ def seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, rep
 
 def _seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, repeats: int) -> float:
     device = layer_experts.local_of.device
-    dtype = getattr(layer_experts.module, layer_experts.stacks[0]).dtype
+    dtype = layer_experts.dtype
     ids_R = torch.full((num_rows,), expert, dtype=torch.long)  # on the host, as the broker sends them
     rows_RD = torch.randn(num_rows, layer_experts.hidden_size, dtype=dtype, device=device, requires_grad=True)
     timings = []

@@ -1,0 +1,183 @@
+"""Frozen weights held quantized (`model.quantization`, `vela_ray.model.quantization`): each format's storage and
+rounding, the multiply that never keeps a full-width weight, and training equal to peft on the dequantized model:
+in one process for four families and every format, and as a whole job."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from peft import PeftModel, get_peft_model_state_dict
+
+from tests.equivalence import micro_batches, reference_adapter_state, run_both
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
+from vela_ray.config import JobConfig
+from vela_ray.model.experts import ExpertShard
+from vela_ray.model.families import debug_model
+from vela_ray.model.quantization import (
+    FORMATS, NF4_CODES, QuantizationSpec, QuantizedLinear, frozen_matmul, quantize_backbone, round_trip_model,
+)
+from vela_ray.model.modeling import experts_prototypes
+from vela_ray.training import equivalence
+from vela_ray.training.adapter_io import export
+
+
+def export_dir(pair, tmp_path):
+    export(pair.master, pair.workers, tmp_path / "adapter")
+    return tmp_path / "adapter"
+
+# widths every format's blocks divide (fp8: 128 x 128)
+WIDE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_format_holds_its_bytes_in_integer_codes_and_reads_back_within_its_rounding(name):
+    fmt = FORMATS[name]
+    w = torch.randn(3, 256, 128, generator=torch.Generator().manual_seed(0))  # an expert stack [E, out, in]
+    parts = fmt.quantize(w)
+    assert set(parts) == set(fmt.parts)
+    assert all(not t.is_floating_point() or t.dtype == torch.float32 for t in parts.values())
+    assert all(t.shape[0] == 3 for t in parts.values())  # per expert: slices, stacks and migrates as weights do
+    assert sum(t.nbytes for t in parts.values()) == fmt.nbytes(tuple(w.shape))
+    back = fmt.dequantize(parts, torch.float32)
+    assert back.shape == w.shape
+    # each format's rounding: half a step of its grid at the block's scale
+    bound = {"fp8": 2 ** -4 * w.abs().max(), "int8": w.abs().amax(-1, keepdim=True) / 127 / 2,
+             "nf4": w.abs().max() * max(b - a for a, b in zip(NF4_CODES, NF4_CODES[1:])) / 2,
+             "mxfp4": w.abs().max() * 2 ** -1}[name]
+    assert bool(((back - w).abs() <= bound + 1e-6).all())
+    assert torch.equal(fmt.dequantize(parts, torch.float32), back)  # the same every time
+    # the bytes a worker holds against bf16's
+    ratio = fmt.nbytes(tuple(w.shape)) / (w.numel() * 2)
+    assert ratio <= {"fp8": 0.55, "int8": 0.55, "nf4": 0.3, "mxfp4": 0.3}[name], ratio
+
+
+@pytest.mark.parametrize("name", sorted(set(FORMATS) - {"int8"}))
+def test_a_weight_no_whole_number_of_blocks_covers_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=f"to {name}: its .out, in. = .100, 100. is not a whole number"):
+        FORMATS[name].quantize(torch.randn(100, 100))
+    assert FORMATS["int8"].unfit((100, 100)) is None  # a scale per output channel fits any shape
+
+
+def test_the_multiply_keeps_no_full_width_weight_between_forward_and_backward():
+    linear = torch.nn.Linear(256, 128, bias=True)
+    quantized = QuantizedLinear(linear, FORMATS["nf4"])
+    x = torch.randn(4, 256, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        y = quantized(x)
+    assert all(n < linear.weight.numel() for n in saved), saved
+    y.square().sum().backward()
+    # the gradient is that of the dequantized weight's layer
+    reference = torch.nn.Linear(256, 128)
+    with torch.no_grad():
+        reference.weight.copy_(quantized.dequantized())
+        reference.bias.copy_(linear.bias)
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    # no gradient reaches the frozen parts; the whole layer holds nf4's bytes
+    assert not any(t.requires_grad for t in quantized.weight_parts.values())
+    assert sum(t.nbytes for t in quantized.weight_parts.values()) == FORMATS["nf4"].nbytes((128, 256))
+
+
+def test_frozen_matmul_without_grad_is_one_multiply():
+    w = torch.randn(8, 4)
+    x = torch.randn(3, 8)
+    assert torch.equal(frozen_matmul(x, lambda: w), x @ w)
+
+
+# AdamW with an eps above rounding-level gradients: its first steps otherwise move an element whose gradient is
+# a rounding error from 0 by a whole lr, either way, and quantized weights leave more such elements (the step-0
+# gradients agree to 3e-6 of their largest either way).
+OPTIM = equivalence.OPTIM.model_copy(update={"eps": 1e-5})
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_training_on_quantized_weights_equals_peft_on_the_dequantized_model(family, name, tmp_path):
+    """Experts on three shards and the backbone's linears held in `name`; peft trains the same model with those
+    weights dequantized: losses rel 1e-5 and the exported adapter equal over 3 steps (fp32)."""
+    spec = QuantizationSpec(name)
+    overrides = {"mixtral": {k: WIDE[k] for k in ("hidden_size", "intermediate_size")},
+                 "qwen3_moe": {**WIDE, "head_dim": 32}, "gpt_oss": {**WIDE, "head_dim": 32}
+                 }.get(family, WIDE)  # some attention layers in whole blocks
+    make_model = functools.partial(debug_model, family, seed=0, **overrides)
+    pair = equivalence.build_pair(make_model, quantization=spec, optim=OPTIM)
+    for shard in pair.trainers:  # every hosted stack is held as its format's parts, none at full width
+        for layer in shard.shard.layers.values():
+            assert set(layer.quantized) == set(layer.stacks)
+            assert not any(p.dim() == 3 for p in layer.module.parameters())
+    quantized = [m for m in pair.master.peft_model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized, "no backbone linear layer was quantized"
+    ref_losses, vela_losses = run_both(pair, steps=3)
+    torch.testing.assert_close(torch.tensor(vela_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    # The export is peft's adapter: on the dequantized model, plain peft computes what vela-ray's model computes.
+    # (Not compared tensor by tensor with the reference's: AdamW's first steps move an element whose gradient is a
+    # rounding error from 0 by up to 2 lr; the losses above are the equality check, as in test_every_family.)
+    reloaded = PeftModel.from_pretrained(round_trip_model(make_model(), spec), export_dir(pair, tmp_path))
+    assert get_peft_model_state_dict(reloaded).keys() == reference_adapter_state(pair).keys()
+    batch = micro_batches(99)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(**batch).loss, pair.master.peft_model.eval()(**batch).loss,
+                                   rtol=1e-5, atol=0)
+
+
+def test_weights_of_a_quantized_shard_move_as_their_parts():
+    """Migration and replicas take a shard's `weights()`: quantized experts leave as their parts and rebuild into an
+    equal shard, never dequantized on the way."""
+    pair = equivalence.build_pair(functools.partial(debug_model, "mixtral", seed=0, hidden_size=128,
+                                                    intermediate_size=128), quantization=QuantizationSpec("nf4"))
+    shard = pair.trainers[0].shard
+    weights = shard.weights()
+    assert all(any(":nf4:" in name for name in params) for params in weights.values())
+    prototypes = experts_prototypes(pair.master.peft_model.get_base_model().config)
+    rebuilt = ExpertShard.from_weights(weights, equivalence.LORA, prototypes, dtype=torch.float32)
+    layer = next(iter(shard.layers))
+    ids = torch.tensor(shard.layers[layer].expert_ids * 2)
+    rows = torch.randn(len(ids), 128)
+    rebuilt.load_lora_state(shard.lora_state())
+    torch.testing.assert_close(rebuilt.forward_rows(int(layer), ids, rows), shard.forward_rows(int(layer), ids, rows))
+
+
+def test_the_backbone_keeps_lm_head_and_modules_trained_in_full_at_full_width():
+    model = debug_model("qwen3_moe", seed=0, **WIDE)
+    quantize_backbone(model, QuantizationSpec("int8", keep_full=("o_proj",)))
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert kinds["lm_head"] == "Linear"
+    assert kinds["model.layers.0.self_attn.o_proj"] == "Linear"
+    assert kinds["model.layers.0.self_attn.q_proj"] == "QuantizedLinear"
+
+
+def test_bad_settings_are_one_line_before_anything_runs(tmp_path):
+    base = job_dict(tmp_path / "model", tmp_path / "out")
+    for section, fix in [({"mode": "expert_parallel"}, "use mode: vela"),
+                         ({"cluster": {"master_tp": 2}}, "model.quantization.backbone: false"),
+                         ({"expert_tiers": {"enabled": True}}, "model.quantization.experts: false")]:
+        raw = {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v for k, v in section.items()}}
+        raw["model"] = {**raw["model"], "quantization": {"format": "nf4"}}
+        with pytest.raises(ValueError, match=fix):
+            JobConfig.from_dict(raw)
+    with pytest.raises(ValueError, match="model.quantization.format"):
+        JobConfig.from_dict({**base, "model": {**base["model"], "quantization": {"format": "nf3"}}})
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("quantized") / "model", hidden_size=128, intermediate_size=128)
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("name", ["fp8", "nf4"])
+def test_a_quantized_job_trains_equal_to_peft_on_the_dequantized_checkpoint(wide_model, tmp_path, name):
+    """The whole job in one process: workers quantize each expert as they read it, the master its backbone after
+    reading it; plain peft on the checkpoint with those weights dequantized gives the same losses."""
+    job = job_dict(wide_model, tmp_path / "out", steps=3, model={"quantization": {"format": name}},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(wide_model, tmp_path / "init"))},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    config = JobConfig.from_dict(job)
+    summary = run_in_process(config)
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
