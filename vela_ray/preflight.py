@@ -73,6 +73,7 @@ def preflight(config: JobConfig) -> Preflight:
     `output.dir` is held: a run going on there now is refused before anything is moved or written."""
     check_trackers(config.training)
     model = check_model(config.model)
+    check_quantization(config.model)
     check_capacity(config.placement, config.cluster, model)
     check_seq_len(config.data, config.model.path, model)
     check_placement_file(config.placement, config.cluster, model)
@@ -127,6 +128,35 @@ def check_model(model: ModelSection) -> ModelFacts:
         raise ValueError(f"model.path {model_dir}: {first_line(err)}") from None
     return ModelFacts(model_type=text_config.model_type, num_layers=num_layers, num_experts=num_experts,
                       max_positions=getattr(text_config, "max_position_embeddings", None))
+
+
+def check_quantization(model: ModelSection) -> None:
+    """A checkpoint shipped quantized is one vela-ray reads, whole (every scale there, shaped as its blocks need),
+    and trained as shipped or dequantized; `model.quantization` quantizes every expert stack into whole blocks of
+    its format. One line naming the tensor, stack or setting otherwise (`vela_ray.model.shipped`)."""
+    from vela_ray.model.experts import lora_in_out, weight_stacks
+    from vela_ray.model.loading import checkpoint_prototypes
+    from vela_ray.model.quantization import FORMATS
+    from vela_ray.model.shipped import check_shipped
+
+    try:
+        shipped = check_shipped(model.path)
+    except ValueError as err:
+        raise ValueError(first_line(err)) from None
+    wanted = model.quantization
+    if shipped is not None and wanted.format not in ("none", shipped):
+        raise ValueError(f"model.quantization.format: {wanted.format}, but {model.path} is shipped in {shipped}: "
+                         f"set {shipped} to train it as shipped, or none to dequantize it")
+    if not (wanted.on and wanted.experts) or wanted.format == shipped:
+        return
+    fmt = FORMATS[wanted.format]
+    for layer, experts in checkpoint_prototypes(model.path, model.trust_remote_code).items():
+        for stack in weight_stacks(experts):
+            in_features, out_features = lora_in_out(experts, stack)
+            why = fmt.unfit((out_features, in_features))
+            if why:
+                raise ValueError(f"model.quantization.format: {wanted.format} cannot hold {type(experts).__name__}."
+                                 f"{stack} of MoE layer {layer}: {why}; use fp8 or int8, or experts: false")
 
 
 def check_family(model: ModelSection) -> str:

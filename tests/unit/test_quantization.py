@@ -5,6 +5,7 @@ in one process for four families and every format, and as a whole job."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_lo
 from vela_ray.config import JobConfig
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_model
+from vela_ray.model.shipped import write_shipped
 from vela_ray.model.quantization import (
     FORMATS, NF4_CODES, QuantizationSpec, QuantizedLinear, frozen_matmul, quantize_backbone, round_trip_model,
 )
@@ -54,11 +56,20 @@ def test_a_format_holds_its_bytes_in_integer_codes_and_reads_back_within_its_rou
     assert ratio <= {"fp8": 0.55, "int8": 0.55, "nf4": 0.3, "mxfp4": 0.3}[name], ratio
 
 
-@pytest.mark.parametrize("name", sorted(set(FORMATS) - {"int8"}))
+@pytest.mark.parametrize("name", ["nf4", "mxfp4"])
 def test_a_weight_no_whole_number_of_blocks_covers_is_refused_by_name(name):
     with pytest.raises(ValueError, match=f"to {name}: its .out, in. = .100, 100. is not a whole number"):
         FORMATS[name].quantize(torch.randn(100, 100))
     assert FORMATS["int8"].unfit((100, 100)) is None  # a scale per output channel fits any shape
+
+
+def test_fp8_covers_a_partial_edge_block_as_deepseek_v3s_checkpoint_does():
+    """DeepSeek-V3's kv_a_proj_with_mqa is [576, 7168]: its scale_inv is [5, 56], the last block row half full."""
+    w = torch.randn(576 // 4, 7168 // 28) * 0.02  # [144, 256]: 1.125 x 2 blocks
+    parts = FORMATS["fp8"].quantize(w)
+    assert parts["codes"].shape == (144, 256) and parts["scale_inv"].shape == (2, 2)
+    back = FORMATS["fp8"].dequantize(parts, torch.float32)
+    assert float((back - w).abs().max()) <= 2 ** -4 * float(w.abs().max())
 
 
 def test_the_multiply_keeps_no_full_width_weight_between_forward_and_backward():
@@ -181,3 +192,110 @@ def test_a_quantized_job_trains_equal_to_peft_on_the_dequantized_checkpoint(wide
     summary = run_in_process(config)
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+# --- checkpoints shipped quantized: DeepSeek-V3's FP8, gpt-oss's MXFP4 ---------------------------------------------
+
+SHIPPED = {  # family -> (format, the debug widths its blocks need, what the shipped layout quantizes)
+    "deepseek_v3": ("fp8", dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128,
+                                kv_lora_rank=128), {}),
+    "gpt_oss": ("mxfp4", dict(hidden_size=128, intermediate_size=128), {"backbone": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def shipped_models(tmp_path_factory):
+    """{family: (full-width checkpoint, the same written as the family ships it quantized)}."""
+    root = tmp_path_factory.mktemp("shipped")
+    out = {}
+    for family, (name, widths, _) in SHIPPED.items():
+        full = make_checkpoint(root / family, family=family, **widths)
+        out[family] = (full, write_shipped(full, root / f"{family}-{name}", name))
+    return out
+
+
+def test_shipped_layouts_dequantize_as_transformers_does():
+    """gpt-oss's MXFP4 read as transformers' own integration reads it; DeepSeek-V3's FP8 as its Fp8Dequantize op."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(1))  # gpt-oss's [E, in, out]
+    parts = FORMATS["mxfp4"].quantize(w.transpose(-2, -1))
+    theirs = convert_moe_packed_tensors(parts["blocks"], parts["scales"], dtype=torch.float32)
+    torch.testing.assert_close(FORMATS["mxfp4"].dequantize(parts, torch.float32).transpose(-2, -1), theirs,
+                               rtol=0, atol=0)
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(2))
+    parts = FORMATS["fp8"].quantize(w)
+    theirs = Fp8Dequantize(None)._dequantize_one(parts["codes"].view(torch.float8_e4m3fn), parts["scale_inv"],
+                                                 torch.float32)
+    torch.testing.assert_close(FORMATS["fp8"].dequantize(parts, torch.float32), theirs, rtol=0, atol=0)
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("family", sorted(SHIPPED))
+@pytest.mark.parametrize("held", ["shipped", "none"])
+def test_a_shipped_checkpoint_trains_equal_to_peft_on_its_dequantized_weights(shipped_models, tmp_path, family,
+                                                                                held):
+    """The workers read each expert's stacks as shipped and keep them so (`format` = the shipped one) or dequantize
+    them (`none`); the master dequantizes its FP8 backbone as it reads it. Plain peft on the dequantized weights
+    (the full-width checkpoint, rounded through the format) gives the same losses."""
+    full, shipped = shipped_models[family]
+    name, _, where = SHIPPED[family]
+    quantization = {"format": name if held == "shipped" else "none", **where}
+    job = job_dict(shipped, tmp_path / "out", steps=3, model={"quantization": quantization},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(full, tmp_path / "init"))},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    config = JobConfig.from_dict(job)
+    config.preflight()
+    summary = run_in_process(config)
+    reference = config.model_copy(update={"model": config.model.model_copy(update={
+        "path": full, "quantization": config.model.quantization.model_copy(update={"format": name, **where})})})
+    ref_losses, _ = reference_losses(reference)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def _without(path, drop: str, out):
+    """A copy of the checkpoint at `path` without tensor `drop`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors = load_file(out / "model.safetensors")
+    del tensors[drop]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_bad_quantized_checkpoints_and_settings_are_one_line_before_ray(shipped_models, tmp_path):
+    full, shipped = shipped_models["deepseek_v3"]
+    scale = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+
+    def preflight(model_dir, **quantization):
+        job = job_dict(model_dir, tmp_path / "out", model={"quantization": quantization})
+        return JobConfig.from_dict(job).preflight()
+
+    with pytest.raises(ValueError, match=f"q_a_proj.weight is stored in fp8 without its {scale}"):
+        preflight(_without(shipped, scale, tmp_path / "no-scale"), format="fp8")
+    misshapen = tmp_path / "misshapen"
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(shipped, misshapen)
+    tensors = load_file(misshapen / "model.safetensors")
+    tensors[scale] = torch.ones(2, 2)  # as 64 x 64 blocks would scale it
+    save_file(tensors, misshapen / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weight_scale_inv is \[2, 2\], but 128x128 blocks .* need \[1, 1\]"):
+        preflight(misshapen, format="fp8")
+    with pytest.raises(ValueError, match="shipped in fp8: set fp8 to train it as shipped, or none"):
+        preflight(shipped, format="nf4")
+    gptq = tmp_path / "gptq"
+    shutil.copytree(full, gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(ValueError, match="quantization_config is 'gptq', which vela-ray does not read"):
+        preflight(gptq)
+    narrow = make_checkpoint(tmp_path / "narrow")  # hidden 32: no whole 64-input NF4 block
+    with pytest.raises(ValueError, match="nf4 cannot hold MixtralExperts.gate_up_proj of MoE layer 0"):
+        preflight(narrow, format="nf4")

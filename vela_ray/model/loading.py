@@ -17,7 +17,9 @@ the whole tensors for the backbone (lara_mini's fused `in_proj` split into four,
 inkling2's padded `lm_head`), one expert's rows of each fused source for experts
 (inkling2's interleaved `w13`). A conversion that does not act within each expert
 is refused by name. Layer indices here are MoE layer indices (see
-`vela_ray.model.modeling`).
+`vela_ray.model.modeling`). A checkpoint shipped quantized (DeepSeek-V3's FP8, gpt-oss's MXFP4:
+`vela_ray.model.shipped`) gives its experts as their format's parts and its FP8 backbone weights dequantized
+one tensor at a time.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from transformers.core_model_loading import WeightConverter
 from vela_ray.model.dtypes import torch_dtype
 from vela_ray.model.experts import ExpertParams, ExpertWeights
 from vela_ray.model.modeling import find_moe_blocks
+from vela_ray.model.quantization import FORMATS, part_name, split_part_name
+from vela_ray.model.shipped import SCALE_SUFFIX, Fp8Dequantizer, companions, expert_parts, shipped_format
 
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
@@ -85,6 +89,8 @@ class CheckpointLayout:
     sources: dict  # {model tensor name: TensorSource}; every target of a one-to-many converter shares its TensorSource
     skeleton: torch.nn.Module  # the model on the meta device: what conversions read shapes and dtypes from
     shapes: dict  # {model tensor name: torch.Size}
+    shipped: str | None = None  # the quantized format the checkpoint ships in (`vela_ray.model.shipped`), if any
+    index: dict | None = None  # {checkpoint tensor name: file}
 
 
 @functools.cache
@@ -135,6 +141,8 @@ def checkpoint_layout(model_dir: str) -> CheckpointLayout:
     from transformers.core_model_loading import WeightRenaming, dot_natural_key, rename_source_key
 
     index = checkpoint_index(model_dir)  # no weights: say so before anything else
+    shipped = shipped_format(model_dir)
+    parts_of_others = companions(shipped)  # a shipped format's scales and blocks: parts of a tensor, read with it
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -148,6 +156,8 @@ def checkpoint_layout(model_dir: str) -> CheckpointLayout:
     # as transformers' convert_and_load_state_dict_in_model does: sorted keys (some renames are guarded by
     # an earlier key), the base-model prefix, and no rename of a key that already names a model tensor
     for name, path in sorted(index.items(), key=lambda kv: dot_natural_key(kv[0])):
+        if parts_of_others and name.endswith(parts_of_others):
+            continue
         target, pattern = rename_source_key(name, renamings, list(dict.fromkeys(converters.values())), prefix,
                                             meta_state)
         if target not in meta_state and name in meta_state:
@@ -162,9 +172,21 @@ def checkpoint_layout(model_dir: str) -> CheckpointLayout:
                          converter, target)
         for name in _targets_of(target, converter):
             sources[name] = source
+    experts = tuple(f"{b.experts_path}." for b in blocks)
+    if shipped == "fp8":  # the backbone's fp8 weights: read with their scales, dequantized as they are read
+        for target, source in list(sources.items()):
+            scale = source.names[0] + SCALE_SUFFIX
+            if target.startswith(experts) or scale not in index:
+                continue
+            if source.converter is not None:
+                raise ValueError(f"{model_dir}: {target} is shipped in fp8 and converted by transformers "
+                                 f"({list(source.ops)}), which vela-ray does not read quantized; dequantize the "
+                                 "checkpoint to bf16 first")
+            sources[target] = TensorSource((source.names[0], scale), (source.files[0], index[scale]), (None, None),
+                                           Fp8Dequantizer(), target)
     return CheckpointLayout(tuple(b.decoder_layer for b in blocks), {b.index: b.block.experts for b in blocks},
-                       tuple(b.experts_path for b in blocks), sources, skeleton,
-                       {name: t.shape for name, t in meta_state.items()})
+                            tuple(b.experts_path for b in blocks), sources, skeleton,
+                            {name: t.shape for name, t in meta_state.items()}, shipped, index)
 
 
 def _targets_of(first_target: str, converter: WeightConverter | None) -> list[str]:
@@ -201,7 +223,8 @@ def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torc
     """{(layer, expert): {parameter name: slice}} for exactly `keys`, memory-mapped reads.
 
     The names are the experts class's own parameters (and buffers), read as transformers
-    would load them (see the module docstring), one expert's rows at a time. `convert(key, params)`: what is
+    would load them (see the module docstring), one expert's rows at a time; a stack the checkpoint ships
+    quantized (`vela_ray.model.shipped`) as its format's parts. `convert(key, params)`: what is
     kept of each expert, applied as it is read (a worker quantizes there, so one expert is at full width at a time).
     """
     ckpt = checkpoint_layout(model_key(model_dir, trust_remote_code))
@@ -212,10 +235,18 @@ def read_experts(model_dir: str | Path, keys: list[tuple[int, int]], dtype: torc
                 raise ValueError(f"MoE layer {layer} out of range: {model_dir} has {len(ckpt.decoder_layers)} MoE layers")
             proto = ckpt.prototypes[layer]
             names = [n for n, _ in [*proto.named_parameters(recurse=False), *proto.named_buffers(recurse=False)]]
-            params: ExpertParams = {
-                name: _read_expert_tensor(files, ckpt, f"{ckpt.experts_paths[layer]}.{name}", expert, model_dir)
-                for name in names}
-            params = {n: t.to(dtype) if dtype is not None else t for n, t in params.items()}
+            params: ExpertParams = {}
+            for name in names:
+                target = f"{ckpt.experts_paths[layer]}.{name}"
+                parts = (expert_parts(files, ckpt, target, expert, ckpt.shipped, ckpt.index,
+                                      bool(getattr(proto, "is_transposed", False))) if ckpt.shipped else None)
+                if parts is None:
+                    params[name] = _read_expert_tensor(files, ckpt, target, expert, model_dir)
+                else:  # as shipped: its format's parts, never at full width here
+                    fmt = FORMATS[ckpt.shipped]
+                    params.update({part_name(name, fmt, part): t for part, t in parts.items()})
+            params = {n: t.to(dtype) if dtype is not None and split_part_name(n) is None else t
+                      for n, t in params.items()}
             out[(layer, expert)] = convert((layer, expert), params) if convert is not None else params
     return out
 

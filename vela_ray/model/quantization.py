@@ -107,23 +107,36 @@ def _blocks(x: torch.Tensor, rows: int, inputs: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8Block(Format):
     """DeepSeek-V3's fine-grained FP8: e4m3 codes, `scale_inv` = the block's absmax / 448 (what the weight is
-    multiplied by to dequantize, as the checkpoints name it)."""
+    multiplied by to dequantize, as the checkpoints name it), [ceil(out / 128), ceil(in / 128)]: edge blocks may
+    be partial, as in DeepSeek-V3's own (its kv_a_proj_with_mqa is [576, 7168])."""
 
     name = "fp8"
     parts = ("codes", "scale_inv")
     block = (128, 128)
     bits = 8
 
+    def unfit(self, shape):
+        return None
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        rows, inputs = self.block
+        return (*shape[:-2], -(-shape[-2] // rows), -(-shape[-1] // inputs))
+
     def _quantize(self, w_OI):
-        blocks = _blocks(w_OI, *self.block)
+        out_features, in_features = w_OI.shape[-2:]
+        rows, inputs = self.block
+        padded = torch.nn.functional.pad(w_OI, (0, -in_features % inputs, 0, -out_features % rows))
+        blocks = _blocks(padded, rows, inputs)
         scale = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-12) / FP8_MAX
-        codes = (blocks / scale).to(FP8).reshape(w_OI.shape)
-        return {"codes": codes.view(torch.uint8), "scale_inv": scale.squeeze(-1).squeeze(-2)}
+        codes = (blocks / scale).to(FP8).reshape(padded.shape)[..., :out_features, :in_features]
+        return {"codes": codes.contiguous().view(torch.uint8), "scale_inv": scale.squeeze(-1).squeeze(-2)}
 
     def _dequantize(self, parts):
         codes = parts["codes"].view(FP8)
-        blocks = _blocks(codes.float(), *self.block)
-        return (blocks * parts["scale_inv"][..., :, None, :, None]).reshape(codes.shape)
+        out_features, in_features = codes.shape[-2:]
+        rows, inputs = self.block
+        scale = parts["scale_inv"].repeat_interleave(rows, -2)[..., :out_features, :]
+        return codes.float() * scale.repeat_interleave(inputs, -1)[..., :in_features]
 
 
 @dataclass(frozen=True)
@@ -397,3 +410,15 @@ def quantize_expert_params(params: Mapping[str, torch.Tensor], prototype: torch.
     stacks = set(weight_stacks(prototype))
     transposed = bool(getattr(prototype, "is_transposed", False))
     return quantize_named(params, spec.fmt, lambda name: transposed, lambda name: name in stacks)
+
+
+def dequantize_expert_params(params: Mapping[str, torch.Tensor], prototype: torch.nn.Module,
+                             dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One expert's params with every quantized stack back at full width in `dtype`, in its family's layout (a
+    checkpoint shipped quantized, trained with `model.quantization.format: none`)."""
+    transposed = bool(getattr(prototype, "is_transposed", False))
+    out = {name: t for name, t in params.items() if split_part_name(name) is None}
+    for stack, (fmt, parts) in quantized_weights(params).items():
+        weight = fmt.dequantize(parts, dtype)
+        out[stack] = weight.transpose(-2, -1).contiguous() if transposed else weight
+    return out

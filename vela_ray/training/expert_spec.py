@@ -18,7 +18,9 @@ from transformers import PretrainedConfig
 from vela_ray.model.experts import ExpertParams, ExpertWeights, LoraSpec
 from vela_ray.model.loading import checkpoint_prototypes, read_experts
 from vela_ray.model.modeling import experts_prototypes
-from vela_ray.model.quantization import QuantizationSpec, quantize_expert_params
+from vela_ray.model.quantization import (
+    QuantizationSpec, dequantize_expert_params, quantize_expert_params, quantized_weights, split_part_name,
+)
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
 
@@ -78,20 +80,27 @@ def load_expert_weights(spec: ExpertManagerSpec) -> tuple[ExpertWeights, dict]:
     quantized = spec.quantization if spec.quantization is not None and spec.quantization.experts else None
     if spec.weights is not None:
         prototypes = experts_prototypes(spec.hf_config)
-        weights = {k: _held(k, {n: t.to(dtype) if dtype else t for n, t in spec.weights[k].items()}, prototypes,
-                            quantized) for k in spec.keys}
+        weights = {k: _held(k, {n: t.to(dtype) if dtype and split_part_name(n) is None else t
+                                for n, t in spec.weights[k].items()}, prototypes, quantized, dtype) for k in spec.keys}
         return weights, prototypes
     trust = spec.trust_remote_code
     prototypes = checkpoint_prototypes(spec.model_dir, trust)
     return (read_experts(spec.model_dir, list(spec.keys), dtype=dtype, trust_remote_code=trust,
-                         convert=lambda key, params: _held(key, params, prototypes, quantized)),
+                         convert=lambda key, params: _held(key, params, prototypes, quantized, dtype)),
             prototypes)
 
 
-def _held(key: tuple[int, int], params: ExpertParams, prototypes: dict, quantized: QuantizationSpec | None
-          ) -> ExpertParams:
-    """One expert's params as the worker holds them: quantized where the job says so."""
-    return params if quantized is None else quantize_expert_params(params, prototypes[key[0]], quantized)
+def _held(key: tuple[int, int], params: ExpertParams, prototypes: dict, quantized: QuantizationSpec | None,
+          dtype: torch.dtype | None) -> ExpertParams:
+    """One expert's params as the worker holds them: quantized where the job says so. Stacks the checkpoint ships
+    quantized stay as shipped in the job's format, and are dequantized without one."""
+    shipped = {fmt.name for fmt, _ in quantized_weights(params).values()}
+    if shipped and (quantized is None or shipped != {quantized.format}):
+        if quantized is not None:
+            raise ValueError(f"expert {key} is shipped in {sorted(shipped)}, not model.quantization.format "
+                             f"{quantized.format}: use the shipped format or none")
+        return dequantize_expert_params(params, prototypes[key[0]], dtype or torch.float32)
+    return params if quantized is None or shipped else quantize_expert_params(params, prototypes[key[0]], quantized)
 
 
 def compute_dtype(spec: ExpertManagerSpec, weights: ExpertWeights) -> torch.dtype:
