@@ -44,9 +44,11 @@ from benchmarks import paper_scale  # noqa: E402
 from benchmarks._harness import WIKITEXT, command, parser, run, tiny_job, write_results  # noqa: E402
 from placement import cost_report, solve  # noqa: E402
 from vela_ray.config import JobConfig  # noqa: E402
-from vela_ray.model.experts import ExpertShard, LoraSpec, weight_stacks  # noqa: E402
+from vela_ray.model.experts import ExpertShard, LoraSpec  # noqa: E402
 from vela_ray.model.loading import checkpoint_prototypes, read_experts  # noqa: E402
-from vela_ray.model.quantization import FORMATS, QuantizationSpec, quantize_expert_params  # noqa: E402
+from vela_ray.model.quantization import (  # noqa: E402
+    FORMATS, QuantizationSpec, frozen_bytes_per_expert, quantize_expert_params,
+)
 from vela_ray.runtime.local import InProcessPool  # noqa: E402
 from vela_ray.runtime.runner import JobRunner  # noqa: E402
 from vela_ray.training.tiny_model import tiny_model_path  # noqa: E402
@@ -79,11 +81,8 @@ def job(out: Path, fmt: str, steps: int, lr: float) -> JobConfig:
 
 
 def frozen_expert_bytes(fmt: str, prototype) -> int:
-    """Bytes a worker holds for one expert's frozen stacks: bf16, or the format's parts."""
-    shapes = [tuple(getattr(prototype, stack).shape[1:]) for stack in weight_stacks(prototype)]
-    if fmt == BASELINE:
-        return sum(math.prod(s) * 2 for s in shapes)
-    return sum(FORMATS[fmt].nbytes(s) for s in shapes)  # quantized in [out, in]: the same count either way
+    """Bytes a worker holds for one expert's frozen tensors: bf16, or the format's parts."""
+    return frozen_bytes_per_expert(prototype, None if fmt == BASELINE else fmt, torch.bfloat16)
 
 
 def jobs(args, formats: list[str], root: Path) -> dict:

@@ -170,6 +170,11 @@ def _add_place(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--direct", action="store_true", help="solve the paper's per-worker LP instead of the class-aggregated one")
     p.add_argument("--seed", type=int, default=0, help="seed for random and improved (default 0)")
     p.add_argument("--time-budget", type=float, default=10.0, help="seconds the improved solver may use (default 10)")
+    p.add_argument("--model", type=Path, help="checkpoint dir: print the bytes one of its experts takes on a worker "
+                   "(with --quantization, in that format) and, with --memory, size the capacities by them")
+    p.add_argument("--quantization", choices=["fp8", "int8", "nf4", "mxfp4"],
+                   help="with --model: the experts' frozen weights held in this format (model.quantization)")
+    p.add_argument("--memory", type=float, help="with --model: GB per worker for experts (instead of --capacities)")
     p.add_argument("--out", type=Path, help="write the placement here as JSON")
     p.set_defaults(handler=_run_place)
 
@@ -185,6 +190,7 @@ def _run_place(args: argparse.Namespace) -> int:
     if args.out:
         check_writable(args.out)  # before solving: a bad path must not cost the solve, nor follow its output
     note = None
+    sizing = _expert_sizing(args)  # before the problem: --memory fills --capacities
     if args.problem:
         problem = PlacementProblem.from_file(args.problem)
     elif args.profile and args.bandwidths and args.capacities:
@@ -199,7 +205,7 @@ def _run_place(args: argparse.Namespace) -> int:
         raise ValueError("give --problem FILE, or --profile with --bandwidths and --capacities")
     placement = solve(problem, args.solver, seed=args.seed, time_budget_s=args.time_budget, direct=args.direct)
     lower_bound = placement.lower_bound or solve_lp(problem, direct=args.direct)[0]
-    print("\n".join(filter(None, [note, format_summary(problem, placement, lower_bound)])))
+    print("\n".join(filter(None, [note, sizing, format_summary(problem, placement, lower_bound)])))
     if args.out:
         try:
             placement.to_json(args.out)
@@ -207,6 +213,37 @@ def _run_place(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {str(args.out)!r} cannot be written: {err.strerror}") from None
         print(f"placement written to {args.out}")
     return 0
+
+
+def _expert_sizing(args: argparse.Namespace) -> str | None:
+    """With --model: one line on the bytes one expert's frozen weights take on a worker (at the checkpoint's width,
+    the format it ships in, or --quantization's), and with --memory the capacity they give (set in `args`)."""
+    if args.model is None:
+        if args.quantization or args.memory:
+            raise ValueError("--quantization and --memory size the experts of a --model: give the checkpoint dir")
+        return None
+    import json
+
+    from vela_ray.model.dtypes import torch_dtype
+    from vela_ray.model.loading import checkpoint_prototypes
+    from vela_ray.model.quantization import frozen_bytes_per_expert
+    from vela_ray.model.shipped import shipped_format
+
+    config = json.loads((args.model / "config.json").read_text())
+    dtype = torch_dtype(config.get("dtype") or config.get("torch_dtype") or "float32")
+    fmt = args.quantization or shipped_format(args.model)
+    prototypes = checkpoint_prototypes(args.model)
+    per_expert = max(frozen_bytes_per_expert(p, fmt, dtype) for p in prototypes.values())
+    line = f"frozen weights per expert: {per_expert / 1e6:.2f} MB ({fmt or dtype})"
+    if args.memory:
+        if args.capacities:
+            raise ValueError("give --capacities or --memory, not both")
+        capacity = int(args.memory * 1e9 // per_expert)
+        if capacity < 1:
+            raise ValueError(f"--memory {args.memory} GB holds no expert of {per_expert / 1e9:.2f} GB")
+        args.capacities = str(capacity)
+        line += f"; {args.memory:g} GB per worker holds {capacity} (LoRA state and activations not counted)"
+    return line
 
 
 def _profile_data(args: argparse.Namespace) -> dict:

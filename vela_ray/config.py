@@ -86,18 +86,15 @@ class QuantizationSection(_Section):
     the dequantized one."""
 
     refusals = (
-        Refusal("model.quantization and mode: expert_parallel",
-                "the expert-parallel baseline runs plain transformers modules", "use mode: vela",
-                lambda job: job.model.quantization.on and job.mode != "vela"),
-        Refusal("model.quantization.backbone and cluster.master_tp above 1 or masters.shard_frozen_backbone",
-                "tensor parallelism and FSDP2 shard nn.Linear weights, and a quantized layer's are its format's "
-                "blocks", "set model.quantization.backbone: false, or master_tp: 1 and shard_frozen_backbone: false",
-                lambda job: job.model.quantization.on and job.model.quantization.backbone
-                and (job.cluster.master_tp > 1 or job.masters.shard_frozen_backbone)),
-        Refusal("model.quantization.experts and expert_tiers.enabled",
-                "the tiers' device cache and speed probes read full-width expert stacks",
-                "set model.quantization.experts: false or expert_tiers.enabled: false",
-                lambda job: job.model.quantization.on and job.model.quantization.experts and job.expert_tiers.enabled),
+        Refusal("model.quantization and cluster.master_tp above 1, masters.shard_frozen_backbone (with "
+                "model.quantization.backbone) or expert_tiers.enabled (with model.quantization.experts)",
+                "tensor parallelism and FSDP2 shard nn.Linear weights, and the tiers' device cache reads full-width "
+                "expert stacks, where a quantized weight is its format's blocks",
+                "set model.quantization.backbone (or .experts) to false, or turn the other setting off",
+                lambda job: job.model.quantization.on and (
+                    (job.model.quantization.backbone and (job.cluster.master_tp > 1
+                                                         or job.masters.shard_frozen_backbone))
+                    or (job.model.quantization.experts and job.expert_tiers.enabled))),
     )
 
     format: Literal["none", "fp8", "int8", "nf4", "mxfp4"] = Field(
@@ -706,13 +703,15 @@ class JobConfig(_Section):
 
     refusals = (
         Refusal("mode: expert_parallel and a vela-only setting (cluster.master_tp above 1, training.method: zo, "
-                "training.condensation, data_plane.row_format other than exact, model.trust_remote_code)",
+                "training.condensation, data_plane.row_format other than exact, model.trust_remote_code, "
+                "model.quantization)",
                 "the expert-parallel baseline runs plain peft steps over all-to-all collectives, on transformers' "
-                "own families, with its rows exact", "use mode: vela, or leave those settings at their defaults",
+                "own families and modules, with its rows exact", "use mode: vela, or leave those settings at their "
+                "defaults",
                 lambda job: job.mode != "vela" and (
                     job.cluster.master_tp > 1 or job.training.method != "first_order"
                     or job.training.condensation.enabled or job.data_plane.row_format != "exact"
-                    or job.model.trust_remote_code)),
+                    or job.model.trust_remote_code or job.model.quantization.on)),
     )
 
     mode: Literal["vela", "expert_parallel"] = Field(

@@ -70,6 +70,7 @@ class Trained:
     checkpoint: Path | None  # a verified checkpoint (step-*), when there is no adapter
     lora: dict  # the run's `lora` config section (rank, alpha, targets, ...)
     trust_remote_code: bool = False
+    quantization: str = "none"  # the run's `model.quantization.format`
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def _trained(config: dict, model_dir, adapter_dir: Path | None, ckpt: Path | Non
     if not (model / "config.json").is_file():
         raise ValueError(f"the base model {model} is not a model directory (no config.json); give it with --model")
     trust_remote_code = bool(config["model"].get("trust_remote_code", False))
-    return Trained(model, adapter_dir, ckpt, dict(config["lora"]), trust_remote_code)
+    quantization = (config["model"].get("quantization") or {}).get("format", "none")
+    return Trained(model, adapter_dir, ckpt, dict(config["lora"]), trust_remote_code, quantization)
 
 
 @contextmanager
@@ -260,8 +262,22 @@ def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | 
                 shutil.copytree(adapter_dir, staging, dirs_exist_ok=True)
             return Exported(out, fmt, source)
         if fmt == "merged":
+            _refuse_quantized_merge(trained)
             return _export_merged(adapter_dir, trained.model_dir, out, source)
         return _export_per_expert(adapter_dir, trained.model_dir, out, source)
+
+
+def _refuse_quantized_merge(trained: Trained) -> None:
+    """A run on quantized frozen weights is not merged: folded into the full-width checkpoint, its LoRA would meet
+    weights it was not trained on, and a checkpoint shipped quantized holds codes, not values, to fold into."""
+    from vela_ray.model.shipped import shipped_format
+
+    shipped = shipped_format(trained.model_dir)
+    if trained.quantization != "none" or shipped is not None:
+        held = shipped or trained.quantization
+        raise ValueError(f"--format merged: the run trained on frozen weights held in {held} (model.quantization), "
+                         "and vela-ray does not yet write their dequantized values merged with the adapter; export "
+                         "--format peft (or per-expert) and load it on the same quantized base")
 
 
 def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str) -> Exported:

@@ -16,6 +16,7 @@ from peft import PeftModel, get_peft_model_state_dict
 from tests.equivalence import micro_batches, reference_adapter_state, run_both
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.config import JobConfig
+from vela_ray.export import export_run
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_model
 from vela_ray.model.shipped import write_shipped
@@ -168,9 +169,9 @@ def test_the_backbone_keeps_lm_head_and_modules_trained_in_full_at_full_width():
 
 def test_bad_settings_are_one_line_before_anything_runs(tmp_path):
     base = job_dict(tmp_path / "model", tmp_path / "out")
-    for section, fix in [({"mode": "expert_parallel"}, "use mode: vela"),
-                         ({"cluster": {"master_tp": 2}}, "model.quantization.backbone: false"),
-                         ({"expert_tiers": {"enabled": True}}, "model.quantization.experts: false")]:
+    for section, fix in [({"mode": "expert_parallel"}, "model.quantization\\).* Fix: use mode: vela"),
+                         ({"cluster": {"master_tp": 2}}, "model.quantization.backbone .or .experts. to false"),
+                         ({"expert_tiers": {"enabled": True}}, "model.quantization.backbone .or .experts. to false")]:
         raw = {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v for k, v in section.items()}}
         raw["model"] = {**raw["model"], "quantization": {"format": "nf4"}}
         with pytest.raises(ValueError, match=fix):
@@ -196,6 +197,11 @@ def test_a_quantized_job_trains_equal_to_peft_on_the_dequantized_checkpoint(wide
     summary = run_in_process(config)
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    # the adapter exports as peft's; a merged model would fold it into weights it was not trained on: refused
+    assert export_run(tmp_path / "out", "peft", tmp_path / "peft").out_dir.is_dir()
+    with pytest.raises(ValueError, match=f"--format merged: the run trained on frozen weights held in {name}"):
+        export_run(tmp_path / "out", "merged", tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
 
 
 # --- checkpoints shipped quantized: DeepSeek-V3's FP8, gpt-oss's MXFP4 ---------------------------------------------
@@ -390,3 +396,20 @@ def test_nf4_equals_peft_qlora_on_bitsandbytes_4bit_layers():
                     for step in range(3)]
     torch.testing.assert_close(torch.tensor(vela_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(qlora_losses), torch.tensor(vela_losses), rtol=1e-5, atol=0)
+
+
+def test_vela_place_sizes_capacities_by_the_bytes_of_a_quantized_expert(wide_model, tmp_path, capsys):
+    """An expert of the wide debug Mixtral: [256, 128] + [128, 128] weights, 196608 B in fp32, 27648 B in NF4 (half a
+    byte per weight and a 4-byte absmax per 64): 0.0003 GB per worker holds 10 of them."""
+    from vela_ray.cli import main
+
+    (tmp_path / "profile.json").write_text(json.dumps([[1 / 3] * 6] * 2))
+    flags = ["place", "--profile", str(tmp_path / "profile.json"), "--bandwidths", "10,10,10", "--model",
+             str(wide_model), "--time-budget", "0.2"]
+    assert main([*flags, "--capacities", "4"]) == 0
+    assert "frozen weights per expert: 0.20 MB (torch.float32)" in capsys.readouterr().out
+    assert main([*flags, "--quantization", "nf4", "--memory", "0.0003"]) == 0
+    out = capsys.readouterr().out
+    assert "frozen weights per expert: 0.03 MB (nf4); 0.0003 GB per worker holds 10" in out
+    assert main([*flags, "--memory", "1", "--capacities", "4"]) != 0
+    assert "give --capacities or --memory, not both" in capsys.readouterr().err

@@ -422,3 +422,19 @@ def dequantize_expert_params(params: Mapping[str, torch.Tensor], prototype: torc
         weight = fmt.dequantize(parts, dtype)
         out[stack] = weight.transpose(-2, -1).contiguous() if transposed else weight
     return out
+
+
+def frozen_bytes_per_expert(prototype: torch.nn.Module, fmt: str | None, dtype: torch.dtype) -> int:
+    """Bytes a worker holds for one expert's frozen tensors: its weight stacks in `fmt` (None: at `dtype`'s width),
+    anything else per expert (biases) at `dtype`'s. `prototype`: its layer's experts module (on the meta device)."""
+    from vela_ray.model.experts import weight_stacks
+
+    stacks = set(weight_stacks(prototype))
+    total = 0
+    for name, tensor in [*prototype.named_parameters(recurse=False), *prototype.named_buffers(recurse=False)]:
+        shape = tuple(tensor.shape[1:])
+        if name in stacks and fmt is not None:
+            total += FORMATS[fmt].nbytes(shape)  # [out, in] or its transpose: the same blocks count
+        else:
+            total += math.prod(shape) * dtype.itemsize
+    return total

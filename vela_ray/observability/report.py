@@ -243,6 +243,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         + (f", over {s.data_plane}" if s.data_plane else ""),
         condensation_text(s),
         *([row_format_text(s)] if s.row_format != "exact" else []),
+        *([memory_text(s)] if s.bytes_per_expert else []),
         *([tiers_text(s)] if s.expert_tiers else []),
         *([masters_text(s)] if len(s.master_nodes) > 1 or s.master_tp > 1 else []),
         *([f"family {s.family_check}"] if s.family_check else []),
@@ -336,6 +337,13 @@ def row_format_text(s: RunSummary) -> str:
         return ""
     return (f"rows travelled in {s.row_format} (LOSSY, data_plane.row_format): results differ from "
             "transformers + peft by the rounding")
+
+
+def memory_text(s: RunSummary) -> str:
+    """One line on what a hosted expert took on its worker, and the format its frozen weights were held in."""
+    held = (f"frozen weights held in {s.quantization} (LOSSY against the full-width model, model.quantization)"
+            if s.quantization else "frozen weights at the checkpoint's width")
+    return f"{s.bytes_per_expert / MiB:.2f} MiB per hosted expert with its LoRA state; {held}"
 
 
 def tiers_text(s: RunSummary) -> str:
@@ -544,6 +552,8 @@ def overview(run: Run) -> str:
         "workers": f"{run.num_workers} on {len(set(s.worker_nodes)) or '?'} node(s)",
         **({"data plane": html.escape(s.data_plane)} if s.data_plane else {}),
         **({"family": html.escape(s.family_check)} if s.family_check else {}),
+        **({"per hosted expert": f"{s.bytes_per_expert / MiB:.2f} MiB"} if s.bytes_per_expert else {}),
+        **({"frozen weights": html.escape(s.quantization) + " (LOSSY)"} if s.quantization else {}),
     }
     facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'
