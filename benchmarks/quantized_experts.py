@@ -46,8 +46,9 @@ from placement import cost_report, solve  # noqa: E402
 from vela_ray.config import JobConfig  # noqa: E402
 from vela_ray.model.experts import ExpertShard, LoraSpec  # noqa: E402
 from vela_ray.model.loading import checkpoint_prototypes, read_experts  # noqa: E402
-from vela_ray.model.quantization import (  # noqa: E402
-    FORMATS, QuantizationSpec, frozen_bytes_per_expert, quantize_expert_params,
+from vela_ray.model.quantization import FORMATS  # noqa: E402
+from vela_ray.model.quantized_model import (  # noqa: E402
+    QuantizationSpec, frozen_bytes_per_expert, quantize_expert_params,
 )
 from vela_ray.runtime.local import InProcessPool  # noqa: E402
 from vela_ray.runtime.runner import JobRunner  # noqa: E402

@@ -226,7 +226,7 @@ def _expert_sizing(args: argparse.Namespace) -> str | None:
 
     from vela_ray.model.dtypes import torch_dtype
     from vela_ray.model.loading import checkpoint_prototypes
-    from vela_ray.model.quantization import frozen_bytes_per_expert
+    from vela_ray.model.quantized_model import frozen_bytes_per_expert
     from vela_ray.model.shipped import shipped_format
 
     config = json.loads((args.model / "config.json").read_text())

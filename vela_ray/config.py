@@ -86,15 +86,12 @@ class QuantizationSection(_Section):
     the dequantized one."""
 
     refusals = (
-        Refusal("model.quantization and cluster.master_tp above 1, masters.shard_frozen_backbone (with "
-                "model.quantization.backbone) or expert_tiers.enabled (with model.quantization.experts)",
-                "tensor parallelism and FSDP2 shard nn.Linear weights, and the tiers' device cache reads full-width "
-                "expert stacks, where a quantized weight is its format's blocks",
-                "set model.quantization.backbone (or .experts) to false, or turn the other setting off",
-                lambda job: job.model.quantization.on and (
-                    (job.model.quantization.backbone and (job.cluster.master_tp > 1
-                                                         or job.masters.shard_frozen_backbone))
-                    or (job.model.quantization.experts and job.expert_tiers.enabled))),
+        Refusal("model.quantization.backbone and cluster.master_tp above 1 or masters.shard_frozen_backbone",
+                "tensor parallelism and FSDP2 shard nn.Linear weights, where a quantized layer's weight is its "
+                "format's blocks", "set model.quantization.backbone: false, or master_tp: 1 and "
+                "shard_frozen_backbone: false",
+                lambda job: job.model.quantization.on and job.model.quantization.backbone
+                and (job.cluster.master_tp > 1 or job.masters.shard_frozen_backbone)),
     )
 
     format: Literal["none", "fp8", "int8", "nf4", "mxfp4"] = Field(
@@ -815,7 +812,7 @@ class JobConfig(_Section):
         section = self.model.quantization
         if not section.on:
             return None
-        from vela_ray.model.quantization import QuantizationSpec
+        from vela_ray.model.quantized_model import QuantizationSpec
 
         return QuantizationSpec(section.format, section.experts, section.backbone, tuple(self.lora.modules_to_save))
 

@@ -23,6 +23,14 @@ import warnings
 RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
+# bitsandbytes' logger that reports its CPU 4-bit kernels' source at import.
+BNB_CPU_OPS_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def _not_the_kernels_fallback(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
 def _not_the_token_auth_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster.")
 
@@ -50,6 +58,13 @@ def silence_known_warnings() -> None:
     warnings.filterwarnings(
         "ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted module",
         category=RuntimeWarning, module=r"peft\.",
+    )
+    # peft imports bitsandbytes wherever it is installed (the test extra has it, for QLoRA's reference), and
+    # bitsandbytes' import uses torch.jit.script_method, deprecated in torch 2.10. Nothing vela-ray calls;
+    # limited to torch.jit's module.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning,
+        module=r"torch\.jit\._script",
     )
     # data_plane.zero_copy_tensors (default on) starts vela's actors with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS,
     # and Ray then warns on the first tensor each process sends. Zero-copy is only unsafe for tensors
@@ -82,6 +97,10 @@ def silence_known_warnings() -> None:
     # Nothing is wrong and nothing is to be done, so that one notice goes; the same logger's warning
     # that authentication is *disabled* (a security risk) still shows.
     logging.getLogger(RAY_TOKEN_AUTH_LOGGER).addFilter(_not_the_token_auth_notice)
+    # bitsandbytes (imported by peft where it is installed) looks for the optional `kernels` package's CPU 4-bit
+    # matmul at import and says, in a WARNING, that it falls back to its own. vela-ray never runs a bitsandbytes
+    # layer (its NF4 is its own, `model.quantization`), so the fallback costs nothing.
+    logging.getLogger(BNB_CPU_OPS_LOGGER).addFilter(_not_the_kernels_fallback)
 
 
 @contextlib.contextmanager

@@ -20,10 +20,8 @@ from vela_ray.export import export_run
 from vela_ray.model.experts import ExpertShard
 from vela_ray.model.families import debug_model
 from vela_ray.model.shipped import write_shipped
-from vela_ray.model.quantization import (
-    FORMATS, NF4_CODES, QuantizationSpec, QuantizedLinear, _quantizable_linears, frozen_matmul, quantize_backbone,
-    round_trip_model,
-)
+from vela_ray.model.quantization import FORMATS, NF4_CODES, QuantizedLinear, frozen_matmul
+from vela_ray.model.quantized_model import QuantizationSpec, _quantizable_linears, quantize_backbone, round_trip_model
 from vela_ray.model.modeling import experts_prototypes
 from vela_ray.training import equivalence
 from vela_ray.training.adapter_io import export
@@ -170,8 +168,9 @@ def test_the_backbone_keeps_lm_head_and_modules_trained_in_full_at_full_width():
 def test_bad_settings_are_one_line_before_anything_runs(tmp_path):
     base = job_dict(tmp_path / "model", tmp_path / "out")
     for section, fix in [({"mode": "expert_parallel"}, "model.quantization\\).* Fix: use mode: vela"),
-                         ({"cluster": {"master_tp": 2}}, "model.quantization.backbone .or .experts. to false"),
-                         ({"expert_tiers": {"enabled": True}}, "model.quantization.backbone .or .experts. to false")]:
+                         ({"cluster": {"master_tp": 2}}, "model.quantization.backbone: false, or master_tp: 1"),
+                         ({"masters": {"count": 2, "shard_frozen_backbone": True}},
+                          "model.quantization.backbone: false, or master_tp: 1")]:
         raw = {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v for k, v in section.items()}}
         raw["model"] = {**raw["model"], "quantization": {"format": "nf4"}}
         with pytest.raises(ValueError, match=fix):
@@ -315,7 +314,7 @@ _LOAD_PEAK = """
 import json, sys, threading, time
 from vela_ray.model.loading import checkpoint_layout, moe_layout
 from vela_ray.training.expert_spec import ExpertManagerSpec, load_expert_weights
-from vela_ray.model.quantization import QuantizationSpec
+from vela_ray.model.quantized_model import QuantizationSpec
 
 def anon():  # resident anonymous memory: what loading holds (read pages stay the kernel's cache)
     with open("/proc/self/status") as f:
@@ -413,3 +412,32 @@ def test_vela_place_sizes_capacities_by_the_bytes_of_a_quantized_expert(wide_mod
     assert "frozen weights per expert: 0.03 MB (nf4); 0.0003 GB per worker holds 10" in out
     assert main([*flags, "--memory", "1", "--capacities", "4"]) != 0
     assert "give --capacities or --memory, not both" in capsys.readouterr().err
+
+
+@pytest.mark.job
+def test_a_tiered_job_holds_uploads_and_computes_quantized_experts_equal_to_peft(wide_model, tmp_path, monkeypatch):
+    """APTMoE's tiers over NF4 experts: the host keeps the parts, an upload moves them (0.28x of fp32's bytes per
+    expert here: the speeds the workers report), the device tier dequantizes at use; equal to peft on the dequantized
+    model. Speeds as if a device were there, so both tiers compute (as tests/unit/test_tiers.py does)."""
+    from vela_ray.training import tiered as tiered_module
+    from vela_ray.training.tiers import TierSpeeds
+
+    measured = []
+
+    def speeds(tiered):
+        measured.append(sum(t.nbytes for t in tiered.upload_params(next(iter(tiered.shard.keys))).values()))
+        return TierSpeeds(cpu_s_per_row=1e-5, device_s_per_row=1e-7, upload_bytes_per_s=1e8, bytes_per_expert=10**4)
+
+    monkeypatch.setattr(tiered_module, "measure_speeds", speeds)
+    job = job_dict(wide_model, tmp_path / "out", steps=2, model={"quantization": {"format": "nf4"}},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(wide_model, tmp_path / "init"))},
+                   cluster={"num_workers": 2}, expert_tiers={"enabled": True, "cache_experts": 3},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    config = JobConfig.from_dict(job)
+    config.preflight()
+    summary = run_in_process(config)
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert measured and set(measured) == {FORMATS["nf4"].nbytes((256, 128)) + FORMATS["nf4"].nbytes((128, 128))}
+    for stats in summary.expert_tiers:
+        assert stats.experts_cpu > 0 and stats.experts_device > 0 and stats.uploads > 0

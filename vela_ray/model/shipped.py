@@ -126,11 +126,8 @@ def check_shipped(model_dir: str | Path) -> str | None:
     fmt = shipped_format(model_dir)
     if fmt is None:
         return None
-    from vela_ray.model.loading import checkpoint_index
-
-    index = checkpoint_index(model_dir)
     headers: dict[str, tuple[str, list[int]]] = {}
-    for path in sorted(set(index.values())):
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
@@ -166,19 +163,16 @@ def write_shipped(src_dir: str | Path, out_dir: str | Path, fmt: str,
                   keep: tuple[str, ...] = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "router")) -> Path:
     """`src_dir` (a full-width `save_pretrained` directory) written again in `fmt`'s shipped layout: fp8 as
     DeepSeek-V3 ships (every 2-D linear weight but those whose name contains one of `keep`, with its scales), mxfp4
-    as gpt-oss ships (its expert stacks' `_blocks` and `_scales`, the rest as it was). Tokenizer files are copied."""
-    from vela_ray.model.loading import checkpoint_index
-
+    as gpt-oss ships (its expert stacks' `_blocks` and `_scales`, the rest as it was), in one safetensors file.
+    Tokenizer files are copied."""
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = json.loads((src_dir / "config.json").read_text())
-    tensors = {}
-    for name, path in checkpoint_index(src_dir).items():
-        with safe_open(str(path), "pt") as f:
-            tensors[name] = f.get_tensor(name)
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        out.update(_shipped(name, tensor, fmt, keep))
+    for path in sorted(src_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                out.update(_shipped(name, f.get_tensor(name), fmt, keep))
     config["quantization_config"] = (
         {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
         if fmt == "fp8" else {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",

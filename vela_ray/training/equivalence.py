@@ -32,7 +32,7 @@ from torch import nn
 from vela_ray.model.adapters import ADAPTER_FILE, backbone_state_of, full_lora_config, resolve_expert_lora
 from vela_ray.model.experts import ExpertShard, LoraSpec
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
-from vela_ray.model.quantization import QuantizationSpec, quantize_backbone, quantize_expert_params, round_trip_model
+from vela_ray.model.quantized_model import QuantizationSpec, quantize_backbone, quantize_expert_params, round_trip_model
 from vela_ray.model.transport import InProcessTransport
 from vela_ray.training.optim import ShardTrainer, make_adamw
 from vela_ray.training.schedule import OptimizerConfig, lr_at

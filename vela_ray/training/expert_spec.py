@@ -18,9 +18,8 @@ from transformers import PretrainedConfig
 from vela_ray.model.experts import ExpertParams, ExpertWeights, LoraSpec
 from vela_ray.model.loading import checkpoint_prototypes, read_experts
 from vela_ray.model.modeling import experts_prototypes
-from vela_ray.model.quantization import (
-    QuantizationSpec, dequantize_expert_params, quantize_expert_params, quantized_weights, split_part_name,
-)
+from vela_ray.model.quantization import quantized_weights, split_part_name
+from vela_ray.model.quantized_model import QuantizationSpec, dequantize_expert_params, quantize_expert_params
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.tiers import ExpertTiersConfig
 

@@ -26,7 +26,7 @@ from vela_ray.model.broker import ExpertDispatcher
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
-from vela_ray.model.quantization import QuantizationSpec, quantize_backbone
+from vela_ray.model.quantized_model import QuantizationSpec, quantize_backbone
 from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.expert_workers import ExpertWorkers

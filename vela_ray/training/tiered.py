@@ -199,7 +199,7 @@ class TieredExperts:
         rows_by_expert = rows_RD[order_R].to(self.device).split([len(index[key]) for key in busy])  # one copy
         factors = factors_on_device([host_layer.adapters[str(key[1])] for key in busy], self.device)  # one copy
         with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-            pieces = [expert_on_device(layer, prototype, key[1], cached[key], self.lora, adapter)(
+            pieces = [expert_on_device(layer, prototype, key[1], cached[key], self.lora, adapter, host_layer.dtype)(
                           expert_ids_R[index[key]], rows_rD)
                       for key, rows_rD, adapter in zip(busy, rows_by_expert, factors)]
         self.counters.dropped_weights += hooks.dropped
@@ -209,13 +209,11 @@ class TieredExperts:
     def working_bytes(self, layer: int, rows: int, experts: int) -> int:
         """Device bytes one call of `rows` rows through `experts` of `layer`'s device experts needs besides
         the cached weights (`tiers.device_working_bytes`): what a device budget must leave the cache."""
-        host_layer = self.shard.layers[str(layer)]
-        module = host_layer.module
-        first = getattr(module, host_layer.stacks[0])
-        dtype = self._host_dtypes.get(host_layer.stacks[0], first.dtype)
-        in_out = [lora_in_out(module, stack) for stack in host_layer.stacks]
+        host_layer, prototype = self.shard.layers[str(layer)], self.prototype_of(layer)
+        dtype = host_layer.dtype  # what the device computes in (a quantized or low-bit upload is decoded to it)
+        in_out = [lora_in_out(prototype, stack) for stack in host_layer.stacks]
         folded = 0 if host_layer.low_rank else experts * sum(  # peft's fold: a folded copy of each expert
-            getattr(module, stack)[0].numel() for stack in host_layer.stacks) * dtype.itemsize
+            i * o for i, o in in_out) * dtype.itemsize
         return device_working_bytes(rows, in_out, self.lora.r, dtype.itemsize, experts, folded)
 
     def host_params(self, key: ExpertKey) -> ExpertParams:
@@ -302,12 +300,13 @@ def _rows_per_expert(expert_ids_R: torch.Tensor, experts: list[int]) -> list[int
 
 
 def expert_on_device(layer: int, prototype: nn.Module, expert: int, params: ExpertParams, lora: LoraSpec,
-                     adapter: nn.Module) -> LayerExperts:
+                     adapter: nn.Module, dtype: torch.dtype | None = None) -> LayerExperts:
     """A `LayerExperts` of one expert whose frozen weights are views of `params` (the cache's tensors, [1, ...]
     each), not a copy, and whose LoRA factors are `adapter`'s: the host shard's `ExpertAdapter`, or its copy
-    on the device (`factors_on_device`), so gradients reach the host's factors either way."""
+    on the device (`factors_on_device`), so gradients reach the host's factors either way. `dtype`: what it
+    computes in (its host layer's: required for quantized stacks, `LayerExperts`)."""
     view = LayerExperts(layer, prototype, {expert: {name: t.new_empty(0) for name, t in params.items()}}, lora,
-                        adapters={expert: adapter})  # built over empty tensors on the device: no bytes
+                        adapters={expert: adapter}, dtype=dtype)  # built over empty tensors on the device: no bytes
     module = view.module
     for name, tensor in params.items():
         if name in module._parameters:
@@ -393,6 +392,6 @@ def measure_speeds(tiered: TieredExperts, num_rows: int = SPEED_ROWS, repeats: i
         torch.cuda.synchronize(tiered.device)
         copies.append(time.perf_counter() - start)
     view = expert_on_device(layer, tiered.prototype_of(layer), expert, params, tiered.lora,
-                            host_layer.adapters[str(expert)])
+                            host_layer.adapters[str(expert)], host_layer.dtype)
     return TierSpeeds(cpu_s_per_row=cpu_s, device_s_per_row=seconds_per_row(view, expert, num_rows, repeats),
                       upload_bytes_per_s=expert_bytes / min(copies[1:]), bytes_per_expert=expert_bytes)
