@@ -6,7 +6,8 @@ Formats (`FORMATS`):
 - `peft`: the adapter as training writes it (peft's fused layout: `target_parameters` on the 3-D expert
   stacks); from a checkpoint, the checkpoint's state, so an interrupted run exports too.
 - `merged`: the base model with every LoRA delta folded in, in the base checkpoint's own layout, names,
-  dtype and shards (`vela_ray.model.merging`); loads with `from_pretrained`.
+  dtype and shards (`vela_ray.model.merging`); loads with `from_pretrained`. A run on quantized frozen weights
+  (`model.quantization`) is merged into what it computed with: those weights dequantized, then the delta.
 - `per-expert`: the adapter with its expert factors under the checkpoint's per-expert module names
   (`experts.{e}.w1`, `experts.{e}.gate_proj`, ...), as serving engines load MoE LoRA; where the checkpoint
   stores its experts fused (gpt-oss, Qwen3.5-MoE), the fused adapter, and the note says so. Either way at
@@ -48,7 +49,7 @@ from safetensors.torch import save_file
 from vela_ray.config import LoraSection
 from vela_ray.model.adapters import ADAPTER_FILE, export_adapter, full_lora_config
 from vela_ray.model.loading import meta_model, moe_layout, register_model_code
-from vela_ray.model.merging import checkpoint_files, merge_checkpoint, plan_merge, serving_adapter
+from vela_ray.model.merging import checkpoint_files, merge_checkpoint, plan_merge, plan_round_trips, serving_adapter
 from vela_ray.runs import RUN_ARTEFACTS
 from vela_ray.training import checkpoint
 
@@ -70,7 +71,7 @@ class Trained:
     checkpoint: Path | None  # a verified checkpoint (step-*), when there is no adapter
     lora: dict  # the run's `lora` config section (rank, alpha, targets, ...)
     trust_remote_code: bool = False
-    quantization: str = "none"  # the run's `model.quantization.format`
+    quantization: dict | None = None  # the run's `model.quantization` section
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,8 @@ def _trained(config: dict, model_dir, adapter_dir: Path | None, ckpt: Path | Non
     if not (model / "config.json").is_file():
         raise ValueError(f"the base model {model} is not a model directory (no config.json); give it with --model")
     trust_remote_code = bool(config["model"].get("trust_remote_code", False))
-    quantization = (config["model"].get("quantization") or {}).get("format", "none")
-    return Trained(model, adapter_dir, ckpt, dict(config["lora"]), trust_remote_code, quantization)
+    return Trained(model, adapter_dir, ckpt, dict(config["lora"]), trust_remote_code,
+                   config["model"].get("quantization"))
 
 
 @contextmanager
@@ -262,29 +263,39 @@ def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | 
                 shutil.copytree(adapter_dir, staging, dirs_exist_ok=True)
             return Exported(out, fmt, source)
         if fmt == "merged":
-            _refuse_quantized_merge(trained)
-            return _export_merged(adapter_dir, trained.model_dir, out, source)
+            return _export_merged(adapter_dir, trained.model_dir, out, source, _quantized(trained))
         return _export_per_expert(adapter_dir, trained.model_dir, out, source)
 
 
-def _refuse_quantized_merge(trained: Trained) -> None:
-    """A run on quantized frozen weights is not merged: folded into the full-width checkpoint, its LoRA would meet
-    weights it was not trained on, and a checkpoint shipped quantized holds codes, not values, to fold into."""
+def _quantized(trained: Trained):
+    """The `QuantizationSpec` the run held its frozen weights in (None: at the checkpoint's width). A checkpoint
+    shipped quantized holds codes, not values, in its own layout: a merge into it is refused."""
+    from vela_ray.config import QuantizationSection
+    from vela_ray.model.quantized_model import QuantizationSpec
     from vela_ray.model.shipped import shipped_format
 
     shipped = shipped_format(trained.model_dir)
-    if trained.quantization != "none" or shipped is not None:
-        held = shipped or trained.quantization
-        raise ValueError(f"--format merged: the run trained on frozen weights held in {held} (model.quantization), "
-                         "and vela-ray does not yet write their dequantized values merged with the adapter; export "
-                         "--format peft (or per-expert) and load it on the same quantized base")
+    if shipped is not None:
+        raise ValueError(f"--format merged: {trained.model_dir} is shipped in {shipped}, and a merge writes the "
+                         "checkpoint's own layout, codes that cannot take a LoRA delta; export --format peft (or "
+                         "per-expert) and load it on the same quantized base")
+    section = QuantizationSection.model_validate(trained.quantization or {})
+    if not section.on:
+        return None
+    return QuantizationSpec(section.format, section.experts, section.backbone,
+                            tuple(trained.lora.get("modules_to_save") or ()))
 
 
-def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str) -> Exported:
+def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str, quantization=None) -> Exported:
+    """`quantization`: the run's `QuantizationSpec`: the tensors it held quantized are written as it computed
+    with them, dequantized, the delta added (`merging.plan_round_trips`)."""
     plan_merge(adapter_dir, model_dir)  # a family the merge cannot take is refused before the disk check
+    if quantization is not None:
+        plan_round_trips(model_dir, quantization)
     check_disk(out, sum(f.stat().st_size for f in checkpoint_files(model_dir)))  # the old out goes only after
     with _staged(out) as staging:
-        merge_checkpoint(adapter_dir, model_dir, staging, progress=lambda name: logger.info("merged %s", name))
+        merge_checkpoint(adapter_dir, model_dir, staging, progress=lambda name: logger.info("merged %s", name),
+                         quantization=quantization)
     return Exported(out, "merged", source)
 
 

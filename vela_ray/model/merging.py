@@ -47,7 +47,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from vela_ray.model.adapters import ADAPTER_FILE, fuse_expert_factors, split_expert_factors
+from vela_ray.model.experts import weight_stacks
 from vela_ray.model.loading import checkpoint_index, checkpoint_layout, meta_model
+from vela_ray.model.quantization import Format
+from vela_ray.model.quantized_model import QuantizationSpec, quantizable_linears
 
 INDEX_FILE = "model.safetensors.index.json"
 _PER_EXPERT_OPS = (("MergeModulelist",), ("MergeModulelist", "Concatenate"))
@@ -241,35 +244,100 @@ def plan_merge(adapter_dir: str | Path, model_dir: str | Path) -> dict[str, _Upd
 
 
 def merge_checkpoint(adapter_dir: str | Path, model_dir: str | Path, out_dir: str | Path,
-                     progress: Callable[[str], None] | None = None) -> Path:
-    """Write `model_dir` with the adapter folded in to `out_dir` (see the module docstring)."""
+                     progress: Callable[[str], None] | None = None,
+                     quantization: QuantizationSpec | None = None) -> Path:
+    """Write `model_dir` with the adapter folded in to `out_dir` (see the module docstring). `quantization`: the
+    run held frozen weights quantized (`model.quantization`): those tensors are written as the run computed with
+    them, dequantized, before the delta is added (`plan_round_trips`)."""
     updates = plan_merge(adapter_dir, model_dir)
+    round_trips = plan_round_trips(model_dir, quantization) if quantization is not None else {}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = set(checkpoint_index(model_dir).values())
     for file in checkpoint_files(model_dir):
         shutil.copyfile(file, out / file.name)
         if file in weights:
-            _merge_shard(file, out / file.name, updates)
+            _merge_shard(file, out / file.name, updates, round_trips)
             if progress:
                 progress(file.name)
     return out
 
 
-def _merge_shard(source: Path, target: Path, updates: dict[str, _Update]) -> None:
-    """Overwrite the adapted tensors of `target` (a copy of `source`) in place: the header, key order and
-    every other byte stay those of the input."""
+@dataclass(frozen=True)
+class _RoundTrip:
+    """An on-disk tensor a quantized run computed with dequantized: [O, I] (or [I, O] when `transposed`), or a
+    stored stack of them (`stack`: one per expert along dim 0)."""
+
+    fmt: Format
+    transposed: bool
+    stack: bool
+
+    def applied(self, part: torch.Tensor) -> torch.Tensor:
+        w = part.float()
+        w_OI = w.T if self.transposed else w
+        back = self.fmt.dequantize(self.fmt.quantize(w_OI), torch.float32)
+        return (back.T if self.transposed else back).to(part.dtype)
+
+
+def plan_round_trips(model_dir: str | Path, spec: QuantizationSpec) -> dict[str, _RoundTrip]:
+    """{checkpoint tensor name: its round trip} for every tensor a run with `spec` held quantized: the backbone's
+    linear weights (`quantized_model.quantize_backbone`'s) and the expert stacks, traced to the tensors they load
+    from as `plan_merge` traces deltas. Each format quantizes within rows of whole blocks, so a stack gathered from
+    per-expert pieces (gate, up) rounds piece by piece alike, where each piece is whole blocks of rows; ValueError
+    naming the tensor otherwise, or where transformers converts it."""
+    ckpt = checkpoint_layout(str(model_dir))
+    fmt, trips = spec.fmt, {}
+
+    def source_of(target: str, per_expert: bool):
+        source = ckpt.sources[target]
+        if source.ops and not (per_expert and source.ops in _PER_EXPERT_OPS):
+            raise ValueError(f"{model_dir}: {target} is stored as {list(source.names[:2])}, converted by "
+                             f"transformers ({list(source.ops)}); vela-ray cannot write its quantized values back "
+                             "through that conversion: export --format peft")
+        return source
+
+    if spec.backbone:
+        for _, _, path in quantizable_linears(ckpt.skeleton, spec):
+            trips[source_of(f"{path}.weight", False).names[0]] = _RoundTrip(fmt, False, False)
+    if spec.experts:
+        rows = fmt.block[0] or 1
+        for layer, path in enumerate(ckpt.experts_paths):
+            prototype = ckpt.prototypes[layer]
+            transposed = bool(getattr(prototype, "is_transposed", False))
+            for stack in weight_stacks(prototype):
+                source = source_of(f"{path}.{stack}", True)
+                if not source.ops:
+                    trips[source.names[0]] = _RoundTrip(fmt, transposed, True)
+                    continue
+                shapes = _shapes(model_dir)
+                for name in source.names:
+                    if transposed or shapes[name][0] % rows:
+                        raise ValueError(f"{model_dir}: {name} {shapes[name]} is part of {path}.{stack}, and "
+                                         f"{fmt.name}'s {rows}-row blocks straddle it and its neighbour; export "
+                                         "--format peft")
+                    trips[name] = _RoundTrip(fmt, False, False)
+    return trips
+
+
+def _merge_shard(source: Path, target: Path, updates: dict[str, _Update],
+                 round_trips: Mapping[str, _RoundTrip] | None = None) -> None:
+    """Overwrite the adapted (and round-tripped) tensors of `target` (a copy of `source`) in place: the header,
+    key order and every other byte stay those of the input."""
     header, data_start = _header(source)
+    round_trips = round_trips or {}
     with safe_open(str(source), "pt") as reader, open(target, "r+b") as writer:
         for name, entry in header.items():
-            update = updates.get(name)
-            if name == "__metadata__" or update is None:
+            update, trip = updates.get(name), round_trips.get(name)
+            if name == "__metadata__" or (update is None and trip is None):
                 continue
             tensor = reader.get_tensor(name)
-            experts = range(tensor.shape[0]) if update.expert is None else [None]
-            for expert in experts:  # a stored stack one expert at a time: one expert's fp32 copy at most
+            whole = (update is not None and update.expert is None) or (trip is not None and trip.stack)
+            for expert in range(tensor.shape[0]) if whole else [None]:  # a stored stack one expert at a time
                 part = tensor if expert is None else tensor[expert]
-                part.copy_(update.applied(part, update.expert if expert is None else expert))
+                if trip is not None:
+                    part.copy_(trip.applied(part))
+                if update is not None:
+                    part.copy_(update.applied(part, update.expert if expert is None else expert))
             writer.seek(data_start + entry["data_offsets"][0])
             writer.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del tensor

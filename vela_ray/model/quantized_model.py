@@ -40,7 +40,7 @@ class QuantizationSpec:
         return FORMATS[self.format]
 
 
-def _quantizable_linears(model: torch.nn.Module, spec: QuantizationSpec) -> list[tuple[torch.nn.Module, str, str]]:
+def quantizable_linears(model: torch.nn.Module, spec: QuantizationSpec) -> list[tuple[torch.nn.Module, str, str]]:
     """(parent, attribute, path) of each plain nn.Linear of the backbone that `spec` quantizes: every one but the
     LM head and `keep_full`'s (peft's LoRA layers are walked into: their `base_layer` is one)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -66,7 +66,7 @@ def quantize_backbone(model: torch.nn.Module, spec: QuantizationSpec) -> int:
     """Replace the backbone's frozen linear layers by `QuantizedLinear`s in `spec`'s format, in place (before or
     after peft wraps them). Returns the bytes their weights took before minus after."""
     saved = 0
-    for parent, name, _ in _quantizable_linears(model, spec):
+    for parent, name, _ in quantizable_linears(model, spec):
         linear = getattr(parent, name)
         quantized = QuantizedLinear(linear, spec.fmt)
         saved += linear.weight.nbytes - sum(t.nbytes for t in quantized.weight_parts.values())
@@ -81,7 +81,7 @@ def round_trip_model(model: torch.nn.Module, spec: QuantizationSpec) -> torch.nn
     fmt = spec.fmt
     with torch.no_grad():
         if spec.backbone:
-            for parent, name, _ in _quantizable_linears(model, spec):
+            for parent, name, _ in quantizable_linears(model, spec):
                 weight = getattr(parent, name).weight
                 weight.copy_(fmt.dequantize(fmt.quantize(weight), weight.dtype))
         if spec.experts:
