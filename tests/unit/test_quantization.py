@@ -373,6 +373,61 @@ def test_a_shipped_checkpoint_loads_without_a_full_width_copy(tmp_path, family):
     assert dequantized["held"] >= 2 * weights and dequantized["peak"] >= 2 * held["held"]
 
 
+_MASTER_PEAK = """
+import json, sys, threading, time
+import torch
+from vela_ray.model.loading import checkpoint_layout
+from vela_ray.model.quantization import QuantizedLinear
+from vela_ray.model.quantized_model import QuantizationSpec
+from vela_ray.model.experts import LoraSpec
+from vela_ray.training.master import MasterSpec, seeded_backbone
+from vela_ray.training.schedule import OptimizerConfig
+
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+model_dir, fmt = sys.argv[1], sys.argv[2]
+checkpoint_layout(model_dir)
+spec = MasterSpec(model_dir=model_dir, dtype=torch.float32, lora=LoraSpec(), optim=OptimizerConfig(),
+                  quantization=QuantizationSpec(fmt) if fmt != "none" else None)
+before, peak, done = anon(), [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon()); time.sleep(0.001)
+thread = threading.Thread(target=sample); thread.start()
+model = seeded_backbone(spec)
+done.set(); thread.join()
+quantized = sum(isinstance(m, QuantizedLinear) for m in model.modules())
+print(json.dumps({"peak": max(peak[0], anon()) - before, "quantized": quantized}))
+"""
+
+
+@pytest.mark.slow
+def test_a_master_holds_its_backbone_quantized_as_it_reads_it(tmp_path):
+    """A lone master quantizes each linear layer as soon as it has read it: its peak while loading is the quantized
+    backbone and a tensor or two at full width, well under the full-width backbone's (fp32 attention of four
+    [2048, 2048] projections in each of 4 layers here: 268 MB; in NF4 38 MB)."""
+    import subprocess
+    import sys
+
+    model_dir = make_checkpoint(tmp_path / "model", hidden_size=2048, num_attention_heads=8, num_key_value_heads=8,
+                                num_hidden_layers=4, intermediate_size=64)
+
+    def load(fmt):
+        out = subprocess.run([sys.executable, "-c", _MASTER_PEAK, str(model_dir), fmt], capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    full, nf4 = load("none"), load("nf4")
+    assert full["quantized"] == 0 and nf4["quantized"] == 16
+    attention = 4 * 4 * 2048 * 2048 * 4
+    assert full["peak"] >= attention, full
+    # the NF4 layers (38 MB), two [2048, 2048] tensors at full width (the one read, the one before: 34 MB) and the
+    # quantization's temporaries (a few MB of rows at a time) beside the rest of the model
+    assert nf4["peak"] <= 0.45 * full["peak"], (nf4, full)
+
+
 def test_nf4_equals_peft_qlora_on_bitsandbytes_4bit_layers():
     """peft's own QLoRA: the backbone's linears as bitsandbytes `Linear4bit` (NF4, 64-weight blocks, no double
     quantization, fp32 compute: what runs on a CPU), peft's LoRA over them. bitsandbytes cannot hold 3-D expert

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from vela_ray.model.quantization import QuantizedLinear
 from vela_ray.model.experts import ExpertKey, LoraSpec, slot_name
 from vela_ray.model.modeling import find_moe_blocks
 
@@ -46,6 +47,12 @@ logger = logging.getLogger(__name__)
 
 _ROUTER_NAMES = re.compile(r"(^gate$|_gate$|router)")
 ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear as peft's LoRA wraps it: the class itself, or a frozen one held quantized (`QuantizedLinear`,
+    `model.quantization`: a linear layer with its weight stored in a format's blocks), not another subclass."""
+    return type(module) in (nn.Linear, QuantizedLinear)
 
 
 def linear_targets(model: nn.Module, routers: bool = False) -> str:
@@ -64,7 +71,7 @@ def linear_targets(model: nn.Module, routers: bool = False) -> str:
     """
     paths = [
         path for path, mod in model.named_modules()
-        if type(mod) is nn.Linear  # subclasses (DeepSeek-V4's grouped o_a_proj) have semantics peft's LoRA breaks
+        if plain_linear(mod)  # subclasses (DeepSeek-V4's grouped o_a_proj) have semantics peft's LoRA breaks
         and not path.endswith("lm_head") and (routers or not _ROUTER_NAMES.search(path.rsplit(".", 1)[-1]))
         and _peft_accepts(model, path.rsplit(".", 1)[-1])
     ]
@@ -247,7 +254,7 @@ def _backbone_targets(model: nn.Module, lora: LoraSpec, blocks) -> list[str]:
     elif lora.target_modules and not matched:
         raise ValueError(f"lora.target_modules {lora.target_modules!r} matches no module of {type(model).__name__}")
     for path in matched:
-        if type(modules[path]) is not nn.Linear:
+        if not plain_linear(modules[path]):
             what = "the router" if path in routers else "a module"
             raise ValueError(f"lora.target_modules adapts {what} {path} of {type(model).__name__}, a "
                              f"{type(modules[path]).__name__}, not a linear layer peft's LoRA can wrap; "

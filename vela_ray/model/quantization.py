@@ -65,11 +65,24 @@ class Format:
         return None
 
     def quantize(self, w_OI: torch.Tensor) -> Parts:
+        """`w_OI`'s parts, computed a few rows at a time (`CHUNK_BYTES` of fp32 each): the arithmetic's temporaries
+        stay small whatever the matrix, so quantizing as weights are read adds little to a process's peak."""
         why = self.unfit(tuple(w_OI.shape))
         if why:
             raise ValueError(f"cannot quantize a {list(w_OI.shape)} weight to {self.name}: {why}")
+        block_rows = self.block[0] or 1
+        rows = max(block_rows, CHUNK_BYTES // (4 * w_OI.shape[-1]) // block_rows * block_rows)
         with torch.no_grad():
-            return self._quantize(w_OI.detach().float())
+            if w_OI.dim() != 2 or w_OI.shape[0] <= rows or w_OI.device.type == "meta":
+                return self._quantize(w_OI.detach().float())
+            parts = {name: torch.empty(shape, dtype=dtype, device=w_OI.device)  # allocated once, filled in place
+                     for name, (shape, dtype) in self.part_shapes(tuple(w_OI.shape)).items()}
+            done = dict.fromkeys(parts, 0)
+            for chunk in w_OI.split(rows):
+                for name, piece in self._quantize(chunk.detach().float()).items():
+                    parts[name].narrow(0, done[name], piece.shape[0]).copy_(piece)
+                    done[name] += piece.shape[0]
+            return parts
 
     def dequantize(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The [..., out, in] matrix `parts` hold, computed in fp32 and then cast to `dtype`."""
@@ -90,6 +103,8 @@ class Format:
     def _dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+
+CHUNK_BYTES = 1 << 20  # fp32 bytes of rows `Format.quantize` works on at a time
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -309,6 +324,12 @@ class QuantizedLinear(torch.nn.Linear):
         for part, tensor in parts.items():
             self.register_buffer(part_name("weight", fmt, part), tensor)
         self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stored weight as it is held, its format's codes (integer): what code reading an nn.Linear's weight for
+        its device or shape gets (peft does); its values are `dequantized()`."""
+        return self.weight_parts[self.fmt.parts[0]]
 
     @property
     def weight_parts(self) -> Parts:

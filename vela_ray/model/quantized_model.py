@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -72,6 +73,22 @@ def quantize_backbone(model: torch.nn.Module, spec: QuantizationSpec) -> int:
         saved += linear.weight.nbytes - sum(t.nbytes for t in quantized.weight_parts.values())
         setattr(parent, name, quantized)
     return saved
+
+
+def quantize_as_read(model: torch.nn.Module, spec: QuantizationSpec) -> Callable[[str], None]:
+    """A backbone reader's `filled` callback (`sharded_loading.read_backbone`): each linear weight `spec` quantizes
+    is held quantized as soon as it has been read, so a master never holds its whole backbone at full width, only
+    the tensor being read. `model`: the master's model, peft-wrapped or not (names as the checkpoint's)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    pending = {re.sub(r"\.base_layer$", "", path) + ".weight": (parent, name)
+               for parent, name, path in quantizable_linears(inner, spec)}
+
+    def filled(checkpoint_name: str) -> None:
+        if checkpoint_name in pending:
+            parent, name = pending.pop(checkpoint_name)
+            setattr(parent, name, QuantizedLinear(getattr(parent, name), spec.fmt))
+
+    return filled
 
 
 def round_trip_model(model: torch.nn.Module, spec: QuantizationSpec) -> torch.nn.Module:

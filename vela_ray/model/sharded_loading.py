@@ -396,14 +396,16 @@ def _targets(inner: nn.Module) -> dict[str, list[torch.Tensor]]:
 
 def read_backbone(model: nn.Module, plan, model_dir: str | Path, dtype: torch.dtype | None = None,
                   trust_remote_code: bool = False, node: dist.ProcessGroup | None = None,
-                  holds_backbone: bool = False) -> ReadStats:
+                  holds_backbone: bool = False, filled: Callable[[str], None] | None = None) -> ReadStats:
     """Fill a master rank's backbone (a `loading.backbone_skeleton`, peft-wrapped, sharded by
     `tensor_parallel.parallelize_backbone` with `plan`, or whole with `plan` None) from the checkpoint, each tensor
     read once by `node`'s first member (see the module docstring); alone (`node` None) it reads its own shards.
 
     Collective over `node` (a gloo group of the master processes on this node, in any order of their TP ranks).
     `holds_backbone`: this process is the root and its `model` already holds the whole backbone (no TP): it sends
-    from it. What a rank then holds is what `load_backbone` + `parallelize_backbone` give it."""
+    from it. What a rank then holds is what `load_backbone` + `parallelize_backbone` give it. `filled(name)`: called
+    as each tensor is whole here (and sent on), e.g. to hold it quantized from then on (`quantized_model.
+    quantize_as_read`); the loader keeps no reference to it after."""
     from vela_ray.model import loading
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -417,7 +419,7 @@ def read_backbone(model: nn.Module, plan, model_dir: str | Path, dtype: torch.dt
     with torch.no_grad():
         if node is not None and node.rank() > 0:
             specs, chunk = _plan_from_root(node, tp_rank, targets, tp)
-            _receive(specs, targets, tp, node, chunk, staging, stats)
+            _receive(specs, targets, tp, node, chunk, staging, stats, filled)
         else:
             key = loading.model_key(model_dir, trust_remote_code)
             every = backbone_specs(key, dims.get, dtype, trust_remote_code)
@@ -427,7 +429,7 @@ def read_backbone(model: nn.Module, plan, model_dir: str | Path, dtype: torch.dt
                 _check_shapes(targets[spec.name], _shard_shape(spec, tp), spec.name)
             members = _member_tp_ranks(node)
             _tell_members(node, members, specs, chunk)
-            _serve(specs, targets, tp, tp_rank, key, node, members, holds_backbone, chunk, staging, stats)
+            _serve(specs, targets, tp, tp_rank, key, node, members, holds_backbone, chunk, staging, stats, filled)
         _zero_row_parallel_biases(model, plan)
     if getattr(inner.config, "tie_word_embeddings", False):
         inner.tie_weights()
@@ -438,7 +440,7 @@ def read_backbone(model: nn.Module, plan, model_dir: str | Path, dtype: torch.dt
 
 def _serve(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp: int, tp_rank: int, key: str,
            node: dist.ProcessGroup | None, members: dict[int, int], holds_backbone: bool, chunk: int,
-           staging: _Staging, stats: ReadStats) -> None:
+           staging: _Staging, stats: ReadStats, filled: Callable[[str], None] | None = None) -> None:
     """The root (or a lone rank): every spec's shards that the node's `members` ({member: TP rank}) hold, read once
     (or taken from the backbone it holds), chunk by chunk: its own read straight into its tensors, each other TP
     rank's into a staging buffer sent to the members holding that rank (a replicated tensor is sent from the root's
@@ -471,6 +473,7 @@ def _serve(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp: 
             if whole is not None:
                 staging.drop(whole)
                 del whole
+            _done(spec.name, targets, filled)
 
 
 def _host_rows(tensor: torch.Tensor, rows: tuple[int, int], staging: _Staging) -> torch.Tensor:
@@ -572,8 +575,15 @@ def _read_pieces(reader: ShardReader, spec: TensorSpec, tp: int, rows: tuple[int
     return pieces
 
 
+def _done(name: str, targets: dict[str, list[torch.Tensor]], filled: Callable[[str], None] | None) -> None:
+    """Tensor `name` is whole here (and sent on): tell `filled`, and let go of it (it may be replaced)."""
+    if filled is not None:
+        del targets[name]
+        filled(name)
+
+
 def _receive(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp: int, node: dist.ProcessGroup,
-             chunk: int, staging: _Staging, stats: ReadStats) -> None:
+             chunk: int, staging: _Staging, stats: ReadStats, filled: Callable[[str], None] | None = None) -> None:
     """A member other than the root: every spec's shard received from the root chunk by chunk, straight into its
     tensor where that is contiguous."""
     tag = 0
@@ -586,6 +596,8 @@ def _receive(specs: list[TensorSpec], targets: dict[str, list[torch.Tensor]], tp
             node.recv([buffer], 0, tag).wait()
             _fill_own(own, rows, buffer, staging)
             stats.bytes_received += buffer.numel() * buffer.element_size()
+        del own
+        _done(spec.name, targets, filled)
 
 
 def _tell_members(node: dist.ProcessGroup | None, members: dict[int, int], specs: list[TensorSpec],

@@ -26,7 +26,7 @@ from vela_ray.model.broker import ExpertDispatcher
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
-from vela_ray.model.quantized_model import QuantizationSpec, quantize_backbone
+from vela_ray.model.quantized_model import QuantizationSpec, quantize_as_read, quantize_backbone
 from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.expert_workers import ExpertWorkers
@@ -109,8 +109,12 @@ def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
         return backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
     with load_record("seeded_backbone") as record:
         record["model"] = model = backbone_skeleton(spec.model_dir, spec.dtype, spec.trust_remote_code)
-        record["staged_bytes"] = read_backbone(model, None, spec.model_dir, spec.dtype,
-                                               spec.trust_remote_code).staged_bytes
+        # a lone master holds its quantized layers so as it reads them; with peers on its node, master 0 sends them
+        # the full-width backbone first (`shard_and_read(holds_backbone=True)` quantizes as it sends)
+        alone = spec.num_masters == 1 and spec.quantization is not None and spec.quantization.backbone
+        record["staged_bytes"] = read_backbone(model, None, spec.model_dir, spec.dtype, spec.trust_remote_code,
+                                               filled=quantize_as_read(model, spec.quantization) if alone else None
+                                               ).staged_bytes
     return model.eval()
 
 
@@ -165,9 +169,8 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
     stats = None
     if mesh is not None or node is not None or not read:
         stats = shard_and_read(master, spec, mesh, node, holds_backbone=read)
-    if spec.quantization is not None and spec.quantization.backbone:  # read whole, then held quantized
-        saved = quantize_backbone(master.peft_model, spec.quantization)
-        logger.info("backbone linear layers held in %s: %.1f MB fewer", spec.quantization.format, saved / 1e6)
+    if spec.quantization is not None and spec.quantization.backbone:  # held so as read; any other layer now
+        quantize_backbone(master.peft_model, spec.quantization)
     master.peft_model.to(spec.device)
     if dp_mesh is not None:
         tensor_parallel.shard_frozen(master.peft_model, dp_mesh)
@@ -188,8 +191,10 @@ def shard_and_read(master: MasterModel, spec: MasterSpec, mesh=None, node=None, 
             record.update(tensors_at_start=model_tensors(master.peft_model), filled=not holds_backbone)
         if mesh is not None:
             shard_master(master, mesh)
+        quantized = spec.quantization is not None and spec.quantization.backbone
         stats = read_backbone(master.peft_model, master.tp, spec.model_dir, spec.dtype, spec.trust_remote_code,
-                              node, holds_backbone)
+                              node, holds_backbone,
+                              filled=quantize_as_read(master.peft_model, spec.quantization) if quantized else None)
         record.update(model=master.peft_model, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
                       staged_bytes=stats.staged_bytes,
                       node_rank=node.rank() if node is not None else 0, tp_rank=master.tp.rank if master.tp else 0)
