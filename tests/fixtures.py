@@ -88,6 +88,27 @@ def job_dict(model_dir: Path, out_dir: Path, steps: int = 3, **sections) -> dict
     return job
 
 
+def peft_job(model_dir: Path, tmp_path: Path, steps: int = 3, **sections) -> dict:
+    """`job_dict` as the jobs held to plain peft run: r=4 LoRA from a start adapter both sides load, lr 5e-3 with a
+    warmup step, clipping at 0.5; output under `tmp_path / "out"`; `sections` merged over these."""
+    job = job_dict(model_dir, tmp_path / "out", steps=steps,
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    for name, values in sections.items():
+        job[name] = {**job.get(name, {}), **values}
+    return job
+
+
+def run_equal_to_peft(job: dict, rtol: float = 1e-5) -> tuple[JobConfig, RunSummary]:
+    """`job` preflighted and run in one process, its losses held to plain peft's over the same batches (rel `rtol`)."""
+    config = JobConfig.from_dict(job)
+    config.preflight()
+    summary = run_in_process(config)
+    ref_losses, _ = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+    return config, summary
+
+
 def write_job(path: Path, job: dict) -> Path:
     path.write_text(yaml.safe_dump(job))
     return path

@@ -14,7 +14,9 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict
 
 from tests.equivalence import micro_batches, reference_adapter_state, run_both
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
+from tests.fixtures import (
+    init_adapter, job_dict, make_checkpoint, peft_job, reference_losses, run_equal_to_peft, run_in_process,
+)
 from vela_ray.config import JobConfig
 from vela_ray.export import export_run
 from vela_ray.model.experts import ExpertShard
@@ -189,13 +191,7 @@ def wide_model(tmp_path_factory):
 def test_a_quantized_job_trains_equal_to_peft_on_the_dequantized_checkpoint(wide_model, tmp_path, name):
     """The whole job in one process: workers quantize each expert as they read it, the master its backbone after
     reading it; plain peft on the checkpoint with those weights dequantized gives the same losses."""
-    job = job_dict(wide_model, tmp_path / "out", steps=3, model={"quantization": {"format": name}},
-                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(wide_model, tmp_path / "init"))},
-                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
-    config = JobConfig.from_dict(job)
-    summary = run_in_process(config)
-    ref_losses, _ = reference_losses(config)
-    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    config, _ = run_equal_to_peft(peft_job(wide_model, tmp_path, model={"quantization": {"format": name}}))
     # exported as peft's adapter, or merged into what the run computed with (the weights it held quantized,
     # dequantized): both compute what the trained model computes
     from transformers import AutoModelForCausalLM
@@ -258,9 +254,8 @@ def test_a_shipped_checkpoint_trains_equal_to_peft_on_its_dequantized_weights(sh
     full, shipped = shipped_models[family]
     name, _, where = SHIPPED[family]
     quantization = {"format": name if held == "shipped" else "none", **where}
-    job = job_dict(shipped, tmp_path / "out", steps=3, model={"quantization": quantization},
-                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(full, tmp_path / "init"))},
-                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    job = peft_job(shipped, tmp_path, model={"quantization": quantization})
+    job["lora"]["init_adapter"] = str(init_adapter(full, tmp_path / "init"))
     config = JobConfig.from_dict(job)
     config.preflight()
     summary = run_in_process(config)
@@ -495,15 +490,9 @@ def test_a_tiered_job_holds_uploads_and_computes_quantized_experts_equal_to_peft
         return TierSpeeds(cpu_s_per_row=1e-5, device_s_per_row=1e-7, upload_bytes_per_s=1e8, bytes_per_expert=10**4)
 
     monkeypatch.setattr(tiered_module, "measure_speeds", speeds)
-    job = job_dict(wide_model, tmp_path / "out", steps=2, model={"quantization": {"format": "nf4"}},
-                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(wide_model, tmp_path / "init"))},
-                   cluster={"num_workers": 2}, expert_tiers={"enabled": True, "cache_experts": 3},
-                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
-    config = JobConfig.from_dict(job)
-    config.preflight()
-    summary = run_in_process(config)
-    ref_losses, _ = reference_losses(config)
-    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    _, summary = run_equal_to_peft(peft_job(wide_model, tmp_path, steps=2, model={"quantization": {"format": "nf4"}},
+                                            cluster={"num_workers": 2},
+                                            expert_tiers={"enabled": True, "cache_experts": 3}))
     assert measured and set(measured) == {FORMATS["nf4"].nbytes((256, 128)) + FORMATS["nf4"].nbytes((128, 128))}
     for stats in summary.expert_tiers:
         assert stats.experts_cpu > 0 and stats.experts_device > 0 and stats.uploads > 0

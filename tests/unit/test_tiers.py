@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
+from tests.fixtures import job_dict, make_checkpoint, peft_job, run_equal_to_peft
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import pack_text, sequential_batches
 from vela_ray.paths import data_dir
@@ -422,15 +422,8 @@ def test_a_tiered_job_equals_peft_and_reports_its_tiers(tmp_path, monkeypatch):
     monkeypatch.setattr(tiered_module, "measure_speeds", lambda tiered: TierSpeeds(
         cpu_s_per_row=1e-5, device_s_per_row=1e-7, upload_bytes_per_s=1e8, bytes_per_expert=10**4))
     model_dir = make_checkpoint(tmp_path / "model")
-    job = job_dict(model_dir, tmp_path / "out", steps=2,
-                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))},
-                   cluster={"num_workers": 2}, expert_tiers={"enabled": True, "cache_experts": 3},
-                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
-    config = JobConfig.from_dict(job)
-    config.preflight()
-    summary = run_in_process(config)
-    ref_losses, _ = reference_losses(config)
-    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    _, summary = run_equal_to_peft(peft_job(model_dir, tmp_path, steps=2, cluster={"num_workers": 2},
+                                            expert_tiers={"enabled": True, "cache_experts": 3}))
     assert [stats.worker for stats in summary.expert_tiers] == [0, 1]
     for stats in summary.expert_tiers:
         assert stats.experts_cpu > 0 and stats.experts_device > 0 and stats.uploads > 0
