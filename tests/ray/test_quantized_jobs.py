@@ -10,6 +10,7 @@ import torch
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, write_job
 from vela_ray import cli
 from vela_ray.config import JobConfig
+from vela_ray.model.shipped import write_shipped
 from vela_ray.training.summary import RunSummary
 
 
@@ -31,3 +32,23 @@ def test_vela_train_with_nf4_experts_and_backbone_equals_peft_on_the_dequantized
     full, nf4 = runs["none"][1].bytes_per_expert, summary.bytes_per_expert
     lora = full - 3 * 128 * 128 * 4
     assert nf4 - lora == 3 * (128 * 64 + 128 * 2 * 4), (full, nf4)
+
+
+@pytest.mark.job
+def test_vela_train_on_deepseek_v3_shipped_in_fp8_equals_peft_on_its_dequantized_weights(ray_session, tmp_path):
+    """DeepSeek-V3 as its FP8 checkpoint ships (weight_scale_inv, 128x128 blocks), trained as shipped over Ray: the
+    ExpertManager actors keep each expert's codes as read, the master its backbone's; plain peft on the dequantized
+    weights (the full-width checkpoint rounded through FP8) gives the same losses."""
+    widths = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, q_lora_rank=128,
+                  kv_lora_rank=128)
+    full = make_checkpoint(tmp_path / "full", family="deepseek_v3", **widths)
+    shipped = write_shipped(full, tmp_path / "fp8", "fp8")
+    job = job_dict(shipped, tmp_path / "out", steps=3, model={"quantization": {"format": "fp8"}},
+                   lora={"r": 4, "alpha": 8, "init_adapter": str(init_adapter(full, tmp_path / "init"))},
+                   training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}})
+    assert cli.main(["train", "--config", str(write_job(tmp_path / "job.yaml", job))]) == 0
+    config, summary = JobConfig.from_dict(job), RunSummary.load(tmp_path / "out")
+    reference = config.model_copy(update={"model": config.model.model_copy(update={"path": full})})
+    ref_losses, _ = reference_losses(reference)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert summary.quantization == "fp8: experts, backbone"

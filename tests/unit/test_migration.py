@@ -16,6 +16,8 @@ import torch
 from placement import sequential_table
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.config import JobConfig
+from vela_ray.model.loading import checkpoint_prototypes
+from vela_ray.model.quantized_model import frozen_bytes_per_expert
 from vela_ray.observability.report import summary_text
 from vela_ray.data.datasets import batch_rows, micro_batches
 from vela_ray.runtime.local import InProcessPool
@@ -71,8 +73,11 @@ def _scattered(shape: tuple[int, int], num_workers: int, seed: int = 3) -> np.nd
     return table
 
 
-def test_migrating_experts_mid_run_trains_exactly_like_not_moving_them(model_dir, tmp_path):
-    config = _config(model_dir, tmp_path / "out")
+@pytest.mark.parametrize("held", ["none", "int8"])
+def test_migrating_experts_mid_run_trains_exactly_like_not_moving_them(model_dir, tmp_path, held):
+    """Also with the frozen weights held quantized (`model.quantization`, int8: its per-channel scales fit the debug
+    width): an arriving expert is read from the checkpoint and quantized as at start, never moved dequantized."""
+    config = _config(model_dir, tmp_path / "out", model={"quantization": {"format": held}})
     backbone = Backbone.load(config)
     start = sequential_table(*backbone.shape, 3)
     moved_to = _scattered(backbone.shape, 3)
@@ -98,10 +103,15 @@ def test_migrating_experts_mid_run_trains_exactly_like_not_moving_them(model_dir
     for worker, manager in enumerate(pool.managers):
         assert manager.keys == MigrationPlan.between(start, moved_to).keys_of(worker)
 
-    # what travelled: every expert's state once, and every expert's frozen weights read once
+    # what travelled: every expert's state once, and every expert's frozen weights read once (int8: its bytes)
     state_bytes = sum(t.numel() * t.element_size() for s in before.values() for t in s.values())
     assert sum(s.state_bytes for s in snap["stats"]) == state_bytes
     assert sum(s.arrived for s in snap["stats"]) == moved_to.size
+    hosted = [layer for manager in pool.managers for layer in manager.shard.layers.values()]
+    assert all(bool(layer.quantized) == (held != "none") for layer in hosted)
+    prototype = checkpoint_prototypes(model_dir)[0]
+    per_expert = frozen_bytes_per_expert(prototype, None if held == "none" else held, torch.float32)
+    assert sum(s.frozen_bytes for s in snap["stats"]) == moved_to.size * per_expert
 
 
 def test_a_migration_plan_moves_only_what_changed():
