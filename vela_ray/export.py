@@ -7,7 +7,8 @@ Formats (`FORMATS`):
   stacks); from a checkpoint, the checkpoint's state, so an interrupted run exports too.
 - `merged`: the base model with every LoRA delta folded in, in the base checkpoint's own layout, names,
   dtype and shards (`vela_ray.model.merging`); loads with `from_pretrained`. A run on quantized frozen weights
-  (`model.quantization`) is merged into what it computed with: those weights dequantized, then the delta.
+  (`model.quantization`) is merged into what it computed with: those weights dequantized, then the delta; a
+  checkpoint shipped quantized (FP8, MXFP4) into its dequantized bf16 copy.
 - `per-expert`: the adapter with its expert factors under the checkpoint's per-expert module names
   (`experts.{e}.w1`, `experts.{e}.gate_proj`, ...), as serving engines load MoE LoRA; where the checkpoint
   stores its experts fused (gpt-oss, Qwen3.5-MoE), the fused adapter, and the note says so. Either way at
@@ -49,7 +50,9 @@ from safetensors.torch import save_file
 from vela_ray.config import LoraSection
 from vela_ray.model.adapters import ADAPTER_FILE, export_adapter, full_lora_config
 from vela_ray.model.loading import meta_model, moe_layout, register_model_code
-from vela_ray.model.merging import checkpoint_files, merge_checkpoint, plan_merge, plan_round_trips, serving_adapter
+from vela_ray.model.merging import (
+    checkpoint_files, merge_checkpoint, merge_in_place, plan_merge, plan_round_trips, serving_adapter,
+)
 from vela_ray.runs import RUN_ARTEFACTS
 from vela_ray.training import checkpoint
 
@@ -268,19 +271,14 @@ def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | 
 
 
 def _quantized(trained: Trained):
-    """The `QuantizationSpec` the run held its frozen weights in (None: at the checkpoint's width). A checkpoint
-    shipped quantized holds codes, not values, in its own layout: a merge into it is refused."""
+    """The `QuantizationSpec` the run held its frozen weights in (None: at the checkpoint's width, or as a checkpoint
+    shipped quantized stores them: `_export_merged` dequantizes those)."""
     from vela_ray.config import QuantizationSection
     from vela_ray.model.quantized_model import QuantizationSpec
     from vela_ray.model.shipped import shipped_format
 
-    shipped = shipped_format(trained.model_dir)
-    if shipped is not None:
-        raise ValueError(f"--format merged: {trained.model_dir} is shipped in {shipped}, and a merge writes the "
-                         "checkpoint's own layout, codes that cannot take a LoRA delta; export --format peft (or "
-                         "per-expert) and load it on the same quantized base")
     section = QuantizationSection.model_validate(trained.quantization or {})
-    if not section.on:
+    if not section.on or shipped_format(trained.model_dir) is not None:
         return None
     return QuantizationSpec(section.format, section.experts, section.backbone,
                             tuple(trained.lora.get("modules_to_save") or ()))
@@ -288,11 +286,26 @@ def _quantized(trained: Trained):
 
 def _export_merged(adapter_dir: Path, model_dir: Path, out: Path, source: str, quantization=None) -> Exported:
     """`quantization`: the run's `QuantizationSpec`: the tensors it held quantized are written as it computed
-    with them, dequantized, the delta added (`merging.plan_round_trips`)."""
+    with them, dequantized, the delta added (`merging.plan_round_trips`). A checkpoint shipped quantized (FP8,
+    MXFP4) is merged into its dequantized bf16 copy (`shipped.write_dequantized`): its own layout holds codes."""
+    from vela_ray.model.quantization import FORMATS
+    from vela_ray.model.shipped import shipped_format, write_dequantized
+
+    files = checkpoint_files(model_dir)
+    shipped = shipped_format(model_dir)
+    if shipped is not None:
+        grows = 16 / FORMATS[shipped].bits  # bf16 over the shipped codes, an upper bound (scales and bf16 tensors)
+        check_disk(out, int(grows * sum(f.stat().st_size for f in files)))
+        with _staged(out) as staging:
+            write_dequantized(model_dir, staging)
+            merge_in_place(adapter_dir, staging)  # a family the merge cannot take is refused here, nothing kept
+        return Exported(out, "merged", source, note=f"{model_dir} ships in {shipped}: merged into its weights "
+                        f"dequantized to bf16 (any engine loads it); to serve it in {shipped}, load the peft export "
+                        "on the shipped checkpoint")
     plan_merge(adapter_dir, model_dir)  # a family the merge cannot take is refused before the disk check
     if quantization is not None:
         plan_round_trips(model_dir, quantization)
-    check_disk(out, sum(f.stat().st_size for f in checkpoint_files(model_dir)))  # the old out goes only after
+    check_disk(out, sum(f.stat().st_size for f in files))  # the old out goes only after
     with _staged(out) as staging:
         merge_checkpoint(adapter_dir, model_dir, staging, progress=lambda name: logger.info("merged %s", name),
                          quantization=quantization)

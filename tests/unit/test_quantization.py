@@ -263,6 +263,36 @@ def test_a_shipped_checkpoint_trains_equal_to_peft_on_its_dequantized_weights(sh
         "path": full, "quantization": config.model.quantization.model_copy(update={"format": name, **where})})})
     ref_losses, _ = reference_losses(reference)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    if held == "shipped":  # merged: into the weights dequantized to bf16, which any engine loads
+        from transformers import AutoModelForCausalLM
+
+        exported = export_run(tmp_path / "out", "merged", tmp_path / "merged")
+        assert f"ships in {name}" in exported.note
+        assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+        export_run(tmp_path / "out", "peft", tmp_path / "peft")
+        trained = PeftModel.from_pretrained(round_trip_model(AutoModelForCausalLM.from_pretrained(full),
+                                                             reference.quantization_spec), tmp_path / "peft")
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():  # bf16 weights: within their rounding
+            want, got = trained.eval()(ids).logits, merged(ids).logits
+        assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
+
+
+def test_a_shipped_checkpoint_dequantizes_to_its_full_width_values(shipped_models, tmp_path):
+    """`write_dequantized` (what a merged export of a shipped checkpoint starts from) in fp32: every tensor the value
+    the shipped one stands for, under transformers' names, loadable without a quantization_config."""
+    from transformers import AutoModelForCausalLM
+
+    from vela_ray.model.shipped import write_dequantized
+
+    for family, (full, shipped) in shipped_models.items():
+        name, _, where = SHIPPED[family]
+        out = write_dequantized(shipped, tmp_path / family, torch.float32)
+        want = round_trip_model(AutoModelForCausalLM.from_pretrained(full), QuantizationSpec(name, **where))
+        got = AutoModelForCausalLM.from_pretrained(out)
+        for key, value in want.state_dict().items():
+            torch.testing.assert_close(got.state_dict()[key], value, rtol=0, atol=0, msg=key)
 
 
 def _without(path, drop: str, out):
@@ -496,3 +526,22 @@ def test_a_tiered_job_holds_uploads_and_computes_quantized_experts_equal_to_peft
     assert measured and set(measured) == {FORMATS["nf4"].nbytes((256, 128)) + FORMATS["nf4"].nbytes((128, 128))}
     for stats in summary.expert_tiers:
         assert stats.experts_cpu > 0 and stats.experts_device > 0 and stats.uploads > 0
+
+
+def test_a_shard_keeps_its_parts_only_where_its_module_holds_them():
+    """Moving or pinning a shard replaces its buffers: the old parts must go (a GPU worker would otherwise keep a
+    host copy of every expert), and the moved ones compute."""
+    import gc
+    import weakref
+
+    pair = equivalence.build_pair(functools.partial(debug_model, "mixtral", seed=0, hidden_size=128,
+                                                    intermediate_size=128), quantization=QuantizationSpec("nf4"))
+    layer = next(iter(pair.trainers[0].shard.layers.values()))
+    ids = torch.tensor(layer.expert_ids * 2)
+    rows = torch.randn(len(ids), 128)
+    before = layer(ids, rows).detach()
+    old = {name: weakref.ref(t) for name, t in layer.module._buffers.items() if ":nf4:" in name}
+    layer.module._apply(lambda t: t.clone())  # what .to(device) and pinning do to each buffer
+    gc.collect()
+    assert old and all(ref() is None for ref in old.values())
+    torch.testing.assert_close(layer(ids, rows), before, rtol=0, atol=0)

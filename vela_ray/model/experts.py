@@ -346,8 +346,10 @@ class LayerExperts(nn.Module):
         self.lora = {s: spec for s in self.stacks if (spec := lora.stack(layer, s)) is not None}  # adapted stacks
         in_out = {slot_name(s): lora_in_out(prototype, s) for s in self.stacks}
         self.hidden_size = in_out[slot_name(self.stacks[0])][0]  # the first stack reads the hidden states
-        # {stack: (format, parts)}: the stacks held quantized, dequantized at each use in `dtype`
-        self.quantized = quantized_weights(dict(self.module.named_buffers(recurse=False)))
+        # {stack: its format}: the stacks held quantized (their parts are the module's buffers, wherever `.to` or
+        # pinning puts them: looked up at each use, never kept here), dequantized at each use in `dtype`
+        self.quantized = {stack: fmt for stack, (fmt, _) in
+                          quantized_weights(dict(self.module.named_buffers(recurse=False))).items()}
         first = next(iter(next(iter(weights.values())).values())) if weights else torch.empty(0)
         if self.quantized and dtype is None:
             raise ValueError("quantized expert weights need the dtype they compute in (LayerExperts' `dtype`)")
@@ -460,8 +462,8 @@ class LayerExperts(nn.Module):
 
     def _dequantized(self, stack: str) -> torch.Tensor:
         """A quantized stack as [n, out, in] in `dtype` (its formats' orientation, whatever the family's layout)."""
-        fmt, parts = self.quantized[stack]
-        return fmt.dequantize({part: self.module._buffers[part_name(stack, fmt, part)] for part in parts},
+        fmt = self.quantized[stack]
+        return fmt.dequantize({part: self.module._buffers[part_name(stack, fmt, part)] for part in fmt.parts},
                               self.dtype)
 
     def _frozen(self, stack: str) -> torch.Tensor:

@@ -263,6 +263,15 @@ def merge_checkpoint(adapter_dir: str | Path, model_dir: str | Path, out_dir: st
     return out
 
 
+def merge_in_place(adapter_dir: str | Path, model_dir: str | Path) -> Path:
+    """Fold the adapter into `model_dir` itself, a checkpoint this export wrote (a shipped checkpoint's
+    dequantized copy, `shipped.write_dequantized`): each adapted tensor rewritten over its own bytes."""
+    updates = plan_merge(adapter_dir, model_dir)
+    for file in sorted(set(checkpoint_index(model_dir).values())):
+        _merge_shard(file, file, updates)
+    return Path(model_dir)
+
+
 @dataclass(frozen=True)
 class _RoundTrip:
     """An on-disk tensor a quantized run computed with dequantized: [O, I] (or [I, O] when `transposed`), or a

@@ -156,6 +156,52 @@ def check_shipped(model_dir: str | Path) -> str | None:
     return fmt
 
 
+def write_dequantized(shipped_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`shipped_dir` written at full width in `dtype`, shard by shard under its own file names: every quantized tensor
+    dequantized under the name transformers loads it by (`<module>.weight`, `experts.<stack>`), its scales and blocks
+    gone, the rest as stored, and `quantization_config` dropped from config.json. What `vela export --format merged`
+    folds a run's adapter into when the run trained on a checkpoint shipped quantized; any engine loads it."""
+    shipped_dir, out_dir = Path(shipped_dir), Path(out_dir)
+    fmt = shipped_format(shipped_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index_file = shipped_dir / "model.safetensors.index.json"
+    weight_map: dict[str, str] = {}
+    total = 0
+    for path in sorted(shipped_dir.glob("*.safetensors")):
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), "pt") as f:
+            names = set(f.keys())
+            for name in sorted(names):
+                if name.endswith(companions(fmt)) and not name.endswith("_blocks"):
+                    continue  # a scale: read with its tensor
+                if fmt == "mxfp4" and name.endswith("_blocks"):
+                    stack = name.removesuffix("_blocks")
+                    parts = {"blocks": f.get_tensor(name), "scales": f.get_tensor(stack + "_scales")}
+                    tensors[stack] = FORMATS["mxfp4"].dequantize(parts, dtype).transpose(-2, -1).contiguous()
+                elif fmt == "fp8" and name + SCALE_SUFFIX in names:
+                    parts = {"codes": f.get_tensor(name).view(torch.uint8),
+                             "scale_inv": f.get_tensor(name + SCALE_SUFFIX)}
+                    tensors[name] = FORMATS["fp8"].dequantize(parts, dtype)
+                else:
+                    tensors[name] = f.get_tensor(name)
+        save_file(tensors, str(out_dir / path.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, path.name))
+        total += sum(t.nbytes for t in tensors.values())
+        del tensors
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+        index = {**index, "metadata": {**index.get("metadata", {}), "total_size": total}, "weight_map": weight_map}
+        (out_dir / index_file.name).write_text(json.dumps(index, indent=2))
+    config = json.loads((shipped_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in shipped_dir.iterdir():
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", index_file.name):
+            shutil.copy(extra, out_dir / extra.name)
+    return out_dir
+
+
 # --- writing (tests, benchmarks): a full-width checkpoint in the layout the real ones ship ------------------------
 
 
