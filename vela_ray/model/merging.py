@@ -49,7 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from vela_ray.model.adapters import ADAPTER_FILE, fuse_expert_factors, split_expert_factors
 from vela_ray.model.experts import weight_stacks
 from vela_ray.model.loading import checkpoint_index, checkpoint_layout, meta_model
-from vela_ray.model.quantization import Format
+from vela_ray.model.quantization import Format, round_trip
 from vela_ray.model.quantized_model import QuantizationSpec, quantizable_linears
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -282,10 +282,7 @@ class _RoundTrip:
     stack: bool
 
     def applied(self, part: torch.Tensor) -> torch.Tensor:
-        w = part.float()
-        w_OI = w.T if self.transposed else w
-        back = self.fmt.dequantize(self.fmt.quantize(w_OI), torch.float32)
-        return (back.T if self.transposed else back).to(part.dtype)
+        return round_trip(part.float(), self.fmt, self.transposed).to(part.dtype)
 
 
 def plan_round_trips(model_dir: str | Path, spec: QuantizationSpec) -> dict[str, _RoundTrip]:

@@ -273,18 +273,12 @@ def quantized_weights(named: Mapping[str, torch.Tensor]) -> dict[str, tuple[Form
     return found
 
 
-def quantize_named(named: Mapping[str, torch.Tensor], fmt: Format, transposed: Callable[[str], bool],
-                   which: Callable[[str], bool]) -> dict[str, torch.Tensor]:
-    """`named` with each weight that `which` names replaced by its parts in `fmt`; `transposed(name)`: the weight is
-    stored [..., in, out] (quantized as its transpose). The others are returned as they are."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in named.items():
-        if not which(name):
-            out[name] = tensor
-            continue
-        w_OI = tensor.transpose(-2, -1) if transposed(name) else tensor
-        out.update({part_name(name, fmt, part): t for part, t in fmt.quantize(w_OI).items()})
-    return out
+def round_trip(weight: torch.Tensor, fmt: Format, transposed: bool = False) -> torch.Tensor:
+    """`weight` as `fmt` holds it, dequantized back in its own dtype: what a quantized job computes with. `transposed`:
+    the weight is stored [..., in, out] and quantized as its transpose."""
+    w_OI = weight.transpose(-2, -1) if transposed else weight
+    back = fmt.dequantize(fmt.quantize(w_OI), weight.dtype)
+    return back.transpose(-2, -1) if transposed else back
 
 
 class _FrozenMatmul(torch.autograd.Function):

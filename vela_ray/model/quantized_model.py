@@ -21,7 +21,7 @@ import torch
 from vela_ray.model.experts import weight_stacks
 from vela_ray.model.modeling import find_moe_blocks
 from vela_ray.model.quantization import (
-    FORMATS, Format, QuantizedLinear, quantize_named, quantized_weights, split_part_name,
+    FORMATS, Format, QuantizedLinear, part_name, quantized_weights, round_trip, split_part_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,16 +63,11 @@ def quantizable_linears(model: torch.nn.Module, spec: QuantizationSpec) -> list[
     return found
 
 
-def quantize_backbone(model: torch.nn.Module, spec: QuantizationSpec) -> int:
+def quantize_backbone(model: torch.nn.Module, spec: QuantizationSpec) -> None:
     """Replace the backbone's frozen linear layers by `QuantizedLinear`s in `spec`'s format, in place (before or
-    after peft wraps them). Returns the bytes their weights took before minus after."""
-    saved = 0
+    after peft wraps them)."""
     for parent, name, _ in quantizable_linears(model, spec):
-        linear = getattr(parent, name)
-        quantized = QuantizedLinear(linear, spec.fmt)
-        saved += linear.weight.nbytes - sum(t.nbytes for t in quantized.weight_parts.values())
-        setattr(parent, name, quantized)
-    return saved
+        setattr(parent, name, QuantizedLinear(getattr(parent, name), spec.fmt))
 
 
 def quantize_as_read(model: torch.nn.Module, spec: QuantizationSpec) -> Callable[[str], None]:
@@ -95,21 +90,18 @@ def round_trip_model(model: torch.nn.Module, spec: QuantizationSpec) -> torch.nn
     """`model` with every weight `spec` quantizes replaced, in place, by its dequantized value in the weight's
     dtype: the model a quantized job computes with, as plain modules peft can train (the reference of the tests
     and of `benchmarks/quantized_experts.py`)."""
-    fmt = spec.fmt
     with torch.no_grad():
         if spec.backbone:
             for parent, name, _ in quantizable_linears(model, spec):
                 weight = getattr(parent, name).weight
-                weight.copy_(fmt.dequantize(fmt.quantize(weight), weight.dtype))
+                weight.copy_(round_trip(weight, spec.fmt))
         if spec.experts:
             for block in find_moe_blocks(model):
                 experts = block.block.experts
+                transposed = bool(getattr(experts, "is_transposed", False))
                 for stack in weight_stacks(experts):
                     weight = getattr(experts, stack)
-                    transposed = bool(getattr(experts, "is_transposed", False))
-                    w_OI = weight.transpose(-2, -1) if transposed else weight
-                    back = fmt.dequantize(fmt.quantize(w_OI), weight.dtype)
-                    weight.copy_(back.transpose(-2, -1) if transposed else back)
+                    weight.copy_(round_trip(weight, spec.fmt, transposed))
     return model
 
 
@@ -119,7 +111,11 @@ def quantize_expert_params(params: Mapping[str, torch.Tensor], prototype: torch.
     `prototype`: its layer's experts module, for which names are stacks and their layout)."""
     stacks = set(weight_stacks(prototype))
     transposed = bool(getattr(prototype, "is_transposed", False))
-    return quantize_named(params, spec.fmt, lambda name: transposed, lambda name: name in stacks)
+    out = {name: t for name, t in params.items() if name not in stacks}
+    for stack in stacks & set(params):
+        w_OI = params[stack].transpose(-2, -1) if transposed else params[stack]
+        out.update({part_name(stack, spec.fmt, part): t for part, t in spec.fmt.quantize(w_OI).items()})
+    return out
 
 
 def dequantize_expert_params(params: Mapping[str, torch.Tensor], prototype: torch.nn.Module,

@@ -21,6 +21,7 @@ from vela_ray.model.traffic import TrafficSnapshot
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.state import EarlierSegments, Live, RunState
 from vela_ray.storage import is_remote
+from vela_ray.training.worker_report import hosted_bytes_per_expert
 from vela_ray.training.summary import (
     CondensationRecord, DataRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown,
 )
@@ -165,7 +166,7 @@ class StepAccounting:
             mode="vela", method=config.training.method, row_format=config.data_plane.row_format,
             data_plane=live.hosted.transport.describe(), family_check=config.family_check,
             quantization=quantization_label(config.model.quantization),
-            bytes_per_expert=next((r.bytes_per_expert for r in reports if r.bytes_per_expert), None),
+            bytes_per_expert=hosted_bytes_per_expert(reports) if any(r.num_experts for r in reports) else None,
             steps=len(history), losses=[h.loss for h in history],
             eval_loss=history[-1].eval_loss if history else None,
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
