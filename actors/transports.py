@@ -33,7 +33,7 @@ import torch
 from vela_ray.errors import ClusterError, first_line
 from vela_ray.model.collective import Backend, CollectiveTransport, form_data_plane, make_group, make_store
 from vela_ray.model.traffic import LinkTier
-from vela_ray.model.transport import ForwardRequest, relay_kwargs
+from vela_ray.model.transport import ForwardRequest, request_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class RayObjectRefTransport:
         refs = {
             w: self.handles[w].forward_rows.remote(
                 req.layer, self._compact(req.expert_ids), self._compact(req.rows), req.key,
-                **{k: self._compact(v) for k, v in relay_kwargs(req).items()})
+                **{k: self._compact(v) if isinstance(v, torch.Tensor) else v for k, v in request_kwargs(req).items()})
             for w, req in requests.items()
         }
         return self._get(refs)

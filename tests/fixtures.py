@@ -43,11 +43,12 @@ def make_checkpoint(out_dir: Path, family: str = "mixtral", seed: int = 0, vocab
 STAND_IN_KEEPS = ("num_hidden_layers", "num_local_experts", "num_experts_per_tok", "max_position_embeddings")
 
 
-def make_stand_in(real: PretrainedConfig, out_dir: Path, vocab: int = VOCAB) -> Path:
+def make_stand_in(real: PretrainedConfig, out_dir: Path, vocab: int = VOCAB, chat_template: str | None = None) -> Path:
     """A random model of `real`'s architecture (a cluster model's config, e.g. `MixtralConfig()` for
     Mixtral-8x7B) at debug width, with its layer and expert counts and position limit (`STAND_IN_KEEPS`): a job
-    written for the real model passes or fails the preflight on it as on the real one, on a CPU, in seconds."""
-    tokenizer = shakespeare_tokenizer(vocab)
+    written for the real model passes or fails the preflight on it as on the real one, on a CPU, in seconds.
+    `chat_template`: an instruct model's."""
+    tokenizer = shakespeare_tokenizer(vocab, chat_template)
     config = debug_config_like(real)
     for name in STAND_IN_KEEPS:
         if hasattr(real, name):
@@ -135,17 +136,56 @@ def init_adapter(model_dir: Path, out: Path, lora: LoraSpec = LoraSpec(r=4, alph
     return out
 
 
-def reference_losses(config: JobConfig, device: str = "cpu") -> tuple[list[float], dict]:
+def reference_losses(config: JobConfig, device: str = "cpu", trl_metrics: dict | None = None
+                     ) -> tuple[list[float], dict]:
     """Plain transformers + peft over the very batches, learning rates, clipping, step seeds and LoRA dropout of
-    the job."""
+    the job. A preference objective's losses are TRL's (`trl_dpo_loss`), its logged metrics put in `trl_metrics`."""
     train = config.training
-    train_set, _ = build_dataset(config.data, AutoTokenizer.from_pretrained(config.model.path)).split(
-        train.eval_fraction, train.seed)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    train_set, _ = build_dataset(config.data, tokenizer).split(train.eval_fraction, train.seed)
     steps = [micro_batches(batch_at(train_set, step, train.batch_size, train.seed),
-                           train.micro_batch_size or train.batch_size) for step in range(train.steps)]
+                           (train.micro_batch_size or train.batch_size) * train_set.group)
+             for step in range(train.steps)]
+    loss_for = None
+    if train.preference.on:
+        def loss_for(model):
+            loss = trl_dpo_loss(model, train.preference, tokenizer, config.output.dir / "trl")
+            if trl_metrics is not None:
+                trl_metrics["train"] = loss.metrics  # filled as TRL logs
+            return loss
     return peft_losses(config.model.path, config.lora.init_adapter, steps, train.optimizer, device,
                        step_seeds=[step_seed(train.seed, step) for step in range(train.steps)],
-                       lora_dropout=config.lora.lora_dropout, quantization=config.quantization_spec)
+                       lora_dropout=config.lora.lora_dropout, quantization=config.quantization_spec,
+                       loss_for=loss_for)
+
+
+def trl_dpo_loss(model: torch.nn.Module, preference, tokenizer, out_dir: Path):
+    """TRL's `DPOTrainer.compute_loss` over `model` (a PeftModel) with `preference`'s settings, as a function of a
+    micro-batch in vela-ray's layout (pairs as adjacent rows, labels on the answers). The reference is the base
+    model, adapters disabled: the frozen copy of the start adapter TRL adds for a model that already has one is
+    deleted, which leaves TRL on its own path for an adapter it creates (`use_adapter(model, None)`). The
+    trainer's logged metrics are the function's `metrics` (TRL's names, one entry per micro-batch)."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(out_dir), loss_type=list(preference.loss_type), loss_weights=preference.loss_weights,
+                     beta=preference.beta, label_smoothing=preference.label_smoothing,
+                     router_aux_loss_coef=preference.router_aux_loss_coef, report_to=[], use_cpu=True,
+                     disable_dropout=False)
+    placeholder = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])  # TRL needs one; unused
+    trainer = DPOTrainer(model=model, args=args, train_dataset=placeholder, processing_class=tokenizer)
+    if "ref" in model.peft_config:
+        model.delete_adapter("ref")
+
+    def loss(micro: dict) -> torch.Tensor:
+        rows = micro["input_ids"].shape[0]
+        order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])  # TRL's: every chosen, every rejected
+        inputs = {"input_ids": micro["input_ids"][order], "attention_mask": micro["attention_mask"][order],
+                  "completion_mask": (micro["labels"][order] != IGNORE_INDEX).long()}
+        return trainer.compute_loss(trainer.model, inputs)
+
+    loss.metrics = trainer._metrics["train"]
+    return loss
 
 
 # The MoE families of the installed transformers that vela-ray refuses, with what the refusal says,

@@ -422,6 +422,65 @@ class ZoSection(_Section):
                                 "difference to rounding (fp32), much larger biases it")
 
 
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down", "sigmoid_norm", "sft")
+"""TRL's DPOTrainer loss types (`DPOConfig.loss_type`) that score each pair on its own: the batch-sorting `aot`
+variants and `discopop` are left out (`vela_ray.training.preference`)."""
+
+
+class PreferenceSection(_Section):
+    """`training.preference`: what the step optimises. `sft` (the default): the model's own next-token loss. `dpo`:
+    Direct Preference Optimisation on `data.kind: preference` pairs, equal to TRL's `DPOTrainer` with peft (its
+    names: `loss_type`, `loss_weights`, `beta`, `label_smoothing`, `router_aux_loss_coef`). The reference model is
+    the same weights with every adapter off, on the master (peft's `disable_adapter`) and on the ExpertManagers
+    (the broker asks for rows without LoRA): no second copy (`vela_ray.training.preference`)."""
+
+    refusals = (
+        Refusal("training.preference.objective: dpo and training.method: zo, training.condensation.enabled or "
+                "masters.sequence_migration", "each scores a pair from its two sequences' own rows, which ZO's "
+                "perturbed passes, condensed rows or sequences moved between masters would not give",
+                "use objective: sft, or leave those settings at their defaults",
+                lambda job: job.training.preference.on and (
+                    job.training.method == "zo" or job.training.condensation.enabled
+                    or job.masters.sequence_migration)),
+    )
+
+    objective: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: supervised next-token loss; dpo: Direct Preference Optimisation on chosen/rejected "
+        "pairs (data.kind: preference), the reference computed in each step with the adapters off")
+    loss_type: list[Literal[DPO_LOSS_TYPES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["sigmoid"], min_length=1,
+        description="dpo: TRL's loss types, summed with loss_weights (e.g. [sigmoid, sft] for RPO-like mixes): "
+        f"{', '.join(DPO_LOSS_TYPES)}")
+    loss_weights: list[float] | None = Field(None, description="dpo: one weight per loss_type; None: all 1")
+    beta: float = Field(0.1, gt=0, description="dpo: the KL penalty's inverse temperature (IPO's tau)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo: conservative DPO's / robust's / exo_pair's "
+                                   "share of flipped labels")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, description="dpo: the router's load-balancing loss coefficient added to the loss; None: the "
+        "model config's own (router_aux_loss_coef), as TRL; 0 turns it off")
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _one_loss_type_as_a_name(cls, value: object) -> object:
+        """`loss_type: ipo`, as TRL's DPOConfig takes it: one loss, one name."""
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "PreferenceSection":
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(f"training.preference.loss_weights has {len(self.loss_weights)} weights for "
+                             f"{len(self.loss_type)} loss types; give one per loss_type")
+        if "exo_pair" in self.loss_type and self.label_smoothing == 0.0:
+            raise ValueError("training.preference.loss_type exo_pair needs label_smoothing above 0 (TRL's default "
+                             "for it is 1e-3)")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.objective != "sft"
+
+
 TRACKER_PACKAGES: dict[str, tuple[str, str]] = {  # training.report_to: each tracker's module and its extra
     "tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb"),
 }
@@ -539,6 +598,9 @@ class OverlapSection(_Section):
                      lambda job: job.training.condensation.enabled),
         RunsSerially("training.method: zo", "a ZO step runs no backward to overlap",
                      lambda job: job.training.method == "zo"),
+        RunsSerially("training.preference.objective: dpo", "its reference pass turns the master's adapters off in "
+                     "the whole model (peft's disable_adapter), which another micro-batch would compute through",
+                     lambda job: job.training.preference.on),
     )
     shared_experts_serial_with: ClassVar[tuple[RunsSerially, ...]] = (
         RunsSerially("cluster.master_tp above 1", "a tensor-parallel shared expert's collectives would run while the "
@@ -615,6 +677,8 @@ class TrainingSection(_Section):
     zo: ZoSection = Field(default_factory=ZoSection, description="settings of method: zo")
     overlap: OverlapSection = Field(default_factory=OverlapSection,
                                     description="several micro-batches in flight on every master")
+    preference: PreferenceSection = Field(default_factory=PreferenceSection,
+                                          description="the objective: sft, or dpo on preference pairs")
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward instead of keeping them (long "
         "contexts in less master memory, ~a third more master compute); the experts' outputs are kept, so expert "
@@ -701,14 +765,14 @@ class JobConfig(_Section):
     refusals = (
         Refusal("mode: expert_parallel and a vela-only setting (cluster.master_tp above 1, training.method: zo, "
                 "training.condensation, data_plane.row_format other than exact, model.trust_remote_code, "
-                "model.quantization)",
+                "model.quantization, training.preference)",
                 "the expert-parallel baseline runs plain peft steps over all-to-all collectives, on transformers' "
                 "own families and modules, with its rows exact", "use mode: vela, or leave those settings at their "
                 "defaults",
                 lambda job: job.mode != "vela" and (
                     job.cluster.master_tp > 1 or job.training.method != "first_order"
                     or job.training.condensation.enabled or job.data_plane.row_format != "exact"
-                    or job.model.trust_remote_code or job.model.quantization.on)),
+                    or job.model.trust_remote_code or job.model.quantization.on or job.training.preference.on)),
     )
 
     mode: Literal["vela", "expert_parallel"] = Field(
@@ -753,6 +817,17 @@ class JobConfig(_Section):
         """Master processes sending rows to the workers: masters.count data-parallel masters of cluster.master_tp
         tensor-parallel ranks each (`runtime.masters.MasterMesh`)."""
         return self.masters.count * self.cluster.master_tp
+
+    @model_validator(mode="after")
+    def _objective_reads_its_data(self) -> "JobConfig":
+        """A preference objective trains on pairs, SFT on single answers: each refuses the other's data."""
+        if self.training.preference.on and self.data.kind != "preference":
+            raise ValueError(f"training.preference.objective {self.training.preference.objective} trains on "
+                             f"chosen/rejected pairs, not data.kind {self.data.kind}; use data.kind: preference")
+        if not self.training.preference.on and self.data.kind == "preference":
+            raise ValueError("data.kind preference holds chosen/rejected pairs, which supervised fine-tuning "
+                             "cannot train on; set training.preference.objective: dpo")
+        return self
 
     @model_validator(mode="after")
     def _row_format_that_changes_something(self) -> "JobConfig":

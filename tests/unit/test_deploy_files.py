@@ -21,7 +21,7 @@ from vela_ray.config import JobConfig
 from vela_ray.observability.metrics import METRICS, PROMETHEUS_PREFIX
 from vela_ray.paths import data_dir
 from vela_ray.preflight import check_cluster_resources, master_gpus
-from vela_ray.training.tiny_model import tiny_model_path
+from vela_ray.training.tiny_model import CHAT_TEMPLATE, tiny_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -30,7 +30,9 @@ MIXTRAL_JOB = DEPLOY / "jobs" / "mixtral-8x7b-3x2.yaml"
 MIXTRAL_TP_JOB = DEPLOY / "jobs" / "mixtral-8x7b-tp2.yaml"  # the master over both GPUs of the head node
 # The models the deploy jobs name on the cluster's volume, by architecture: each config class's defaults are
 # that model's (MixtralConfig() is Mixtral-8x7B's), which `make_stand_in` keeps the counts of.
-CLUSTER_MODELS = {Path("/mnt/vela/models/Mixtral-8x7B-v0.1"): MixtralConfig}
+CLUSTER_MODELS = {Path("/mnt/vela/models/Mixtral-8x7B-v0.1"): MixtralConfig,
+                  Path("/mnt/vela/models/Mixtral-8x7B-Instruct-v0.1"): MixtralConfig}
+INSTRUCT_MODELS = {Path("/mnt/vela/models/Mixtral-8x7B-Instruct-v0.1")}  # their stand-ins get a chat template
 STAND_IN_DATA = data_dir() / "instruct" / "gsm8k_alpaca.json"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 Node = dict[str, float]  # Ray resources of one node: {"CPU": 24, "GPU": 2}
@@ -57,12 +59,17 @@ def _job_path(config_arg: str) -> Path:
 def _stand_in_missing_paths(raw: dict, tmp_path: Path) -> dict:
     """Cluster-only data (an absolute path that does not exist here) replaced by a tmp file of the same kind:
     the first Alpaca records of the bundled GSM8K set (the deploy jobs train on Alpaca-style records), 64 per
-    512 tokens of the job's rows (a long-context job packs many into each)."""
+    512 tokens of the job's rows (a long-context job packs many into each); a preference job's, its first
+    questions each with its answer chosen over another's, in LLaMA-Factory's dpo_en_demo layout."""
     data = dict(raw["data"])
     if Path(data["path"]).is_absolute() and not Path(data["path"]).exists():
         data["path"] = str(tmp_path / Path(data["path"]).name)
-        records = 64 * max(1, data.get("seq_len", 512) // 512)
-        Path(data["path"]).write_text(json.dumps(json.loads(STAND_IN_DATA.read_text())[:records]))
+        records = json.loads(STAND_IN_DATA.read_text())[:64 * max(1, data.get("seq_len", 512) // 512)]
+        if data["kind"] == "preference":
+            records = [{"conversations": [{"from": "human", "value": r["instruction"]}],
+                        "chosen": {"from": "gpt", "value": r["output"]},
+                        "rejected": {"from": "gpt", "value": records[i - 1]["output"]}} for i, r in enumerate(records)]
+        Path(data["path"]).write_text(json.dumps(records))
     return {**raw, "data": data}
 
 
@@ -75,7 +82,8 @@ def _local_model(path: Path, tmp_path: Path) -> Path:
         return tiny_model_path()
     if path not in CLUSTER_MODELS:
         pytest.fail(f"{path} is not on this machine: add its transformers config class to CLUSTER_MODELS")
-    return make_stand_in(CLUSTER_MODELS[path](), tmp_path / path.name)
+    return make_stand_in(CLUSTER_MODELS[path](), tmp_path / path.name,
+                         chat_template=CHAT_TEMPLATE if path in INSTRUCT_MODELS else None)
 
 
 # --- the jobs -------------------------------------------------------------------------------------------

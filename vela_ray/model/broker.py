@@ -40,6 +40,7 @@ from vela_ray.model.activity import MasterActivity
 from vela_ray.model.checkpoint_replay import CheckpointReplay
 from vela_ray.model.condensation import Condensation, Condenser
 from vela_ray.model.dispatch_stages import BrokerCall, DispatchPlan, DispatchStage, RelayRows, RowRouter, StandIn
+from vela_ray.model.experts import adapters_on
 from vela_ray.model.shared_expert import SharedExpert
 from vela_ray.model.tensor_parallel import TensorParallelPlan, TensorParallelShare
 from vela_ray.model.traffic import TrafficCounter, TrafficSnapshot
@@ -184,7 +185,8 @@ class ExpertDispatcher:
 
     def plan(self, layer: int, top_k_index_TK: torch.Tensor) -> DispatchPlan:
         """Where one forward's (token, k) pairs at `layer` go, grouped by worker; the pairs are counted
-        in `traffic().routed`."""
+        in `traffic().routed`. Within `experts.without_adapters` on the calling thread the plan asks the workers
+        for the base model's outputs."""
         top_k = top_k_index_TK.shape[1]
         expert_P = top_k_index_TK.reshape(-1).to(torch.long).cpu()
         pair_R = torch.nonzero(expert_P < self.num_experts).squeeze(1)  # ids >= E mark dropped slots
@@ -197,7 +199,7 @@ class ExpertDispatcher:
         counts = torch.bincount(worker_R, minlength=self.transport.num_workers).tolist()
         ends = list(itertools.accumulate(counts))
         worker_rows = tuple((w, ends[w] - c, ends[w]) for w, c in enumerate(counts) if c > 0)
-        return DispatchPlan(layer, pair_R // top_k, pair_R % top_k, expert_R, worker_rows)
+        return DispatchPlan(layer, pair_R // top_k, pair_R % top_k, expert_R, worker_rows, adapters=adapters_on())
 
     def new_key(self, layer: int) -> tuple[int, int]:
         with self._counting:
@@ -230,7 +232,7 @@ class ExpertDispatcher:
             raise ValueError(f"the {self.transport.describe()} data plane cannot answer rows to another master")
         requests = {
             w: ForwardRequest(plan.layer, plan.expert_ids_R[s:e], wire.encode(rows_RD[s:e], self.row_format), key,
-                              plan.reply_to(s, e))
+                              plan.reply_to(s, e), plan.adapters)
             for w, s, e in plan.worker_rows
         }
         self._count(plan.layer, "dispatch", {w: r.rows for w, r in requests.items()})

@@ -116,7 +116,7 @@ from vela_ray.model.transport import ForwardRequest
 
 logger = logging.getLogger(__name__)
 
-OP_STOP, OP_FORWARD, OP_BACKWARD, OP_DESCRIBE, OP_DATA_PLANE, OP_PING = range(6)
+OP_STOP, OP_FORWARD, OP_BACKWARD, OP_DESCRIBE, OP_DATA_PLANE, OP_PING, OP_BASE_FORWARD = range(7)
 STATUS_OK, STATUS_ERROR, STATUS_OUT_OF_STEP = 0, 1, 2  # out of step: the worker posted nothing on the data plane
 TAG_HEADER, TAG_IDS, TAG_REPLY, TAG_TEXT = range(4)  # control plane
 HEADER_FIELDS = 7  # op, layer, key id, rows, width, dtype, runs (-1: the ids follow on TAG_IDS)
@@ -339,7 +339,7 @@ class RowServer(Protocol):
     device: torch.device  # where it computes: its data plane's device when that is NCCL
 
     def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor,
-                     key: Hashable | None = None) -> torch.Tensor: ...
+                     key: Hashable | None = None, adapters: bool = True) -> torch.Tensor: ...
 
     def backward_rows(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor: ...
 
@@ -403,15 +403,16 @@ class _ServingLoop:
         op, layer, key_id, num_rows, width, dtype = header[:HEADER_FIELDS - 1].tolist()
         if op == OP_STOP:
             return False
-        self._unanswered = {OP_FORWARD: f"layer {layer}", OP_BACKWARD: f"backward of key id {key_id}",
+        self._unanswered = {OP_FORWARD: f"layer {layer}", OP_BASE_FORWARD: f"layer {layer} (adapters off)",
+                            OP_BACKWARD: f"backward of key id {key_id}",
                             OP_DESCRIBE: "describing its device", OP_PING: "a ping",
                             OP_DATA_PLANE: "joining the data plane"}.get(op, f"op {op}")
         if op == OP_DESCRIBE:
             self._answer(STATUS_OK, device_descriptor(self.server.device))
         elif op == OP_DATA_PLANE:
             self._join_data_plane(self._recv_text(num_rows))
-        elif op == OP_FORWARD:
-            self._forward(layer, key_id, (num_rows, width), DTYPES[dtype], _expert_ids(header))
+        elif op in (OP_FORWARD, OP_BASE_FORWARD):
+            self._forward(layer, key_id, (num_rows, width), DTYPES[dtype], _expert_ids(header), op == OP_FORWARD)
         elif op == OP_PING:
             payload = self._recv_rows((num_rows, width), DTYPES[dtype], "a ping", "payload")
             if payload is not None:
@@ -434,7 +435,7 @@ class _ServingLoop:
         return True
 
     def _forward(self, layer: int, key_id: int, shape: tuple[int, int], dtype: torch.dtype,
-                 ids: torch.Tensor | None) -> None:
+                 ids: torch.Tensor | None, adapters: bool = True) -> None:
         ids_work = None
         if ids is None:  # too many runs for the header: the ids follow
             ids = torch.empty(shape[0], dtype=torch.int64)
@@ -445,7 +446,8 @@ class _ServingLoop:
         if rows is None:  # answered: out of step
             return
         key = None if key_id == NO_KEY else PlaneKey(self.master, key_id)
-        self._reply(lambda: self.server.forward_rows(layer, ids, rows, key), rows)
+        base = {} if adapters else {"adapters": False}  # asked only of a base-model pass (`ForwardRequest`)
+        self._reply(lambda: self.server.forward_rows(layer, ids, rows, key, **base), rows)
 
     def _backward(self, key_id: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
         grad = self._recv_rows(shape, dtype, f"backward of key id {key_id}", "gradients")
@@ -854,7 +856,7 @@ class CollectiveTransport:
         key_id = NO_KEY if req.key is None else self._key_id(req.key)
         rows = req.rows.to(self.data.device).contiguous()
         ids = req.expert_ids.to("cpu", torch.int64).contiguous()  # the broker's ids are on the CPU already
-        header = _header(OP_FORWARD, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype), ids)
+        header = _header(OP_FORWARD if req.adapters else OP_BASE_FORWARD, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype), ids)
         control = [(header, TAG_HEADER)] + ([(ids, TAG_IDS)] if header[HEADER_FIELDS - 1] == IDS_FOLLOW else [])
         return _Outgoing(worker, control, rows)
 

@@ -42,13 +42,14 @@ class DispatchPlan:
     worker_rows: tuple[tuple[int, int, int], ...]  # (worker, start, end) for workers with rows
     # [R] the master each row's output goes to, -1 this one (sequence migration's `RelayRows`; None: all here)
     reply_to_R: torch.Tensor | None = None
+    adapters: bool = True  # False: the base model's experts answer (`experts.without_adapters`)
 
     def subset(self, keep_R: torch.Tensor) -> DispatchPlan:
         """The plan of the rows where `keep_R` [R] bool, in the same (worker, expert) order."""
         ends = [0, *torch.cumsum(keep_R.long(), 0).tolist()]
         worker_rows = tuple((w, ends[s], ends[e]) for w, s, e in self.worker_rows if ends[e] > ends[s])
         return DispatchPlan(self.layer, self.token_idx_R[keep_R], self.k_pos_R[keep_R], self.expert_ids_R[keep_R],
-                            worker_rows, None if self.reply_to_R is None else self.reply_to_R[keep_R])
+                            worker_rows, None if self.reply_to_R is None else self.reply_to_R[keep_R], self.adapters)
 
     @property
     def worker_R(self) -> torch.Tensor:

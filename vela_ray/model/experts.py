@@ -46,12 +46,14 @@ returning d(loss)/d(rows) for the master.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
 import re
+import threading
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Literal, Mapping
+from typing import Callable, Hashable, Iterable, Iterator, Literal, Mapping
 
 import numpy as np
 import torch
@@ -59,6 +61,27 @@ from torch import nn
 from torch.func import functional_call
 
 from vela_ray.model.quantization import frozen_matmul, part_name, quantized_weights
+
+_base = threading.local()  # `without_adapters`: this thread computes the base model
+
+
+@contextlib.contextmanager
+def without_adapters() -> Iterator[None]:
+    """Within the block, experts this thread computes skip their LoRA update (the frozen weights alone), and a
+    broker this thread calls asks its workers for the same (`ForwardRequest.adapters`): the base model, as peft's
+    `disable_adapter` gives it on the master. Per thread, so micro-batches in flight on other threads, and the
+    other masters' calls to the same workers, keep their adapters."""
+    before = getattr(_base, "on", False)
+    _base.on = True
+    try:
+        yield
+    finally:
+        _base.on = before
+
+
+def adapters_on() -> bool:
+    """False within `without_adapters` on this thread."""
+    return not getattr(_base, "on", False)
 
 ExpertKey = tuple[int, int]  # (MoE layer index, expert index): a *logical* expert
 ExpertParams = dict[str, torch.Tensor]  # one expert's slice of each per-expert parameter, by parameter name
@@ -432,7 +455,7 @@ class LayerExperts(nn.Module):
             y_RO = grouped_mm(x_RI, weight if self.transposed else weight.transpose(-2, -1), offs)
         if getattr(self.module, "has_bias", False):
             y_RO = y_RO + getattr(self.module, f"{stack}_bias")[local_R]
-        if stack not in self.lora:  # a stack the job leaves frozen
+        if stack not in self.lora or not adapters_on():  # a stack the job leaves frozen, or the base model's call
             return y_RO
         A_nrI, B_nOr = self._factors(slot_name(stack), self.dtype)
         low_RO = grouped_mm(grouped_mm(x_RI, A_nrI.transpose(-2, -1), offs), B_nOr.transpose(-2, -1), offs)
@@ -477,7 +500,7 @@ class LayerExperts(nn.Module):
         """peft's fold of the LoRA update into the stack, in the stack's dtype (see the module docstring). A
         quantized stack is folded dequantized: the folded stack lives for the call's graph, as any fold does."""
         weight = self._frozen(stack)
-        if stack not in self.lora:  # a stack the job leaves frozen
+        if stack not in self.lora or not adapters_on():  # a stack the job leaves frozen, or the base model's call
             return weight
         A_ErI, B_EOr = self._factors(slot_name(stack), weight.dtype)
         lhs, rhs = (A_ErI.transpose(-2, -1), B_EOr.transpose(-2, -1)) if self.transposed else (B_EOr, A_ErI)
@@ -531,13 +554,14 @@ class ExpertShard(nn.Module):
 
     def forward_rows(
         self, layer: int, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor, key: Hashable | None = None,
-        compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, adapters: bool = True,
     ) -> torch.Tensor:
         """Expert outputs for `rows_RD`, row i through expert `expert_ids_R[i]` of `layer`.
 
         With `key`, the graph is kept for `backward_rows(key, ...)`; without it no graph is built.
         `compute(expert_ids_R, rows_RD)` stands in for the layer's `LayerExperts` (a tiered worker
-        splits the rows between its CPU and its device, `vela_ray.training.tiered`).
+        splits the rows between its CPU and its device, `vela_ray.training.tiered`). `adapters` False: the
+        base model's outputs, every LoRA update left out (`without_adapters`).
         """
         if rows_RD.shape[0] == 0:  # nothing routed here: an empty entry keeps backward_rows(key) valid
             if key is not None:
@@ -545,7 +569,8 @@ class ExpertShard(nn.Module):
             return rows_RD.new_zeros(rows_RD.shape)
         if str(layer) not in self.layers:
             raise KeyError(f"no experts of MoE layer {layer} are hosted here")
-        with torch.enable_grad() if key is not None else torch.no_grad():
+        with torch.enable_grad() if key is not None else torch.no_grad(), \
+                contextlib.nullcontext() if adapters else without_adapters():
             rows_RD = rows_RD.detach().requires_grad_(key is not None)
             out_RD = (compute or self.layers[str(layer)])(expert_ids_R, rows_RD)
         if key is not None:

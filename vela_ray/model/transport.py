@@ -50,6 +50,7 @@ class ForwardRequest:
     rows: torch.Tensor  # [R, D]
     key: Hashable | None = None
     reply_to: torch.Tensor | None = None  # [R] int64: the master each row's output is for, -1 the sender (`RowRelay`)
+    adapters: bool = True  # False: the base model's experts, LoRA off (a preference objective's reference pass)
 
 
 @runtime_checkable
@@ -89,9 +90,11 @@ class RowRelay(Protocol):
         ...
 
 
-def relay_kwargs(request: ForwardRequest) -> dict:
-    """`forward_rows`'s keyword for a relayed request (none otherwise: plain shards take no `reply_to`)."""
-    return {} if request.reply_to is None else {"reply_to": request.reply_to}
+def request_kwargs(request: ForwardRequest) -> dict:
+    """`forward_rows`'s keywords for what a request asks beyond its rows: `reply_to` for a relayed request (plain
+    shards take none), `adapters=False` for the base model's outputs; none for a plain training request."""
+    kwargs = {} if request.reply_to is None else {"reply_to": request.reply_to}
+    return kwargs if request.adapters else {**kwargs, "adapters": False}
 
 
 class ZeroAnswers:
@@ -138,7 +141,7 @@ class InProcessTransport:
         with self.lock:
             return {
                 worker: self.shards[worker].forward_rows(req.layer, req.expert_ids, req.rows, req.key,
-                                                         **relay_kwargs(req))
+                                                         **request_kwargs(req))
                 for worker, req in requests.items()
             }
 

@@ -386,7 +386,19 @@ def _headline(run: Run) -> str:
     where = f"run {run.dir}: " if run.dir is not None else ""
     mode = "expert-parallel baseline, " if s.mode == "expert_parallel" else ""
     method = "zeroth-order (ZO-SGD) " if s.method == "zo" else ""
-    return f"{where}{mode}{s.steps} {method}steps, {_loss_text(s)}"
+    objective = "" if s.objective == "sft" else f"{s.objective} "
+    return f"{where}{mode}{s.steps} {method}{objective}steps, {_loss_text(s)}{_preference_text(s)}"
+
+
+def _preference_text(s: RunSummary) -> str:
+    """A preference run's last rewards (TRL's metrics): how often the chosen answer won, and by how much."""
+    last = next((h for h in reversed(s.history) if h.preference), None)
+    if last is None:
+        return ""
+    text = (f", rewards/accuracies {last.preference['rewards/accuracies']:.2f}, "
+            f"rewards/margins {last.preference['rewards/margins']:.4f}")
+    held = next((h.eval_preference for h in reversed(s.history) if h.eval_preference), None)
+    return text + ("" if held is None else f" (held out: accuracies {held['rewards/accuracies']:.2f})")
 
 
 def _loss_text(s: RunSummary) -> str:
@@ -544,6 +556,7 @@ def overview(run: Run) -> str:
         "mode": "expert-parallel baseline" if s.mode == "expert_parallel" else "vela",
         "method": "{}<br><small>{}</small>".format(*map(html.escape, METHODS[s.method])),
         "steps": s.steps,
+        **({"objective": html.escape(s.objective)} if s.objective != "sft" else {}),
         "loss": f"{s.losses[0]:.4f} &rarr; {s.losses[-1]:.4f}" if s.losses else "n/a",
         "eval loss": "n/a" if s.eval_loss is None else f"{s.eval_loss:.4f}",
         "median step time": f"{s.median_step_time_s:.3f} s",

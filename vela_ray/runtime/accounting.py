@@ -22,6 +22,7 @@ from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.state import EarlierSegments, Live, RunState
 from vela_ray.storage import is_remote
 from vela_ray.training.worker_report import hosted_bytes_per_expert
+from vela_ray.training.preference import metric_means
 from vela_ray.training.summary import (
     CondensationRecord, DataRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown,
 )
@@ -113,6 +114,7 @@ class StepAccounting:
         self.peers_condensed = sum((p["condensation"] for p in peer_steps if p["condensation"] is not None),
                                    self.peers_condensed)
         drift_L = drift.record_step(counts_LE) if drift else None
+        sums = live.masters.step_sums(peer_steps)
         record = StepRecord(step=step, loss=loss, step_time_s=step_time_s, tokens=tokens,
                             expert_round_trip_s=sum(dispatcher.round_trip_s.values()) - mark.waited_s,
                             master_idle_s=dispatcher.activity.idle_s - mark.idle_s,
@@ -120,7 +122,8 @@ class StepAccounting:
                             bytes_by_worker=sum(traffic[1:], own).bytes_by_worker(),
                             allreduce_bytes=live.masters.replicas.grad_bytes - mark.allreduce_bytes,
                             sequence_moves=self._sequence_moves(live, peer_steps),
-                            routing_drift=None if drift_L is None else [round(float(d), 5) for d in drift_L])
+                            routing_drift=None if drift_L is None else [round(float(d), 5) for d in drift_L],
+                            preference=None if sums is None else metric_means(sums))
         self.metrics.record_step(step, loss, step_time_s, tokens=tokens, traffic_delta=traffic,
                                  expert_counts_LE=counts_LE, drift_L=drift_L)
         if record.sequence_moves is not None:
@@ -143,6 +146,8 @@ class StepAccounting:
             "placement/version": self.state.version, "eval/loss": record.eval_loss,
         }
         values.update({f"bytes/{tier}": count for tier, count in record.bytes_by_tier.items()})
+        values.update({f"train/{name}": value for name, value in (record.preference or {}).items()})
+        values.update({f"eval/{name}": value for name, value in (record.eval_preference or {}).items()})
         if live.masters.num_masters > 1:
             values["bytes/allreduce"] = record.allreduce_bytes
         return values
@@ -166,6 +171,7 @@ class StepAccounting:
             mode="vela", method=config.training.method, row_format=config.data_plane.row_format,
             data_plane=live.hosted.transport.describe(), family_check=config.family_check,
             quantization=quantization_label(config.model.quantization),
+            objective=objective_label(config.training.preference),
             bytes_per_expert=hosted_bytes_per_expert(reports) if any(r.num_experts for r in reports) else None,
             steps=len(history), losses=[h.loss for h in history],
             eval_loss=history[-1].eval_loss if history else None,
@@ -190,6 +196,13 @@ class StepAccounting:
             expert_tiers=[report.tiers for report in reports if report.tiers is not None],
             report=run_file(config.output, out_dir, "report.html"),
         )
+
+
+def objective_label(section) -> str:
+    """"dpo (sigmoid, beta 0.1)": `training.preference`'s objective and its settings; "sft" for supervised."""
+    if not section.on:
+        return "sft"
+    return f"{section.objective} ({'+'.join(section.loss_type)}, beta {section.beta:g})"
 
 
 def quantization_label(section) -> str | None:

@@ -56,6 +56,7 @@ from vela_ray.training.expert_workers import STEPPED_ELSEWHERE
 from vela_ray.training.master import (
     MasterModel, MasterSpec, build_master_rank, load_master_state, master_device, shard_and_read, shard_state,
 )
+from vela_ray.training.preference import PreferenceLoss, take_sums
 from vela_ray.training.replicas import SINGLE, Exchanger, ReplicaShare, Replicas
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
 from vela_ray.training.step import Batch, LossFn, eval_loss, master_compute_seconds, model_loss, train_step
@@ -184,8 +185,9 @@ class MasterRank:
             rank=self.mesh.flat(self.m, self.t), node=groups.node, dp_mesh=groups.dp_mesh,
             condenser=condenser_for(self.config.training.condensation))
         self.migration = sequence_migration(self.config.masters, self.m, self.master, NodeMap.of(nodes, worker_nodes))
-        self.loss_fn = master_loss(self.config.masters, self.m, self.master, self.migration, self.replicas,
+        self.loss_fn = master_loss(self.config, self.m, self.master, self.migration, self.replicas,
                                    self.spec.device)
+        self.eval_loss_fn = whole_batch_loss(self.config, self.master, self.spec.device)
 
     def train_step(self, micro_batches: list[Batch], lr: float, max_grad_norm: float | None) -> dict:
         """This rank's share of one step; its `peer_step` record. The loss it returns is the whole batch's (summed
@@ -199,11 +201,12 @@ class MasterRank:
         if dispatcher.condenser is not None:
             dispatcher.condenser.observe_loss(loss)
             condensed = dispatcher.condenser.counts() - condensed
-        return peer_step(dispatcher.traffic() - before, self.migration, condensed)
+        sums = take_sums(self.loss_fn) if self.t == 0 else None  # a TP group's ranks score the same pairs
+        return peer_step(dispatcher.traffic() - before, self.migration, condensed, sums)
 
     def evaluate(self, batches: list[Batch]) -> float:
         """Master 0's evaluation, computed with it (`MasterGroup.evaluate`)."""
-        return eval_loss(self.master, [on_device(b, self.spec.device) for b in batches])
+        return eval_loss(self.master, [on_device(b, self.spec.device) for b in batches], loss_fn=self.eval_loss_fn)
 
     def profile(self, batches: list[Batch]) -> None:
         """Master 0's routing profile's forwards, computed with it (`MasterGroup.profile`)."""
@@ -212,7 +215,7 @@ class MasterRank:
     def master_compute(self, batches: list[Batch]) -> float:
         """Master 0's timed micro-batch, computed with it (`MasterGroup.master_compute_s`)."""
         return master_compute_seconds(self.master, on_device(batches[0], self.spec.device),
-                                      own_share(self.config.masters, self.m, self.master, self.spec.device))
+                                      own_share(self.config, self.m, self.master, self.spec.device))
 
     def shard_state(self, copy: bool) -> dict[str, torch.Tensor]:
         """This rank's shards of the backbone LoRA and AdamW state (master 0 merges its TP group's)."""
@@ -261,6 +264,8 @@ class MasterGroup:
     migration: SequenceMigration | None = None  # master 0's, with masters.sequence_migration
     _steps: Pending = field(default_factory=list)  # the hosted ranks' train_step calls of the step in flight
     _leader_extras: dict = field(default_factory=dict)  # what master 0 was built with beyond its spec (a rebuild's)
+    _loss: LossFn | None = None  # master 0's step loss (`loss_fn`), built once per (re)join
+    _eval_loss: LossFn = model_loss  # master 0's evaluation loss: the objective's, over whole micro-batches
 
     @classmethod
     def start(cls, config: JobConfig, pool: RankPool, transport: Transport, worker_nodes: list[str], table,
@@ -287,6 +292,7 @@ class MasterGroup:
         group = cls(config, mesh, leader, nodes, worker_nodes, hosts, groups.replicas,
                     _leader_extras={"latency": latency, "condenser": condenser})
         group.migration = group._leader_migration()
+        group._eval_loss = whole_batch_loss(config, leader, _device(leader))
         if mesh.tp > 1:
             leader.tp_states = group._follower_states
         logger.info("%d data-parallel master(s) of %d tensor-parallel rank(s) on nodes %s", mesh.dp, mesh.tp, nodes)
@@ -331,12 +337,25 @@ class MasterGroup:
         self.replicas = groups.replicas
         self.hosts.wait(joins)
         self.migration = self._leader_migration()
+        self._loss, self._eval_loss = None, whole_batch_loss(self.config, self.leader, _device(self.leader))
 
     def loss_fn(self) -> LossFn:
-        """Master 0's loss of a micro-batch: all of it, or its share among the data-parallel masters."""
-        if self.mesh.dp == 1:
-            return model_loss
-        return master_loss(self.config.masters, 0, self.leader, self.migration, self.replicas, _device(self.leader))
+        """Master 0's loss of a micro-batch: all of it, or its share among the data-parallel masters. Built once
+        per (re)join: a preference objective's keeps its metrics' sums between steps (`take_sums`)."""
+        if self._loss is None:
+            self._loss = model_loss if self.mesh.dp == 1 and not self.config.training.preference.on else \
+                master_loss(self.config, 0, self.leader, self.migration, self.replicas, _device(self.leader))
+        return self._loss
+
+    def step_sums(self, peer_steps: list[dict]) -> list[list[float]] | None:
+        """A preference objective's metric sums of the step just run (`preference.take_sums`): master 0's and each
+        data-parallel master's (their `peer_step` records); None for SFT."""
+        own = take_sums(self.loss_fn())
+        return None if own is None else [own, *(p["preference"] for p in peer_steps if p["preference"] is not None)]
+
+    def eval_sums(self) -> list[float] | None:
+        """A preference objective's metric sums over the evaluations since the last call; None for SFT."""
+        return take_sums(self._eval_loss)
 
     # --- what the ranks do together ---------------------------------------------------------------
 
@@ -363,14 +382,15 @@ class MasterGroup:
         """Master 0's evaluation loss over `batches`, the ranks that hold parts of its backbone computing it too."""
         batches = list(batches)
         with self._alongside("evaluate", batches):
-            return eval_loss(self.leader, [on_device(b, _device(self.leader)) for b in batches])
+            return eval_loss(self.leader, [on_device(b, _device(self.leader)) for b in batches],
+                             loss_fn=self._eval_loss)
 
     def master_compute_s(self, micro_batch: Batch) -> float:
         """Seconds master 0 computes its share of `micro_batch`'s forward and backward, the experts stood in for
         (`step.master_compute_seconds`); the ranks that compute its forwards with it run the same."""
         with self._alongside("master_compute", [micro_batch]):
             return master_compute_seconds(self.leader, on_device(micro_batch, _device(self.leader)),
-                                          own_share(self.config.masters, 0, self.leader, _device(self.leader)))
+                                          own_share(self.config, 0, self.leader, _device(self.leader)))
 
     def profile(self, batches: Sequence[Batch], blocks: list[MoeBlock], source: str = "") -> AccessProfile:
         """Master 0's routing profile over `batches` (`locality.profile_model`), computed with the same ranks."""
@@ -478,18 +498,31 @@ def sequence_migration(masters: MastersSection, rank: int, master: MasterModel, 
                              masters.sequence_migration_candidates, masters.sequence_migration_combine)
 
 
-def master_loss(masters: MastersSection, rank: int, master: MasterModel, migration: SequenceMigration | None,
+def master_loss(config: JobConfig, rank: int, master: MasterModel, migration: SequenceMigration | None,
                 exchanger: Exchanger, device: torch.device | str = "cpu") -> LossFn:
     """Master `rank`'s loss function of a step: its share of each micro-batch (of `masters.count`), its sequences
-    moving among the masters (over `exchanger`, its member of the masters' group) when it has a `migration`."""
-    share = master_share(rank, masters.count, master.peft_model, device)
+    moving among the masters (over `exchanger`, its member of the masters' group) when it has a `migration`; with a
+    preference objective, its whole pairs' share of the objective (`preference.PreferenceLoss`)."""
+    if config.training.preference.on:
+        return own_share(config, rank, master, device)
+    share = master_share(rank, config.masters.count, master.peft_model, device)
     return share.loss if migration is None else migration.loss_fn(share, exchanger)
 
 
-def own_share(masters: MastersSection, rank: int, master: MasterModel, device: torch.device | str) -> LossFn:
+def own_share(config: JobConfig, rank: int, master: MasterModel, device: torch.device | str) -> LossFn:
     """Master `rank`'s loss of its own share of a micro-batch, its sequences staying where they are: the whole
-    micro-batch for one master."""
-    return model_loss if masters.count == 1 else master_share(rank, masters.count, master.peft_model, device).loss
+    micro-batch for one master; a preference objective's loss of its whole pairs."""
+    count = config.masters.count
+    if config.training.preference.on:
+        return PreferenceLoss(config.training.preference, master.peft_model.config, rank, count, device)
+    return model_loss if count == 1 else master_share(rank, count, master.peft_model, device).loss
+
+
+def whole_batch_loss(config: JobConfig, master: MasterModel, device: torch.device | str) -> LossFn:
+    """Master 0's evaluation loss: the objective's, of whole micro-batches."""
+    if config.training.preference.on:
+        return PreferenceLoss(config.training.preference, master.peft_model.config, 0, 1, device)
+    return model_loss
 
 
 def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: torch.device | str = "cpu"
@@ -501,10 +534,10 @@ def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: to
 
 
 def peer_step(traffic: TrafficSnapshot, migration: SequenceMigration | None = None,
-              condensed: CondenserCounts | None = None) -> dict:
+              condensed: CondenserCounts | None = None, preference: list[float] | None = None) -> dict:
     """What master 0's step record takes from a hosted rank's step: its traffic (with the tokens it routed to each
-    expert), its bytes by its own link tiers, what its sequence migration moved, and what its condenser counted in
-    the step (None: condensation off)."""
+    expert), its bytes by its own link tiers, what its sequence migration moved, what its condenser counted in
+    the step (None: condensation off) and its preference metrics' sums (None: SFT, or a TP rank past the first)."""
     moves = (migration.take_stats() if migration is not None else SequenceMoveStats()).as_dict()
     return {"traffic": traffic, "bytes_by_tier": traffic.bytes_by_tier(), "sequence_moves": moves,
-            "condensation": condensed}
+            "condensation": condensed, "preference": preference}

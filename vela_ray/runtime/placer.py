@@ -199,7 +199,7 @@ class Placer:
         cfg, state, backbone = self.config, self.state, live.backbone
         if not state.links:
             state.links, state.shared_links = self.pool.measure_links(shared=cfg.placement.shared_links == "measure")
-        tokens = cfg.training.batch_size * cfg.data.seq_len  # a step's
+        tokens = cfg.training.batch_size * backbone.train_set.group * cfg.data.seq_len  # a step's (pairs: 2 rows)
         if state.problem:
             compute, step = state.problem.compute_seconds_per_row, state.problem.training_step
         else:
@@ -219,7 +219,7 @@ class Placer:
         cfg = self.config.training
         train_set = live.backbone.train_set
         first = micro_batches(train_set.rows(batch_rows(train_set, 0, cfg.batch_size, cfg.seed)),
-                              cfg.micro_batch_size or cfg.batch_size)[0]
+                              (cfg.micro_batch_size or cfg.batch_size) * train_set.group)[0]
         seconds = live.masters.master_compute_s(first)
         logger.info("the master computes %.3g s per micro-batch (%d a step, %d in flight)", seconds,
                     cfg.grad_accumulation, self.in_flight)

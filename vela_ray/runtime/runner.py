@@ -50,7 +50,8 @@ from vela_ray.storage import is_remote, pull_outputs, push_outputs
 from vela_ray.training import checkpoint
 from vela_ray.training.schedule import lr_at
 from vela_ray.training.adapter_io import export
-from vela_ray.training.summary import RunSummary
+from vela_ray.training.preference import metric_means
+from vela_ray.training.summary import RunSummary, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -179,13 +180,14 @@ class JobRunner:
         self.stepper.settle(live)  # eval and export read the adapters
         history = self.state.history
         if history and history[-1].eval_loss is None:
-            history[-1].eval_loss = self._eval(live)
+            self._eval(live, history[-1])
         self.accounting.end_training(live)
 
     def _step(self, live: Live, step: int) -> None:
         cfg = self.config.training
         rows = batch_rows(live.backbone.train_set, step, cfg.batch_size, cfg.seed)
-        micro = micro_batches(live.backbone.train_set.rows(rows), cfg.micro_batch_size or cfg.batch_size)
+        micro = micro_batches(live.backbone.train_set.rows(rows),
+                              (cfg.micro_batch_size or cfg.batch_size) * live.backbone.train_set.group)
         tokens = int(live.backbone.train_set.attention_mask[rows].sum())  # padding excluded
         mark = self.accounting.begin_step(live)
         lr = lr_at(cfg.optimizer, step, cfg.steps)
@@ -205,7 +207,7 @@ class JobRunner:
             feature.after_step(live, record)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             self.stepper.settle(live)
-            record.eval_loss = self._eval(live)  # after the step's record: its routing is not counted
+            self._eval(live, record)  # after the step's record: its routing is not counted
         self.state.history.append(record)
         self.tracking.step(live, record, lr)
         if self.checkpoints.due(step + 1):
@@ -216,10 +218,13 @@ class JobRunner:
             logger.info("step %d/%d loss %.4f%s (%.2f s)", step + 1, cfg.steps, loss,
                         "" if record.eval_loss is None else f" eval {record.eval_loss:.4f}", step_time)
 
-    def _eval(self, live: Live) -> float:
+    def _eval(self, live: Live, record: StepRecord) -> None:
+        """The held-out loss into `record` (and a preference objective's metrics over the held-out pairs)."""
         cfg = self.config.training
         batches = sequential_batches(live.backbone.eval_set, cfg.batch_size, cfg.eval_batches)
-        return live.masters.evaluate(batches)
+        record.eval_loss = live.masters.evaluate(batches)
+        sums = live.masters.eval_sums()
+        record.eval_preference = None if sums is None else metric_means([sums])
 
     def _checkpoint(self, live: Live, step: int) -> None:
         """Checkpoint of `step`, of settled adapters (a ZO step's update applied)."""

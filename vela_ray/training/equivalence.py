@@ -279,13 +279,16 @@ def rounding_excess(drifts: Drifts) -> list[str]:
 
 def peft_losses(model_dir: str, adapter_dir: str, step_batches: Sequence[list[dict[str, torch.Tensor]]],
                 optim: OptimizerConfig, device: str | torch.device = "cpu", step_seeds: Sequence[int] | None = None,
-                lora_dropout: float = 0.0, quantization: QuantizationSpec | None = None) -> tuple[list[float], dict]:
+                lora_dropout: float = 0.0, quantization: QuantizationSpec | None = None,
+                loss_for: Callable[[nn.Module], Callable[[dict], torch.Tensor]] | None = None,
+                ) -> tuple[list[float], dict]:
     """Plain transformers + peft from `model_dir` and the start adapter `adapter_dir`, a step per entry of
     `step_batches` (its micro-batches, the loss of each divided by their number), global-norm clipping,
     `optim`'s AdamW and schedule: the reference a whole job is held to. (losses, the adapter's state after).
     `step_seeds`: torch's seed at each step's start (the job's `step.step_seed`), so `lora_dropout` (the job's,
     replacing the start adapter's) draws the job's masks. `quantization`: the job's (`model.quantization`): the
-    weights it names are dequantized from their format (`quantization.round_trip_model`)."""
+    weights it names are dequantized from their format (`quantization.round_trip_model`). `loss_for(model)`: the
+    loss of a micro-batch another library computes (TRL's DPO, for preference objectives); default the model's own."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, use_cache=False)  # as vela-ray's master: packed rows
@@ -297,6 +300,7 @@ def peft_losses(model_dir: str, adapter_dir: str, step_batches: Sequence[list[di
             if isinstance(getattr(module, "lora_dropout", None), nn.ModuleDict):
                 for name in module.lora_dropout:
                     module.lora_dropout[name] = nn.Dropout(lora_dropout)
+    loss_of = (lambda micro: model(**micro).loss) if loss_for is None else loss_for(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
     model.train()
@@ -306,7 +310,7 @@ def peft_losses(model_dir: str, adapter_dir: str, step_batches: Sequence[list[di
             torch.manual_seed(step_seeds[step])
         total = 0.0
         for micro in batches:
-            loss = model(**{k: v.to(device) for k, v in micro.items()}).loss / len(batches)
+            loss = loss_of({k: v.to(device) for k, v in micro.items()}) / len(batches)
             loss.backward()
             total += float(loss.detach())
         if optim.max_grad_norm is not None:

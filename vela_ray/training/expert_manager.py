@@ -113,17 +113,19 @@ class ExpertManager:
     # -- data plane -------------------------------------------------------------------------
 
     def forward_rows(self, layer: int, expert_ids: torch.Tensor, rows: torch.Tensor,
-                     key: Hashable | None = None, reply_to: torch.Tensor | None = None) -> torch.Tensor:
+                     key: Hashable | None = None, reply_to: torch.Tensor | None = None,
+                     adapters: bool = True) -> torch.Tensor:
         """Unweighted expert outputs [R, D] for `rows` [R, D] of experts `expert_ids` [R] of `layer`, in the
         rows' format (`vela_ray.model.wire`) and on their device: the CPU for a Ray caller, the data plane's
         device for the collective plane's. With `key`, the graph is kept for `backward_rows(key, ...)`.
         With `reply_to` [R] (`transport.RowRelay`), only the rows where it is -1 come back; the others are held
-        for the masters it names (`collect_rows`)."""
+        for the masters it names (`collect_rows`). `adapters` False: the base model's outputs, LoRA left out (a
+        preference objective's reference pass)."""
         with self._one_at_a_time():
             self.received_bytes += rows.numel() * rows.element_size()
             with self._computing(lambda: f"forward of experts {_experts_of(layer, expert_ids)} (key {key!r})"):
                 rows_RD = wire.decode(rows.to(self.device), self.dtype)
-                out_RD = (self.tiers or self.shard).forward_rows(layer, expert_ids, rows_RD, key)
+                out_RD = (self.tiers or self.shard).forward_rows(layer, expert_ids, rows_RD, key, adapters=adapters)
                 out = wire.encode(out_RD, wire.reply_format(rows, self.dtype))
             out = out.to(rows.device)  # outside the timing: compute on CUDA is timed as launched
             # rows for other masters wait where the sender's rows go (the host for Ray), ready to travel

@@ -67,6 +67,12 @@ class StepRecord(_Record):
     routing_drift: list[float] | None = None
     """Per MoE layer: the total-variation distance of this step's routing from the profile the placement was
     solved for (None without a profile). It moves when the router trains (`lora.modules_to_save`)."""
+    preference: dict[str, float] | None = None
+    """`training.preference`: TRL's metrics of the step's pairs (`rewards/chosen`, `rewards/rejected`,
+    `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`), means over every master's pairs;
+    None for SFT."""
+    eval_preference: dict[str, float] | None = None
+    """The same over the held-out pairs, at a step with an evaluation."""
 
 
 class StepBreakdown(_Record):
@@ -310,6 +316,9 @@ class RunSummary(_Record):
     data_plane: str = ""
     """What carried the rows between master and workers (`Transport.describe`): "collective (gloo)",
     "collective (nccl)", "object_ref", "in-process", or a split such as "collective (nccl) + in-process"."""
+    objective: str = "sft"
+    """`training.preference`: "sft", or the preference objective with its loss types and beta ("dpo (sigmoid, beta
+    0.1)"); each step's TRL metrics are in `history` (`StepRecord.preference`)."""
     quantization: str | None = None
     """`model.quantization`: the format the frozen weights were held in and where ("nf4: experts, backbone"); None:
     at the checkpoint's width. LOSSY against the full-width model."""

@@ -93,9 +93,9 @@ class TieredExperts:
     # -- ExpertShard's data-plane calls -------------------------------------------------------
 
     def forward_rows(self, layer: int, expert_ids_R: torch.Tensor, rows_RD: torch.Tensor,
-                     key: Hashable | None = None) -> torch.Tensor:
+                     key: Hashable | None = None, adapters: bool = True) -> torch.Tensor:
         if rows_RD.shape[0] == 0 or str(layer) not in self.shard.layers:  # the shard's own answers
-            return self.shard.forward_rows(layer, expert_ids_R, rows_RD, key)
+            return self.shard.forward_rows(layer, expert_ids_R, rows_RD, key, adapters=adapters)
         experts = self.shard.layers[str(layer)].expert_ids
         rows_E = _rows_per_expert(expert_ids_R, experts)
         self._score_forecast(layer, rows_E)  # 1.
@@ -105,7 +105,7 @@ class TieredExperts:
         self._plan_uploads(layer, device_experts, rows_RD)  # 3.
         self._count(rows_E, on_device)
         compute = functools.partial(self._compute, layer, device_experts)  # 4.-6.
-        out_RD = self.shard.forward_rows(layer, expert_ids_R, rows_RD, key, compute=compute)
+        out_RD = self.shard.forward_rows(layer, expert_ids_R, rows_RD, key, compute=compute, adapters=adapters)
         if key is not None:
             self._forget_released()
             self._plans[key] = (layer, device_experts)

@@ -1,0 +1,131 @@
+"""Preference objectives (`training.preference`): DPO through vela-ray equal to TRL's DPOTrainer with peft, the
+reference model the base one with every adapter off, on the master and on the ExpertManagers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.fixtures import init_adapter, make_checkpoint, peft_job, reference_losses, run_in_process
+from vela_ray.config import JobConfig, PreferenceSection
+from vela_ray.model.experts import ExpertShard, LoraSpec, without_adapters
+from vela_ray.model.transport import ForwardRequest, InProcessTransport
+from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
+from vela_ray.paths import data_dir
+from vela_ray.training.preference import PreferenceLoss, answer_logps, metric_means, pair_rows, reference_model
+from vela_ray.training.tiny_model import CHAT_TEMPLATE
+
+
+def dpo_records(count: int = 12) -> list[dict]:
+    """LLaMA-Factory's dpo_en_demo shape: ShareGPT `conversations` ending on a human turn, `chosen` and `rejected`
+    one gpt message each; the texts are Tiny Shakespeare's lines, the chosen answer the line that follows."""
+    lines = [line for line in (data_dir() / "tinyshakespeare" / "input.txt").read_text().splitlines()
+             if len(line) > 20][:3 * count]
+    return [{"conversations": [{"from": "human", "value": lines[3 * i]}],
+             "chosen": {"from": "gpt", "value": lines[3 * i + 1]},
+             "rejected": {"from": "gpt", "value": lines[3 * i + 2][::-1]}} for i in range(count)]
+
+
+def dpo_job(model_dir: Path, tmp_path: Path, steps: int = 5, **preference) -> dict:
+    data = tmp_path / "dpo_en_demo.json"
+    data.write_text(json.dumps(dpo_records()))
+    return peft_job(model_dir, tmp_path, steps=steps,
+                    data={"kind": "preference", "path": str(data), "seq_len": 96, "limit": None},
+                    training={"batch_size": 2, "micro_batch_size": 2, "eval_fraction": 0.2, "eval_every": 5,
+                              "eval_batches": 1, "preference": {"objective": "dpo", "beta": 0.2, **preference}})
+
+
+def assert_equal_to_trl(config: JobConfig, summary, rtol: float = 1e-5) -> None:
+    trl_metrics: dict = {}
+    ref_losses, ref_state = reference_losses(config, trl_metrics=trl_metrics)
+    torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                 "logps/rejected"):  # one micro-batch a step: TRL logs each step's
+        ours = [record.preference[name] for record in summary.history]
+        torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64),
+                                   torch.tensor(trl_metrics["train"][name], dtype=torch.float64), rtol=2e-4, atol=2e-5)
+    exported = load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
+    assert exported.keys() == ref_state.keys()
+    for key, value in ref_state.items():  # AdamW's first steps amplify rounding
+        assert float((exported[key] - value).abs().max()) <= 2e-3 * float(value.abs().max()), key
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("family,preference", [
+    ("mixtral", {}),                                       # the router aux loss at the config's coefficient
+    ("qwen3_moe", {"router_aux_loss_coef": 0.0, "loss_type": ["sigmoid", "sft"]}),
+    ("deepseek_v3", {"loss_type": "ipo"}),                 # shared experts, a length-normalised loss
+])
+def test_dpo_in_one_process_equals_trl(tmp_path, family, preference):
+    model_dir = make_checkpoint(tmp_path / "model", family, chat_template=CHAT_TEMPLATE)
+    config = JobConfig.from_dict(dpo_job(model_dir, tmp_path, **preference))
+    config.preflight()
+    summary = run_in_process(config)
+    assert_equal_to_trl(config, summary)
+    assert summary.history[-1].eval_preference is not None and summary.history[-1].eval_loss is not None
+
+
+def test_the_reference_is_the_base_model_with_every_adapter_off(tmp_path):
+    """`reference_model`: peft's adapters off on the master and the experts' LoRA off on the shard that computes
+    them, to the bit; outside it the adapters are back. The start adapter is random (B != 0): it changes the
+    output, so a reference that kept any adapter on would differ."""
+    model_dir = make_checkpoint(tmp_path / "model", "mixtral")
+    adapter = init_adapter(model_dir, tmp_path / "init")
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
+    ids = torch.randint(3, 200, (2, 10))
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        with reference_model(peft_model):
+            reference = peft_model(input_ids=ids).logits
+        adapted = peft_model(input_ids=ids).logits
+    assert torch.equal(reference, plain)
+    assert not torch.allclose(adapted, plain)
+    # the expert side: a shard's LoRA (B != 0) left out within without_adapters, and only on this thread's calls
+    blocks = find_moe_blocks(base)
+    shard = ExpertShard.from_weights(expert_weights(blocks), LoraSpec(r=4, alpha=8), experts_prototypes(base.config))
+    for factor in shard.lora_parameters():
+        torch.nn.init.normal_(factor)
+    rows, expert_ids = torch.randn(6, base.config.hidden_size), torch.tensor([0, 1, 2, 3, 0, 1])
+    with torch.no_grad():
+        lora = shard.forward_rows(0, expert_ids, rows)
+        with without_adapters():
+            frozen = shard.forward_rows(0, expert_ids, rows)
+        asked = shard.forward_rows(0, expert_ids, rows, adapters=False)
+    assert torch.equal(frozen, asked) and not torch.allclose(lora, frozen)
+    # what travels: a request asking for the base model gets it from a transport's worker, whatever thread asks
+    request = ForwardRequest(0, expert_ids, rows, adapters=False)
+    with torch.no_grad():
+        answered = InProcessTransport([shard]).forward({0: request})[0]
+    assert torch.equal(answered, frozen)
+
+
+def test_several_masters_score_whole_pairs_that_add_up_to_the_micro_batch(tmp_path):
+    """Each master takes whole pairs (`pair_rows`); their loss shares add up to the one-master loss, and the
+    metric sums to the same means."""
+    assert pair_rows(5, 0, 2).tolist() == [0, 1, 2, 3, 4, 5] and pair_rows(5, 1, 2).tolist() == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match="2 preference pairs cannot feed 3 masters"):
+        pair_rows(2, 0, 3)
+    model_dir = make_checkpoint(tmp_path / "model", "mixtral")
+    adapter = init_adapter(model_dir, tmp_path / "init")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
+    section = PreferenceSection(objective="dpo", router_aux_loss_coef=0.0)
+    ids = torch.randint(3, 200, (6, 12))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    whole = PreferenceLoss(section, model.config)
+    shares = [PreferenceLoss(section, model.config, rank, 2) for rank in range(2)]
+    with torch.no_grad():
+        total = float(whole(model, batch))
+        parts = [float(share(model, batch)) for share in shares]
+    assert sum(parts) == pytest.approx(total, rel=1e-6)
+    means = metric_means([s.take_sums() for s in shares])
+    assert means == pytest.approx(metric_means([whole.take_sums()]), rel=1e-6)
+    assert answer_logps(torch.zeros(1, 3, 5), torch.tensor([[-100, 1, 2]])).item() == pytest.approx(2 * -1.6094379)
