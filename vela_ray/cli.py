@@ -76,11 +76,12 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure expert access probabilities P[L, E] of a model on data")
     p.add_argument("--model", required=True, type=Path, help="model directory (save_pretrained layout)")
     p.add_argument("--data", required=True, type=Path, help="text file / directory, or Alpaca .json / .jsonl")
-    p.add_argument("--kind", choices=["text", "instruct", "chat"],
+    p.add_argument("--kind", choices=["text", "instruct", "chat", "preference"],
                    help="data kind (default: text for .txt files and directories of them, else instruct)")
     p.add_argument("--name", help="the entry of a LLaMA-Factory dataset_info.json to read (--data: that file or "
                                   "its directory)")
-    p.add_argument("--chat-template", help="chat: Jinja template file or string (default: the tokenizer's)")
+    p.add_argument("--chat-template", help="chat, preference: Jinja template file or string (default: the "
+                                         "tokenizer's)")
     p.add_argument("--packing", action="store_true", help="instruct/chat: several examples per row")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")

@@ -14,6 +14,9 @@ as a list of parts is read for its text parts.
 name the record and field in one line), `chat_template_of` picks the Jinja template
 (``data.chat_template`` or the tokenizer's own) and `encode_chat` renders and tokenises
 the conversations into `Example`s whose labels are the tokens of the assistant turns.
+Preference records (`vela_ray.data.preference`) read their prompt turns with `prompt_of`, their
+answers with `messages_in` / `message_in`, and render with `render_chats`: the same keys, roles,
+tags and template as a conversation.
 Message numbers in errors count from 0, in the record's own list, like record numbers.
 
 Usage::
@@ -104,16 +107,29 @@ def conversation_of(record: dict, where: str, tags: dict[str, str] | None = None
     both layouts, or with both a top-level ``system`` and a system message, is refused
     rather than guessed at.
     """
+    messages = _record_messages(record, where, tags, tuple(_KEYS), "a chat record")
+    _check_conversation(messages, where)
+    return messages
+
+
+def _record_messages(record: dict, where: str, tags: dict[str, str] | None, fields: tuple[str, ...],
+                     what: str) -> list[Message]:
+    """The messages of the one field of `fields` the record holds, its top-level `system` put first."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    present = [field for field in _KEYS if record.get(field) is not None]  # datasets fills absent fields: None
+    present = [field for field in fields if record.get(field) is not None]  # datasets fills absent fields: None
     if not present:
-        raise ValueError(f"{where}: no 'messages' or 'conversations' field; a chat record needs one "
+        raise ValueError(f"{where}: no {' or '.join(map(repr, fields))} field; {what} needs one "
                          "(or map yours with data.columns)")
     if len(present) > 1:
-        raise ValueError(f"{where}: both 'messages' and 'conversations' fields; keep one")
-    field = present[0]
-    raw = record[field]
+        raise ValueError(f"{where}: both {present[0]!r} and {present[1]!r} fields; keep one")
+    messages = messages_in(record[present[0]], present[0], where, tags)
+    return with_system(record, messages, where)
+
+
+def messages_in(raw: object, field: str, where: str, tags: dict[str, str] | None = None) -> list[Message]:
+    """The list of messages `raw` (record field `field`) as {role, content} messages: role/content or from/value
+    keys (or data.tags' own), roles read as `conversation_of` reads them."""
     role_key, content_key = _keys_of(field, raw, tags or {})
     if not isinstance(raw, list):
         raise ValueError(f"{where}: field {field!r} must be a list of {{{role_key}, {content_key}}} objects")
@@ -124,6 +140,23 @@ def conversation_of(record: dict, where: str, tags: dict[str, str] | None = None
             raise ValueError(f"{where}: field {field!r} must be a list of {{{role_key}, {content_key}}} objects; "
                              f"message {i} is a {type(item).__name__}")
         messages.append(_message(item, role_key, content_key, roles, unknown, f"{where}: message {i}"))
+    return messages
+
+
+def message_in(item: object, field: str, where: str, tags: dict[str, str] | None = None) -> Message:
+    """One message object (a preference record's `chosen`, ShareGPT's {from: gpt, value}) read as `messages_in`
+    reads the messages of a list."""
+    role_key, content_key = _keys_of(field, [item], tags or {})
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: field {field!r} must be a string or a {{{role_key}, {content_key}}} object, "
+                         f"got {type(item).__name__} {_one_line(repr(item)):.60}")
+    roles, unknown = _roles_of(role_key, tags or {})
+    return _message(item, role_key, content_key, roles, unknown, f"{where}: field {field!r}")
+
+
+def with_system(record: dict, messages: list[Message], where: str) -> list[Message]:
+    """`messages` with the record's top-level `system` string (if any, and not empty) first; a record with both it
+    and a system message is refused rather than guessed at."""
     system = record.get("system")
     if system is not None and not isinstance(system, str):
         raise ValueError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
@@ -133,8 +166,32 @@ def conversation_of(record: dict, where: str, tags: dict[str, str] | None = None
             raise ValueError(f"{where}: both a top-level 'system' field and a system message (message {clash}); "
                              "keep one")
         messages.insert(0, {"role": "system", "content": system})
-    _check_conversation(messages, where)
     return messages
+
+
+PROMPT_FIELDS = ("messages", "conversations", "prompt")
+"""Where a preference record's prompt turns may be: OpenAI messages, ShareGPT conversations, TRL's prompt."""
+
+
+def prompt_of(record: dict, where: str, tags: dict[str, str] | None = None) -> list[Message]:
+    """The prompt turns of a preference record (`PROMPT_FIELDS`, read as `conversation_of` reads a conversation,
+    its top-level `system` first): a system turn only first, and the last a user turn (or a tool's answer), the
+    turn both answers reply to."""
+    messages = _record_messages(record, where, tags, PROMPT_FIELDS, "a preference record")
+    check_prompt(messages, where)
+    return messages
+
+
+def check_prompt(messages: list[Message], where: str) -> None:
+    """A preference prompt: a system turn only first, and it ends on the user turn (or a tool's answer) that
+    chosen and rejected reply to (a template renders its generation prompt after it)."""
+    for i, message in enumerate(messages):
+        if message["role"] == "system" and i > 0:
+            raise ValueError(f"{where}: message {i}: a system message must come first")
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        last = f"message {len(messages) - 1} ({messages[-1]['role']})" if messages else "no turn at all"
+        raise ValueError(f"{where}: the prompt ends on {last}; it must end on the user turn that chosen and "
+                         "rejected answer")
 
 
 def _keys_of(field: str, raw: object, tags: dict[str, str]) -> tuple[str, str]:
@@ -146,7 +203,7 @@ def _keys_of(field: str, raw: object, tags: dict[str, str]) -> tuple[str, str]:
         others = [k for other in _KEYS.values() if other != keys for k in other]
         if any(first.get(k) is not None for k in keys) and all(first.get(k) is None for k in others):
             return keys
-    return _KEYS[field]
+    return _KEYS.get(field, _KEYS["messages"])
 
 
 def _roles_of(role_key: str, tags: dict[str, str]) -> tuple[dict[str, str], str]:
@@ -252,6 +309,19 @@ class AlpacaExample(InstructExample):
     """Earlier (instruction, response) turns, oldest first."""
 
 
+def alpaca_history(record: dict, where: str) -> tuple[tuple[str, str], ...]:
+    """LLaMA-Factory's Alpaca `history`: earlier [instruction, response] turns, oldest first."""
+    history = record.get("history")
+    if history is None:
+        return ()
+    turns = history if isinstance(history, list) else None
+    if turns is None or not all(isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t)
+                                for t in turns):
+        raise ValueError(f"{where}: field 'history' must be a list of [instruction, response] string pairs, got "
+                         f"{history!r:.60}")
+    return tuple((query, response) for query, response in turns)
+
+
 def alpaca_to_messages(example: InstructExample, system: str | None = None) -> list[Message]:
     """An Alpaca example as a conversation: [system], the history's user/assistant turns, then user
     (instruction, plus a blank line and the input when there is one) and assistant (the output).
@@ -303,10 +373,13 @@ def chat_template_of(tokenizer: PreTrainedTokenizerBase, chat_template: str | No
 # --- encoding ------------------------------------------------------------------------------------
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message]], template: str,
-            generation_prompt: bool, source: str, numbers: list[int], tools: list[list[dict] | None]) -> list[str]:
-    """Render conversations: those without tools in one template call (per-call overhead dominates short
-    chats), those with tools one by one (`apply_chat_template` takes one `tools` list per call)."""
+def render_chats(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message]], template: str,
+                 generation_prompt: bool, source: str, numbers: list[int],
+                 tools: list[list[dict] | None]) -> list[str]:
+    """Each conversation rendered to text with `template` (`chat_template_of`) as `apply_chat_template(...,
+    tokenize=False)` renders it, with its `tools` and the generation prompt if asked; a template error names the
+    conversation by its `numbers` entry. Those without tools go in one template call (per-call overhead dominates
+    short chats), those with tools one by one (`apply_chat_template` takes one `tools` list per call)."""
     plain = [k for k, t in enumerate(tools) if t is None]
     texts = dict(zip(plain, _render_batch(tokenizer, [conversations[k] for k in plain], template, generation_prompt,
                                           source, [numbers[k] for k in plain], None)))
@@ -341,15 +414,15 @@ def _assistant_spans(tokenizer: PreTrainedTokenizerBase, conversations: list[lis
     """Each conversation's full rendering and the character spans of its assistant turns (tool calls
     included) in it."""
     numbers = list(range(len(conversations)))
-    full = _render(tokenizer, conversations, template, False, source, numbers, tools)
+    full = render_chats(tokenizer, conversations, template, False, source, numbers, tools)
     turns = [(n, i) for n, conversation in enumerate(conversations)
              for i, message in enumerate(conversation) if message["role"] == "assistant"]
     owners = [n for n, _ in turns]
     owner_tools = [tools[n] for n in owners]
-    before = _render(tokenizer, [conversations[n][:i] for n, i in turns], template, True, source, owners,
-                     owner_tools)
-    through = _render(tokenizer, [conversations[n][:i + 1] for n, i in turns], template, False, source, owners,
-                      owner_tools)
+    before = render_chats(tokenizer, [conversations[n][:i] for n, i in turns], template, True, source, owners,
+                          owner_tools)
+    through = render_chats(tokenizer, [conversations[n][:i + 1] for n, i in turns], template, False, source,
+                           owners, owner_tools)
     spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
     for (n, i), head, upto in zip(turns, before, through):
         text = full[n]

@@ -9,8 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from vela_ray.data.dataset_info import (FORMATTING_KINDS, TAG_NAMES, dataset_info_file, is_llama_factory_dir,
-                                       read_entry)
+from vela_ray.data.dataset_info import TAG_NAMES, dataset_info_file, is_llama_factory_dir, read_entry
 from vela_ray.data.records import is_glob
 from vela_ray.paths import UserPath
 
@@ -18,7 +17,11 @@ COLUMNS = {  # data.kind -> the fields `data.columns` may map onto a file's own 
     "text": ("text",),
     "instruct": ("instruction", "input", "output", "instances", "system", "history"),
     "chat": ("messages", "conversations", "system", "tools", "instruction", "input", "output", "history"),
+    "preference": ("messages", "conversations", "prompt", "system", "tools", "instruction", "input", "history",
+                   "chosen", "rejected"),
 }
+TEMPLATED_KINDS = ("chat", "preference")
+"""The kinds rendered with a chat template: `data.chat_template` and `data.tags` apply to them."""
 
 
 class DataConfig(BaseModel):
@@ -26,10 +29,13 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["text", "instruct", "chat"]
+    kind: Literal["text", "instruct", "chat", "preference"]
     """``text``: packed LM corpus; ``instruct``: Alpaca-style instruction records; ``chat``: conversations
-    (``messages`` of role/content, or ShareGPT ``conversations`` of from/value) rendered with the chat template.
-    Given `dataset_info`, it defaults to what the entry's formatting reads as."""
+    (``messages`` of role/content, or ShareGPT ``conversations`` of from/value) rendered with the chat template;
+    ``preference``: DPO pairs, a prompt (``messages``, ``conversations``, TRL's ``prompt``, or Alpaca
+    ``instruction``/``input``) with a ``chosen`` and a ``rejected`` answer, rendered with the chat template and
+    tokenised as TRL's DPOTrainer does, two rows per pair (`vela_ray.data.preference`). Given `dataset_info`, it
+    defaults to what the entry reads as (preference for a ``ranking: true`` entry)."""
     path: UserPath | None = None
     """A text file or directory of ``.txt`` files (text), or for any kind a ``.json``, ``.jsonl``, ``.parquet``
     or ``.csv`` file of records (text: a ``text`` column), a directory written by ``Dataset.save_to_disk``, or
@@ -39,12 +45,14 @@ class DataConfig(BaseModel):
     seq_len: int = Field(default=256, ge=2)
     """Tokens per row."""
     limit: int | None = Field(default=None, ge=1)
-    """Keep at most this many rows (text blocks) or examples (instruct, chat), in file order."""
+    """Keep at most this many rows (text blocks), examples (instruct, chat) or pairs (preference), in file
+    order."""
     columns: dict[str, str] = Field(default_factory=dict)
     """The file's column for a field vela-ray reads, e.g. ``{instruction: question, output: answer}``,
     ``{messages: dialog}`` or (text records) ``{text: content}``."""
     chat_template: str | None = None
-    """chat: a Jinja chat template, as a file path or the template itself (default: the tokenizer's own)."""
+    """chat and preference: a Jinja chat template, as a file path or the template itself (default: the
+    tokenizer's own)."""
     dataset_info: UserPath | None = None
     """A LLaMA-Factory ``dataset_info.json`` (or the directory holding it): `name`'s entry sets `path`,
     `columns`, `tags` and, if not given, `kind` (`vela_ray.data.dataset_info`). A `path` that is a directory
@@ -52,14 +60,17 @@ class DataConfig(BaseModel):
     name: str | None = None
     """The `dataset_info` entry to read."""
     tags: dict[str, str] = Field(default_factory=dict)
-    """chat: LLaMA-Factory's ShareGPT tags (``role_tag``, ``content_tag``, ``user_tag``, ``assistant_tag``,
-    ``observation_tag``, ``function_tag``, ``system_tag``): the message keys and role values of the file."""
+    """chat and preference: LLaMA-Factory's ShareGPT tags (``role_tag``, ``content_tag``, ``user_tag``,
+    ``assistant_tag``, ``observation_tag``, ``function_tag``, ``system_tag``): the message keys and role values of
+    the file."""
     on_bad_record: Literal["error", "skip"] = "error"
-    """Records (instruct, chat, text records): ``error`` refuses the data at the first record that cannot be
-    read; ``skip`` leaves such records out and names them in one warning (`datasets.build_data` counts them)."""
+    """Records (instruct, chat, preference, text records): ``error`` refuses the data at the first record that
+    cannot be read; ``skip`` leaves such records out and names them in one warning (`datasets.build_data` counts
+    them)."""
     packing: bool = False
     """instruct and chat: lay several examples end to end in each row instead of padding one per row; attention
-    and loss stay within each example (refused for models where they would not, see `examples.check_packing`)."""
+    and loss stay within each example (refused for models where they would not, see `examples.check_packing`).
+    Not for preference: each pair is two padded rows, as TRL's DPOTrainer pads them."""
     truncation: Literal["right", "keep_answer"] = "right"
     """instruct and chat: how an example longer than `seq_len` is cut (before packing). ``right``: its first
     `seq_len` tokens. ``keep_answer``: its answer (the last assistant turn: from the first label of the last run
@@ -67,7 +78,8 @@ class DataConfig(BaseModel):
     prompt's first ceil(B/2) and last floor(B/2) tokens: the task's head, and the assistant header before the
     answer); an answer longer than seq_len - min(prompt, seq_len // 2) tokens gets B = min(prompt, seq_len // 2)
     and is itself cut on the right. Either way an example left with no label is dropped; the run's summary counts
-    both (`vela_ray.data.examples`)."""
+    both (`vela_ray.data.examples`). preference: ``right`` only, each sequence's first `seq_len` tokens (TRL's
+    keep_start), a pair whose prompt alone fills `seq_len` dropped (`vela_ray.data.preference`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -85,9 +97,10 @@ class DataConfig(BaseModel):
             return data
         entry = read_entry(Path(info).expanduser(), data.get("name"))
         kind = data.get("kind") or entry.kind
-        if kind not in FORMATTING_KINDS[entry.formatting]:
-            raise ValueError(f"data.kind {kind} cannot read entry {entry.name!r} (formatting {entry.formatting}); "
-                             f"use data.kind {' or '.join(FORMATTING_KINDS[entry.formatting])}")
+        if kind not in entry.kinds:
+            ranking = ", ranking: true" if entry.ranking else ""
+            raise ValueError(f"data.kind {kind} cannot read entry {entry.name!r} (formatting {entry.formatting}"
+                             f"{ranking}); use data.kind {' or '.join(entry.kinds)}")
         filled = {"kind": kind, "path": entry.path, "columns": entry.columns_for(kind), "tags": entry.tags,
                   "dataset_info": dataset_info_file(Path(info).expanduser())}
         for key in ("path", "columns", "tags"):
@@ -112,9 +125,9 @@ class DataConfig(BaseModel):
         return path
 
     def with_records(self, dataset: object) -> "DataConfig":
-        """This data config reading its records from `dataset`, a `ray.data.Dataset` (text, instruct or chat
-        records as `kind` says) instead of `path`. The dataset travels with the config to the master, which
-        streams it from the cluster: the driver never holds the records."""
+        """This data config reading its records from `dataset`, a `ray.data.Dataset` (text, instruct, chat or
+        preference records as `kind` says) instead of `path`. The dataset travels with the config to the master,
+        which streams it from the cluster: the driver never holds the records."""
         copy = self.model_copy()
         copy._records = dataset
         return copy
@@ -136,13 +149,21 @@ class DataConfig(BaseModel):
         if self.kind == "text" and self.packing:
             raise ValueError("data.packing applies to instruct and chat data; text is always packed as one "
                              "token stream")
-        if self.tags and self.kind != "chat":
-            raise ValueError(f"data.tags applies to kind chat (ShareGPT records), not {self.kind}")
+        if self.kind == "preference" and self.packing:
+            raise ValueError("data.packing does not apply to kind preference: each pair is its chosen and its "
+                             "rejected sequence in two padded rows, as TRL's DPOTrainer lays them; set "
+                             "data.packing: false")
+        if self.kind == "preference" and self.truncation != "right":
+            raise ValueError(f"data.truncation {self.truncation} does not apply to kind preference: as TRL's "
+                             "DPOTrainer (keep_start), each sequence keeps its first seq_len tokens and a pair "
+                             "whose prompt fills seq_len is dropped; set data.truncation: right")
+        if self.tags and self.kind not in TEMPLATED_KINDS:
+            raise ValueError(f"data.tags applies to kind chat or preference (ShareGPT records), not {self.kind}")
         unknown_tags = sorted(set(self.tags) - set(TAG_NAMES))
         if unknown_tags:
             raise ValueError(f"data.tags: unknown tags {unknown_tags}; LLaMA-Factory's are {list(TAG_NAMES)}")
-        if self.chat_template is not None and self.kind != "chat":
-            raise ValueError(f"data.chat_template applies to kind chat, not {self.kind}")
+        if self.chat_template is not None and self.kind not in TEMPLATED_KINDS:
+            raise ValueError(f"data.chat_template applies to kind chat and preference, not {self.kind}")
         unknown = sorted(set(self.columns) - set(COLUMNS.get(self.kind, ())))
         if unknown:
             raise ValueError(f"data.columns: {unknown} are not {self.kind} fields; map any of "

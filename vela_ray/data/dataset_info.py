@@ -14,12 +14,15 @@ names each data set::
 (``file_name`` resolved relative to the ``dataset_info.json``), the kind its
 ``formatting`` reads as (``alpaca`` -> instruct, ``sharegpt`` -> chat; ``alpaca`` also
 reads as text, its ``prompt`` column being the text, as LLaMA-Factory's pre-training
-entries are written), and LLaMA-Factory's ``columns`` and ``tags`` in vela-ray's names
+entries are written; an entry with ``ranking: true`` holds preference pairs and reads as
+preference), and LLaMA-Factory's ``columns`` and ``tags`` in vela-ray's names
 (``prompt``/``query``/``response`` -> ``instruction``/``input``/``output``, ``messages``
--> ``conversations``). What vela-ray cannot read is refused in one line naming the
-entry: downloads (``hf_hub_url``, ``ms_hub_url``, ``script_url``, ``cloud_file_name``),
-preference pairs (``ranking``, ``chosen``/``rejected``), KTO tags and images, videos
-or audio. Pure standard library: `vela_ray.data.config` reads entries while validating.
+-> ``conversations``; ``chosen``/``rejected`` keep theirs, and a ranking entry must map
+both, as LLaMA-Factory reads no default for them). What vela-ray cannot read is refused
+in one line naming the entry: downloads (``hf_hub_url``, ``ms_hub_url``, ``script_url``,
+``cloud_file_name``), chosen/rejected columns outside a ranking entry, KTO tags (KTO is
+not trained yet) and images, videos or audio. Pure standard library:
+`vela_ray.data.config` reads entries while validating.
 """
 
 from __future__ import annotations
@@ -28,15 +31,22 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vela_ray.data.records import SAVED_DATASET_FILES, UNREADABLE_FIELDS
+from vela_ray.data.records import PAIR_FIELDS, SAVED_DATASET_FILES, UNREADABLE_FIELDS
 
 FORMATTING_KINDS = {"alpaca": ("instruct", "chat", "text"), "sharegpt": ("chat",)}
-"""LLaMA-Factory formatting -> the data.kind values that read it (the first is the default)."""
+"""LLaMA-Factory formatting -> the data.kind values that read it (the first is the default); a ranking entry,
+either formatting, reads as preference only."""
+RANKING_KINDS = ("preference",)
 
 COLUMN_NAMES = {  # formatting -> {LLaMA-Factory column name: vela-ray field}
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "history": "history",
                "system": "system", "tools": "tools"},
     "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"},
+}
+RANKING_COLUMN_NAMES = {  # a ranking entry's: the prompt's, then the two answers (an alpaca response is neither)
+    formatting: {**{lf: field_ for lf, field_ in names.items() if field_ != "output"},
+                 **{name: name for name in PAIR_FIELDS}}
+    for formatting, names in COLUMN_NAMES.items()
 }
 DEFAULT_COLUMNS = {  # what LLaMA-Factory reads when an entry maps nothing
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output"},
@@ -64,11 +74,21 @@ class DatasetEntry:
     """LLaMA-Factory tag name -> value (ShareGPT only)."""
     pretraining: bool = False
     """An alpaca entry whose columns map a prompt and no response: text to continue, not instructions."""
+    ranking: bool = False
+    """``ranking: true``: preference pairs (chosen/rejected), read as data.kind preference."""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The data.kind values that read this entry."""
+        return RANKING_KINDS if self.ranking else FORMATTING_KINDS[self.formatting]
 
     @property
     def kind(self) -> str:
-        """The data.kind an entry reads as by default: text for a text file or an alpaca entry that maps a
-        prompt and no response (LLaMA-Factory's pre-training entries), else its formatting's kind."""
+        """The data.kind an entry reads as by default: preference for a ranking entry, text for a text file or an
+        alpaca entry that maps a prompt and no response (LLaMA-Factory's pre-training entries), else its
+        formatting's kind."""
+        if self.ranking:
+            return RANKING_KINDS[0]
         if self.formatting == "alpaca" and (self.path.suffix in (".txt", ".text") or self.pretraining):
             return "text"
         return FORMATTING_KINDS[self.formatting][0]
@@ -112,9 +132,6 @@ def read_entry(dataset_info: Path, name: str | None) -> DatasetEntry:
     if download is not None:
         raise ValueError(f"{where}: {download} {entry[download]!r}: vela-ray reads local files only and downloads "
                          "nothing; download the data set and name it with file_name")
-    if entry.get("ranking"):
-        what, why, _ = UNREADABLE_FIELDS["chosen"]
-        raise ValueError(f"{where}: ranking: true marks {what}; {why}; use a supervised (SFT) entry")
     if not entry.get("file_name"):
         raise ValueError(f"{where}: no file_name; give the data file's name, relative to {info_file.parent}")
     formatting = entry.get("formatting", "alpaca")
@@ -123,10 +140,11 @@ def read_entry(dataset_info: Path, name: str | None) -> DatasetEntry:
     path = info_file.parent / entry["file_name"]
     if not path.exists():
         raise ValueError(f"{where}: file_name {entry['file_name']!r}: {path} does not exist")
-    columns = entry.get("columns") or {}
-    return DatasetEntry(name, path, formatting, _columns(columns, formatting, where),
+    columns, ranking = entry.get("columns") or {}, bool(entry.get("ranking"))
+    return DatasetEntry(name, path, formatting, _columns(columns, formatting, where, ranking),
                         _tags(entry.get("tags") or {}, formatting, where),
-                        pretraining=formatting == "alpaca" and "prompt" in columns and "response" not in columns)
+                        pretraining=not ranking and formatting == "alpaca" and "prompt" in columns
+                        and "response" not in columns, ranking=ranking)
 
 
 def _some(entries: dict, shown: int = 12) -> str:
@@ -134,20 +152,28 @@ def _some(entries: dict, shown: int = 12) -> str:
     return str(names) if len(names) <= shown else f"{names[:shown]} and {len(names) - shown} more"
 
 
-def _columns(columns: dict, formatting: str, where: str) -> dict[str, str]:
+def _columns(columns: dict, formatting: str, where: str, ranking: bool) -> dict[str, str]:
     if not isinstance(columns, dict):
         raise ValueError(f"{where}: columns must be an object of column names")
-    refused = next((c for c in columns if c in UNREADABLE_FIELDS), None)
+    refused = next((c for c in columns if c in UNREADABLE_FIELDS and not (ranking and c in PAIR_FIELDS)), None)
     if refused is not None:
         what, why, fix = UNREADABLE_FIELDS[refused]
+        if refused in PAIR_FIELDS:
+            why, fix = "the entry has no ranking: true", "mark the entry ranking: true (data.kind preference)"
         raise ValueError(f"{where}: columns.{refused} ({columns[refused]!r}) is {what}; {why}, so vela-ray refuses "
                          f"it rather than ignore it; {fix}")
-    names = COLUMN_NAMES[formatting]
+    missing = [c for c in PAIR_FIELDS if ranking and c not in columns]
+    if missing:
+        raise ValueError(f"{where}: ranking: true marks a preference pair (chosen/rejected), but columns maps no "
+                         f"{missing[0]!r}; name the file's chosen and rejected columns (LLaMA-Factory reads no "
+                         'default for them): "columns": {"chosen": ..., "rejected": ...}')
+    names = RANKING_COLUMN_NAMES[formatting] if ranking else COLUMN_NAMES[formatting]
     unknown = sorted(set(columns) - set(names))
     if unknown:
         raise ValueError(f"{where}: columns {unknown} are not {formatting} columns vela-ray reads; it reads "
                          f"{sorted(names)}")
-    mapped = {names[lf]: column for lf, column in {**DEFAULT_COLUMNS[formatting], **columns}.items()}
+    defaults = {lf: column for lf, column in DEFAULT_COLUMNS[formatting].items() if lf in names}
+    mapped = {names[lf]: column for lf, column in {**defaults, **columns}.items()}
     return {field_: column for field_, column in mapped.items() if field_ != column}
 
 

@@ -1,6 +1,7 @@
-"""Fine-tuning data: packed plain-text corpora, Alpaca-style instructions and chat conversations.
+"""Fine-tuning data: packed plain-text corpora, Alpaca-style instructions, chat conversations and preference
+pairs.
 
-Three kinds of data set, all tokenised with any Hugging Face tokenizer into a
+Four kinds of data set, all tokenised with any Hugging Face tokenizer into a
 `TokenizedDataset` of fixed-length rows (N = rows, S = `seq_len`):
 
 * ``text``: one text file or a directory of ``.txt`` files, or records with a ``text`` field
@@ -17,12 +18,15 @@ Three kinds of data set, all tokenised with any Hugging Face tokenizer into a
   ``conversations`` with LLaMA-Factory's tool turns and tags, or Alpaca records with their
   system and history as turns) rendered with the tokenizer's chat template; only assistant
   turns (tool calls included) are labels.
+* ``preference``: DPO pairs, a prompt with a ``chosen`` and a ``rejected`` answer
+  (`vela_ray.data.preference`), tokenised as TRL's DPOTrainer does; two rows per pair
+  (`TokenizedDataset.group`), labels on the answers only.
 
 Records of every kind are read through the `datasets` library from JSON, JSONL, Parquet or
 CSV files or a `save_to_disk` directory (`vela_ray.data.records`), with `DataConfig.columns`
 mapping other field names, or named by a LLaMA-Factory ``dataset_info.json`` entry
-(`vela_ray.data.dataset_info`). Fields vela-ray would not train on (KTO tags, preference
-pairs, images) are refused; a bad record refuses the file or, with
+(`vela_ray.data.dataset_info`). Fields vela-ray would not train on (KTO tags, images;
+preference pairs outside kind preference) are refused; a bad record refuses the file or, with
 ``data.on_bad_record: skip``, is left out and counted (`build_data` returns the count).
 Their examples become rows one per row, right-padded, or packed several per row
 (`DataConfig.packing`; see `vela_ray.data.examples` for both layouts and the
@@ -33,6 +37,8 @@ or ``position_ids`` (packed rows) LongTensors [B, S]: the model's keyword argume
 Training order is a pure function of ``(seed, step)`` so a run can resume from any
 step: `batch_at` gives one batch, `iterate_batches` a stream from a start step;
 `sequential_batches` walks the rows once in order (for profiling and evaluation).
+Batch sizes count examples: a batch of B preference pairs is their 2B rows, each pair's
+chosen row then its rejected row, never parted.
 Usage::
 
     dataset = build_dataset(DataConfig(kind="text", path=Path("input.txt"), seq_len=128), tokenizer)
@@ -52,9 +58,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from vela_ray.data.chat import AlpacaExample, Message, alpaca_to_messages, conversation_of, encode_chat, tools_of
+from vela_ray.data.chat import (AlpacaExample, Message, alpaca_history, alpaca_to_messages, conversation_of,
+                                encode_chat, tools_of)
 from vela_ray.data.config import DataConfig
 from vela_ray.data.examples import IGNORE_INDEX, Example, InstructExample, Truncation, packed_rows, padded_rows
+from vela_ray.data.preference import encode_pairs, preference_rows, read_preference_pairs
 from vela_ray.data.records import (RECORD_FORMATS, SAVED_DATASET_FILES, RecordCount, as_object, is_glob,
                                    load_records, shard_files, parse_each, refuse_unreadable_fields, warn_placeholders)
 from vela_ray.data.tokenized import Batch, TokenizedDataset
@@ -79,29 +87,34 @@ ALPACA_PROMPT_WITH_INPUT = (
 
 
 def _check_batch_size(dataset: TokenizedDataset, batch_size: int) -> int:
+    """Full batches of `batch_size` examples (preference pairs: pairs) in one epoch."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    batches_per_epoch = len(dataset) // batch_size
+    batches_per_epoch = dataset.num_examples // batch_size
     if batches_per_epoch == 0:
+        what = f"{len(dataset)} rows" if dataset.group == 1 else \
+            f"{dataset.num_examples} examples ({dataset.group} rows each)"
         raise ValueError(
-            f"{dataset.source}: {len(dataset)} rows cannot fill one batch of {batch_size}; "
+            f"{dataset.source}: {what} cannot fill one batch of {batch_size}; "
             "lower batch_size or use more data"
         )
     return batches_per_epoch
 
 
-def _epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+def _epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
 def batch_rows(dataset: TokenizedDataset, step: int, batch_size: int, seed: int) -> np.ndarray:
-    """The row indices of global `step`'s batch (0-based): full batches of a fresh seeded shuffle per epoch."""
+    """The row indices of global `step`'s batch (0-based): full batches of `batch_size` examples of a fresh
+    seeded shuffle per epoch, each example's rows adjacent (a preference pair: chosen, then rejected), so
+    `batch_size * dataset.group` rows."""
     batches_per_epoch = _check_batch_size(dataset, batch_size)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     epoch, within = divmod(step, batches_per_epoch)
-    order = _epoch_order(len(dataset), seed, epoch)
-    return order[within * batch_size:(within + 1) * batch_size]
+    order = _epoch_order(dataset.num_examples, seed, epoch)
+    return dataset.example_rows(order[within * batch_size:(within + 1) * batch_size])
 
 
 def batch_at(dataset: TokenizedDataset, step: int, batch_size: int, seed: int) -> Batch:
@@ -121,22 +134,23 @@ def iterate_batches(dataset: TokenizedDataset, batch_size: int, seed: int, start
     while num_steps is None or step < start_step + num_steps:
         epoch, within = divmod(step, batches_per_epoch)
         if epoch != order_epoch:
-            order, order_epoch = _epoch_order(len(dataset), seed, epoch), epoch
-        yield dataset.rows(order[within * batch_size:(within + 1) * batch_size])
+            order, order_epoch = _epoch_order(dataset.num_examples, seed, epoch), epoch
+        yield dataset.rows(dataset.example_rows(order[within * batch_size:(within + 1) * batch_size]))
         step += 1
 
 
 def sequential_batches(dataset: TokenizedDataset, batch_size: int, max_batches: int | None = None,
                        token_mask: bool = False) -> Iterator[Batch]:
-    """The rows in order, once, in batches of `batch_size` (the last may be smaller); `token_mask` as in
-    `TokenizedDataset.rows`."""
+    """The examples in order, once, in batches of `batch_size` examples (the last may be smaller; a preference
+    pair's two rows adjacent); `token_mask` as in `TokenizedDataset.rows`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    starts = range(0, len(dataset), batch_size)
+    starts = range(0, dataset.num_examples, batch_size)
     for count, start in enumerate(starts):
         if max_batches is not None and count >= max_batches:
             return
-        yield dataset.rows(list(range(start, min(start + batch_size, len(dataset)))), token_mask)
+        examples = list(range(start, min(start + batch_size, dataset.num_examples)))
+        yield dataset.rows(dataset.example_rows(examples).tolist(), token_mask)
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -235,19 +249,6 @@ def _string_field(record: dict, name: str, where: str, required: bool) -> str:
     return value
 
 
-def _history(record: dict, where: str) -> tuple[tuple[str, str], ...]:
-    """LLaMA-Factory's Alpaca `history`: earlier [instruction, response] turns, oldest first."""
-    history = record.get("history")
-    if history is None:
-        return ()
-    turns = history if isinstance(history, list) else None
-    if turns is None or not all(isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t)
-                                for t in turns):
-        raise ValueError(f"{where}: field 'history' must be a list of [instruction, response] string pairs, got "
-                         f"{history!r:.60}")
-    return tuple((query, response) for query, response in turns)
-
-
 def _parse_instances(record: dict, instruction: str, where: str) -> list[InstructExample]:
     instances = record["instances"]
     if not isinstance(instances, list) or not instances:
@@ -268,7 +269,7 @@ def _parse_record(record: object, where: str) -> list[InstructExample]:
         raise ValueError(f"{where}: field 'instruction' is empty")
     if record.get("instances") is not None and record.get("output") is None:  # datasets fills absent fields
         return _parse_instances(record, instruction, where)
-    system, history = _string_field(record, "system", where, False), _history(record, where)
+    system, history = _string_field(record, "system", where, False), alpaca_history(record, where)
     example = InstructExample(instruction, _string_field(record, "input", where, False),
                               _string_field(record, "output", where, True))
     if system or history:
@@ -404,6 +405,8 @@ def build_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: 
             return BuiltData(pack_text(tokenizer, config.path, config.seq_len, max_blocks=config.limit,
                                        announce=warn), RecordCount(len(files)))
         return _text_records(config, tokenizer, warn)
+    if config.kind == "preference":
+        return _preference_data(config, tokenizer, warn)
     if config.kind == "instruct":
         parsed, count = read_instruct_examples(_source(config), config.limit, config.columns,
                                                config.on_bad_record, warn)
@@ -413,6 +416,17 @@ def build_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: 
     skipped = {BAD_RECORD: count.skipped} if count.skipped else None
     return BuiltData(lay_out(tokenizer, examples, config.seq_len, config.packing, source=str(config.path),
                              truncation=config.truncation, warn=warn, skipped=skipped), count)
+
+
+def _preference_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, warn: bool) -> BuiltData:
+    """kind preference: two rows per pair (chosen, rejected; `TokenizedDataset.group` 2), tokenised as TRL's
+    DPOTrainer tokenises them (`vela_ray.data.preference`)."""
+    pairs, count = read_preference_pairs(_source(config), config.columns, config.tags, config.limit,
+                                         config.on_bad_record, warn)
+    encoded = encode_pairs(tokenizer, pairs, config.chat_template, source=str(config.path))
+    skipped = {BAD_RECORD: count.skipped} if count.skipped else None
+    return BuiltData(preference_rows(encoded, config.seq_len, _pad_id(tokenizer), str(config.path), warn=warn,
+                                     skipped=skipped), count)
 
 
 def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: bool = True) -> TokenizedDataset:

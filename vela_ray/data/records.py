@@ -347,13 +347,16 @@ def _renamed(dataset: Dataset, columns: Mapping[str, str], path: Path) -> Datase
 
 UNREADABLE_FIELDS = {  # field -> (what it is, why it is refused, the fix); never read past in silence
     "kto_tag": ("a KTO desirable/undesirable tag", "supervised fine-tuning would train the undesirable answers "
-                "as targets", "keep only the desirable records and drop the field"),
+                "as targets, and vela-ray does not train KTO yet", "keep only the desirable records and drop the "
+                "field"),
     "label": ("a KTO desirable/undesirable tag", "supervised fine-tuning would train the undesirable answers as "
               "targets", "keep only the records labelled true and drop the field"),
-    "chosen": ("a preference pair (chosen/rejected)", "vela-ray trains supervised fine-tuning only, not DPO/ORPO",
-               "write the chosen answer as the output (or assistant turn) and drop chosen/rejected"),
-    "rejected": ("a preference pair (chosen/rejected)", "vela-ray trains supervised fine-tuning only, not "
-                 "DPO/ORPO", "write the chosen answer as the output (or assistant turn) and drop chosen/rejected"),
+    "chosen": ("a preference pair (chosen/rejected)", "supervised fine-tuning (data.kind instruct or chat) has "
+               "one answer to learn, not two to compare", "use data.kind: preference with "
+               "training.preference.objective: dpo"),
+    "rejected": ("a preference pair (chosen/rejected)", "supervised fine-tuning (data.kind instruct or chat) has "
+                 "one answer to learn, not two to compare", "use data.kind: preference with "
+                 "training.preference.objective: dpo"),
     "images": ("images", "vela-ray fine-tunes text models, which cannot read them",
                "drop the field (and the <image> markers) or use a vision fine-tuner"),
     "videos": ("videos", "vela-ray fine-tunes text models, which cannot read them",
@@ -363,11 +366,18 @@ UNREADABLE_FIELDS = {  # field -> (what it is, why it is refused, the fix); neve
 }
 
 
-def refuse_unreadable_fields(records: list[dict], path: Path) -> None:
-    """One line naming the first record holding a field vela-ray would otherwise ignore (`UNREADABLE_FIELDS`):
-    training past a KTO tag, a preference pair or an image would learn something else than the data says.
-    ``label`` counts only as a KTO tag (true/false); an empty list of images counts as none."""
+PAIR_FIELDS = ("chosen", "rejected")
+"""The fields of a preference pair: read by data.kind preference, refused by the supervised kinds."""
+
+
+def refuse_unreadable_fields(records: list[dict], path: Path, read: tuple[str, ...] = ()) -> None:
+    """One line naming the first record holding a field vela-ray would otherwise ignore (`UNREADABLE_FIELDS`
+    but those the caller `read`s, e.g. `PAIR_FIELDS`): training past a KTO tag, a preference pair or an image
+    would learn something else than the data says. ``label`` counts only as a KTO tag (true/false); an empty
+    list of images counts as none."""
     for name, (what, why, fix) in UNREADABLE_FIELDS.items():
+        if name in read:
+            continue
         for index, record in enumerate(records):
             value = record.get(name)
             if isinstance(value, bool) if name == "label" else value not in (None, [], ""):

@@ -1,6 +1,11 @@
 """`TokenizedDataset`: N fixed-length rows of token ids, labels and masks, the one shape every kind of
-fine-tuning data becomes (`vela_ray.data.datasets` builds them, `vela_ray.data.examples` lays them out),
-and `DataStats`: what became of a file's examples on the way (kept, truncated, dropped and why).
+fine-tuning data becomes (`vela_ray.data.datasets` builds them, `vela_ray.data.examples` and
+`vela_ray.data.preference` lay them out), and `DataStats`: what became of a file's examples on the way
+(kept, truncated, dropped and why).
+
+An example may take several adjacent rows (`TokenizedDataset.group`: a preference pair is its chosen then its
+rejected sequence); whatever selects rows (batches, the eval hold-out) selects whole examples, so the rows of one
+example are never parted.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ LOSS_WARNING_SHARE = 0.10
 EMPTY = "empty: no supervised token at all"
 CUT_AWAY = "no supervised token left after truncation"
 """`DataStats.dropped` reasons of `vela_ray.data.examples` (other steps may add their own)."""
+PROMPT_FILLS = "the prompt alone fills seq_len"
+"""The `DataStats.dropped` reason of a preference pair whose prompt leaves no room for an answer token (TRL's
+DPOTrainer drops those too)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,9 @@ class DataStats:
     """Rows built from the kept examples (one each padded; several each packed)."""
     padding_fraction: float = 0.0
     """Share of those rows' token slots that are padding."""
+    pairs: bool = False
+    """The examples are preference pairs (two rows each: `vela_ray.data.preference`), their supervised tokens
+    the two answers' and their truncation TRL's keep_start."""
 
     @property
     def num_dropped(self) -> int:
@@ -63,22 +74,26 @@ class DataStats:
             return None
         reasons = "".join(f"; {count} dropped ({reason})" for reason, count in self.dropped.items())
         lost = self.supervised_tokens_lost / max(1, self.supervised_tokens)
+        unit = "pairs" if self.pairs else "examples"
         fixes = []
-        if self.truncated or self.dropped.get(CUT_AWAY):
-            fixes.append(f"raise data.seq_len ({self.seq_len_p90} holds 90% of the examples whole, the longest "
+        if self.truncated or self.dropped.get(CUT_AWAY) or self.dropped.get(PROMPT_FILLS):
+            fixes.append(f"raise data.seq_len ({self.seq_len_p90} holds 90% of the {unit} whole, the longest "
                          f"has {self.longest} tokens)")
-            if self.truncation == "right":
+            if self.truncation == "right" and not self.pairs:
                 fixes.append("set data.truncation: keep_answer (cuts the prompt's middle, keeps the answer)")
-        if set(self.dropped) - {CUT_AWAY}:
+        if set(self.dropped) - {CUT_AWAY, PROMPT_FILLS}:
             fixes.append("check the records dropped for another reason")
-        return (f"{source}: {self.lost_share:.0%} of {self.examples} examples dropped or truncated at data.seq_len="
-                f"{self.seq_len}: {self.truncated} truncated (data.truncation: {self.truncation}){reasons}; "
+        how = "each sequence's first seq_len tokens, TRL's keep_start" if self.pairs else \
+            f"data.truncation: {self.truncation}"
+        return (f"{source}: {self.lost_share:.0%} of {self.examples} {unit} dropped or truncated at data.seq_len="
+                f"{self.seq_len}: {self.truncated} truncated ({how}){reasons}; "
                 f"{lost:.1%} of the supervised tokens cut; " + " or ".join(fixes))
 
 
 @dataclass(frozen=True)
 class TokenizedDataset:
-    """N fixed-length rows: `input_ids`, `labels`, `attention_mask`, each a LongTensor [N, S]."""
+    """N fixed-length rows: `input_ids`, `labels`, `attention_mask`, each a LongTensor [N, S]; `group` adjacent
+    rows per example."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -88,10 +103,23 @@ class TokenizedDataset:
     position_ids: torch.Tensor | None = None
     """Packed rows only (`examples.packed_rows`): positions restarting at 0 at every example."""
     stats: DataStats | None = None
-    """Instruct and chat data: what became of the file's examples (None: text data, or rows made by hand)."""
+    """Instruct, chat and preference data: what became of the file's examples (None: text data, or rows made by
+    hand)."""
+    group: int = 1
+    """Rows per example: 1, or 2 for preference pairs (example i is rows 2i, its chosen sequence, and 2i + 1, its
+    rejected one). Batches, splits and subsets take whole examples (`example_rows`)."""
+
+    def __post_init__(self):
+        if self.group < 1 or len(self) % self.group:
+            raise ValueError(f"{self.source}: {len(self)} rows are not whole examples of {self.group} rows each")
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def num_examples(self) -> int:
+        """Examples (preference pairs: pairs) in the data set: `len(self) // group`."""
+        return len(self) // self.group
 
     @property
     def seq_len(self) -> int:
@@ -107,6 +135,14 @@ class TokenizedDataset:
         """Share of the token slots that are padding: compute spent on nothing."""
         return 1.0 - self.num_tokens / max(1, self.attention_mask.numel())
 
+    def example_rows(self, examples: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:
+        """The row indices of `examples`, in their order, each example's `group` rows adjacent (the identity for
+        one row per example)."""
+        examples = np.asarray(examples, dtype=np.int64)
+        if self.group == 1:
+            return examples
+        return (examples[:, None] * self.group + np.arange(self.group)).reshape(-1)
+
     def rows(self, index: torch.Tensor | np.ndarray | list[int], token_mask: bool = False) -> Batch:
         """A batch of these rows: the model's keyword arguments. Packed rows carry `position_ids` and no
         `attention_mask`: transformers then masks attention block-diagonally, one block per example (see
@@ -121,23 +157,26 @@ class TokenizedDataset:
         return batch
 
     def subset(self, index: torch.Tensor | np.ndarray | list[int], source: str) -> TokenizedDataset:
-        """These rows at `index`; `stats` stays the whole build's."""
+        """These rows at `index` (whole examples: see `example_rows`); `stats` stays the whole build's."""
         index = torch.as_tensor(index, dtype=torch.long)
         positions = None if self.position_ids is None else self.position_ids[index]
         return TokenizedDataset(self.input_ids[index], self.labels[index], self.attention_mask[index], source,
-                                positions, self.stats)
+                                positions, self.stats, self.group)
 
     def split(self, eval_fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset]:
-        """(train, eval): a seeded random `eval_fraction` of the rows is held out; both must be non-empty."""
+        """(train, eval): a seeded random `eval_fraction` of the examples (whole preference pairs) is held out;
+        both must be non-empty."""
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-        num_eval = int(round(len(self) * eval_fraction))
-        if num_eval == 0 or num_eval == len(self):
+        count = self.num_examples
+        num_eval = int(round(count * eval_fraction))
+        if num_eval == 0 or num_eval == count:
+            what = f"{count} rows" if self.group == 1 else f"{count} examples ({self.group} rows each)"
             raise ValueError(
-                f"{self.source}: eval_fraction {eval_fraction} of {len(self)} rows leaves an empty "
+                f"{self.source}: eval_fraction {eval_fraction} of {what} leaves an empty "
                 "train or eval set; use more data or another fraction"
             )
-        order = np.random.default_rng([seed, 0xE7A1]).permutation(len(self))
-        eval_rows, train_rows = np.sort(order[:num_eval]), np.sort(order[num_eval:])
-        return (self.subset(train_rows, f"{self.source} [train]"),
-                self.subset(eval_rows, f"{self.source} [eval]"))
+        order = np.random.default_rng([seed, 0xE7A1]).permutation(count)
+        eval_examples, train_examples = np.sort(order[:num_eval]), np.sort(order[num_eval:])
+        return (self.subset(self.example_rows(train_examples), f"{self.source} [train]"),
+                self.subset(self.example_rows(eval_examples), f"{self.source} [eval]"))

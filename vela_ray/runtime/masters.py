@@ -168,6 +168,7 @@ class MasterRank:
         self.replicas: Replicas = SINGLE  # its member of its TP index's data-parallel group
         self.migration: SequenceMigration | None = None
         self.loss_fn: LossFn = model_loss
+        self.eval_loss_fn: LossFn = model_loss  # the objective's, over whole micro-batches (set in join)
         self.in_flight = config.training.overlap.in_flight(config)
 
     def pid(self) -> int:
