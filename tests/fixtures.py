@@ -149,7 +149,8 @@ def reference_losses(config: JobConfig, device: str = "cpu", trl_metrics: dict |
     loss_for = None
     if train.preference.on:
         def loss_for(model):
-            loss = trl_dpo_loss(model, train.preference, tokenizer, config.output.dir / "trl")
+            trl_loss = trl_dpo_loss if train.preference.objective == "dpo" else trl_kto_loss
+            loss = trl_loss(model, train.preference, tokenizer, config.output.dir / "trl")
             if trl_metrics is not None:
                 trl_metrics["train"] = loss.metrics  # filled as TRL logs
             return loss
@@ -168,7 +169,7 @@ def trl_dpo_loss(model: torch.nn.Module, preference, tokenizer, out_dir: Path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=str(out_dir), loss_type=list(preference.loss_type), loss_weights=preference.loss_weights,
+    args = DPOConfig(output_dir=str(out_dir), loss_type=list(preference.losses), loss_weights=preference.loss_weights,
                      beta=preference.beta, label_smoothing=preference.label_smoothing,
                      router_aux_loss_coef=preference.router_aux_loss_coef, report_to=[], use_cpu=True,
                      disable_dropout=False)
@@ -182,6 +183,47 @@ def trl_dpo_loss(model: torch.nn.Module, preference, tokenizer, out_dir: Path):
         order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])  # TRL's: every chosen, every rejected
         inputs = {"input_ids": micro["input_ids"][order], "attention_mask": micro["attention_mask"][order],
                   "completion_mask": (micro["labels"][order] != IGNORE_INDEX).long()}
+        return trainer.compute_loss(trainer.model, inputs)
+
+    loss.metrics = trainer._metrics["train"]
+    return loss
+
+
+def trl_kto_loss(model: torch.nn.Module, preference, tokenizer, out_dir: Path):
+    """TRL's `KTOTrainer.compute_loss` over `model` with `preference`'s settings, as a function of a micro-batch in
+    vela-ray's layout (one row per example, labels on the answer, `desirable`), as `trl_dpo_loss`. The KL
+    sequences are TRL's: each example's prompt with the answer of the example before it in the micro-batch (TRL
+    rotates the answers within each batch), written here from the rows' prompts and answers."""
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    args = KTOConfig(output_dir=str(out_dir), loss_type=preference.losses[0], beta=preference.beta,
+                     desirable_weight=preference.desirable_weight, undesirable_weight=preference.undesirable_weight,
+                     router_aux_loss_coef=preference.router_aux_loss_coef, report_to=[], use_cpu=True,
+                     disable_dropout=False, train_sampling_strategy="sequential", per_device_train_batch_size=2)
+    placeholder = Dataset.from_list([{"prompt": "a", "completion": "b", "label": True},
+                                     {"prompt": "c", "completion": "d", "label": False}])
+    trainer = KTOTrainer(model=model, args=args, train_dataset=placeholder, processing_class=tokenizer)
+    if "ref" in model.peft_config:
+        model.delete_adapter("ref")
+
+    def loss(micro: dict) -> torch.Tensor:
+        ids, labels = micro["input_ids"], micro["labels"]
+        prompts, answers = [], []
+        for row, row_labels in zip(ids.tolist(), labels.tolist()):
+            marked = [i for i, label in enumerate(row_labels) if label != IGNORE_INDEX]
+            prompts.append(row[:marked[0]])
+            answers.append(row[marked[0]:marked[-1] + 1])
+        rotated = answers[-1:] + answers[:-1]
+        width = ids.shape[1]
+        kl = [(p + a)[:width] for p, a in zip(prompts, rotated)]
+        kl_ids = torch.zeros(len(kl), width, dtype=torch.long)
+        kl_mask, kl_answer = torch.zeros_like(kl_ids), torch.zeros_like(kl_ids)
+        for i, (row, prompt) in enumerate(zip(kl, prompts)):
+            kl_ids[i, :len(row)], kl_mask[i, :len(row)], kl_answer[i, len(prompt):len(row)] = torch.tensor(row), 1, 1
+        inputs = {"input_ids": ids, "attention_mask": micro["attention_mask"],
+                  "completion_mask": (labels != IGNORE_INDEX).long(), "label": micro["desirable"].bool(),
+                  "KL_input_ids": kl_ids, "KL_attention_mask": kl_mask, "KL_completion_mask": kl_answer}
         return trainer.compute_loss(trainer.model, inputs)
 
     loss.metrics = trainer._metrics["train"]

@@ -426,18 +426,22 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "
                   "apo_down", "sigmoid_norm", "sft")
 """TRL's DPOTrainer loss types (`DPOConfig.loss_type`) that score each pair on its own: the batch-sorting `aot`
 variants and `discopop` are left out (`vela_ray.training.preference`)."""
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+"""TRL's KTOTrainer loss types (`KTOConfig.loss_type`)."""
 
 
 class PreferenceSection(_Section):
     """`training.preference`: what the step optimises. `sft` (the default): the model's own next-token loss. `dpo`:
-    Direct Preference Optimisation on `data.kind: preference` pairs, equal to TRL's `DPOTrainer` with peft (its
-    names: `loss_type`, `loss_weights`, `beta`, `label_smoothing`, `router_aux_loss_coef`). The reference model is
-    the same weights with every adapter off, on the master (peft's `disable_adapter`) and on the ExpertManagers
-    (the broker asks for rows without LoRA): no second copy (`vela_ray.training.preference`)."""
+    Direct Preference Optimisation on `data.kind: preference` pairs, equal to TRL's `DPOTrainer` with peft; `kto`:
+    Kahneman-Tversky Optimisation on `data.kind: unpaired_preference` examples, equal to TRL's `KTOTrainer` (TRL's
+    names: `loss_type`, `loss_weights`, `beta`, `label_smoothing`, `desirable_weight`, `undesirable_weight`,
+    `router_aux_loss_coef`). The reference model is the same weights with every adapter off, on the master (peft's
+    `disable_adapter`) and on the ExpertManagers (the broker asks for rows without LoRA): no second copy
+    (`vela_ray.training.preference`)."""
 
     refusals = (
-        Refusal("training.preference.objective: dpo and training.method: zo, training.condensation.enabled or "
-                "masters.sequence_migration", "each scores a pair from its two sequences' own rows, which ZO's "
+        Refusal("training.preference.objective dpo or kto and training.method: zo, training.condensation.enabled or "
+                "masters.sequence_migration", "each scores an example from its sequences' own rows, which ZO's "
                 "perturbed passes, condensed rows or sequences moved between masters would not give",
                 "use objective: sft, or leave those settings at their defaults",
                 lambda job: job.training.preference.on and (
@@ -445,33 +449,43 @@ class PreferenceSection(_Section):
                     or job.masters.sequence_migration)),
     )
 
-    objective: Literal["sft", "dpo"] = Field(
+    objective: Literal["sft", "dpo", "kto"] = Field(
         "sft", description="sft: supervised next-token loss; dpo: Direct Preference Optimisation on chosen/rejected "
-        "pairs (data.kind: preference), the reference computed in each step with the adapters off")
-    loss_type: list[Literal[DPO_LOSS_TYPES]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: ["sigmoid"], min_length=1,
-        description="dpo: TRL's loss types, summed with loss_weights (e.g. [sigmoid, sft] for RPO-like mixes): "
-        f"{', '.join(DPO_LOSS_TYPES)}")
+        "pairs (data.kind: preference); kto: Kahneman-Tversky Optimisation on examples marked desirable or not "
+        "(data.kind: unpaired_preference). The reference is computed in each step with the adapters off")
+    loss_type: list[Literal[DPO_LOSS_TYPES + KTO_LOSS_TYPES]] | None = Field(  # type: ignore[valid-type]
+        None, min_length=1, description="TRL's loss types. dpo: one or several, summed with loss_weights (e.g. "
+        f"[sigmoid, sft]): {', '.join(DPO_LOSS_TYPES)}; default sigmoid. kto: one of {', '.join(KTO_LOSS_TYPES)}; "
+        "default kto")
     loss_weights: list[float] | None = Field(None, description="dpo: one weight per loss_type; None: all 1")
-    beta: float = Field(0.1, gt=0, description="dpo: the KL penalty's inverse temperature (IPO's tau)")
+    beta: float = Field(0.1, gt=0, description="the KL penalty's inverse temperature (IPO's tau)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo: conservative DPO's / robust's / exo_pair's "
                                    "share of flipped labels")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: the desirable examples' loss weight")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: the undesirable examples' loss weight")
     router_aux_loss_coef: float | None = Field(
-        None, ge=0, description="dpo: the router's load-balancing loss coefficient added to the loss; None: the "
-        "model config's own (router_aux_loss_coef), as TRL; 0 turns it off")
+        None, ge=0, description="the router's load-balancing loss coefficient added to the loss; None: the model "
+        "config's own (router_aux_loss_coef), as TRL; 0 turns it off")
 
     @field_validator("loss_type", mode="before")
     @classmethod
     def _one_loss_type_as_a_name(cls, value: object) -> object:
-        """`loss_type: ipo`, as TRL's DPOConfig takes it: one loss, one name."""
+        """`loss_type: ipo`, as TRL's configs take it: one loss, one name."""
         return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _weights_match(self) -> "PreferenceSection":
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+    def _settings_fit_the_objective(self) -> "PreferenceSection":
+        allowed = {"dpo": DPO_LOSS_TYPES, "kto": KTO_LOSS_TYPES}.get(self.objective, ())
+        wrong = [t for t in self.loss_type or () if t not in allowed]
+        if wrong:
+            raise ValueError(f"training.preference.loss_type {wrong} is not a loss of objective {self.objective}; "
+                             f"use {', '.join(allowed) or 'none (sft has one loss)'}")
+        if self.objective == "kto" and len(self.losses) > 1:
+            raise ValueError("training.preference.loss_type: kto takes one loss type, as TRL's KTOConfig")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.losses):
             raise ValueError(f"training.preference.loss_weights has {len(self.loss_weights)} weights for "
-                             f"{len(self.loss_type)} loss types; give one per loss_type")
-        if "exo_pair" in self.loss_type and self.label_smoothing == 0.0:
+                             f"{len(self.losses)} loss types; give one per loss_type")
+        if "exo_pair" in self.losses and self.label_smoothing == 0.0:
             raise ValueError("training.preference.loss_type exo_pair needs label_smoothing above 0 (TRL's default "
                              "for it is 1e-3)")
         return self
@@ -479,6 +493,13 @@ class PreferenceSection(_Section):
     @property
     def on(self) -> bool:
         return self.objective != "sft"
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        """The loss types in use: `loss_type`, or the objective's default (TRL's: sigmoid for dpo, kto for kto)."""
+        if self.loss_type:
+            return tuple(self.loss_type)
+        return {"dpo": ("sigmoid",), "kto": ("kto",)}.get(self.objective, ())
 
 
 TRACKER_PACKAGES: dict[str, tuple[str, str]] = {  # training.report_to: each tracker's module and its extra
@@ -821,12 +842,20 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _objective_reads_its_data(self) -> "JobConfig":
         """A preference objective trains on pairs, SFT on single answers: each refuses the other's data."""
-        if self.training.preference.on and self.data.kind != "preference":
-            raise ValueError(f"training.preference.objective {self.training.preference.objective} trains on "
-                             f"chosen/rejected pairs, not data.kind {self.data.kind}; use data.kind: preference")
-        if not self.training.preference.on and self.data.kind == "preference":
-            raise ValueError("data.kind preference holds chosen/rejected pairs, which supervised fine-tuning "
-                             "cannot train on; set training.preference.objective: dpo")
+        objective, kind = self.training.preference.objective, self.data.kind
+        reads = {"dpo": "preference", "kto": "unpaired_preference"}
+        if objective in reads and kind != reads[objective]:
+            raise ValueError(f"training.preference.objective {objective} trains on data.kind {reads[objective]}, not "
+                             f"{kind}; set data.kind: {reads[objective]}")
+        micro = self.training.micro_batch_size or self.training.batch_size
+        if objective == "kto" and self.training.preference.losses == ("kto",) and micro < 2:
+            raise ValueError("training.micro_batch_size 1 with KTO: its KL baseline pairs each example's prompt with "
+                             "another example's answer in the micro-batch, so it needs at least 2; raise it (as TRL "
+                             "refuses per_device_train_batch_size 1)")
+        trains = {kind_: name for name, kind_ in reads.items()}
+        if objective == "sft" and kind in trains:
+            raise ValueError(f"data.kind {kind} holds preference data, which supervised fine-tuning cannot train on; "
+                             f"set training.preference.objective: {trains[kind]}")
         return self
 
     @model_validator(mode="after")

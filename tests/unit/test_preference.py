@@ -18,7 +18,8 @@ from vela_ray.model.experts import ExpertShard, LoraSpec, without_adapters
 from vela_ray.model.transport import ForwardRequest, InProcessTransport
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.paths import data_dir
-from vela_ray.training.preference import PreferenceLoss, answer_logps, metric_means, pair_rows, reference_model
+from vela_ray.training.preference import (DpoLoss, answer_logps, metric_means, own_examples,
+                                         reference_model)
 from vela_ray.training.tiny_model import CHAT_TEMPLATE
 
 
@@ -107,11 +108,11 @@ def test_the_reference_is_the_base_model_with_every_adapter_off(tmp_path):
 
 
 def test_several_masters_score_whole_pairs_that_add_up_to_the_micro_batch(tmp_path):
-    """Each master takes whole pairs (`pair_rows`); their loss shares add up to the one-master loss, and the
+    """Each master takes whole pairs (`own_examples`); their loss shares add up to the one-master loss, and the
     metric sums to the same means."""
-    assert pair_rows(5, 0, 2).tolist() == [0, 1, 2, 3, 4, 5] and pair_rows(5, 1, 2).tolist() == [6, 7, 8, 9]
-    with pytest.raises(ValueError, match="2 preference pairs cannot feed 3 masters"):
-        pair_rows(2, 0, 3)
+    assert own_examples(5, 0, 2, 2).tolist() == [0, 1, 2, 3, 4, 5] and own_examples(5, 1, 2, 2).tolist() == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match="2 preference examples cannot feed 3 masters"):
+        own_examples(2, 0, 3, 2)
     model_dir = make_checkpoint(tmp_path / "model", "mixtral")
     adapter = init_adapter(model_dir, tmp_path / "init")
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
@@ -120,8 +121,8 @@ def test_several_masters_score_whole_pairs_that_add_up_to_the_micro_batch(tmp_pa
     labels = ids.clone()
     labels[:, :4] = -100
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    whole = PreferenceLoss(section, model.config)
-    shares = [PreferenceLoss(section, model.config, rank, 2) for rank in range(2)]
+    whole = DpoLoss(section, model.config)
+    shares = [DpoLoss(section, model.config, rank, 2) for rank in range(2)]
     with torch.no_grad():
         total = float(whole(model, batch))
         parts = [float(share(model, batch)) for share in shares]

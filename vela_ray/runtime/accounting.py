@@ -202,7 +202,7 @@ def objective_label(section) -> str:
     """"dpo (sigmoid, beta 0.1)": `training.preference`'s objective and its settings; "sft" for supervised."""
     if not section.on:
         return "sft"
-    return f"{section.objective} ({'+'.join(section.loss_type)}, beta {section.beta:g})"
+    return f"{section.objective} ({'+'.join(section.losses)}, beta {section.beta:g})"
 
 
 def quantization_label(section) -> str | None:

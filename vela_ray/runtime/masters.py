@@ -56,7 +56,7 @@ from vela_ray.training.expert_workers import STEPPED_ELSEWHERE
 from vela_ray.training.master import (
     MasterModel, MasterSpec, build_master_rank, load_master_state, master_device, shard_and_read, shard_state,
 )
-from vela_ray.training.preference import PreferenceLoss, take_sums
+from vela_ray.training.preference import objective_loss, take_sums
 from vela_ray.training.replicas import SINGLE, Exchanger, ReplicaShare, Replicas
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
 from vela_ray.training.step import Batch, LossFn, eval_loss, master_compute_seconds, model_loss, train_step
@@ -503,26 +503,28 @@ def master_loss(config: JobConfig, rank: int, master: MasterModel, migration: Se
                 exchanger: Exchanger, device: torch.device | str = "cpu") -> LossFn:
     """Master `rank`'s loss function of a step: its share of each micro-batch (of `masters.count`), its sequences
     moving among the masters (over `exchanger`, its member of the masters' group) when it has a `migration`; with a
-    preference objective, its whole pairs' share of the objective (`preference.PreferenceLoss`)."""
+    preference objective, its whole examples' share of the objective (`preference.objective_loss`)."""
     if config.training.preference.on:
-        return own_share(config, rank, master, device)
+        return objective_loss(config.training.preference, master.peft_model.config, rank, config.masters.count,
+                              device, exchanger)
     share = master_share(rank, config.masters.count, master.peft_model, device)
     return share.loss if migration is None else migration.loss_fn(share, exchanger)
 
 
 def own_share(config: JobConfig, rank: int, master: MasterModel, device: torch.device | str) -> LossFn:
     """Master `rank`'s loss of its own share of a micro-batch, its sequences staying where they are: the whole
-    micro-batch for one master; a preference objective's loss of its whole pairs."""
+    micro-batch for one master; a preference objective's loss of its whole examples (KTO's KL baseline over them
+    alone: the other masters take no part in what this times)."""
     count = config.masters.count
     if config.training.preference.on:
-        return PreferenceLoss(config.training.preference, master.peft_model.config, rank, count, device)
+        return objective_loss(config.training.preference, master.peft_model.config, rank, count, device)
     return model_loss if count == 1 else master_share(rank, count, master.peft_model, device).loss
 
 
 def whole_batch_loss(config: JobConfig, master: MasterModel, device: torch.device | str) -> LossFn:
     """Master 0's evaluation loss: the objective's, of whole micro-batches."""
     if config.training.preference.on:
-        return PreferenceLoss(config.training.preference, master.peft_model.config, 0, 1, device)
+        return objective_loss(config.training.preference, master.peft_model.config, 0, 1, device)
     return model_loss
 
 

@@ -1,24 +1,28 @@
-"""Preference objectives on the master's micro-batches: DPO as TRL's `DPOTrainer` computes it with peft.
+"""Preference objectives on the master's micro-batches: DPO and KTO as TRL's `DPOTrainer` and `KTOTrainer` compute
+them with peft.
 
-A micro-batch of preference data (`data.kind: preference`) holds whole pairs, each two adjacent rows: prompt +
-chosen answer, then prompt + rejected answer, their labels the answer's tokens (`IGNORE_INDEX` elsewhere). So both
-sequences of a pair sit in one micro-batch and their rows reach the experts in the same broker calls.
+A micro-batch of DPO data (`data.kind: preference`) holds whole pairs, each two adjacent rows: prompt + chosen
+answer, then prompt + rejected answer, their labels the answer's tokens (`IGNORE_INDEX` elsewhere). So both
+sequences of a pair sit in one micro-batch and their rows reach the experts in the same broker calls. A micro-batch
+of KTO data (`data.kind: unpaired_preference`) holds one row per example and `desirable` [B] bool.
 
 The policy's log-probability of an answer is the sum over its tokens of log softmax(logits)[next token]. The
 reference model's is the same with every adapter off: peft's `disable_adapter` on the master and, on the
 ExpertManagers, the base experts (`experts.without_adapters`: each broker call of the pass asks its workers for
-rows without LoRA). The reference costs one no-grad forward per micro-batch and no second copy of any weight; it
-runs after the policy's forward, as in TRL, so both draw the same random numbers as TRL's step.
+rows without LoRA). The reference costs no-grad forwards and no second copy of any weight; they run in TRL's order
+around the policy's forward, so the step draws the same random numbers as TRL's.
 
-`PreferenceLoss` is a `step.LossFn`: with several data-parallel masters each scores its own whole pairs of the
-micro-batch, over the micro-batch's pair count, so the masters' losses add up to the micro-batch's (a router aux
-loss is weighted by the master's share of the tokens, as `replicas.ReplicaShare` weights it). It keeps the sums
-of TRL's metrics over the pairs it scored (`take_sums`), which master 0 adds up over masters (`metric_means`).
+Each objective is a `step.LossFn`: with several data-parallel masters each scores its own whole examples of the
+micro-batch, over the micro-batch's example count, so the masters' losses add up to the micro-batch's (a router
+aux loss is weighted by the master's share of the tokens, as `replicas.ReplicaShare` weights it; KTO's KL baseline,
+a mean over the micro-batch, is summed over the masters). Each keeps the sums of TRL's metrics over the examples it
+scored (`take_sums`), which master 0 adds up over masters (`metric_means`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
@@ -31,19 +35,34 @@ from vela_ray.model.experts import without_adapters
 
 Batch = dict[str, torch.Tensor]
 
-class DpoSettings(Protocol):
-    """What DPO is computed with, in TRL's names: `config.PreferenceSection` (`training.preference`)."""
+class PreferenceSettings(Protocol):
+    """What the objectives are computed with, in TRL's names: `config.PreferenceSection` (`training.preference`)."""
 
-    loss_type: Sequence[str]
+    objective: str
+    losses: Sequence[str]
     loss_weights: Sequence[float] | None
     beta: float
     label_smoothing: float
+    desirable_weight: float
+    undesirable_weight: float
     router_aux_loss_coef: float | None  # None: the model config's own
 
 
-SUMS = ("pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-        "logps/rejected")
-"""What `PreferenceLoss.take_sums` adds up over the pairs a master scored; TRL's metric names beside `pairs`."""
+COUNT_OF = {"rewards/chosen": "n/chosen", "logps/chosen": "n/chosen", "rewards/rejected": "n/rejected",
+            "logps/rejected": "n/rejected", "rewards/accuracies": "n/pairs", "rewards/margins": "n/pairs",
+            "kl": "n/micro_batches"}
+"""TRL's metrics, each a sum (`take_sums`) over the count it is a mean of."""
+
+
+class Replica(Protocol):
+    def sum(self, value: float) -> float: ...
+
+
+class _Alone:
+    """One master: its sums are the micro-batch's."""
+
+    def sum(self, value: float) -> float:
+        return value
 
 
 @contextlib.contextmanager
@@ -63,58 +82,102 @@ def answer_logps(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Ten
     return (per_token * (labels != IGNORE_INDEX)).sum(dim=1)
 
 
-def pair_rows(num_pairs: int, rank: int, num_ranks: int) -> np.ndarray:
-    """Rows of master `rank`'s contiguous whole pairs among `num_pairs` (np.array_split sizes)."""
-    if num_pairs < num_ranks:
-        raise ValueError(f"a micro-batch of {num_pairs} preference pairs cannot feed {num_ranks} masters: each "
-                         "needs at least one pair; raise training.micro_batch_size (or batch_size) or use fewer")
-    pairs = np.array_split(np.arange(num_pairs), num_ranks)[rank]
-    return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+def own_examples(num_examples: int, rank: int, num_ranks: int, rows_per_example: int) -> np.ndarray:
+    """Rows of master `rank`'s contiguous whole examples among `num_examples` (np.array_split sizes), each
+    example's `rows_per_example` rows adjacent."""
+    if num_examples < num_ranks:
+        raise ValueError(f"a micro-batch of {num_examples} preference examples cannot feed {num_ranks} masters: each "
+                         "needs at least one; raise training.micro_batch_size (or batch_size) or use fewer")
+    examples = np.array_split(np.arange(num_examples), num_ranks)[rank]
+    return (examples[:, None] * rows_per_example + np.arange(rows_per_example)).reshape(-1)
 
 
-class PreferenceLoss:
-    """`training.preference.objective: dpo`: master `rank` of `num_masters`'s share of a micro-batch's DPO loss
-    (TRL's `DPOTrainer._compute_loss` with peft and no reference model: the same loss types, `beta`,
-    `label_smoothing`, `loss_weights` and router aux loss)."""
+def mismatched_rows(batch: Batch) -> Batch:
+    """KTO's KL sequences of a micro-batch: row i's prompt followed by row i-1's answer (the answers rotated by one,
+    as TRL pairs them), cut to the rows' width, right-padded; `labels` on the borrowed answer."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    width = ids.shape[1]
+    marked = (labels != IGNORE_INDEX).long()
+    starts = marked.argmax(dim=1)  # the answer's first token: labels run over the answer to its end
+    ends = width - marked.flip(1).argmax(dim=1)
+    out_ids, out_labels = torch.zeros_like(ids), torch.full_like(labels, IGNORE_INDEX)
+    mask = torch.zeros_like(ids)
+    for i in range(ids.shape[0]):
+        j = (i - 1) % ids.shape[0]
+        row = torch.cat([ids[i, :starts[i]], ids[j, starts[j]:ends[j]]])[:width]
+        out_ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        out_labels[i, starts[i]:len(row)] = row[starts[i]:]
+    return {"input_ids": out_ids, "attention_mask": mask, "labels": out_labels}
 
-    def __init__(self, section: DpoSettings, model_config, rank: int = 0, num_masters: int = 1,
-                 device: torch.device | str = "cpu"):
-        self.section, self.rank, self.num_masters, self.device = section, rank, num_masters, device
-        coef = section.router_aux_loss_coef
+
+class _PreferenceLoss:
+    """What both objectives share: master `rank` of `num_masters` takes its whole examples of each micro-batch, the
+    router aux loss as TRL adds it, the metric sums."""
+
+    rows_per_example = 1
+
+    def __init__(self, settings: PreferenceSettings, model_config, rank: int = 0, num_masters: int = 1,
+                 device: torch.device | str = "cpu", replicas: Replica | None = None):
+        """`replicas`: the data-parallel masters' group, for a sum over the micro-batch (KTO's KL baseline)."""
+        self.settings, self.rank, self.num_masters, self.device = settings, rank, num_masters, device
+        self.replicas = replicas or _Alone()
+        coef = settings.router_aux_loss_coef
         self.aux_coef = float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
         # TRL's test: a config that can return router logits, and a coefficient that counts
         self.aux = hasattr(model_config, "output_router_logits") and self.aux_coef != 0.0
-        self.weights = section.loss_weights or [1.0] * len(section.loss_type)
-        self._sums = torch.zeros(len(SUMS), dtype=torch.float64)
+        self._sums: Counter[str] = Counter()
+
+    def _own(self, full: Batch) -> tuple[Batch, torch.Tensor, int]:
+        """This master's rows of `full` on its device, their indices, and the micro-batch's example count."""
+        num_examples = full["input_ids"].shape[0] // self.rows_per_example
+        rows = torch.as_tensor(own_examples(num_examples, self.rank, self.num_masters, self.rows_per_example))
+        return {k: v[rows].to(self.device) for k, v in full.items()}, rows, num_examples
+
+    def _policy(self, model: nn.Module, batch: Batch):
+        inputs = model_inputs(batch)
+        return model(**inputs, output_router_logits=True) if self.aux else model(**inputs)
+
+    def _with_aux(self, loss: torch.Tensor, out, full: Batch, rows: torch.Tensor) -> torch.Tensor:
+        if not self.aux:
+            return loss
+        mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))
+        share = float(mask[rows].sum() / mask.sum().clamp(min=1))  # of the micro-batch's tokens
+        return loss + self.aux_coef * share * out.aux_loss
+
+    def take_sums(self) -> dict[str, float]:
+        """The metric sums (`COUNT_OF`) since the last call (a step's, or an evaluation's), then none."""
+        sums, self._sums = dict(self._sums), Counter()
+        return sums
+
+
+class DpoLoss(_PreferenceLoss):
+    """`training.preference.objective: dpo`: TRL's `DPOTrainer._compute_loss` with peft and no reference model (the
+    same loss types, `beta`, `label_smoothing`, `loss_weights` and router aux loss), over whole pairs."""
+
+    rows_per_example = 2
 
     def __call__(self, model: nn.Module, full: Batch) -> torch.Tensor:
-        num_pairs = full["input_ids"].shape[0] // 2
-        rows = torch.as_tensor(pair_rows(num_pairs, self.rank, self.num_masters))
-        batch = {k: v[rows].to(self.device) for k, v in full.items()}
-        labels = batch.pop("labels")
-        kwargs = {**batch, "use_cache": False}
-        out = model(**kwargs, output_router_logits=True) if self.aux else model(**kwargs)
-        logps = answer_logps(out.logits, labels)
+        batch, rows, num_pairs = self._own(full)
+        out = self._policy(model, batch)
+        logps = answer_logps(out.logits, batch["labels"])
         with torch.no_grad(), reference_model(model):
-            ref_logps = answer_logps(model(**kwargs).logits, labels)
-        answer_tokens = (labels != IGNORE_INDEX).sum(dim=1)
-        per_pair = self._per_pair(logps, ref_logps, answer_tokens, out.logits, labels, full)
-        loss = per_pair.sum() / num_pairs
-        if self.aux:
-            loss = loss + self.aux_coef * self._token_share(full, rows) * out.aux_loss
+            ref_logps = answer_logps(model(**model_inputs(batch)).logits, batch["labels"])
+        answer_tokens = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
+        per_pair = self._per_pair(logps, ref_logps, answer_tokens, full)
         self._observe(logps.detach(), ref_logps)
-        return loss
+        return self._with_aux(per_pair.sum() / num_pairs, out, full, rows)
 
     def _per_pair(self, logps: torch.Tensor, ref_logps: torch.Tensor, answer_tokens: torch.Tensor,
-                  logits: torch.Tensor, labels: torch.Tensor, full: Batch) -> torch.Tensor:
+                  full: Batch) -> torch.Tensor:
         """[P] each pair's loss, the loss types summed with their weights (TRL's formulas; `sft` is a token mean
         over the micro-batch's chosen answers, spread over its pairs so that their mean is it)."""
-        beta, smoothing = self.section.beta, self.section.label_smoothing
+        beta, smoothing = self.settings.beta, self.settings.label_smoothing
         chosen, rejected = logps[0::2], logps[1::2]
         chosen_ratio, rejected_ratio = chosen - ref_logps[0::2], rejected - ref_logps[1::2]
         delta = chosen_ratio - rejected_ratio
+        weights = self.settings.loss_weights or [1.0] * len(self.settings.losses)
         total = torch.zeros_like(chosen)
-        for loss_type, weight in zip(self.section.loss_type, self.weights):
+        for loss_type, weight in zip(self.settings.losses, weights):
             if loss_type == "sigmoid":
                 loss = -F.logsigmoid(beta * delta)
             elif loss_type == "hinge":
@@ -143,40 +206,94 @@ class PreferenceLoss:
                 loss = torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(beta * delta)
             else:  # sft: minus the mean log-probability of the micro-batch's chosen answer tokens
                 chosen_tokens = int((full["labels"][0::2, 1:] != IGNORE_INDEX).sum())
-                num_pairs = full["input_ids"].shape[0] // 2
-                loss = (-chosen / max(1, chosen_tokens) * num_pairs).to(chosen.dtype)
+                loss = -chosen / max(1, chosen_tokens) * (full["input_ids"].shape[0] // 2)
             total = total + weight * loss
         return total
 
-    def _token_share(self, full: Batch, rows: torch.Tensor) -> float:
-        """This master's share of the micro-batch's tokens: the weight of its router aux loss."""
-        mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))
-        return float(mask[rows].sum() / mask.sum().clamp(min=1))
-
     def _observe(self, logps: torch.Tensor, ref_logps: torch.Tensor) -> None:
-        beta = self.section.beta
+        beta = self.settings.beta
         chosen_rewards = beta * (logps[0::2] - ref_logps[0::2])
         rejected_rewards = beta * (logps[1::2] - ref_logps[1::2])
-        values = [chosen_rewards.numel(), chosen_rewards.sum(), rejected_rewards.sum(),
-                  (chosen_rewards > rejected_rewards).sum(), (chosen_rewards - rejected_rewards).sum(),
-                  logps[0::2].sum(), logps[1::2].sum()]
-        self._sums += torch.tensor([float(v) for v in values], dtype=torch.float64)
-
-    def take_sums(self) -> list[float]:
-        """The `SUMS` over the pairs scored since the last call (a step's, or an evaluation's), then zero."""
-        sums, self._sums = self._sums.tolist(), torch.zeros(len(SUMS), dtype=torch.float64)
-        return sums
+        pairs = chosen_rewards.numel()
+        self._sums.update({"n/pairs": pairs, "n/chosen": pairs, "n/rejected": pairs,
+                           "rewards/chosen": float(chosen_rewards.sum()),
+                           "rewards/rejected": float(rejected_rewards.sum()),
+                           "rewards/accuracies": float((chosen_rewards > rejected_rewards).sum()),
+                           "rewards/margins": float((chosen_rewards - rejected_rewards).sum()),
+                           "logps/chosen": float(logps[0::2].sum()), "logps/rejected": float(logps[1::2].sum())})
 
 
-def metric_means(sums: list[list[float]]) -> dict[str, float]:
-    """TRL's metrics (`rewards/chosen`, `rewards/margins`, `logps/rejected`, ...): the means over every pair the
-    masters scored, from their `PreferenceLoss.take_sums`."""
-    total = np.sum(np.asarray(sums, dtype=np.float64), axis=0)
-    pairs = max(1.0, total[0])
-    return {name: float(value / pairs) for name, value in zip(SUMS[1:], total[1:])}
+class KtoLoss(_PreferenceLoss):
+    """`training.preference.objective: kto`: TRL's `KTOTrainer._compute_loss` with peft and no reference model
+    (`kto` with its KL baseline from the mismatched sequences, or `apo_zero_unpaired`; `beta`, the desirable and
+    undesirable weights, the router aux loss). The KL baseline is the micro-batch's mean over every master's
+    examples, clamped at 0, as TRL gathers it over ranks."""
+
+    def __call__(self, model: nn.Module, full: Batch) -> torch.Tensor:
+        batch, rows, num_examples = self._own(full)
+        desirable = batch["desirable"].bool()
+        calculate_kl = self.settings.losses[0] == "kto"
+        mismatched = {k: v[rows].to(self.device) for k, v in mismatched_rows(full).items()} if calculate_kl else None
+        with torch.no_grad():  # TRL's order: the KL sequences, the policy, the reference's KL sequences, the reference
+            kl_logps = answer_logps(model(**model_inputs(mismatched)).logits, mismatched["labels"]) \
+                if calculate_kl else None
+        out = self._policy(model, batch)
+        logps = answer_logps(out.logits, batch["labels"])
+        with torch.no_grad(), reference_model(model):
+            ref_kl_logps = answer_logps(model(**model_inputs(mismatched)).logits, mismatched["labels"]) \
+                if calculate_kl else None
+            ref_logps = answer_logps(model(**model_inputs(batch)).logits, batch["labels"])
+        kl = torch.zeros((), device=logps.device)
+        if calculate_kl:
+            kl = torch.tensor(max(0.0, self.replicas.sum(float((kl_logps - ref_kl_logps).sum())) / num_examples),
+                              device=logps.device)
+        ratios = logps - ref_logps
+        beta, settings = self.settings.beta, self.settings
+        if calculate_kl:
+            losses = torch.where(desirable, 1 - torch.sigmoid(beta * (ratios - kl)),
+                                 1 - torch.sigmoid(beta * (kl - ratios)))
+        else:  # apo_zero_unpaired
+            losses = torch.where(desirable, 1 - torch.sigmoid(beta * ratios), torch.sigmoid(beta * ratios))
+        losses = losses * torch.where(desirable, settings.desirable_weight, settings.undesirable_weight)
+        self._observe(logps.detach(), ratios.detach(), desirable, float(kl))
+        return self._with_aux(losses.sum() / num_examples, out, full, rows)
+
+    def _observe(self, logps: torch.Tensor, ratios: torch.Tensor, desirable: torch.Tensor, kl: float) -> None:
+        rewards = self.settings.beta * ratios
+        self._sums.update({"n/chosen": int(desirable.sum()), "n/rejected": int((~desirable).sum()),
+                           "n/micro_batches": 1 if self.rank == 0 else 0, "kl": kl if self.rank == 0 else 0.0,
+                           "rewards/chosen": float(rewards[desirable].sum()),
+                           "rewards/rejected": float(rewards[~desirable].sum()),
+                           "logps/chosen": float(logps[desirable].sum()),
+                           "logps/rejected": float(logps[~desirable].sum())})
 
 
-def take_sums(loss_fn: object) -> list[float] | None:
-    """A step loss's metric sums since the last call (`PreferenceLoss.take_sums`); None for a loss without any
+def model_inputs(batch: Batch) -> Batch:
+    """What the model takes of a batch: not its labels (the log-probabilities are computed here) nor `desirable`."""
+    return {k: v for k, v in batch.items() if k not in ("labels", "desirable")} | {"use_cache": False}
+
+
+def objective_loss(settings: PreferenceSettings, model_config, rank: int = 0, num_masters: int = 1,
+                   device: torch.device | str = "cpu", replicas: Replica | None = None) -> _PreferenceLoss:
+    """The `step.LossFn` of `settings.objective` (dpo or kto) for master `rank` of `num_masters`."""
+    kind = {"dpo": DpoLoss, "kto": KtoLoss}[settings.objective]
+    return kind(settings, model_config, rank, num_masters, device, replicas)
+
+
+def metric_means(sums: list[dict[str, float]]) -> dict[str, float]:
+    """TRL's metrics (`rewards/chosen`, `rewards/margins`, `logps/rejected`, `kl`, ...): the means over every
+    example the masters scored, from their `take_sums`. KTO's margins: the chosen rewards' mean less the
+    rejected's, as TRL logs them."""
+    total: Counter[str] = Counter()
+    for one in sums:
+        total.update(one)
+    means = {name: total[name] / total[count] for name, count in COUNT_OF.items() if total[count] > 0}
+    if "rewards/margins" not in means and {"rewards/chosen", "rewards/rejected"} <= means.keys():
+        means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+    return means
+
+
+def take_sums(loss_fn: object) -> dict[str, float] | None:
+    """A step loss's metric sums since the last call (`_PreferenceLoss.take_sums`); None for a loss without any
     (SFT's)."""
-    return loss_fn.take_sums() if isinstance(loss_fn, PreferenceLoss) else None
+    return loss_fn.take_sums() if isinstance(loss_fn, _PreferenceLoss) else None
