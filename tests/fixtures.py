@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import yaml
 
 import torch
 from peft import get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from vela_ray.config import JobConfig
@@ -250,3 +253,34 @@ def label_runs(labels: list[int]) -> list[list[int]]:
         else:
             current.append(label)
     return runs + ([current] if current else [])
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors ops create while active that are alive at once, at their peak (a storage counts
+    from the op that made it until it is freed), and the storages the ops read."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.alive: set[int] = set()
+        self.read: set[int] = set()
+
+    def _freed(self, ptr: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.alive.discard(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        self.read |= inputs
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr and ptr not in self.alive and ptr not in inputs:  # new, not a view or an in-place result
+                    self.alive.add(ptr)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, ptr, storage.nbytes())
+        return out

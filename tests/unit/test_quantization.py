@@ -169,7 +169,7 @@ def test_the_backbone_keeps_lm_head_and_modules_trained_in_full_at_full_width():
 
 def test_bad_settings_are_one_line_before_anything_runs(tmp_path):
     base = job_dict(tmp_path / "model", tmp_path / "out")
-    for section, fix in [({"mode": "expert_parallel"}, "model.quantization\\).* Fix: use mode: vela"),
+    for section, fix in [({"mode": "expert_parallel"}, "model.quantization, training.preference\\).* Fix: use mode: vela"),
                          ({"cluster": {"master_tp": 2}}, "model.quantization.backbone: false, or master_tp: 1"),
                          ({"masters": {"count": 2, "shard_frozen_backbone": True}},
                           "model.quantization.backbone: false, or master_tp: 1")]:

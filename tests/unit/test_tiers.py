@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import itertools
 import random
-import weakref
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fixtures import job_dict, make_checkpoint, peft_job, run_equal_to_peft
+from tests.fixtures import LiveBytes, job_dict, make_checkpoint, peft_job, run_equal_to_peft
 from vela_ray.config import JobConfig
 from vela_ray.data.datasets import pack_text, sequential_batches
 from vela_ray.paths import data_dir
@@ -276,37 +273,6 @@ def test_a_tiered_manager_equals_an_untiered_one_for_other_expert_layouts(family
         for name, want in named.items():
             torch.testing.assert_close(t_lora[key][name], want, rtol=0, atol=1e-6, msg=f"{key} {name}")
     assert manager.report().tiers.experts_device == 2
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the tensors ops create while active that are alive at once, at their peak (a storage counts
-    from the op that made it until it is freed), and the storages the ops read."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.alive: set[int] = set()
-        self.read: set[int] = set()
-
-    def _freed(self, ptr: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self.alive.discard(ptr)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        self.read |= inputs
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr and ptr not in self.alive and ptr not in inputs:  # new, not a view or an in-place result
-                    self.alive.add(ptr)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, ptr, storage.nbytes())
-        return out
 
 
 def test_the_device_tier_computes_from_the_cached_weights_without_a_second_copy(tiny_model_dir):

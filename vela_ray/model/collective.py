@@ -856,7 +856,8 @@ class CollectiveTransport:
         key_id = NO_KEY if req.key is None else self._key_id(req.key)
         rows = req.rows.to(self.data.device).contiguous()
         ids = req.expert_ids.to("cpu", torch.int64).contiguous()  # the broker's ids are on the CPU already
-        header = _header(OP_FORWARD if req.adapters else OP_BASE_FORWARD, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype), ids)
+        op = OP_FORWARD if req.adapters else OP_BASE_FORWARD  # the base model's rows: LoRA left out
+        header = _header(op, req.layer, key_id, rows.shape[0], rows.shape[1], DTYPES.index(rows.dtype), ids)
         control = [(header, TAG_HEADER)] + ([(ids, TAG_IDS)] if header[HEADER_FIELDS - 1] == IDS_FOLLOW else [])
         return _Outgoing(worker, control, rows)
 

@@ -9,8 +9,10 @@ of KTO data (`data.kind: unpaired_preference`) holds one row per example and `de
 The policy's log-probability of an answer is the sum over its tokens of log softmax(logits)[next token]. The
 reference model's is the same with every adapter off: peft's `disable_adapter` on the master and, on the
 ExpertManagers, the base experts (`experts.without_adapters`: each broker call of the pass asks its workers for
-rows without LoRA). The reference costs no-grad forwards and no second copy of any weight; they run in TRL's order
-around the policy's forward, so the step draws the same random numbers as TRL's.
+rows without LoRA). The reference costs no-grad forwards and no second copy of any weight. They run before the
+policy's forward (TRL runs the reference after it), so no pass holds its activations while the policy's graph is
+alive: a step's peak is SFT's on the same rows. The order draws the same random numbers as TRL's: a pass with every
+adapter off draws no LoRA dropout mask (the base models hold no other active dropout; TRL disables it anyway).
 
 Each objective is a `step.LossFn`: with several data-parallel masters each scores its own whole examples of the
 micro-batch, over the micro-batch's example count, so the masters' losses add up to the micro-batch's (a router
@@ -158,10 +160,10 @@ class DpoLoss(_PreferenceLoss):
 
     def __call__(self, model: nn.Module, full: Batch) -> torch.Tensor:
         batch, rows, num_pairs = self._own(full)
-        out = self._policy(model, batch)
-        logps = answer_logps(out.logits, batch["labels"])
         with torch.no_grad(), reference_model(model):
             ref_logps = answer_logps(model(**model_inputs(batch)).logits, batch["labels"])
+        out = self._policy(model, batch)
+        logps = answer_logps(out.logits, batch["labels"])
         answer_tokens = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
         per_pair = self._per_pair(logps, ref_logps, answer_tokens, full)
         self._observe(logps.detach(), ref_logps)
@@ -234,15 +236,15 @@ class KtoLoss(_PreferenceLoss):
         desirable = batch["desirable"].bool()
         calculate_kl = self.settings.losses[0] == "kto"
         mismatched = {k: v[rows].to(self.device) for k, v in mismatched_rows(full).items()} if calculate_kl else None
-        with torch.no_grad():  # TRL's order: the KL sequences, the policy, the reference's KL sequences, the reference
+        with torch.no_grad():  # the no-grad passes first (module docstring): the KL sequences, then the reference's
             kl_logps = answer_logps(model(**model_inputs(mismatched)).logits, mismatched["labels"]) \
                 if calculate_kl else None
+            with reference_model(model):
+                ref_kl_logps = answer_logps(model(**model_inputs(mismatched)).logits, mismatched["labels"]) \
+                    if calculate_kl else None
+                ref_logps = answer_logps(model(**model_inputs(batch)).logits, batch["labels"])
         out = self._policy(model, batch)
         logps = answer_logps(out.logits, batch["labels"])
-        with torch.no_grad(), reference_model(model):
-            ref_kl_logps = answer_logps(model(**model_inputs(mismatched)).logits, mismatched["labels"]) \
-                if calculate_kl else None
-            ref_logps = answer_logps(model(**model_inputs(batch)).logits, batch["labels"])
         kl = torch.zeros((), device=logps.device)
         if calculate_kl:
             kl = torch.tensor(max(0.0, self.replicas.sum(float((kl_logps - ref_kl_logps).sum())) / num_examples),
