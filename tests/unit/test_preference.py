@@ -19,6 +19,8 @@ from vela_ray.model.families import debug_model
 from vela_ray.model.transport import ForwardRequest, InProcessTransport
 from vela_ray.model.modeling import expert_weights, experts_prototypes, find_moe_blocks
 from vela_ray.paths import data_dir
+from vela_ray.training import tiered as tiered_module
+from vela_ray.training.tiers import TierSpeeds
 from vela_ray.training.equivalence import build_pair
 from vela_ray.training.step import model_loss
 from vela_ray.training.preference import (DpoLoss, answer_logps, metric_means, own_examples,
@@ -194,3 +196,45 @@ def test_dpo_on_llama_factorys_dpo_en_demo_raises_the_reward_accuracy(tmp_path):
     assert sum(accuracies[-4:]) / 4 >= 0.75, accuracies
     assert summary.history[-1].eval_preference["rewards/accuracies"] >= 0.75, summary.history[-1].eval_preference
     assert summary.history[-1].preference["rewards/margins"] > 0
+
+
+@pytest.mark.job
+def test_dpo_with_cpu_and_device_expert_tiers_equals_trl(tmp_path, monkeypatch):
+    """APTMoE's tiers answer the reference's rows from either tier without LoRA (speeds as if a device were there:
+    the busy experts go to the CPU-backed device tier, as in tests/unit/test_tiers.py)."""
+    monkeypatch.setattr(tiered_module, "measure_speeds", lambda tiered: TierSpeeds(
+        cpu_s_per_row=1e-5, device_s_per_row=1e-7, upload_bytes_per_s=1e8, bytes_per_expert=10**4))
+    model_dir = make_checkpoint(tmp_path / "model", chat_template=CHAT_TEMPLATE)
+    job = dpo_job(model_dir, tmp_path, steps=3)
+    job.update(cluster={**job["cluster"], "num_workers": 2}, expert_tiers={"enabled": True, "cache_experts": 3})
+    config = JobConfig.from_dict(job)
+    summary = run_in_process(config)
+    assert_equal_to_trl(config, summary)
+    assert all(stats.experts_device > 0 for stats in summary.expert_tiers)
+
+
+def test_bad_preference_settings_are_one_line_before_anything_runs(tmp_path):
+    base = dpo_job(make_checkpoint(tmp_path / "model", chat_template=CHAT_TEMPLATE), tmp_path)
+
+    def refused(change: dict, match: str) -> None:
+        raw = json.loads(json.dumps(base))
+        for section, values in change.items():
+            raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+        with pytest.raises(ValueError, match=match):
+            JobConfig.from_dict(raw)
+
+    training = base["training"]
+    refused({"training": {**training, "method": "zo"}},
+            r"objective dpo or kto and training.method: zo.* do not combine: .* Fix: use objective: sft")
+    refused({"training": {**training, "condensation": {"enabled": True}}}, r"training.condensation.enabled")
+    refused({"masters": {"count": 2, "sequence_migration": True}}, r"masters.sequence_migration")
+    refused({"mode": "expert_parallel"}, r"training.preference\) do not combine")
+    refused({"data": {**base["data"], "kind": "chat"}}, r"objective dpo trains on data.kind preference, not chat")
+    refused({"training": {**training, "preference": {"objective": "sft"}}},
+            r"data.kind preference holds preference data.* set training.preference.objective: dpo")
+    refused({"training": {**training, "preference": {"objective": "dpo", "loss_type": "kto"}}},
+            r"loss_type \['kto'\] is not a loss of objective dpo")
+    refused({"training": {**training, "preference": {"objective": "dpo", "loss_type": ["sigmoid", "sft"],
+                                                     "loss_weights": [1.0]}}}, r"1 weights for 2 loss types")
+    refused({"training": {**training, "micro_batch_size": 1, "preference": {"objective": "kto"}},
+             "data": {**base["data"], "kind": "unpaired_preference"}}, r"micro_batch_size 1 with KTO")
