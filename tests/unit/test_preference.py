@@ -49,13 +49,38 @@ def dpo_job(model_dir: Path, tmp_path: Path, steps: int = 5, **preference) -> di
                               "eval_batches": 1, "preference": {"objective": "dpo", "beta": 0.2, **preference}})
 
 
+def kto_records(count: int = 12) -> list[dict]:
+    """LLaMA-Factory's kto_en_demo shape: OpenAI-style `messages` (a user turn, then the assistant's answer) and a
+    boolean `label`: the line that follows marked desirable, the same words reversed not."""
+    return [{"messages": [{"role": "user", "content": pair["conversations"][0]["value"]},
+                          {"role": "assistant", "content": pair["chosen" if i % 2 else "rejected"]["value"]}],
+             "label": bool(i % 2)} for i, pair in enumerate(dpo_records(count))]
+
+
+KTO_ENTRY = {"formatting": "sharegpt", "columns": {"messages": "messages", "kto_tag": "label"},
+             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}
+"""LLaMA-Factory's dataset_info.json entry of kto_en_demo.json."""
+
+
+def kto_job(model_dir: Path, tmp_path: Path, steps: int = 5, **preference) -> dict:
+    data = llama_factory_dir(tmp_path, kto_records(), "kto_en_demo.json", KTO_ENTRY)
+    return peft_job(model_dir, tmp_path, steps=steps,
+                    data={"kind": "unpaired_preference", "path": None, "dataset_info": str(data),
+                          "name": "kto_en_demo", "seq_len": 96, "limit": None},
+                    training={"batch_size": 4, "micro_batch_size": 4, "eval_fraction": 0.2, "eval_every": 5,
+                              "eval_batches": 1, "preference": {"objective": "kto", "beta": 0.2, **preference}})
+
+
 def assert_equal_to_trl(config: JobConfig, summary, rtol: float = 1e-5) -> None:
     trl_metrics: dict = {}
     ref_losses, ref_state = reference_losses(config, trl_metrics=trl_metrics)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-                 "logps/rejected"):  # one micro-batch a step: TRL logs each step's
-        ours = [record.preference[name] for record in summary.history]
+                 "logps/rejected", "kl"):  # one micro-batch a step: TRL logs each step's
+        if name not in trl_metrics["train"]:
+            continue
+        ours = [record.preference[name] for record in summary.history if name in record.preference]  # TRL: the
+        # steps with such examples (a KTO micro-batch may hold no undesirable one)
         torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64),
                                    torch.tensor(trl_metrics["train"][name], dtype=torch.float64), rtol=2e-4, atol=2e-5)
     exported = load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
@@ -77,6 +102,21 @@ def test_dpo_in_one_process_equals_trl(tmp_path, family, preference):
     summary = run_in_process(config)
     assert_equal_to_trl(config, summary)
     assert summary.history[-1].eval_preference is not None and summary.history[-1].eval_loss is not None
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("family,preference", [
+    ("mixtral", {}),                                                      # kto, its KL baseline, the aux loss
+    ("qwen3_moe", {"router_aux_loss_coef": 0.0, "loss_type": "apo_zero_unpaired"}),
+    ("deepseek_v3", {"desirable_weight": 1.5, "undesirable_weight": 0.5}),
+])
+def test_kto_in_one_process_equals_trl(tmp_path, family, preference):
+    model_dir = make_checkpoint(tmp_path / "model", family, chat_template=CHAT_TEMPLATE)
+    config = JobConfig.from_dict(kto_job(model_dir, tmp_path, **preference))
+    config.preflight()
+    summary = run_in_process(config)
+    assert_equal_to_trl(config, summary)
+    assert summary.history[-1].eval_preference is not None
 
 
 def test_the_reference_is_the_base_model_with_every_adapter_off(tmp_path):
@@ -238,3 +278,22 @@ def test_bad_preference_settings_are_one_line_before_anything_runs(tmp_path):
                                                      "loss_weights": [1.0]}}}, r"1 weights for 2 loss types")
     refused({"training": {**training, "micro_batch_size": 1, "preference": {"objective": "kto"}},
              "data": {**base["data"], "kind": "unpaired_preference"}}, r"micro_batch_size 1 with KTO")
+
+
+@pytest.mark.job
+def test_kto_on_llama_factorys_kto_en_demo_raises_the_reward_margin(tmp_path):
+    """The tiny pre-trained model, KTO on a kto_en_demo-shaped file through dataset_info.json (its kto_tag column):
+    the desirable answers' rewards overtake the undesirable ones', in training and on held-out examples."""
+    data = llama_factory_dir(tmp_path, kto_records(64), "kto_en_demo.json", KTO_ENTRY)
+    job = peft_job(tiny_model_path(), tmp_path, steps=16,
+                   data={"kind": "unpaired_preference", "path": None, "dataset_info": str(data),
+                         "name": "kto_en_demo", "seq_len": 96, "limit": None},
+                   training={"batch_size": 8, "eval_fraction": 0.25, "eval_every": 16, "eval_batches": 2,
+                             "optimizer": {"lr": 2e-3, "warmup_steps": 2},
+                             "preference": {"objective": "kto", "beta": 0.1}})
+    del job["lora"]["init_adapter"]
+    summary = run_in_process(JobConfig.from_dict(job))
+    margins = [record.preference["rewards/margins"] for record in summary.history]
+    assert margins[0] == 0.0
+    assert min(margins[-4:]) > 0, margins
+    assert summary.history[-1].eval_preference["rewards/margins"] > 0, summary.history[-1].eval_preference

@@ -391,14 +391,14 @@ def _headline(run: Run) -> str:
 
 
 def _preference_text(s: RunSummary) -> str:
-    """A preference run's last rewards (TRL's metrics): how often the chosen answer won, and by how much."""
-    last = next((h for h in reversed(s.history) if h.preference), None)
+    """A preference run's last rewards (TRL's metrics): how often the chosen answer won (DPO), and by how much."""
+    last = next((h.preference for h in reversed(s.history) if h.preference), None)
     if last is None:
         return ""
-    text = (f", rewards/accuracies {last.preference['rewards/accuracies']:.2f}, "
-            f"rewards/margins {last.preference['rewards/margins']:.4f}")
+    shown = [f"{name} {last[name]:.4f}" for name in ("rewards/accuracies", "rewards/margins", "kl") if name in last]
     held = next((h.eval_preference for h in reversed(s.history) if h.eval_preference), None)
-    return text + ("" if held is None else f" (held out: accuracies {held['rewards/accuracies']:.2f})")
+    name = "rewards/accuracies" if held and "rewards/accuracies" in held else "rewards/margins"
+    return ", " + ", ".join(shown) + ("" if not held or name not in held else f" (held out: {name} {held[name]:.4f})")
 
 
 def _loss_text(s: RunSummary) -> str:
