@@ -76,7 +76,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure expert access probabilities P[L, E] of a model on data")
     p.add_argument("--model", required=True, type=Path, help="model directory (save_pretrained layout)")
     p.add_argument("--data", required=True, type=Path, help="text file / directory, or Alpaca .json / .jsonl")
-    p.add_argument("--kind", choices=["text", "instruct", "chat", "preference"],
+    p.add_argument("--kind", choices=["text", "instruct", "chat", "preference", "unpaired_preference"],
                    help="data kind (default: text for .txt files and directories of them, else instruct)")
     p.add_argument("--name", help="the entry of a LLaMA-Factory dataset_info.json to read (--data: that file or "
                                   "its directory)")

@@ -293,8 +293,6 @@ def test_tools_under_the_alpaca_prompt_are_refused(tmp_path):
 @pytest.mark.parametrize("name, message", [
     ("from_hub", r"dataset_info\.json: entry 'from_hub': hf_hub_url 'llamafactory/alpaca_en': vela-ray reads local "
                  r"files only and downloads nothing; download the data set and name it with file_name"),
-    ("kto", r"dataset_info\.json: entry 'kto': columns\.kto_tag \('label'\) is a KTO desirable/undesirable tag; "
-            r"supervised fine-tuning would train the undesirable answers as targets"),
     ("dpo", r"dataset_info\.json: entry 'dpo': ranking: true marks a preference pair \(chosen/rejected\)"),
     ("nope", r"data\.dataset_info .*dataset_info\.json: no entry 'nope' \(data\.name\); its entries are \["),
     (None, r"data\.dataset_info .*dataset_info\.json: set data\.name to one of its entries"),
@@ -313,9 +311,11 @@ CHAT = [{"role": "user", "content": "Who goes there?"}, {"role": "assistant", "c
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"label": False}, r"record 0: field 'label' is a KTO desirable/undesirable tag; supervised fine-tuning would "
-                       r"train the undesirable answers as targets, so vela-ray refuses it rather than ignore it; keep "
-                       r"only the records labelled true and drop the field$"),
+    ({"label": False}, r"record 0: field 'label' is a KTO desirable/undesirable tag; supervised fine-tuning "
+                       r"\(data\.kind instruct or chat\) would train the undesirable answers as targets, so vela-ray "
+                       r"refuses it rather than ignore it; use data\.kind: unpaired_preference with "
+                       r"training\.preference\.objective: kto, or keep only the records labelled true and drop the "
+                       r"field$"),
     ({"images": ["ghost.png"]}, r"record 0: field 'images' is images; vela-ray fine-tunes text models, which cannot "
                                 r"read them, so vela-ray refuses it"),
     ({"chosen": "a", "rejected": "b"}, r"record 0: field 'chosen' is a preference pair \(chosen/rejected\)"),

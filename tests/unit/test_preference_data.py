@@ -195,8 +195,9 @@ def test_ranking_entries_read_as_preference(tokenizer, tmp_path):
                            r"columns maps no 'chosen'; name the file's chosen and rejected columns"),
     ("sft_with_chosen", None, r"entry 'sft_with_chosen': columns\.chosen \('good'\) is a preference pair "
                               r"\(chosen/rejected\); the entry has no ranking: true, .*; mark the entry ranking: true"),
-    ("kto", None, r"entry 'kto': columns\.kto_tag \('label'\) is a KTO desirable/undesirable tag; .*vela-ray does not "
-                  r"train KTO yet"),
+    ("kto", None, r"entry 'kto': columns\.kto_tag \('label'\) is a KTO desirable/undesirable tag; a ranking entry "
+                  r"holds chosen/rejected pairs, .*; drop ranking: true to read the entry as KTO examples \(data\.kind "
+                  r"unpaired_preference\)"),
 ])
 def test_ranking_entries_vela_ray_cannot_read_are_refused_in_one_line(tmp_path, name, kind, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -14,9 +14,10 @@ as a list of parts is read for its text parts.
 name the record and field in one line), `chat_template_of` picks the Jinja template
 (``data.chat_template`` or the tokenizer's own) and `encode_chat` renders and tokenises
 the conversations into `Example`s whose labels are the tokens of the assistant turns.
-Preference records (`vela_ray.data.preference`) read their prompt turns with `prompt_of`, their
-answers with `messages_in` / `message_in`, and render with `render_chats`: the same keys, roles,
-tags and template as a conversation.
+Preference records (`vela_ray.data.preference`, and KTO's `vela_ray.data.unpaired`) read their
+prompt turns with `prompt_of` (or `record_messages` and `check_prompt`), their answers with
+`messages_in` / `message_in`, and render with `render_chats`: the same keys, roles, tags and
+template as a conversation.
 Message numbers in errors count from 0, in the record's own list, like record numbers.
 
 Usage::
@@ -107,14 +108,15 @@ def conversation_of(record: dict, where: str, tags: dict[str, str] | None = None
     both layouts, or with both a top-level ``system`` and a system message, is refused
     rather than guessed at.
     """
-    messages = _record_messages(record, where, tags, tuple(_KEYS), "a chat record")
+    messages = record_messages(record, where, tags, tuple(_KEYS), "a chat record")
     _check_conversation(messages, where)
     return messages
 
 
-def _record_messages(record: dict, where: str, tags: dict[str, str] | None, fields: tuple[str, ...],
-                     what: str) -> list[Message]:
-    """The messages of the one field of `fields` the record holds, its top-level `system` put first."""
+def record_messages(record: dict, where: str, tags: dict[str, str] | None, fields: tuple[str, ...],
+                    what: str) -> list[Message]:
+    """The messages of the one field of `fields` the record holds (read as `conversation_of` reads them), its
+    top-level `system` put first; `what` names the record in the error when it holds none (``a chat record``)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     present = [field for field in fields if record.get(field) is not None]  # datasets fills absent fields: None
@@ -173,25 +175,30 @@ PROMPT_FIELDS = ("messages", "conversations", "prompt")
 """Where a preference record's prompt turns may be: OpenAI messages, ShareGPT conversations, TRL's prompt."""
 
 
-def prompt_of(record: dict, where: str, tags: dict[str, str] | None = None) -> list[Message]:
+PAIR_ANSWERS = "chosen and rejected answer"
+"""What answers a preference pair's prompt, in `check_prompt`'s error."""
+
+
+def prompt_of(record: dict, where: str, tags: dict[str, str] | None = None, *, what: str = "a preference record",
+              answered_by: str = PAIR_ANSWERS) -> list[Message]:
     """The prompt turns of a preference record (`PROMPT_FIELDS`, read as `conversation_of` reads a conversation,
     its top-level `system` first): a system turn only first, and the last a user turn (or a tool's answer), the
-    turn both answers reply to."""
-    messages = _record_messages(record, where, tags, PROMPT_FIELDS, "a preference record")
-    check_prompt(messages, where)
+    turn the answers reply to. `what` and `answered_by` word the errors (`record_messages`, `check_prompt`)."""
+    messages = record_messages(record, where, tags, PROMPT_FIELDS, what)
+    check_prompt(messages, where, answered_by)
     return messages
 
 
-def check_prompt(messages: list[Message], where: str) -> None:
-    """A preference prompt: a system turn only first, and it ends on the user turn (or a tool's answer) that
-    chosen and rejected reply to (a template renders its generation prompt after it)."""
+def check_prompt(messages: list[Message], where: str, answered_by: str = PAIR_ANSWERS) -> None:
+    """A preference prompt: a system turn only first, and it ends on the user turn (or a tool's answer) that the
+    answers reply to (a template renders its generation prompt after it); `answered_by` says what answers it, for
+    the error (``the completion answers``)."""
     for i, message in enumerate(messages):
         if message["role"] == "system" and i > 0:
             raise ValueError(f"{where}: message {i}: a system message must come first")
     if not messages or messages[-1]["role"] not in ("user", "tool"):
         last = f"message {len(messages) - 1} ({messages[-1]['role']})" if messages else "no turn at all"
-        raise ValueError(f"{where}: the prompt ends on {last}; it must end on the user turn that chosen and "
-                         "rejected answer")
+        raise ValueError(f"{where}: the prompt ends on {last}; it must end on the user turn that {answered_by}")
 
 
 def _keys_of(field: str, raw: object, tags: dict[str, str]) -> tuple[str, str]:

@@ -15,14 +15,15 @@ names each data set::
 ``formatting`` reads as (``alpaca`` -> instruct, ``sharegpt`` -> chat; ``alpaca`` also
 reads as text, its ``prompt`` column being the text, as LLaMA-Factory's pre-training
 entries are written; an entry with ``ranking: true`` holds preference pairs and reads as
-preference), and LLaMA-Factory's ``columns`` and ``tags`` in vela-ray's names
-(``prompt``/``query``/``response`` -> ``instruction``/``input``/``output``, ``messages``
--> ``conversations``; ``chosen``/``rejected`` keep theirs, and a ranking entry must map
-both, as LLaMA-Factory reads no default for them). What vela-ray cannot read is refused
-in one line naming the entry: downloads (``hf_hub_url``, ``ms_hub_url``, ``script_url``,
-``cloud_file_name``), chosen/rejected columns outside a ranking entry, KTO tags (KTO is
-not trained yet) and images, videos or audio. Pure standard library:
-`vela_ray.data.config` reads entries while validating.
+preference; one whose columns map a ``kto_tag`` holds KTO examples, each labelled desirable
+or not, and reads as unpaired_preference), and LLaMA-Factory's ``columns`` and ``tags`` in
+vela-ray's names (``prompt``/``query``/``response`` -> ``instruction``/``input``/``output``,
+``messages`` -> ``conversations``, ``kto_tag`` -> ``label``; ``chosen``/``rejected`` keep
+theirs, and a ranking entry must map both, as LLaMA-Factory reads no default for them). What
+vela-ray cannot read is refused in one line naming the entry: downloads (``hf_hub_url``,
+``ms_hub_url``, ``script_url``, ``cloud_file_name``), chosen/rejected columns outside a
+ranking entry, a KTO tag in a ranking entry, and images, videos or audio. Pure standard
+library: `vela_ray.data.config` reads entries while validating.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ from vela_ray.data.records import PAIR_FIELDS, SAVED_DATASET_FILES, UNREADABLE_F
 
 FORMATTING_KINDS = {"alpaca": ("instruct", "chat", "text"), "sharegpt": ("chat",)}
 """LLaMA-Factory formatting -> the data.kind values that read it (the first is the default); a ranking entry,
-either formatting, reads as preference only."""
+either formatting, reads as preference only, an entry with a kto_tag column as unpaired_preference only."""
 RANKING_KINDS = ("preference",)
+UNPAIRED_KINDS = ("unpaired_preference",)
+KTO_TAG = "kto_tag"
+"""LLaMA-Factory's column of a KTO example's label (true: desirable), vela-ray's field ``label``."""
 
 COLUMN_NAMES = {  # formatting -> {LLaMA-Factory column name: vela-ray field}
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "history": "history",
@@ -47,6 +51,9 @@ RANKING_COLUMN_NAMES = {  # a ranking entry's: the prompt's, then the two answer
     formatting: {**{lf: field_ for lf, field_ in names.items() if field_ != "output"},
                  **{name: name for name in PAIR_FIELDS}}
     for formatting, names in COLUMN_NAMES.items()
+}
+UNPAIRED_COLUMN_NAMES = {  # a KTO entry's: its formatting's, and the label
+    formatting: {**names, KTO_TAG: "label"} for formatting, names in COLUMN_NAMES.items()
 }
 DEFAULT_COLUMNS = {  # what LLaMA-Factory reads when an entry maps nothing
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output"},
@@ -76,19 +83,30 @@ class DatasetEntry:
     """An alpaca entry whose columns map a prompt and no response: text to continue, not instructions."""
     ranking: bool = False
     """``ranking: true``: preference pairs (chosen/rejected), read as data.kind preference."""
+    unpaired: bool = False
+    """Columns that map a ``kto_tag``: KTO examples, each labelled desirable or not, read as data.kind
+    unpaired_preference."""
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """The data.kind values that read this entry."""
+        if self.unpaired:
+            return UNPAIRED_KINDS
         return RANKING_KINDS if self.ranking else FORMATTING_KINDS[self.formatting]
 
     @property
+    def layout(self) -> str:
+        """What the entry holds, for errors: ``formatting sharegpt``, and ``ranking: true`` or ``kto_tag``."""
+        marks = ", ranking: true" if self.ranking else f", {KTO_TAG}: KTO examples" if self.unpaired else ""
+        return f"formatting {self.formatting}{marks}"
+
+    @property
     def kind(self) -> str:
-        """The data.kind an entry reads as by default: preference for a ranking entry, text for a text file or an
-        alpaca entry that maps a prompt and no response (LLaMA-Factory's pre-training entries), else its
-        formatting's kind."""
-        if self.ranking:
-            return RANKING_KINDS[0]
+        """The data.kind an entry reads as by default: preference for a ranking entry, unpaired_preference for one
+        with a kto_tag, text for a text file or an alpaca entry that maps a prompt and no response (LLaMA-Factory's
+        pre-training entries), else its formatting's kind."""
+        if self.ranking or self.unpaired:
+            return self.kinds[0]
         if self.formatting == "alpaca" and (self.path.suffix in (".txt", ".text") or self.pretraining):
             return "text"
         return FORMATTING_KINDS[self.formatting][0]
@@ -141,10 +159,11 @@ def read_entry(dataset_info: Path, name: str | None) -> DatasetEntry:
     if not path.exists():
         raise ValueError(f"{where}: file_name {entry['file_name']!r}: {path} does not exist")
     columns, ranking = entry.get("columns") or {}, bool(entry.get("ranking"))
+    unpaired = isinstance(columns, dict) and columns.get(KTO_TAG) is not None
     return DatasetEntry(name, path, formatting, _columns(columns, formatting, where, ranking),
                         _tags(entry.get("tags") or {}, formatting, where),
-                        pretraining=not ranking and formatting == "alpaca" and "prompt" in columns
-                        and "response" not in columns, ranking=ranking)
+                        pretraining=not ranking and not unpaired and formatting == "alpaca" and "prompt" in columns
+                        and "response" not in columns, ranking=ranking, unpaired=unpaired)
 
 
 def _some(entries: dict, shown: int = 12) -> str:
@@ -155,11 +174,19 @@ def _some(entries: dict, shown: int = 12) -> str:
 def _columns(columns: dict, formatting: str, where: str, ranking: bool) -> dict[str, str]:
     if not isinstance(columns, dict):
         raise ValueError(f"{where}: columns must be an object of column names")
-    refused = next((c for c in columns if c in UNREADABLE_FIELDS and not (ranking and c in PAIR_FIELDS)), None)
+    unpaired = columns.get(KTO_TAG) is not None
+    refused = next((c for c in columns if c in UNREADABLE_FIELDS and not (ranking and c in PAIR_FIELDS)
+                    and not (c == KTO_TAG and not ranking)), None)
     if refused is not None:
         what, why, fix = UNREADABLE_FIELDS[refused]
         if refused in PAIR_FIELDS:
             why, fix = "the entry has no ranking: true", "mark the entry ranking: true (data.kind preference)"
+        elif refused == KTO_TAG:
+            why, fix = ("a ranking entry holds chosen/rejected pairs, not examples labelled one by one",
+                        "drop ranking: true to read the entry as KTO examples (data.kind unpaired_preference), or "
+                        "drop columns.kto_tag to read it as DPO pairs (data.kind preference)")
+        elif refused == "label":
+            why, fix = "LLaMA-Factory names that column kto_tag", "map it as columns.kto_tag instead"
         raise ValueError(f"{where}: columns.{refused} ({columns[refused]!r}) is {what}; {why}, so vela-ray refuses "
                          f"it rather than ignore it; {fix}")
     missing = [c for c in PAIR_FIELDS if ranking and c not in columns]
@@ -167,7 +194,8 @@ def _columns(columns: dict, formatting: str, where: str, ranking: bool) -> dict[
         raise ValueError(f"{where}: ranking: true marks a preference pair (chosen/rejected), but columns maps no "
                          f"{missing[0]!r}; name the file's chosen and rejected columns (LLaMA-Factory reads no "
                          'default for them): "columns": {"chosen": ..., "rejected": ...}')
-    names = RANKING_COLUMN_NAMES[formatting] if ranking else COLUMN_NAMES[formatting]
+    names = RANKING_COLUMN_NAMES[formatting] if ranking else UNPAIRED_COLUMN_NAMES[formatting] if unpaired else \
+        COLUMN_NAMES[formatting]
     unknown = sorted(set(columns) - set(names))
     if unknown:
         raise ValueError(f"{where}: columns {unknown} are not {formatting} columns vela-ray reads; it reads "

@@ -1,7 +1,7 @@
-"""Fine-tuning data: packed plain-text corpora, Alpaca-style instructions, chat conversations and preference
-pairs.
+"""Fine-tuning data: packed plain-text corpora, Alpaca-style instructions, chat conversations, preference
+pairs and unpaired preference examples.
 
-Four kinds of data set, all tokenised with any Hugging Face tokenizer into a
+Five kinds of data set, all tokenised with any Hugging Face tokenizer into a
 `TokenizedDataset` of fixed-length rows (N = rows, S = `seq_len`):
 
 * ``text``: one text file or a directory of ``.txt`` files, or records with a ``text`` field
@@ -21,19 +21,25 @@ Four kinds of data set, all tokenised with any Hugging Face tokenizer into a
 * ``preference``: DPO pairs, a prompt with a ``chosen`` and a ``rejected`` answer
   (`vela_ray.data.preference`), tokenised as TRL's DPOTrainer does; two rows per pair
   (`TokenizedDataset.group`), labels on the answers only.
+* ``unpaired_preference``: KTO examples, a prompt and one completion with a boolean ``label``
+  (LLaMA-Factory's ``kto_tag``; `vela_ray.data.unpaired`), tokenised as TRL's KTOTrainer does;
+  one row per example, labels on the completion only, each row's label in
+  `TokenizedDataset.desirable` (batches carry it as ``desirable`` [B] bool). Data whose examples
+  all carry one label is refused.
 
 Records of every kind are read through the `datasets` library from JSON, JSONL, Parquet or
 CSV files or a `save_to_disk` directory (`vela_ray.data.records`), with `DataConfig.columns`
 mapping other field names, or named by a LLaMA-Factory ``dataset_info.json`` entry
-(`vela_ray.data.dataset_info`). Fields vela-ray would not train on (KTO tags, images;
-preference pairs outside kind preference) are refused; a bad record refuses the file or, with
+(`vela_ray.data.dataset_info`). Fields vela-ray would not train on (images; KTO tags outside
+kind unpaired_preference, preference pairs outside kind preference) are refused; a bad record refuses the file or, with
 ``data.on_bad_record: skip``, is left out and counted (`build_data` returns the count).
 Their examples become rows one per row, right-padded, or packed several per row
 (`DataConfig.packing`; see `vela_ray.data.examples` for both layouts and the
 truncation policy).
 
 Batches are dicts of ``input_ids``, ``labels`` and ``attention_mask`` (padded rows)
-or ``position_ids`` (packed rows) LongTensors [B, S]: the model's keyword arguments.
+or ``position_ids`` (packed rows) LongTensors [B, S]: the model's keyword arguments (KTO
+batches add ``desirable``, a BoolTensor [B], for the loss).
 Training order is a pure function of ``(seed, step)`` so a run can resume from any
 step: `batch_at` gives one batch, `iterate_batches` a stream from a start step;
 `sequential_batches` walks the rows once in order (for profiling and evaluation).
@@ -66,6 +72,7 @@ from vela_ray.data.preference import encode_pairs, preference_rows, read_prefere
 from vela_ray.data.records import (RECORD_FORMATS, SAVED_DATASET_FILES, RecordCount, as_object, is_glob,
                                    load_records, shard_files, parse_each, refuse_unreadable_fields, warn_placeholders)
 from vela_ray.data.tokenized import Batch, TokenizedDataset
+from vela_ray.data.unpaired import encode_unpaired, read_unpaired_examples, refuse_one_label, unpaired_rows
 
 log = logging.getLogger(__name__)
 
@@ -407,6 +414,8 @@ def build_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: 
         return _text_records(config, tokenizer, warn)
     if config.kind == "preference":
         return _preference_data(config, tokenizer, warn)
+    if config.kind == "unpaired_preference":
+        return _unpaired_data(config, tokenizer, warn)
     if config.kind == "instruct":
         parsed, count = read_instruct_examples(_source(config), config.limit, config.columns,
                                                config.on_bad_record, warn)
@@ -427,6 +436,19 @@ def _preference_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, war
     skipped = {BAD_RECORD: count.skipped} if count.skipped else None
     return BuiltData(preference_rows(encoded, config.seq_len, _pad_id(tokenizer), str(config.path), warn=warn,
                                      skipped=skipped), count)
+
+
+def _unpaired_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, warn: bool) -> BuiltData:
+    """kind unpaired_preference: one row per example, tokenised as TRL's KTOTrainer tokenises it, each row's label
+    in `TokenizedDataset.desirable` (`vela_ray.data.unpaired`); refused before tokenising when every example
+    carries the same label."""
+    examples, count = read_unpaired_examples(_source(config), config.columns, config.tags, config.limit,
+                                             config.on_bad_record, warn)
+    refuse_one_label([example.desirable for example in examples], config.source, config.limit)
+    encoded = encode_unpaired(tokenizer, examples, config.chat_template, source=str(config.path))
+    skipped = {BAD_RECORD: count.skipped} if count.skipped else None
+    return BuiltData(unpaired_rows(encoded, config.seq_len, _pad_id(tokenizer), str(config.path), warn=warn,
+                                   skipped=skipped), count)
 
 
 def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, warn: bool = True) -> TokenizedDataset:

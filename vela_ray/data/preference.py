@@ -25,6 +25,11 @@ Rows (`preference_rows`), as TRL's `DataCollatorForPreference` with ``max_length
 ``truncation_mode: keep_start``: pair i is rows 2i (prompt + chosen) and 2i + 1 (prompt + rejected), each its
 first seq_len tokens, right-padded; labels are the answer's tokens (TRL's completion mask) and IGNORE_INDEX on
 the prompt and the padding. A pair whose prompt alone has seq_len tokens or more is dropped, as TRL drops it.
+
+Unpaired preference (KTO, `vela_ray.data.unpaired`) reads and tokenises its examples with the same pieces:
+`answer_of` and `alpaca_prompt` read a record's answer and Alpaca prompt, `tokenize_answers` renders and tokenises
+a prompt with its answers, and `keep_start_rows`, `keep_start_stats` and `report_rows` lay them into rows and count
+them; a pair is two sequences sharing a prompt, a KTO example one (`PromptAnswers`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -64,8 +69,28 @@ class PreferencePair:
     tools: list[dict] | None = None
 
 
+class PromptAnswers:
+    """One example as TRL's preference trainers tokenise it, before truncation: `sequences`, the token ids of
+    prompt + each answer (one row each), the first `prompt_len` of every one being the prompt. `EncodedPair` and
+    `unpaired.EncodedCompletion` are its two shapes; `keep_start_rows` lays either out."""
+
+    prompt_len: int
+
+    @property
+    def sequences(self) -> tuple[list[int], ...]:
+        raise NotImplementedError
+
+    @property
+    def longest(self) -> int:
+        return max(len(ids) for ids in self.sequences)
+
+    def answer_tokens(self, seq_len: int | None = None) -> int:
+        """Answer tokens of every sequence, of their first `seq_len` tokens if given."""
+        return sum(max(0, min(len(ids), seq_len or len(ids)) - self.prompt_len) for ids in self.sequences)
+
+
 @dataclass(frozen=True)
-class EncodedPair:
+class EncodedPair(PromptAnswers):
     """One pair as TRL's DPOTrainer tokenises it, before truncation: the token ids of prompt + chosen and of
     prompt + rejected, the first `prompt_len` of each being the prompt."""
 
@@ -74,13 +99,8 @@ class EncodedPair:
     prompt_len: int
 
     @property
-    def longest(self) -> int:
-        return max(len(self.chosen_ids), len(self.rejected_ids))
-
-    def answer_tokens(self, seq_len: int | None = None) -> int:
-        """Answer tokens of both sequences, of their first `seq_len` tokens if given."""
-        return sum(max(0, min(len(ids), seq_len or len(ids)) - self.prompt_len)
-                   for ids in (self.chosen_ids, self.rejected_ids))
+    def sequences(self) -> tuple[list[int], ...]:
+        return self.chosen_ids, self.rejected_ids
 
 
 # --- records -> pairs ------------------------------------------------------------------------------------------
@@ -119,16 +139,21 @@ def pair_of(record: object, where: str, tags: dict[str, str] | None = None) -> P
     return PreferencePair(prompt, chosen, rejected, tools_of(record, where))
 
 
-def _prompt_and_answers(record: dict, where: str,
-                        tags: dict[str, str] | None) -> tuple[list[Message], list[Message], list[Message]]:
+def refuse_text_prompt(record: dict, where: str) -> None:
+    """TRL's standard (not conversational) layout, a `prompt` string, is refused in one line naming the fix."""
     if isinstance(record.get("prompt"), str):
         raise ValueError(f"{where}: field 'prompt' is text (TRL's standard layout, tokenised without a chat "
-                         "template); vela-ray renders pairs with the chat template: write the prompt as messages "
-                         "[{role: user, content: ...}], or map it with data.columns: {instruction: prompt}")
+                         "template); vela-ray renders preference data with the chat template: write the prompt as "
+                         "messages [{role: user, content: ...}], or map it with data.columns: {instruction: prompt}")
+
+
+def _prompt_and_answers(record: dict, where: str,
+                        tags: dict[str, str] | None) -> tuple[list[Message], list[Message], list[Message]]:
+    refuse_text_prompt(record, where)
     if any(record.get(name) is not None for name in PROMPT_FIELDS):
         prompt = prompt_of(record, where, tags)
     elif record.get("instruction") is not None:
-        prompt = _alpaca_prompt(record, where)
+        prompt = alpaca_prompt(record, where)
     else:
         return _implicit_prompt(record, where, tags)
     return prompt, answer_of(record["chosen"], "chosen", where, tags), \
@@ -147,15 +172,14 @@ def answer_of(value: object, field: str, where: str, tags: dict[str, str] | None
 
 def _assistant_first(answer: list[Message], field: str, where: str) -> list[Message]:
     if not answer:
-        raise ValueError(f"{where}: field {field!r} is empty: there is no answer to compare; write it or drop the "
-                         "record")
+        raise ValueError(f"{where}: field {field!r} is empty: there is no answer; write it or drop the record")
     if answer[0]["role"] != "assistant":
         raise ValueError(f"{where}: field {field!r} starts with a {answer[0]['role']} turn; it holds the "
                          "assistant's answer to the prompt (the prompt turns go in 'conversations' or 'messages')")
     return answer
 
 
-def _alpaca_prompt(record: dict, where: str) -> list[Message]:
+def alpaca_prompt(record: dict, where: str) -> list[Message]:
     """An Alpaca record's prompt: its system, history and user turn, as kind chat renders the record."""
     instruction = _text(record, "instruction", where)
     if not instruction.strip():
@@ -201,36 +225,107 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
     return length
 
 
-def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair], chat_template: str | None,
-                 source: str) -> list[EncodedPair]:
-    """Each pair's token ids as TRL's DPOTrainer computes them (the module docstring): rendered with the chat
-    template (`chat_template`: data.chat_template, None for the tokenizer's own), tokenised without added special
-    tokens, the prompt length the shorter common prefix. Batched: three template passes and one tokenizer call."""
+def tokenize_answers(tokenizer: PreTrainedTokenizerBase, prompts: list[list[Message]],
+                     answers: Mapping[str, list[list[Message]]], tools: list[list[dict] | None],
+                     chat_template: str | None, source: str, unit: str) -> list[tuple[tuple[list[int], ...], int]]:
+    """Per example (a `unit`: pair, example), the token ids of its prompt + each of its answers (`answers`: the
+    answers of every example by name, e.g. chosen and rejected) and its prompt length, as TRL's DPOTrainer and
+    KTOTrainer compute them: the prompt rendered with the chat template (`chat_template`: data.chat_template, None
+    for the tokenizer's own) and its generation prompt, prompt + answer without, each tokenised without added
+    special tokens; the prompt length the shortest common prefix of the prompt's ids with a sequence's. Batched:
+    one template pass for the prompts and one per answer, one tokenizer call."""
     template = chat_template_of(tokenizer, chat_template)
-    numbers, tools = list(range(len(pairs))), [pair.tools for pair in pairs]
-    texts = render_chats(tokenizer, [p.prompt for p in pairs], template, True, source, numbers, tools)
-    for side in ("chosen", "rejected"):
-        texts += render_chats(tokenizer, [p.prompt + getattr(p, side) for p in pairs], template, False, source,
-                              numbers, tools)
+    numbers, count = list(range(len(prompts))), len(prompts)
+    texts = render_chats(tokenizer, prompts, template, True, source, numbers, tools)
+    for side in answers.values():
+        texts += render_chats(tokenizer, [p + a for p, a in zip(prompts, side)], template, False, source, numbers,
+                              tools)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    count, encoded, diverged = len(pairs), [], 0
+    encoded, diverged = [], 0
     for n in range(count):
-        prompt, chosen, rejected = ids[n], ids[count + n], ids[2 * count + n]
-        prompt_len = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
-        if prompt_len in (len(chosen), len(rejected)):
-            raise ValueError(f"{source}: pair {n}: the chat template renders no token for its "
-                             f"{'chosen' if prompt_len == len(chosen) else 'rejected'} answer; use a template that "
-                             "renders assistant turns (data.chat_template)")
+        prompt = ids[n]
+        sequences = tuple(list(ids[(k + 1) * count + n]) for k in range(len(answers)))
+        prompt_len = min(common_prefix_length(prompt, full) for full in sequences)
+        empty = next((name for name, full in zip(answers, sequences) if prompt_len == len(full)), None)
+        if empty is not None:
+            raise ValueError(f"{source}: {unit} {n}: the chat template renders no token for its {empty}; use a "
+                             "template that renders assistant turns (data.chat_template)")
         diverged += prompt_len < len(prompt)
-        encoded.append(EncodedPair(list(chosen), list(rejected), prompt_len))
+        encoded.append((sequences, prompt_len))
     if diverged:
-        log.warning("%s: for %d of %d pairs the tokenised prompt is not a prefix of prompt + answer (the chat "
+        log.warning("%s: for %d of %d %ss the tokenised prompt is not a prefix of prompt + answer (the chat "
                     "template renders the prompt alone differently, or tokens merge across the boundary); as TRL "
-                    "does, each answer starts where they diverge", source, diverged, count)
+                    "does, each answer starts where they diverge", source, diverged, count, unit)
     return encoded
 
 
+def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair], chat_template: str | None,
+                 source: str) -> list[EncodedPair]:
+    """Each pair's token ids as TRL's DPOTrainer computes them (`tokenize_answers`; the module docstring)."""
+    answers = {"chosen answer": [p.chosen for p in pairs], "rejected answer": [p.rejected for p in pairs]}
+    encoded = tokenize_answers(tokenizer, [p.prompt for p in pairs], answers, [p.tools for p in pairs],
+                               chat_template, source, "pair")
+    return [EncodedPair(chosen, rejected, prompt_len) for (chosen, rejected), prompt_len in encoded]
+
+
 # --- token ids -> rows ----------------------------------------------------------------------------------------
+
+
+def keep_start_rows(encoded: Sequence[PromptAnswers], seq_len: int, pad_id: int, source: str,
+                    unit: str) -> tuple[list[PromptAnswers], TokenizedDataset]:
+    """The examples kept (those whose prompt leaves room in `seq_len`) and their rows, each example's sequences
+    in adjacent rows (`TokenizedDataset.group`), each sequence its first `seq_len` tokens right-padded with
+    `pad_id`: labels on the answer tokens only, attention on the real ones (TRL's `DataCollatorForPreference` and
+    `DataCollatorForUnpairedPreference`, keep_start). No stats yet (`keep_start_stats`); `unit` names an example
+    in errors (pair, example)."""
+    kept = [example for example in encoded if example.prompt_len < seq_len]
+    if not kept:
+        shortest = min((example.prompt_len for example in encoded), default=0)
+        raise ValueError(f"{source}: every {unit}'s prompt fills seq_len={seq_len} ({len(encoded)} {unit}s, the "
+                         f"shortest prompt has {shortest} tokens), leaving no answer token; raise data.seq_len")
+    group = len(kept[0].sequences)
+    shape = (group * len(kept), seq_len)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    for k, example in enumerate(kept):
+        for side, ids in enumerate(example.sequences):
+            row, cut = group * k + side, torch.tensor(ids[:seq_len], dtype=torch.long)
+            input_ids[row, :len(cut)] = cut
+            labels[row, example.prompt_len:len(cut)] = cut[example.prompt_len:]
+            attention_mask[row, :len(cut)] = 1
+    return kept, TokenizedDataset(input_ids, labels, attention_mask, source, group=group)
+
+
+def keep_start_stats(encoded: Sequence[PromptAnswers], kept: Sequence[PromptAnswers], seq_len: int,
+                     skipped: Mapping[str, int] | None, rows: TokenizedDataset) -> DataStats:
+    """What became of the examples `keep_start_rows` laid out: kept, truncated (any sequence longer than seq_len),
+    dropped by reason (`skipped`: records left out before tokenisation; `PROMPT_FILLS`)."""
+    dropped = {**(skipped or {}), **({PROMPT_FILLS: len(encoded) - len(kept)} if len(kept) < len(encoded) else {})}
+    supervised = sum(example.answer_tokens() for example in encoded)
+    lengths = sorted(example.longest for example in encoded)
+    return DataStats(examples=len(encoded) + sum((skipped or {}).values()), kept=len(kept),
+                     truncated=sum(example.longest > seq_len for example in kept), dropped=dropped,
+                     supervised_tokens=supervised,
+                     supervised_tokens_lost=supervised - sum(example.answer_tokens(seq_len) for example in kept),
+                     longest=lengths[-1] if lengths else 0,
+                     seq_len_p90=lengths[(9 * len(lengths) + 9) // 10 - 1] if lengths else 0, seq_len=seq_len,
+                     truncation="right", rows=len(rows), padding_fraction=rows.padding_fraction,
+                     pairs=rows.group == PAIR_ROWS, keep_start=True)
+
+
+def report_rows(rows: TokenizedDataset, unit: str, warn: bool, held: str = "") -> TokenizedDataset:
+    """`rows`, once their counts (`rows.stats`) are logged at INFO and `DataStats.warning` at WARNING (both at
+    DEBUG if not `warn`: data the driver already built and reported). `held`: what the kept examples hold, said
+    before the truncated count (KTO: "3 desirable, 2 undesirable; ")."""
+    stats = rows.stats
+    log.log(logging.INFO if warn else logging.DEBUG, "%s: %d %ss read, %d kept (%s%d truncated to seq_len=%d, "
+            "keep_start), %d dropped; %d rows, %.1f%% padding", rows.source, stats.examples, unit, stats.kept, held,
+            stats.truncated, stats.seq_len, stats.num_dropped, stats.rows, 100.0 * stats.padding_fraction)
+    warning = stats.warning(rows.source)
+    if warning is not None:
+        log.log(logging.WARNING if warn else logging.DEBUG, warning)
+    return rows
 
 
 def preference_rows(pairs: list[EncodedPair], seq_len: int, pad_id: int, source: str, *, warn: bool = True,
@@ -239,43 +334,5 @@ def preference_rows(pairs: list[EncodedPair], seq_len: int, pad_id: int, source:
     labels on the answer tokens only, attention on the real ones (TRL's `DataCollatorForPreference`, keep_start).
     A pair whose prompt fills `seq_len` is dropped. `skipped`: records left out before tokenisation, by reason;
     `warn`: False logs the counts and the warning at DEBUG (data the driver already built and reported)."""
-    kept = [pair for pair in pairs if pair.prompt_len < seq_len]
-    if not kept:
-        shortest = min((pair.prompt_len for pair in pairs), default=0)
-        raise ValueError(f"{source}: every pair's prompt fills seq_len={seq_len} ({len(pairs)} pairs, the shortest "
-                         f"prompt has {shortest} tokens), leaving no answer token; raise data.seq_len")
-    shape = (PAIR_ROWS * len(kept), seq_len)
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)
-    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros(shape, dtype=torch.long)
-    for k, pair in enumerate(kept):
-        for side, ids in enumerate((pair.chosen_ids, pair.rejected_ids)):
-            row, cut = PAIR_ROWS * k + side, torch.tensor(ids[:seq_len], dtype=torch.long)
-            input_ids[row, :len(cut)] = cut
-            labels[row, pair.prompt_len:len(cut)] = cut[pair.prompt_len:]
-            attention_mask[row, :len(cut)] = 1
-    rows = TokenizedDataset(input_ids, labels, attention_mask, source, group=PAIR_ROWS)
-    rows = replace(rows, stats=_stats(pairs, kept, seq_len, skipped, rows))
-    stats = rows.stats
-    log.log(logging.INFO if warn else logging.DEBUG, "%s: %d pairs read, %d kept (%d truncated to seq_len=%d, "
-            "keep_start), %d dropped; %d rows, %.1f%% padding", source, stats.examples, stats.kept, stats.truncated,
-            seq_len, stats.num_dropped, stats.rows, 100.0 * stats.padding_fraction)
-    warning = stats.warning(source)
-    if warning is not None:
-        log.log(logging.WARNING if warn else logging.DEBUG, warning)
-    return rows
-
-
-def _stats(pairs: list[EncodedPair], kept: list[EncodedPair], seq_len: int, skipped: Mapping[str, int] | None,
-           rows: TokenizedDataset) -> DataStats:
-    """What became of the pairs: kept, truncated (either sequence longer than seq_len), dropped by reason."""
-    dropped = {**(skipped or {}), **({PROMPT_FILLS: len(pairs) - len(kept)} if len(kept) < len(pairs) else {})}
-    supervised = sum(pair.answer_tokens() for pair in pairs)
-    lengths = sorted(pair.longest for pair in pairs)
-    return DataStats(examples=len(pairs) + sum((skipped or {}).values()), kept=len(kept),
-                     truncated=sum(pair.longest > seq_len for pair in kept), dropped=dropped,
-                     supervised_tokens=supervised,
-                     supervised_tokens_lost=supervised - sum(pair.answer_tokens(seq_len) for pair in kept),
-                     longest=lengths[-1] if lengths else 0,
-                     seq_len_p90=lengths[(9 * len(lengths) + 9) // 10 - 1] if lengths else 0, seq_len=seq_len,
-                     truncation="right", rows=len(rows), padding_fraction=rows.padding_fraction, pairs=True)
+    kept, rows = keep_start_rows(pairs, seq_len, pad_id, source, "pair")
+    return report_rows(replace(rows, stats=keep_start_stats(pairs, kept, seq_len, skipped, rows)), "pair", warn)

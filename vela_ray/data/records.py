@@ -151,11 +151,14 @@ def ray_records(dataset, columns: Mapping[str, str] | None, limit: int | None) -
 
 def _quiet_datasets() -> None:
     """Library code must not print: silence datasets' progress bars and logs. Its errors come back to the
-    caller as our own one-line ValueError, so its error log would only repeat them."""
+    caller as our own one-line ValueError, so its error log would only repeat them. Nor reach the network:
+    `load_dataset` of a local file otherwise sends the Hub a download-count request first (up to 3 s where the
+    Hub cannot be reached)."""
     import datasets
 
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
 
 
 # --- files ---------------------------------------------------------------------
@@ -346,11 +349,12 @@ def _renamed(dataset: Dataset, columns: Mapping[str, str], path: Path) -> Datase
 
 
 UNREADABLE_FIELDS = {  # field -> (what it is, why it is refused, the fix); never read past in silence
-    "kto_tag": ("a KTO desirable/undesirable tag", "supervised fine-tuning would train the undesirable answers "
-                "as targets, and vela-ray does not train KTO yet", "keep only the desirable records and drop the "
-                "field"),
-    "label": ("a KTO desirable/undesirable tag", "supervised fine-tuning would train the undesirable answers as "
-              "targets", "keep only the records labelled true and drop the field"),
+    "kto_tag": ("a KTO desirable/undesirable tag", "supervised fine-tuning (data.kind instruct or chat) would train "
+                "the undesirable answers as targets", "use data.kind: unpaired_preference with "
+                "training.preference.objective: kto, or keep only the desirable records and drop the field"),
+    "label": ("a KTO desirable/undesirable tag", "supervised fine-tuning (data.kind instruct or chat) would train "
+              "the undesirable answers as targets", "use data.kind: unpaired_preference with "
+              "training.preference.objective: kto, or keep only the records labelled true and drop the field"),
     "chosen": ("a preference pair (chosen/rejected)", "supervised fine-tuning (data.kind instruct or chat) has "
                "one answer to learn, not two to compare", "use data.kind: preference with "
                "training.preference.objective: dpo"),
@@ -368,13 +372,16 @@ UNREADABLE_FIELDS = {  # field -> (what it is, why it is refused, the fix); neve
 
 PAIR_FIELDS = ("chosen", "rejected")
 """The fields of a preference pair: read by data.kind preference, refused by the supervised kinds."""
+LABEL_FIELDS = ("label", "kto_tag")
+"""A KTO example's desirability label (TRL's name, then LLaMA-Factory's): read by data.kind unpaired_preference,
+refused by the supervised kinds."""
 
 
 def refuse_unreadable_fields(records: list[dict], path: Path, read: tuple[str, ...] = ()) -> None:
     """One line naming the first record holding a field vela-ray would otherwise ignore (`UNREADABLE_FIELDS`
-    but those the caller `read`s, e.g. `PAIR_FIELDS`): training past a KTO tag, a preference pair or an image
-    would learn something else than the data says. ``label`` counts only as a KTO tag (true/false); an empty
-    list of images counts as none."""
+    but those the caller `read`s, e.g. `PAIR_FIELDS` or `LABEL_FIELDS`): training past a KTO tag, a preference
+    pair or an image would learn something else than the data says. ``label`` counts only as a KTO tag
+    (true/false); an empty list of images counts as none."""
     for name, (what, why, fix) in UNREADABLE_FIELDS.items():
         if name in read:
             continue

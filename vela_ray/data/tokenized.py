@@ -5,7 +5,8 @@ fine-tuning data becomes (`vela_ray.data.datasets` builds them, `vela_ray.data.e
 
 An example may take several adjacent rows (`TokenizedDataset.group`: a preference pair is its chosen then its
 rejected sequence); whatever selects rows (batches, the eval hold-out) selects whole examples, so the rows of one
-example are never parted.
+example are never parted. Unpaired preference (KTO) data carries one more tensor, `TokenizedDataset.desirable`:
+each row's label, which travels with the row into batches, splits and subsets.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ EMPTY = "empty: no supervised token at all"
 CUT_AWAY = "no supervised token left after truncation"
 """`DataStats.dropped` reasons of `vela_ray.data.examples` (other steps may add their own)."""
 PROMPT_FILLS = "the prompt alone fills seq_len"
-"""The `DataStats.dropped` reason of a preference pair whose prompt leaves no room for an answer token (TRL's
-DPOTrainer drops those too)."""
+"""The `DataStats.dropped` reason of a preference pair or an unpaired preference example whose prompt leaves no
+room for an answer token (TRL's DPOTrainer and KTOTrainer drop those too)."""
 
 
 @dataclass(frozen=True)
 class DataStats:
-    """How the examples of one file (instruct and chat data) became rows: the whole build, before any
-    train/eval split (`TokenizedDataset.split` and `subset` keep it as it is)."""
+    """How the examples of one file (instruct, chat, preference and unpaired preference data) became rows: the
+    whole build, before any train/eval split (`TokenizedDataset.split` and `subset` keep it as it is)."""
 
     examples: int
     """Examples read: records that reached tokenisation, plus those dropped before it (`dropped`)."""
@@ -56,7 +57,15 @@ class DataStats:
     """Share of those rows' token slots that are padding."""
     pairs: bool = False
     """The examples are preference pairs (two rows each: `vela_ray.data.preference`), their supervised tokens
-    the two answers' and their truncation TRL's keep_start."""
+    the two answers'."""
+    keep_start: bool = False
+    """The rows were cut as TRL's preference trainers cut them (kinds preference and unpaired_preference): each
+    sequence's first seq_len tokens, an example whose prompt fills seq_len dropped (`PROMPT_FILLS`);
+    data.truncation keep_answer does not apply."""
+    desirable: int | None = None
+    """Unpaired preference (KTO) data: of the kept, the examples labelled desirable (None for other kinds)."""
+    undesirable: int | None = None
+    """Unpaired preference (KTO) data: of the kept, the examples labelled undesirable (None for other kinds)."""
 
     @property
     def num_dropped(self) -> int:
@@ -79,11 +88,11 @@ class DataStats:
         if self.truncated or self.dropped.get(CUT_AWAY) or self.dropped.get(PROMPT_FILLS):
             fixes.append(f"raise data.seq_len ({self.seq_len_p90} holds 90% of the {unit} whole, the longest "
                          f"has {self.longest} tokens)")
-            if self.truncation == "right" and not self.pairs:
+            if self.truncation == "right" and not self.keep_start:
                 fixes.append("set data.truncation: keep_answer (cuts the prompt's middle, keeps the answer)")
         if set(self.dropped) - {CUT_AWAY, PROMPT_FILLS}:
             fixes.append("check the records dropped for another reason")
-        how = "each sequence's first seq_len tokens, TRL's keep_start" if self.pairs else \
+        how = "each sequence's first seq_len tokens, TRL's keep_start" if self.keep_start else \
             f"data.truncation: {self.truncation}"
         return (f"{source}: {self.lost_share:.0%} of {self.examples} {unit} dropped or truncated at data.seq_len="
                 f"{self.seq_len}: {self.truncated} truncated ({how}){reasons}; "
@@ -103,15 +112,22 @@ class TokenizedDataset:
     position_ids: torch.Tensor | None = None
     """Packed rows only (`examples.packed_rows`): positions restarting at 0 at every example."""
     stats: DataStats | None = None
-    """Instruct, chat and preference data: what became of the file's examples (None: text data, or rows made by
-    hand)."""
+    """Instruct, chat, preference and unpaired preference data: what became of the file's examples (None: text
+    data, or rows made by hand)."""
     group: int = 1
     """Rows per example: 1, or 2 for preference pairs (example i is rows 2i, its chosen sequence, and 2i + 1, its
     rejected one). Batches, splits and subsets take whole examples (`example_rows`)."""
+    desirable: torch.Tensor | None = None
+    """Unpaired preference (KTO) data: a BoolTensor [N], each row's label (True: desirable), carried into batches
+    (``batch["desirable"]``), splits and subsets; None for other kinds."""
 
     def __post_init__(self):
         if self.group < 1 or len(self) % self.group:
             raise ValueError(f"{self.source}: {len(self)} rows are not whole examples of {self.group} rows each")
+        if self.desirable is not None and (self.desirable.dtype != torch.bool or
+                                           tuple(self.desirable.shape) != (len(self),)):
+            raise ValueError(f"{self.source}: desirable must be a bool tensor of one label per row ({len(self)}), "
+                             f"got {self.desirable.dtype} {tuple(self.desirable.shape)}")
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -147,21 +163,25 @@ class TokenizedDataset:
         """A batch of these rows: the model's keyword arguments. Packed rows carry `position_ids` and no
         `attention_mask`: transformers then masks attention block-diagonally, one block per example (see
         `vela_ray.data.examples`). `token_mask` adds the padding mask to packed rows too, for counting
-        tokens (the routing profiler), not for the model."""
+        tokens (the routing profiler), not for the model. Unpaired preference rows add ``desirable`` [B] bool,
+        for the loss, not for the model."""
         index = torch.as_tensor(index, dtype=torch.long)
         batch = {"input_ids": self.input_ids[index], "labels": self.labels[index]}
         if self.position_ids is None or token_mask:
             batch["attention_mask"] = self.attention_mask[index]
         if self.position_ids is not None:
             batch["position_ids"] = self.position_ids[index]
+        if self.desirable is not None:
+            batch["desirable"] = self.desirable[index]
         return batch
 
     def subset(self, index: torch.Tensor | np.ndarray | list[int], source: str) -> TokenizedDataset:
         """These rows at `index` (whole examples: see `example_rows`); `stats` stays the whole build's."""
         index = torch.as_tensor(index, dtype=torch.long)
         positions = None if self.position_ids is None else self.position_ids[index]
+        desirable = None if self.desirable is None else self.desirable[index]
         return TokenizedDataset(self.input_ids[index], self.labels[index], self.attention_mask[index], source,
-                                positions, self.stats, self.group)
+                                positions, self.stats, self.group, desirable)
 
     def split(self, eval_fraction: float, seed: int) -> tuple[TokenizedDataset, TokenizedDataset]:
         """(train, eval): a seeded random `eval_fraction` of the examples (whole preference pairs) is held out;

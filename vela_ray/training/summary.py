@@ -240,7 +240,10 @@ class DataRecord(_Record):
     seq_len_p90: int | None = None
     """The shortest seq_len that holds 90% of the examples whole."""
     built_rows: int | None = None
-    """Rows of the whole file (train and eval) the kept examples made."""
+    """Rows of the whole file (train and eval) the kept examples made (a preference pair makes two)."""
+    desirable: int | None = None
+    """`unpaired_preference` (KTO): the kept examples labelled desirable, and undesirable."""
+    undesirable: int | None = None
     warning: str | None = None
     """The build's warning when more than 10% of the examples were dropped or truncated, with its fix."""
 
@@ -257,7 +260,8 @@ class DataRecord(_Record):
             examples=stats.examples, examples_kept=stats.kept, examples_truncated=stats.truncated,
             examples_dropped=dict(stats.dropped), supervised_tokens=stats.supervised_tokens,
             supervised_tokens_lost=stats.supervised_tokens_lost, longest_example=stats.longest,
-            seq_len_p90=stats.seq_len_p90, built_rows=stats.rows, warning=stats.warning(str(data.path))))
+            seq_len_p90=stats.seq_len_p90, built_rows=stats.rows, warning=stats.warning(str(data.path)),
+            desirable=stats.desirable, undesirable=stats.undesirable))
 
     @property
     def examples_per_row(self) -> float | None:
