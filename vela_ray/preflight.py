@@ -362,12 +362,26 @@ def check_data(config: JobConfig) -> int:
             from None
     except ValueError as err:
         raise ValueError(f"data: {first_line(err)}") from None
-    if len(train) < training.batch_size and not sampled:
+    check_kto_rows(config, train)
+    examples = train.num_examples  # a preference pair is one example of two rows
+    if examples < training.batch_size and not sampled:
         raise ValueError(
-            f"training.batch_size {training.batch_size} exceeds the {len(train)} training rows of data.path "
+            f"training.batch_size {training.batch_size} exceeds the {examples} training examples of data.path "
             f"{config.data.path} (seq_len {config.data.seq_len}, eval_fraction {training.eval_fraction} held "
-            f"out); lower training.batch_size to at most {len(train)} or use more data")
-    return len(train)
+            f"out); lower training.batch_size to at most {examples} or use more data")
+    return examples
+
+
+def check_kto_rows(config: JobConfig, train) -> None:
+    """KTO's KL baseline borrows each example's answer whole for another prompt (`preference.mismatched_rows`): a
+    row cut at seq_len no longer holds it, so TRL's KL sequence could not be rebuilt. Refused, not approximated."""
+    stats, preference = train.stats, config.training.preference
+    if preference.objective != "kto" or preference.losses != ("kto",) or stats is None or not stats.truncated:
+        return
+    raise ValueError(f"data: {stats.truncated} examples are longer than data.seq_len {config.data.seq_len} (the "
+                     f"longest {stats.longest} tokens): KTO's KL baseline pairs each prompt with another example's "
+                     "whole answer, which a cut row no longer holds; raise data.seq_len to "
+                     f"{stats.longest}, or use training.preference.loss_type apo_zero_unpaired (no KL baseline)")
 
 
 # --- resume -----------------------------------------------------------------------------

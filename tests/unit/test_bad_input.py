@@ -193,7 +193,7 @@ CASES: dict[str, tuple[Case, str]] = {
         r"data\.seq_len 256 exceeds the model's max_position_embeddings 128 .*at most 128"),
     "batch larger than the training split": (
         lambda t, m: (_job(t, m, data={"limit": 20}, training={"batch_size": 32}), None),
-        r"training\.batch_size 32 exceeds the 19 training rows of data\.path .*at most 19"),
+        r"training\.batch_size 32 exceeds the 19 training examples of data\.path .*at most 19"),
     "placement file for another worker count": (
         lambda t, m: (_job(t, m, placement={"solver": "file", "file": _placement_file(t, 2, 6, 4)}), None),
         r"placement\.file .*placement\.json places 2x6 experts on 4 workers, but this job has 2x6 .* on 3"),

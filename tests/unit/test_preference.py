@@ -51,9 +51,12 @@ def dpo_job(model_dir: Path, tmp_path: Path, steps: int = 5, **preference) -> di
 
 def kto_records(count: int = 12) -> list[dict]:
     """LLaMA-Factory's kto_en_demo shape: OpenAI-style `messages` (a user turn, then the assistant's answer) and a
-    boolean `label`: the line that follows marked desirable, the same words reversed not."""
-    return [{"messages": [{"role": "user", "content": pair["conversations"][0]["value"]},
-                          {"role": "assistant", "content": pair["chosen" if i % 2 else "rejected"]["value"]}],
+    boolean `label`: the line that follows marked desirable, the same words reversed not; three words each, so that
+    every example fits a row whole (KTO's KL sequences borrow whole answers)."""
+    def short(text: str) -> str:
+        return " ".join(text.split()[:3])
+    return [{"messages": [{"role": "user", "content": short(pair["conversations"][0]["value"])},
+                          {"role": "assistant", "content": short(pair["chosen" if i % 2 else "rejected"]["value"])}],
              "label": bool(i % 2)} for i, pair in enumerate(dpo_records(count))]
 
 
@@ -208,7 +211,7 @@ def test_the_reference_costs_no_memory_beyond_sfts_on_the_same_rows():
 def llama_factory_dir(tmp_path: Path, records: list[dict], file_name: str, entry: dict) -> Path:
     """A LLaMA-Factory `data/` directory: `records` in `file_name` and a dataset_info.json naming them."""
     data = tmp_path / "data"
-    data.mkdir(exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
     (data / file_name).write_text(json.dumps(records))
     info = data / "dataset_info.json"
     entries = json.loads(info.read_text()) if info.exists() else {}
@@ -278,6 +281,13 @@ def test_bad_preference_settings_are_one_line_before_anything_runs(tmp_path):
                                                      "loss_weights": [1.0]}}}, r"1 weights for 2 loss types")
     refused({"training": {**training, "micro_batch_size": 1, "preference": {"objective": "kto"}},
              "data": {**base["data"], "kind": "unpaired_preference"}}, r"micro_batch_size 1 with KTO")
+    # KTO's KL sequences borrow answers whole: data cut at seq_len is refused by preflight, naming the seq_len
+    kto = JobConfig.from_dict({**kto_job(Path(base["model"]["path"]), tmp_path / "kto"),
+                               "data": {"kind": "unpaired_preference", "dataset_info": str(tmp_path / "kto" / "data"),
+                                        "name": "kto_en_demo", "seq_len": 64}})
+    with pytest.raises(ValueError, match=r"examples are longer than data.seq_len 64 .* raise data.seq_len to \d+, "
+                                         r"or use training.preference.loss_type apo_zero_unpaired"):
+        kto.preflight()
 
 
 @pytest.mark.job
