@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import weakref
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from vela_ray.training.equivalence import peft_losses
 from vela_ray.paths import data_dir
 from vela_ray.training.step import step_seed
 from vela_ray.training.summary import RunSummary
-from vela_ray.training.tiny_model import train_tokenizer
+from vela_ray.training.tiny_model import CHAT_TEMPLATE, train_tokenizer
 
 VOCAB = 256
 
@@ -64,6 +65,14 @@ def shakespeare_tokenizer(vocab: int = VOCAB, chat_template: str | None = None) 
     """A `vocab`-token BPE tokenizer trained on the first 200 kB of Tiny Shakespeare."""
     text = (data_dir() / "tinyshakespeare" / "input.txt").read_text()[:200_000]
     tokenizer = train_tokenizer(text, vocab)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def chat_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A 400-token BPE tokenizer trained on the first 30 kB of Tiny Shakespeare, with `chat_template`: the data
+    tests' (their rows are what TRL or the chat renderers must reproduce token for token)."""
+    tokenizer = train_tokenizer((data_dir() / "tinyshakespeare" / "input.txt").read_text()[:30_000], vocab_size=400)
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -111,6 +120,11 @@ def run_equal_to_peft(job: dict, rtol: float = 1e-5) -> tuple[JobConfig, RunSumm
     ref_losses, _ = reference_losses(config)
     torch.testing.assert_close(torch.tensor(summary.losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
     return config, summary
+
+
+def write_json(path: Path, records) -> Path:
+    path.write_text(json.dumps(records))
+    return path
 
 
 def write_job(path: Path, job: dict) -> Path:

@@ -74,6 +74,12 @@ def first_serial(serials: tuple[RunsSerially, ...], job: "JobConfig") -> RunsSer
     return next((serial for serial in serials if serial.applies(job)), None)
 
 
+def one_name_as_a_list(value: object) -> object:
+    """A list setting given one name (`report_to: wandb`, `loss_type: ipo`), as Hugging Face's and TRL's configs take
+    it: that name, listed."""
+    return [value] if isinstance(value, str) else value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     refusals: ClassVar[tuple[Refusal, ...]] = ()  # what this feature cannot combine with (`Refusal`)
@@ -467,11 +473,8 @@ class PreferenceSection(_Section):
         None, ge=0, description="the router's load-balancing loss coefficient added to the loss; None: the model "
         "config's own (router_aux_loss_coef), as TRL; 0 turns it off")
 
-    @field_validator("loss_type", mode="before")
-    @classmethod
-    def _one_loss_type_as_a_name(cls, value: object) -> object:
-        """`loss_type: ipo`, as TRL's configs take it: one loss, one name."""
-        return [value] if isinstance(value, str) else value
+    _one_loss_type_as_a_name = field_validator("loss_type", mode="before")(
+        classmethod(lambda cls, value: one_name_as_a_list(value)))  # `loss_type: ipo`, as TRL's configs take it
 
     @model_validator(mode="after")
     def _settings_fit_the_objective(self) -> "PreferenceSection":
@@ -714,11 +717,8 @@ class TrainingSection(_Section):
     tracker_project: str = Field("vela-ray", min_length=1, description="the MLflow experiment / W&B project the "
                                  "run is logged under; the run is named after output.dir and the run id")
 
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _one_tracker_as_a_name(cls, value: object) -> object:
-        """`report_to: wandb`, as Hugging Face's TrainingArguments take it: one tracker, one name."""
-        return [value] if isinstance(value, str) else value
+    _one_tracker_as_a_name = field_validator("report_to", mode="before")(
+        classmethod(lambda cls, value: one_name_as_a_list(value)))  # `report_to: wandb`, as TrainingArguments take it
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "TrainingSection":

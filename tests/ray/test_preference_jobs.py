@@ -1,5 +1,6 @@
-"""DPO and KTO as a user runs them (`vela train` over Ray): two data-parallel master actors, each scoring its whole examples, and
-the ExpertManager actors answering the reference pass's rows without LoRA; equal to TRL's DPOTrainer with peft."""
+"""DPO and KTO as a user runs them (`vela train` over Ray): two data-parallel master actors, each scoring its whole
+examples, and the ExpertManager actors answering the reference pass's rows without LoRA; equal to TRL's DPOTrainer and
+KTOTrainer with peft."""
 
 from __future__ import annotations
 

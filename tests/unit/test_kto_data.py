@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.fixtures import chat_tokenizer, write_json
 from vela_ray.data.config import DataConfig
 from vela_ray.data.datasets import BAD_RECORD, batch_at, build_data, micro_batches, sequential_batches
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.data.tokenized import PROMPT_FILLS, TokenizedDataset
 from vela_ray.paths import data_dir
-from vela_ray.training.tiny_model import CHAT_TEMPLATE, train_tokenizer
+from vela_ray.training.tiny_model import CHAT_TEMPLATE
 
-SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 LONG = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First Citizen: You are all "
         "resolved rather to die than to famish? All: Resolved. resolved. First Citizen: First, you know Caius Marcius "
         "is chief enemy to the people.")
@@ -49,14 +49,7 @@ KTO_EN_DEMO_ENTRY = {"file_name": "kto_en_demo.json", "formatting": "sharegpt",
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tokenizer = train_tokenizer(SHAKESPEARE.read_text()[:30_000], vocab_size=400)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def _write(path, records):
-    path.write_text(json.dumps(records))
-    return path
+    return chat_tokenizer()
 
 
 def _trl_records(records):
@@ -102,7 +95,7 @@ def _kto(path, seq_len=128, **options):
 
 
 def test_kto_en_demo_is_tokenised_truncated_and_dropped_as_trl_does(tokenizer, tmp_path, caplog):
-    path = _write(tmp_path / "kto_en_demo.json", KTO_DEMO)
+    path = write_json(tmp_path / "kto_en_demo.json", KTO_DEMO)
     for seq_len in (256, 100):
         with caplog.at_level(logging.INFO, logger="vela_ray.data.preference"):
             built = build_data(_kto(path, seq_len), tokenizer)
@@ -136,7 +129,7 @@ def test_trl_alpaca_and_sharegpt_layouts_read_as_the_same_examples(tokenizer, tm
                                    {"from": "gpt", "value": "No."}], "system": "Speak as a player.", "label": False}]
     strings = [{"messages": t["prompt"], "completion": t["completion"][0]["content"], "label": t["label"]}
                for t in trl]  # a prompt in `messages` and the completion a string
-    built = [build_data(_kto(_write(tmp_path / f"{name}.json", records), 128), tokenizer).dataset
+    built = [build_data(_kto(write_json(tmp_path / f"{name}.json", records), 128), tokenizer).dataset
              for name, records in (("trl", trl), ("alpaca", alpaca), ("sharegpt", sharegpt), ("strings", strings))]
     _assert_equals_trl(built[0], _trl_batch(tokenizer, trl, 128), tokenizer.pad_token_id)
     for other in built[1:]:
@@ -162,7 +155,7 @@ ODD_TEMPLATE = CHAT_TEMPLATE.replace("'<|' + message['role'] + '|>\\n' + message
 
 def test_data_chat_template_is_used_and_a_prompt_that_is_no_prefix_is_cut_as_trl_cuts_it(tokenizer, tmp_path,
                                                                                            caplog):
-    path = _write(tmp_path / "kto.json", KTO_DEMO[:3])
+    path = write_json(tmp_path / "kto.json", KTO_DEMO[:3])
     built = build_data(_kto(path, 96, chat_template=ODD_TEMPLATE), tokenizer)
     assert "for 3 of 3 examples the tokenised prompt is not a prefix of prompt + answer" in caplog.text
     theirs = copy.deepcopy(tokenizer)
@@ -176,8 +169,8 @@ def test_data_chat_template_is_used_and_a_prompt_that_is_no_prefix_is_cut_as_trl
 def _llama_factory_dir(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    _write(data / "kto_en_demo.json", KTO_DEMO[:3])
-    _write(data / "kto_alpaca.json", [{"q": "Who goes there?", "a": "A friend, my lord.", "good": True},
+    write_json(data / "kto_en_demo.json", KTO_DEMO[:3])
+    write_json(data / "kto_alpaca.json", [{"q": "Who goes there?", "a": "A friend, my lord.", "good": True},
                                       {"q": "Who goes there?", "a": "Nobody.", "good": False}])
     info = {"kto_en_demo": KTO_EN_DEMO_ENTRY,
             "kto_alpaca": {"file_name": "kto_alpaca.json", "columns": {"prompt": "q", "response": "a",
@@ -193,7 +186,7 @@ def test_an_entry_with_a_kto_tag_reads_as_unpaired_preference(tokenizer, tmp_pat
     demo = DataConfig(dataset_info=data, name="kto_en_demo", seq_len=128)
     assert (demo.kind, demo.columns, demo.tags["role_tag"]) == ("unpaired_preference", {"conversations": "messages"},
                                                                 "role")
-    direct = build_data(_kto(_write(tmp_path / "d.json", KTO_DEMO[:3])), tokenizer).dataset
+    direct = build_data(_kto(write_json(tmp_path / "d.json", KTO_DEMO[:3])), tokenizer).dataset
     from_entry = build_data(demo, tokenizer).dataset
     assert torch.equal(from_entry.input_ids, direct.input_ids) and torch.equal(from_entry.desirable, direct.desirable)
     alpaca = DataConfig(dataset_info=data, name="kto_alpaca", seq_len=128)
@@ -247,7 +240,7 @@ GOOD, BAD = KTO_DEMO[0], KTO_DEMO[1]
      r"record 1: field 'prompt' is text \(TRL's standard layout"),
 ])
 def test_bad_examples_are_one_line_naming_the_record_and_skipped_on_request(tokenizer, tmp_path, record, message):
-    path = _write(tmp_path / "bad.json", [GOOD, record, BAD])
+    path = write_json(tmp_path / "bad.json", [GOOD, record, BAD])
     with pytest.raises(ValueError, match=r"bad\.json: " + message) as err:
         build_data(_kto(path), tokenizer)
     assert "\n" not in str(err.value)
@@ -257,18 +250,18 @@ def test_bad_examples_are_one_line_naming_the_record_and_skipped_on_request(toke
 
 
 def test_pairs_are_refused_and_sft_kinds_refuse_labels(tokenizer, tmp_path):
-    pairs = _write(tmp_path / "dpo.json", [{**GOOD, "chosen": "A friend.", "rejected": "Nobody."}])
+    pairs = write_json(tmp_path / "dpo.json", [{**GOOD, "chosen": "A friend.", "rejected": "Nobody."}])
     with pytest.raises(ValueError, match=r"record 0: field 'chosen' is a preference pair \(chosen/rejected\); "
                                          r"data\.kind unpaired_preference reads one completion and its label per "
                                          r"record; use data\.kind: preference"):
         build_data(_kto(pairs), tokenizer)
     with pytest.raises(ValueError, match=r"record 0: field 'label' is a KTO desirable/undesirable tag; .*; use "
                                          r"data\.kind: unpaired_preference with training\.preference\.objective: kto"):
-        build_data(DataConfig(kind="chat", path=_write(tmp_path / "kto.json", [GOOD]), seq_len=64), tokenizer)
+        build_data(DataConfig(kind="chat", path=write_json(tmp_path / "kto.json", [GOOD]), seq_len=64), tokenizer)
 
 
 def test_options_that_do_not_fit_kto_are_refused(tmp_path):
-    path = _write(tmp_path / "kto.json", KTO_DEMO[:2])
+    path = write_json(tmp_path / "kto.json", KTO_DEMO[:2])
     with pytest.raises(ValueError, match=r"data\.packing does not apply to kind unpaired_preference: each example is "
                                          r"its prompt \+ completion in one padded row, as TRL's KTOTrainer lays it; "
                                          r"set data\.packing: false"):
@@ -290,7 +283,7 @@ LONG_BAD = {"messages": [_turn("user", LONG), _turn("assistant", "Ill said.")], 
                                               r"seq_len=40\); raise data\.seq_len or add examples labelled false$"),
 ])
 def test_data_whose_examples_carry_one_label_is_refused(tokenizer, tmp_path, records, options, message):
-    path = _write(tmp_path / "kto.json", records)
+    path = write_json(tmp_path / "kto.json", records)
     with pytest.raises(ValueError, match=message) as err:
         build_data(_kto(path, **options), tokenizer)
     assert "\n" not in str(err.value)
@@ -318,7 +311,7 @@ def test_batches_splits_and_subsets_carry_desirable(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"rows: desirable must be a bool tensor of one label per row \(10\), got "
                                          r"torch\.int64 \(10,\)"):
         TokenizedDataset(ids, ids.clone(), torch.ones_like(ids), "rows", desirable=labels.long())
-    built = build_data(_kto(_write(tmp_path / "kto.json", KTO_DEMO[:4])), tokenizer).dataset
+    built = build_data(_kto(write_json(tmp_path / "kto.json", KTO_DEMO[:4])), tokenizer).dataset
     batch = batch_at(built, 0, 4, seed=0)
     assert sorted(batch) == ["attention_mask", "desirable", "input_ids", "labels"]
     assert {key: value.dtype for key, value in batch.items()} == {

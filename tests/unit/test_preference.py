@@ -93,33 +93,22 @@ def assert_equal_to_trl(config: JobConfig, summary, rtol: float = 1e-5) -> None:
 
 
 @pytest.mark.job
-@pytest.mark.parametrize("family,preference", [
-    ("mixtral", {}),                                       # the router aux loss at the config's coefficient
-    ("qwen3_moe", {"router_aux_loss_coef": 0.0, "loss_type": ["sigmoid", "sft"]}),
-    ("deepseek_v3", {"loss_type": "ipo"}),                 # shared experts, a length-normalised loss
+@pytest.mark.parametrize("objective,family,preference", [
+    ("dpo", "mixtral", {}),                                    # the router aux loss at the config's coefficient
+    ("dpo", "qwen3_moe", {"router_aux_loss_coef": 0.0, "loss_type": ["sigmoid", "sft"]}),
+    ("dpo", "deepseek_v3", {"loss_type": "ipo"}),              # shared experts, a length-normalised loss
+    ("kto", "mixtral", {}),                                    # kto, its KL baseline, the aux loss
+    ("kto", "qwen3_moe", {"router_aux_loss_coef": 0.0, "loss_type": "apo_zero_unpaired"}),
+    ("kto", "deepseek_v3", {"desirable_weight": 1.5, "undesirable_weight": 0.5}),
 ])
-def test_dpo_in_one_process_equals_trl(tmp_path, family, preference):
+def test_preference_in_one_process_equals_trl(tmp_path, objective, family, preference):
     model_dir = make_checkpoint(tmp_path / "model", family, chat_template=CHAT_TEMPLATE)
-    config = JobConfig.from_dict(dpo_job(model_dir, tmp_path, **preference))
+    job = {"dpo": dpo_job, "kto": kto_job}[objective](model_dir, tmp_path, **preference)
+    config = JobConfig.from_dict(job)
     config.preflight()
     summary = run_in_process(config)
     assert_equal_to_trl(config, summary)
     assert summary.history[-1].eval_preference is not None and summary.history[-1].eval_loss is not None
-
-
-@pytest.mark.job
-@pytest.mark.parametrize("family,preference", [
-    ("mixtral", {}),                                                      # kto, its KL baseline, the aux loss
-    ("qwen3_moe", {"router_aux_loss_coef": 0.0, "loss_type": "apo_zero_unpaired"}),
-    ("deepseek_v3", {"desirable_weight": 1.5, "undesirable_weight": 0.5}),
-])
-def test_kto_in_one_process_equals_trl(tmp_path, family, preference):
-    model_dir = make_checkpoint(tmp_path / "model", family, chat_template=CHAT_TEMPLATE)
-    config = JobConfig.from_dict(kto_job(model_dir, tmp_path, **preference))
-    config.preflight()
-    summary = run_in_process(config)
-    assert_equal_to_trl(config, summary)
-    assert summary.history[-1].eval_preference is not None
 
 
 def test_the_reference_is_the_base_model_with_every_adapter_off(tmp_path):

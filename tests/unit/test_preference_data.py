@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.fixtures import chat_tokenizer, write_json
 from vela_ray.data.config import DataConfig
 from vela_ray.data.datasets import BAD_RECORD, batch_at, batch_rows, build_data, iterate_batches, sequential_batches
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.data.tokenized import PROMPT_FILLS, TokenizedDataset
 from vela_ray.paths import data_dir
-from vela_ray.training.tiny_model import CHAT_TEMPLATE, train_tokenizer
+from vela_ray.training.tiny_model import CHAT_TEMPLATE
 
-SHAKESPEARE = data_dir() / "tinyshakespeare" / "input.txt"
 LONG = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First Citizen: You are all "
         "resolved rather to die than to famish? All: Resolved. resolved. First Citizen: First, you know Caius Marcius "
         "is chief enemy to the people.")
@@ -41,14 +41,7 @@ ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tokenizer = train_tokenizer(SHAKESPEARE.read_text()[:30_000], vocab_size=400)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def _write(path, records):
-    path.write_text(json.dumps(records))
-    return path
+    return chat_tokenizer()
 
 
 def _trl_records(records):
@@ -93,7 +86,7 @@ def _assert_equals_trl(dataset, trl, pad_id):
 
 
 def test_sharegpt_pairs_are_tokenised_truncated_and_dropped_as_trl_does(tokenizer, tmp_path):
-    path = _write(tmp_path / "dpo_en_demo.json", SHAREGPT)
+    path = write_json(tmp_path / "dpo_en_demo.json", SHAREGPT)
     for seq_len in (256, 100):
         built = build_data(DataConfig(kind="preference", path=path, seq_len=seq_len), tokenizer)
         _assert_equals_trl(built.dataset, _trl_batch(tokenizer, _trl_records(SHAREGPT), seq_len),
@@ -120,7 +113,7 @@ def test_alpaca_openai_and_trl_layouts_read_as_the_same_pairs(tokenizer, tmp_pat
                                            else o["chosen"]["content"]}],
             "rejected": [{"role": "assistant", "content": o["rejected"]}]} for o in openai]
     implicit = [{"chosen": t["prompt"] + t["chosen"], "rejected": t["prompt"] + t["rejected"]} for t in trl]
-    built = [build_data(DataConfig(kind="preference", path=_write(tmp_path / f"{name}.json", records), seq_len=64),
+    built = [build_data(DataConfig(kind="preference", path=write_json(tmp_path / f"{name}.json", records), seq_len=64),
                         tokenizer).dataset for name, records in
              (("alpaca", alpaca), ("openai", openai), ("trl", trl), ("implicit", implicit))]
     _assert_equals_trl(built[0], _trl_batch(tokenizer, trl, 64), tokenizer.pad_token_id)
@@ -135,7 +128,7 @@ ODD_TEMPLATE = CHAT_TEMPLATE.replace("'<|' + message['role'] + '|>\\n' + message
 
 def test_data_chat_template_is_used_and_a_prompt_that_is_no_prefix_is_cut_as_trl_cuts_it(tokenizer, tmp_path,
                                                                                            caplog):
-    path = _write(tmp_path / "dpo.json", SHAREGPT[:2])
+    path = write_json(tmp_path / "dpo.json", SHAREGPT[:2])
     built = build_data(DataConfig(kind="preference", path=path, seq_len=96, chat_template=ODD_TEMPLATE), tokenizer)
     assert "for 2 of 2 pairs the tokenised prompt is not a prefix of prompt + answer" in caplog.text
     theirs = copy.deepcopy(tokenizer)
@@ -151,13 +144,13 @@ def test_data_chat_template_is_used_and_a_prompt_that_is_no_prefix_is_cut_as_trl
 def _llama_factory_dir(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    _write(data / "dpo_en_demo.json", [{"dialog": [{"speaker": "user", "text": m["value"]} if m["from"] == "human"
+    write_json(data / "dpo_en_demo.json", [{"dialog": [{"speaker": "user", "text": m["value"]} if m["from"] == "human"
                                                    else {"speaker": "bot", "text": m["value"]}
                                                    for m in r["conversations"] if m["from"] != "system"],
                                         "good": {"speaker": "bot", "text": r["chosen"]["value"]},
                                         "bad": {"speaker": "bot", "text": r["rejected"]["value"]}}
                                        for r in SHAREGPT[:1]])
-    _write(data / "alpaca_dpo.json", [{"question": "Who goes there?", "context": "", "good": "A friend, my lord.",
+    write_json(data / "alpaca_dpo.json", [{"question": "Who goes there?", "context": "", "good": "A friend, my lord.",
                                        "bad": "Nobody."}])
     tags = {"role_tag": "speaker", "content_tag": "text", "user_tag": "user", "assistant_tag": "bot"}
     info = {
@@ -182,7 +175,7 @@ def test_ranking_entries_read_as_preference(tokenizer, tmp_path):
     alpaca = DataConfig(dataset_info=data, name="dpo_alpaca", seq_len=64)
     assert (alpaca.kind, alpaca.columns) == (
         "preference", {"instruction": "question", "input": "context", "chosen": "good", "rejected": "bad"})
-    direct = build_data(DataConfig(kind="preference", path=_write(tmp_path / "d.json", SHAREGPT[:1]), seq_len=64),
+    direct = build_data(DataConfig(kind="preference", path=write_json(tmp_path / "d.json", SHAREGPT[:1]), seq_len=64),
                         tokenizer).dataset
     for config in (sharegpt, alpaca):
         assert torch.equal(build_data(config, tokenizer).dataset.input_ids, direct.input_ids)
@@ -225,7 +218,7 @@ GOOD = SHAREGPT[0]
      r"record 1: field 'prompt' is text \(TRL's standard layout"),
 ])
 def test_bad_pairs_are_one_line_naming_the_record_and_skipped_on_request(tokenizer, tmp_path, record, message):
-    path = _write(tmp_path / "bad.json", [GOOD, record, SHAREGPT[1]])
+    path = write_json(tmp_path / "bad.json", [GOOD, record, SHAREGPT[1]])
     with pytest.raises(ValueError, match=r"bad\.json: " + message) as err:
         build_data(DataConfig(kind="preference", path=path, seq_len=128), tokenizer)
     assert "\n" not in str(err.value)
@@ -235,12 +228,12 @@ def test_bad_pairs_are_one_line_naming_the_record_and_skipped_on_request(tokeniz
 
 
 def test_options_that_do_not_fit_pairs_are_refused_and_sft_kinds_refuse_pairs(tokenizer, tmp_path):
-    path = _write(tmp_path / "dpo.json", SHAREGPT[:1])
+    path = write_json(tmp_path / "dpo.json", SHAREGPT[:1])
     with pytest.raises(ValueError, match=r"data\.packing does not apply to kind preference: .*TRL's DPOTrainer"):
         DataConfig(kind="preference", path=path, packing=True)
     with pytest.raises(ValueError, match=r"data\.truncation keep_answer does not apply to kind preference"):
         DataConfig(kind="preference", path=path, truncation="keep_answer")
-    chat = _write(tmp_path / "chat.json", [{"messages": [{"role": "user", "content": "a"},
+    chat = write_json(tmp_path / "chat.json", [{"messages": [{"role": "user", "content": "a"},
                                                          {"role": "assistant", "content": "b"}], "chosen": "c"}])
     with pytest.raises(ValueError, match=r"record 0: field 'chosen' is a preference pair \(chosen/rejected\); .*; use "
                                          r"data\.kind: preference with training\.preference\.objective: dpo$"):
