@@ -17,7 +17,6 @@ from vela_ray.data.config import DataConfig
 from vela_ray.data.datasets import BAD_RECORD, batch_at, batch_rows, build_data, iterate_batches, sequential_batches
 from vela_ray.data.examples import IGNORE_INDEX
 from vela_ray.data.tokenized import PROMPT_FILLS, TokenizedDataset
-from vela_ray.paths import data_dir
 from vela_ray.training.tiny_model import CHAT_TEMPLATE
 
 LONG = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First Citizen: You are all "
