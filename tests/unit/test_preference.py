@@ -344,3 +344,23 @@ def test_every_loss_type_equals_trls_on_one_micro_batch(adapted_mixtral, tmp_pat
     for name, values in trl.metrics.items():
         if name in means:
             assert means[name] == pytest.approx(values[-1], rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.job
+def test_a_dpo_run_resumed_from_its_checkpoint_trains_as_the_whole_run(tmp_path):
+    """Checkpoints hold what a DPO run needs, as an SFT run's (adapters, AdamW, RNG, step): resumed at step 2 of 4,
+    the losses, TRL's metrics and the adapter are the whole run's."""
+    model_dir = make_checkpoint(tmp_path / "model", chat_template=CHAT_TEMPLATE)
+    job = dpo_job(model_dir, tmp_path, steps=4)
+    job["checkpoint"] = {"every": 2, "keep": 2}
+    full = run_in_process(JobConfig.from_dict(job))
+    job["output"] = {"dir": str(tmp_path / "resumed")}
+    job["checkpoint"].update(dir=str(tmp_path / "out" / "checkpoints"),
+                             resume=str(tmp_path / "out" / "checkpoints" / "step-000002"))
+    resumed = run_in_process(JobConfig.from_dict(job))
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses), rtol=1e-5, atol=0)
+    for ours, whole in zip(resumed.history[2:], full.history[2:]):
+        assert ours.preference == pytest.approx(whole.preference, rel=1e-5)
+    exported, whole = (load_file(Path(s.adapter_dir) / "adapter_model.safetensors") for s in (resumed, full))
+    for key, value in whole.items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-6)
