@@ -364,3 +364,16 @@ def test_a_dpo_run_resumed_from_its_checkpoint_trains_as_the_whole_run(tmp_path)
     exported, whole = (load_file(Path(s.adapter_dir) / "adapter_model.safetensors") for s in (resumed, full))
     for key, value in whole.items():
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.job
+def test_dpo_with_a_tensor_parallel_master_equals_trl(tmp_path):
+    """peft's `disable_adapter` reaches the tensor-parallel master's sharded LoRA layers: the reference of a master
+    split over 2 ranks is the base model too."""
+    model_dir = make_checkpoint(tmp_path / "model", chat_template=CHAT_TEMPLATE)
+    job = dpo_job(model_dir, tmp_path, steps=3, router_aux_loss_coef=0.0)
+    job["cluster"] = {**job["cluster"], "master_tp": 2}
+    config = JobConfig.from_dict(job)
+    summary = run_in_process(config)
+    assert summary.master_tp == 2
+    assert_equal_to_trl(config, summary)
