@@ -377,3 +377,17 @@ def test_dpo_with_a_tensor_parallel_master_equals_trl(tmp_path):
     summary = run_in_process(config)
     assert summary.master_tp == 2
     assert_equal_to_trl(config, summary)
+
+
+@pytest.mark.job
+def test_kto_with_two_masters_sums_its_kl_baseline_over_them_and_equals_trl(tmp_path):
+    """KTO's KL baseline is the whole micro-batch's mean: each of two data-parallel masters scores its own examples
+    and the two sum their KL terms over their group (each alone would differ: rel 5e-4 here)."""
+    model_dir = make_checkpoint(tmp_path / "model", chat_template=CHAT_TEMPLATE)
+    job = kto_job(model_dir, tmp_path, steps=3, router_aux_loss_coef=0.0)  # a router aux loss does not split
+    job["masters"] = {"count": 2}
+    config = JobConfig.from_dict(job)
+    summary = run_in_process(config)
+    assert summary.objective == "kto (kto, beta 0.2)" and len(summary.master_nodes) == 2
+    assert all(record.preference["kl"] >= 0 for record in summary.history)
+    assert_equal_to_trl(config, summary)
