@@ -348,13 +348,13 @@ class MasterGroup:
                 master_loss(self.config, 0, self.leader, self.migration, self.replicas, _device(self.leader))
         return self._loss
 
-    def step_sums(self, peer_steps: list[dict]) -> list[list[float]] | None:
+    def step_sums(self, peer_steps: list[dict]) -> list[dict[str, float]] | None:
         """A preference objective's metric sums of the step just run (`preference.take_sums`): master 0's and each
         data-parallel master's (their `peer_step` records); None for SFT."""
         own = take_sums(self.loss_fn())
         return None if own is None else [own, *(p["preference"] for p in peer_steps if p["preference"] is not None)]
 
-    def eval_sums(self) -> list[float] | None:
+    def eval_sums(self) -> dict[str, float] | None:
         """A preference objective's metric sums over the evaluations since the last call; None for SFT."""
         return take_sums(self._eval_loss)
 
@@ -537,7 +537,7 @@ def master_share(rank: int, num_masters: int, model: torch.nn.Module, device: to
 
 
 def peer_step(traffic: TrafficSnapshot, migration: SequenceMigration | None = None,
-              condensed: CondenserCounts | None = None, preference: list[float] | None = None) -> dict:
+              condensed: CondenserCounts | None = None, preference: dict[str, float] | None = None) -> dict:
     """What master 0's step record takes from a hosted rank's step: its traffic (with the tokens it routed to each
     expert), its bytes by its own link tiers, what its sequence migration moved, what its condenser counted in
     the step (None: condensation off) and its preference metrics' sums (None: SFT, or a TP rank past the first)."""
