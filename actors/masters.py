@@ -16,6 +16,7 @@ listening in master 0's process (`ProcessRendezvous`):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
@@ -42,8 +43,11 @@ NodeRendezvous = tuple[Rendezvous, int, int]  # a node group's store, this proce
 GROUP_TIMEOUT_S = 300.0  # a master that never reaches the gradient sum (it failed) is given up after this
 GROUP_BREAK_GRACE_S = 20.0  # after the group broke, how long master 0 waits for Ray to say which master failed
 # after master 0's step failed with tensor-parallel ranks: how long it waits for Ray to say whether one of its
-# ranks died (a dead rank breaks master 0's own collectives at once; live ones wait in theirs for master 0)
-RANK_LOSS_GRACE_S = 5.0
+# ranks died (a dead rank breaks master 0's own collectives at once; live ones wait in theirs for master 0). A
+# broken connection means a rank is gone: Ray is given long to say which (it took over 5 s on a loaded 2-core
+# machine); any other failure is master 0's own, and a short wait tells whether a rank's failure caused it.
+RANK_LOSS_GRACE_S = 30.0
+RANK_FAILURE_GRACE_S = 5.0
 
 
 class MasterRankActor(MasterRank):
@@ -126,19 +130,30 @@ def join_node(rendezvous: NodeRendezvous | None) -> dist.ProcessGroup | None:
 
 
 def _raise_if_failed(refs: list, timeout_s: float = 0.0) -> None:
-    """Raise the error of a failed one of `refs`, waiting up to `timeout_s` for them to end: a dead
-    master's (RayActorError) first, else the first error; those that finished well return."""
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    errors = []
-    for ref in ready:
+    """Raise the error of a failed one of `refs`, waiting up to `timeout_s` for them all to end: a dead
+    master's (RayActorError) as soon as Ray reports it, else the first error; those that finished well return."""
+    deadline = time.monotonic() + timeout_s
+    errors, left = [], list(refs)
+    while left:
+        ready, left = ray.wait(left, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
         try:
-            ray.get(ref)
+            ray.get(ready[0])
         except ray.exceptions.RayActorError:
             raise
         except Exception as err:  # noqa: BLE001 - a surviving master whose group broke; reported if none died
             errors.append(err)
     if errors:
         raise errors[0]
+
+
+def _connection_broke(error: BaseException) -> bool:
+    """Whether master 0's `error` is a collective whose peer went away (gloo's closed or reset socket, an NCCL
+    error): a rank died, and Ray will say which."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        mark in text for mark in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL"))
 
 
 def spawn_rank_actors(config: JobConfig, mesh: MasterMesh, nodes: list[str]) -> list:
@@ -209,12 +224,12 @@ class RayRanks:
         if replicas is not SINGLE:
             replicas.watch = lambda failed: _raise_if_failed(pending, GROUP_BREAK_GRACE_S if failed else 0)
 
-    def abort(self, pending: Pending) -> None:
+    def abort(self, pending: Pending, cause: BaseException) -> None:
         """The ranks may wait in the gradient sum (or a TP collective) master 0 left: they are ended (`close`, by
         the group). With TP ranks, a rank that died is named first (its RayActorError raised): its death is what
         broke master 0's step, as a gloo or NCCL error that does not say which process it was."""
         if self.mesh.tp > 1 or self.config.masters.shard_frozen_backbone:
-            _raise_if_failed(pending, RANK_LOSS_GRACE_S)
+            _raise_if_failed(pending, RANK_LOSS_GRACE_S if _connection_broke(cause) else RANK_FAILURE_GRACE_S)
 
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self.actors])

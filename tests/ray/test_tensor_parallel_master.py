@@ -10,13 +10,16 @@ degree resumes at another: tests/unit/test_master_group.py, in one process).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
+from actors.masters import RANK_FAILURE_GRACE_S, RANK_LOSS_GRACE_S, _connection_broke, _raise_if_failed
 from benchmarks._harness import kill_when
 from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
 from vela_ray.api import VelaJob
@@ -158,6 +161,31 @@ def test_a_killed_tensor_parallel_rank_stops_the_run_naming_it_and_the_checkpoin
     killer.join(timeout=10)
     assert killed, "master 0's second rank was never killed"
     assert time.monotonic() - killed["at"] < 60  # named well before the group's 300 s timeout
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class _Rank:
+    def dies_after(self, seconds: float) -> None:
+        time.sleep(seconds)
+        os._exit(1)
+
+    def sleeps(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_master_0_waits_for_ray_to_name_a_dead_rank_after_a_broken_connection_and_no_longer(ray_session):
+    """After master 0's collective broke (a peer's socket reset), the rank whose death broke it is named even when
+    Ray reports it seconds later (it took over 5 s on a loaded 2-core CI machine, and the run stopped with gloo's
+    bare error), and as soon as Ray does: a live rank still waiting in its collective is not waited for."""
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:41698: Connection reset by peer")
+    assert _connection_broke(gone) and not _connection_broke(ValueError("labels: expected a tensor"))
+    dying, waiting = _Rank.remote(), _Rank.remote()
+    start = time.monotonic()
+    with pytest.raises(ray.exceptions.RayActorError):
+        _raise_if_failed([waiting.sleeps.remote(120.0), dying.dies_after.remote(RANK_FAILURE_GRACE_S + 2)],
+                         RANK_LOSS_GRACE_S)
+    assert RANK_FAILURE_GRACE_S + 2 <= time.monotonic() - start < RANK_LOSS_GRACE_S
+    ray.kill(waiting)
 
 
 def test_a_tensor_parallel_master_recovers_from_a_killed_worker_and_a_killed_rank(runs, tmp_path):

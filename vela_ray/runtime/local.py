@@ -198,7 +198,7 @@ class ThreadRanks:
     def watch(self, replicas, pending: Pending) -> None:
         pass  # a failing rank releases the group itself (`_run`)
 
-    def abort(self, pending: list[Future]) -> None:
+    def abort(self, pending: list[Future], cause: BaseException) -> None:
         if self._rendezvous is not None:
             self._rendezvous.abort()
         wait(pending, timeout=RANK_LOSS_GRACE_S)

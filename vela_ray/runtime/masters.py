@@ -143,9 +143,9 @@ class RankHosts(Protocol):
         """While master 0 waits in a sum with the ranks running `pending`, raise a failed one's own error."""
         ...
 
-    def abort(self, pending: Pending) -> None:
-        """Master 0's step failed while the ranks ran `pending`: free the ranks waiting in a collective master 0
-        left, and raise a rank's own error if one failed (its death is what broke master 0's step)."""
+    def abort(self, pending: Pending, cause: BaseException) -> None:
+        """Master 0's part failed with `cause` while the ranks ran `pending`: free the ranks waiting in a collective
+        master 0 left, and raise a rank's own error if one failed (its death is what broke master 0's part)."""
         ...
 
     def pids(self) -> list[int]:
@@ -370,12 +370,13 @@ class MasterGroup:
         self.hosts.watch(self.replicas, pending)
         return lambda: self.hosts.wait(pending)
 
-    def abort(self) -> None:
-        """Master 0's step failed: free the hosted ranks from it (`RankHosts.abort`) and close them."""
+    def abort(self, cause: BaseException, pending: Pending | None = None) -> None:
+        """Master 0's step (or its part of `pending`, another joint call) failed with `cause`: free the hosted
+        ranks from it (`RankHosts.abort`, which raises a dead rank's error instead) and close them."""
         if self.hosts is None:
             return
         try:
-            self.hosts.abort(self._steps)
+            self.hosts.abort(self._steps if pending is None else pending, cause)
         finally:
             self.close()
 
@@ -406,7 +407,12 @@ class MasterGroup:
         mirrors = self._mirrors()
         pending = self.hosts.call(method, [{k: v.cpu() for k, v in b.items()} for b in batches],
                                   ranks=mirrors) if mirrors else []
-        yield
+        try:
+            yield
+        except BaseException as err:
+            if pending:
+                self.abort(err, pending)
+            raise
         if pending:
             self.hosts.wait(pending)
 

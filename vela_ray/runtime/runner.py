@@ -196,8 +196,8 @@ class JobRunner:
         try:
             loss = self.stepper.step(live, [on_device(m, self.spec.device) for m in micro], lr, step,
                                      live.masters.loss_fn())
-        except BaseException:
-            live.masters.abort()
+        except BaseException as err:
+            live.masters.abort(err)
             raise
         peer_steps = peers_done()
         step_time = time.perf_counter() - start
