@@ -23,6 +23,7 @@ from vela_ray.data.datasets import pack_text, sequential_batches
 from vela_ray.paths import data_dir
 from vela_ray.runtime.pool import capacity_from_memory
 from vela_ray.training import tiered as tiered_module
+from vela_ray.training.tiered import PROFILE_ROWS
 from vela_ray.training.expert_cache import DeviceExpertCache
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.model.experts import LoraSpec
@@ -76,7 +77,10 @@ def test_affinity_split_minimises_its_critical_path_over_every_subset():
         rows = [rng.choice([0, 1, 2, 5, 30, 200, 1000]) for _ in range(num)]
         resident = [rng.random() < 0.3 for _ in range(num)]
         cap = rng.randint(0, num)
-        speeds = TierSpeeds(cpu_s_per_row=rng.uniform(1e-6, 1e-4), device_s_per_row=1e-7,
+        slope = rng.uniform(1e-6, 1e-4)
+        # half the draws with a profiler table in which a few rows cost more per row than many
+        table = tuple((r, slope * r * (1 + 4 / r ** 0.5)) for r in (1, 16, 256)) if rng.random() < 0.5 else ()
+        speeds = TierSpeeds(cpu_s_per_row=slope, device_s_per_row=1e-7, cpu_table=table,
                             upload_bytes_per_s=rng.uniform(1e8, 1e11), bytes_per_expert=10**6)
         fixed = rng.choice([0.0, 1e-3])
         chosen = affinity_split(rows, resident, speeds, cap, fixed)
@@ -84,6 +88,23 @@ def test_affinity_split_minimises_its_critical_path_over_every_subset():
         best = min(critical_path_s(rows, resident, subset, speeds, fixed)
                    for subset in itertools.product([False, True], repeat=num) if sum(subset) <= cap)
         assert critical_path_s(rows, resident, chosen, speeds, fixed) == pytest.approx(best, rel=1e-12)
+
+
+def test_the_profilers_table_is_interpolated_and_its_dear_few_row_calls_move_small_experts_to_the_device():
+    table = ((1, 1e-3), (16, 1.6e-3), (256, 2.56e-2))  # one row: 1 ms; 16 rows: 0.1 ms a row
+    profiled = TierSpeeds(cpu_s_per_row=1e-4, cpu_table=table, device_s_per_row=1e-7, upload_bytes_per_s=1e9,
+                          bytes_per_expert=5 * 10**5)
+    assert profiled.cpu_seconds(0) == 0.0 and profiled.cpu_seconds(1) == 1e-3
+    assert profiled.cpu_seconds(8.5) == pytest.approx(1e-3 + 0.6e-3 / 2)  # halfway between its points
+    assert profiled.cpu_seconds(512) == pytest.approx(5.12e-2)  # past the table: its last seconds per row
+    assert profiled.device_seconds(256) == pytest.approx(256e-7)
+    # two 2-row experts and 0.5 ms per upload: by the slope the CPU's 0.4 ms beats any upload; by the table each
+    # costs the CPU ~1 ms, so both are uploaded (1 ms of loads, the CPU left idle)
+    slope = profiled.model_copy(update={"cpu_table": ()})
+    assert affinity_split([2, 2], [False, False], slope, max_device=2) == [False, False]
+    assert affinity_split([2, 2], [False, False], profiled, max_device=2) == [True, True]
+    with pytest.raises(ValueError, match=r"cpu_table: rows must ascend from 1 and seconds must not fall"):
+        TierSpeeds(cpu_s_per_row=1e-4, cpu_table=((1, 1e-3), (16, 5e-4)), bytes_per_expert=1)
 
 
 def papers_greedy(rows: list[int], speeds: TierSpeeds, fixed: float) -> list[bool]:
@@ -468,4 +489,6 @@ def test_a_tiered_manager_first_asked_without_grad_measures_its_speeds_all_the_s
     with mode():
         out = tiered.forward_rows(0, ids, rows)
     torch.testing.assert_close(out, make_manager(tiny_model_dir).forward_rows(0, ids, rows), rtol=0, atol=1e-6)
-    assert tiered.report().tiers.speeds.cpu_s_per_row > 0
+    speeds = tiered.report().tiers.speeds
+    assert speeds.cpu_s_per_row > 0 and [rows for rows, _ in speeds.cpu_table] == list(PROFILE_ROWS)
+    assert speeds.cpu_s_per_row == speeds.cpu_table[-1][1] / PROFILE_ROWS[-1]  # its table's largest call, per row

@@ -60,7 +60,9 @@ from vela_ray.training.tiers import (
 
 logger = logging.getLogger(__name__)
 
-SPEED_ROWS = 256  # rows per timing in `measure_speeds`: enough to be past launch overheads on a GPU
+# the row counts `measure_speeds` times (the profiler's lookup table, `TierSpeeds.cpu_table`): one row, a few, and
+# enough to be past launch overheads on a GPU, whose seconds per row also stand for larger calls
+PROFILE_ROWS = (1, 16, 256)
 _POPULARITY_DECAY = 0.5  # historical popularity: each request of a layer halves its experts' past rows
 
 
@@ -372,18 +374,21 @@ def _seconds_per_row(layer_experts: LayerExperts, expert: int, num_rows: int, re
     return min(timings[1:]) / num_rows
 
 
-def measure_speeds(tiered: TieredExperts, num_rows: int = SPEED_ROWS, repeats: int = 3) -> TierSpeeds:
-    """The worker's `TierSpeeds`, timed on its first hosted expert: CPU and device seconds per row, and the
-    host-to-device rate of one expert's upload from pinned memory. Without CUDA the device figures are
-    None, so every expert computes on the CPU. With a low-bit `upload_format` an upload is the wire form's
-    copy and its decoding, and moves the wire form's bytes."""
+def measure_speeds(tiered: TieredExperts, profile_rows: tuple[int, ...] = PROFILE_ROWS, repeats: int = 3
+                   ) -> TierSpeeds:
+    """The worker's `TierSpeeds`, timed on its first hosted expert: the profiler's lookup table of CPU and device
+    seconds per call at each of `profile_rows` (and the largest count's seconds per row), and the host-to-device
+    rate of one expert's upload from pinned memory. Without CUDA the device figures are None, so every expert
+    computes on the CPU. With a low-bit `upload_format` an upload is the wire form's copy and its decoding, and
+    moves the wire form's bytes."""
     layer_name, host_layer = next(iter(tiered.shard.layers.items()))
     layer, expert = int(layer_name), host_layer.expert_ids[0]
     host = tiered.upload_params((layer, expert))
     expert_bytes = sum(t.numel() * t.element_size() for t in host.values())
-    cpu_s = seconds_per_row(host_layer, expert, num_rows, repeats)
+    cpu_table = profile_table(host_layer, expert, profile_rows, repeats)
+    cpu = {"cpu_s_per_row": cpu_table[-1][1] / cpu_table[-1][0], "cpu_table": cpu_table}
     if tiered.device.type != "cuda":
-        return TierSpeeds(cpu_s_per_row=cpu_s, bytes_per_expert=expert_bytes)
+        return TierSpeeds(**cpu, bytes_per_expert=expert_bytes)
     copies = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -393,5 +398,17 @@ def measure_speeds(tiered: TieredExperts, num_rows: int = SPEED_ROWS, repeats: i
         copies.append(time.perf_counter() - start)
     view = expert_on_device(layer, tiered.prototype_of(layer), expert, params, tiered.lora,
                             host_layer.adapters[str(expert)], host_layer.dtype)
-    return TierSpeeds(cpu_s_per_row=cpu_s, device_s_per_row=seconds_per_row(view, expert, num_rows, repeats),
+    device_table = profile_table(view, expert, profile_rows, repeats)
+    return TierSpeeds(**cpu, device_s_per_row=device_table[-1][1] / device_table[-1][0], device_table=device_table,
                       upload_bytes_per_s=expert_bytes / min(copies[1:]), bytes_per_expert=expert_bytes)
+
+
+def profile_table(layer_experts: LayerExperts, expert: int, profile_rows: tuple[int, ...], repeats: int
+                  ) -> tuple[tuple[int, float], ...]:
+    """(rows, seconds of one call) at each of `profile_rows`, ascending; a timing below a smaller count's (noise)
+    is raised to it, so that more rows never cost less (`TierSpeeds` requires it)."""
+    table, floor = [], 0.0
+    for rows in sorted(profile_rows):
+        floor = max(floor, seconds_per_row(layer_experts, expert, rows, repeats) * rows)
+        table.append((rows, floor))
+    return tuple(table)

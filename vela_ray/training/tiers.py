@@ -21,10 +21,11 @@ the rule on small instances. Legend: E = the hosted experts of one MoE layer, in
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from itertools import accumulate
 from typing import Hashable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vela_ray.model.traffic import RowFormat
 
@@ -50,9 +51,10 @@ class ExpertTiersConfig(BaseModel):
 class TierSpeeds(BaseModel):
     """What Eq. 1 weighs, measured on the worker (`vela_ray.training.tiered.measure_speeds`).
 
-    Times are linear in rows: the paper's profiler tabulates every row count (a few rows cost the CPU
-    more per row, as they do not saturate its cores, §II-C 3); one slope per tier is what a worker
-    measures at start-up, and it errs towards the CPU's side only for the smallest experts.
+    The static profiler's lookup table (§III-B): a call's seconds at a few row counts per tier
+    (`cpu_table`, `device_table`), interpolated between them, since a few rows cost the CPU more per
+    row than many (they do not saturate its cores, §II-C 3); past the last count, that count's seconds
+    per row. Without a table a tier's time is linear in rows (`cpu_s_per_row`, `device_s_per_row`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -61,6 +63,18 @@ class TierSpeeds(BaseModel):
     device_s_per_row: float | None = Field(None, gt=0, description="the same on the device; None without one")
     upload_bytes_per_s: float | None = Field(None, gt=0, description="host-to-device copy rate; None without a device")
     bytes_per_expert: int = Field(ge=0, description="frozen weight bytes one expert upload moves")
+    cpu_table: tuple[tuple[int, float], ...] = Field(
+        (), description="(rows, CPU seconds of one expert's forward + backward over that many rows), rows ascending: "
+                        "the profiler's lookup table; empty: rows x cpu_s_per_row")
+    device_table: tuple[tuple[int, float], ...] = Field((), description="the same on the device")
+
+    @field_validator("cpu_table", "device_table")
+    @classmethod
+    def _ascending(cls, table: tuple[tuple[int, float], ...], info) -> tuple[tuple[int, float], ...]:
+        """Rows and seconds both ascending: a costlier call for fewer rows would make Eq. 1's split by rows inexact."""
+        if any(r1 <= r0 or t1 < t0 for (r0, t0), (r1, t1) in zip(table, table[1:])) or any(r < 1 for r, _ in table):
+            raise ValueError(f"{info.field_name}: rows must ascend from 1 and seconds must not fall; got {table}")
+        return table
 
     @property
     def has_device(self) -> bool:
@@ -68,11 +82,32 @@ class TierSpeeds(BaseModel):
         return self.device_s_per_row is not None and self.upload_bytes_per_s is not None
 
     def cpu_seconds(self, rows: float) -> float:
-        return rows * self.cpu_s_per_row
+        """Seconds the CPU computes one expert's `rows` (forward + backward)."""
+        return _looked_up(self.cpu_table, rows, self.cpu_s_per_row)
+
+    def device_seconds(self, rows: float) -> float:
+        """Seconds the device computes one expert's `rows`; infinite without a device tier."""
+        return _looked_up(self.device_table, rows, self.device_s_per_row) if self.has_device else float("inf")
 
     def load_seconds(self) -> float:
         """Seconds to upload one expert's frozen weights (Eq. 1's Load_expert)."""
         return self.bytes_per_expert / self.upload_bytes_per_s if self.upload_bytes_per_s else float("inf")
+
+
+def _looked_up(table: Sequence[tuple[int, float]], rows: float, s_per_row: float) -> float:
+    """A call's seconds for `rows` from a profiler `table` (linear between its points, from (0, 0) to its first,
+    at its last point's seconds per row past it), or `rows` x `s_per_row` without one."""
+    if rows <= 0:
+        return 0.0
+    if not table:
+        return rows * s_per_row
+    last_rows, last_s = table[-1]
+    if rows >= last_rows:
+        return last_s * rows / last_rows
+    points = [(0, 0.0), *table]
+    i = bisect_left([r for r, _ in points], rows)
+    (r0, t0), (r1, t1) = points[i - 1], points[i]
+    return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
 
 def affinity_split(rows_E: Sequence[int], resident_E: Sequence[bool], speeds: TierSpeeds, max_device: int,
@@ -142,8 +177,7 @@ def request_seconds_per_row(speeds: TierSpeeds, num_rows: int, num_experts: int,
     rows_E = [num_rows // num_experts + (e < num_rows % num_experts) for e in range(num_experts)]
     resident_E = [e < resident for e in range(num_experts)]
     on_device = affinity_split(rows_E, resident_E, speeds, max_device)
-    device_rows = sum(r for r, dev in zip(rows_E, on_device) if dev)
-    device_s = device_rows * speeds.device_s_per_row if device_rows else 0.0
+    device_s = sum(speeds.device_seconds(r) for r, dev in zip(rows_E, on_device) if dev)
     return (critical_path_s(rows_E, resident_E, on_device, speeds) + device_s) / num_rows
 
 
