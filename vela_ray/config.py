@@ -281,6 +281,28 @@ class FaultToleranceSection(_Section):
     max_recoveries: int = Field(3, ge=1, description="in-place recoveries per run before stopping as with `stop`")
 
 
+class StreamingSection(_Section):
+    """`masters.streaming`: the master's frozen backbone streamed block by block from host memory through a reusable
+    device buffer (ZO-Offloading, `vela_ray.model.streaming`). Every decoder layer's frozen weights live in host
+    memory (pinned on a GPU master) and are uploaded into one of `buffer_blocks` device slots just before the layer
+    runs, the next layers' uploads overlapping its compute on a side stream; LoRA, the embedding and the LM head stay
+    on the device. The device then holds `buffer_blocks` layers' frozen weights instead of all of them, for a backbone
+    larger than its memory. Exact: the uploads copy bytes, so the losses and adapter are the unstreamed run's bit for
+    bit. Forward only, so it needs `training.method: zo` (two no-grad forwards a step); a first-order backward would
+    need every block again, which is not built. ZO runs one master process, so tensor parallelism and several masters
+    do not arise; a quantized backbone (`model.quantization`) streams its quantized blocks. The layers' frozen
+    weights never reach the device whole: the master is built in host memory and only the rest is moved."""
+
+    buffer_blocks: int | None = Field(
+        None, ge=2, description="decoder layers the device buffer holds at once: one computing while the next "
+                                "upload, so at least 2 (more hide slower uploads behind more compute). None: off, "
+                                "the whole backbone resident on the master's device")
+
+    @property
+    def on(self) -> bool:
+        return self.buffer_blocks is not None
+
+
 class MastersSection(_Section):
     refusals = (
         Refusal("masters.shard_frozen_backbone and masters.sequence_migration",
@@ -317,6 +339,9 @@ class MastersSection(_Section):
                            "master's memory for them drops by (count-1)/count at the price of moving the backbone "
                            "over the masters' links every step; LoRA stays whole on every master. Exact. Worth it "
                            "where the masters share fast links (one node's GPUs), not across nodes")
+    streaming: StreamingSection = Field(
+        default_factory=StreamingSection, description="the frozen backbone streamed from host memory through a "
+                                                      "device buffer of a few layers (training.method: zo only)")
 
     @model_validator(mode="after")
     def _migration_needs_masters(self) -> "MastersSection":
@@ -856,6 +881,16 @@ class JobConfig(_Section):
         if objective == "sft" and kind in trains:
             raise ValueError(f"data.kind {kind} holds preference data, which supervised fine-tuning cannot train on; "
                              f"set training.preference.objective: {trains[kind]}")
+        return self
+
+    @model_validator(mode="after")
+    def _streaming_runs_forwards_only(self) -> "JobConfig":
+        """The streamed backbone has its blocks for the forward only (`StreamingSection`)."""
+        if self.masters.streaming.on and self.training.method != "zo":
+            raise ValueError(f"masters.streaming.buffer_blocks ({self.masters.streaming.buffer_blocks}) streams the "
+                             f"backbone for no-grad forwards only, and training.method {self.training.method}'s "
+                             "backward would need every block again: set training.method: zo, or leave "
+                             "masters.streaming.buffer_blocks unset")
         return self
 
     @model_validator(mode="after")

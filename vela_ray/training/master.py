@@ -27,6 +27,7 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
 from vela_ray.model.quantized_model import QuantizationSpec, quantize_as_read, quantize_backbone
+from vela_ray.model.streaming import BackboneStream, stream_backbone
 from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.expert_workers import ExpertWorkers
@@ -60,6 +61,8 @@ class MasterModel:
     tp_states: Callable[[bool], list[dict[str, torch.Tensor]]] | None = None
     """On the group's first rank: the other ranks' `shard_state`s (copied or not), in rank order, so that
     `master_state` gives the full tensors (set by the runtime that started the ranks)."""
+    stream: BackboneStream | None = None
+    """The decoder layers' frozen weights streamed from host memory (`masters.streaming`), None when resident."""
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
@@ -93,6 +96,7 @@ class MasterSpec:
     activation_checkpointing: bool = False
     overlap_shared_experts: bool = True  # `training.overlap.shared_experts`, where the job allows it
     quantization: QuantizationSpec | None = None  # `model.quantization`: the backbone's frozen linears held quantized
+    streaming_blocks: int | None = None  # `masters.streaming.buffer_blocks`: device slots of the streamed backbone
 
 
 def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
@@ -158,8 +162,9 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
     unread skeleton, `seeded_backbone(read=False)`; `read`: it holds the whole backbone already) with brokers over
     `transport` by `expert_to_worker` [L, E] and peft LoRA (same seed, so the same LoRA draws as one master's), then
     sharded over the TP `mesh` if any and filled, each tensor read once per `node` group (`shard_and_read`), moved to
-    `spec.device`, and its frozen backbone sharded over the data-parallel `dp_mesh` with FSDP2 if given. Returns it
-    and what it read, received and sent (None: it read nothing here)."""
+    `spec.device`, and its frozen backbone sharded over the data-parallel `dp_mesh` with FSDP2 if given, or streamed
+    from host memory (`spec.streaming_blocks`, `vela_ray.model.streaming`). Returns it and what it read, received
+    and sent (None: it read nothing here)."""
     with _BUILDING:  # the build seeds the process's RNG and draws from it: ranks hosted as threads take turns
         model = seeded_backbone(spec, read=False) if model is None else model
         master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
@@ -171,7 +176,10 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
         stats = shard_and_read(master, spec, mesh, node, holds_backbone=read)
     if spec.quantization is not None and spec.quantization.backbone:  # held so as read; any other layer now
         quantize_backbone(master.peft_model, spec.quantization)
-    master.peft_model.to(spec.device)
+    if spec.streaming_blocks is not None:  # the layers' frozen weights stay in host memory, the rest goes
+        master.stream = stream_backbone(master.peft_model, spec.streaming_blocks, spec.device)
+    else:
+        master.peft_model.to(spec.device)
     if dp_mesh is not None:
         tensor_parallel.shard_frozen(master.peft_model, dp_mesh)
     return master, stats

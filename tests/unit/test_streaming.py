@@ -1,0 +1,170 @@
+"""The master's frozen backbone streamed from host memory through a device buffer of a few decoder layers
+(`masters.streaming`, `vela_ray.model.streaming`): exact, bounded, overlapped, and refused where it cannot run.
+
+On the CPU the device is the stand-in the module describes (slots filled by a background thread), so all of it
+runs here; the tiny models get 4 decoder layers so that a buffer of 2 slots must evict and re-upload.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.equivalence import micro_batches, scattered_placement
+from tests.fixtures import job_dict, make_checkpoint, run_in_process
+from vela_ray.config import JobConfig
+from vela_ray.model.experts import LoraSpec
+from vela_ray.model.families import debug_model
+from vela_ray.model.streaming import StreamedLayer, stream_backbone
+from vela_ray.model.tensor_parallel import decoder_layers
+from vela_ray.training.master import build_local
+from vela_ray.training.schedule import OptimizerConfig
+from vela_ray.training.zo import ZoTrainer, forward_loss
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+LAYERS, BLOCKS = 4, 2
+
+
+def _zo_job(model_dir, out, **masters) -> dict:
+    return job_dict(model_dir, out, steps=2, masters=masters,
+                    training={"method": "zo", "zo": {"eps": 1e-2}, "optimizer": {"lr": 1e-2}})
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_streamed_zo_job_equals_the_resident_one_bitwise(family, tmp_path, caplog):
+    model_dir = make_checkpoint(tmp_path / "model", family=family, num_hidden_layers=LAYERS)
+    resident = run_in_process(JobConfig.from_dict(_zo_job(model_dir, tmp_path / "resident")))
+    with caplog.at_level(logging.INFO, logger="vela_ray.model.streaming"):
+        streamed = run_in_process(JobConfig.from_dict(_zo_job(model_dir, tmp_path / "streamed",
+                                                              streaming={"buffer_blocks": BLOCKS})))
+    assert f"backbone streamed: {LAYERS} decoder layers" in caplog.text  # the job did stream
+    assert streamed.losses == resident.losses and streamed.eval_loss == resident.eval_loss
+    ours, theirs = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors")
+                    for run in ("streamed", "resident"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_quantized_backbone_streams_too(tmp_path):
+    model_dir = make_checkpoint(tmp_path / "model", num_hidden_layers=LAYERS)
+    quantized = {"path": str(model_dir), "quantization": {"format": "int8", "experts": False}}
+    runs = [run_in_process(JobConfig.from_dict({**_zo_job(model_dir, tmp_path / name, **masters), "model": quantized}))
+            for name, masters in (("resident", {}), ("streamed", {"streaming": {"buffer_blocks": BLOCKS}}))]
+    assert runs[0].losses == runs[1].losses
+
+
+def _frozen_bytes(layer) -> tuple[int, int]:
+    """(bytes, tensors) of `layer`'s frozen parameters and persistent buffers, counted here, not by the stream."""
+    tensors = [p for p in layer.parameters() if not p.requires_grad]
+    tensors += [b for name, b in layer.named_buffers() if "inv_freq" not in name]
+    return sum(t.numel() * t.element_size() for t in tensors), len(tensors)
+
+
+@pytest.fixture
+def streamed_master():
+    """A master over the tiny Mixtral with 4 decoder layers, its losses on 2 micro-batches before streaming, then
+    streamed through 2 slots."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    experts = model.config.num_local_experts
+    master, workers = build_local(model, scattered_placement(LAYERS, experts), LoraSpec(r=4, alpha=8),
+                                  OptimizerConfig())
+    batches = micro_batches(0)
+    before = forward_loss(master, batches)
+    names = list(master.peft_model.state_dict())
+    layer_bytes = [_frozen_bytes(layer) for layer in decoder_layers(master.peft_model)]
+    stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"))
+    yield master, workers, stream, batches, before, names, layer_bytes
+    stream.close()
+
+
+def test_the_streamed_forward_reads_the_buffer_and_equals_the_resident_one(streamed_master):
+    master, _, stream, batches, before, names, _ = streamed_master
+    assert all(isinstance(layer, StreamedLayer) for layer in decoder_layers(master.peft_model))
+    assert list(master.peft_model.state_dict()) == names  # every tensor keeps its name (peft's, ZO's, checkpoints')
+    slots = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in stream.slots]
+    read = []
+    q_proj = decoder_layers(master.peft_model)[LAYERS - 1].self_attn.q_proj.base_layer
+    q_proj.register_forward_pre_hook(lambda module, _: read.append(module.weight.data_ptr()))
+    assert forward_loss(master, batches) == before  # bitwise, with every layer evicted and uploaded again
+    assert read and all(any(lo <= ptr < hi for lo, hi in slots) for ptr in read)  # computed from a slot
+    assert not any(lo <= q_proj.weight.data_ptr() < hi for lo, hi in slots)  # at rest: the host copy
+
+
+def test_the_buffer_holds_at_most_its_blocks_and_less_than_the_backbone(streamed_master):
+    master, workers, stream, batches, _, _, layer_bytes = streamed_master
+    ZoTrainer(eps=1e-2, seed=3).step(master, workers, batches, lr=1e-2, step=0)
+    largest = max(nbytes + 64 * count for nbytes, count in layer_bytes)  # + each tensor's alignment to 64 bytes
+    whole = sum(nbytes for nbytes, _ in layer_bytes)
+    # 4 layers of the same shape, 2 in the buffer at once: half the backbone's frozen layer bytes
+    assert 0 < stream.peak_bytes <= BLOCKS * largest
+    assert stream.peak_bytes < whole and stream.frozen_bytes >= whole
+    uploads = [e.layer for e in stream.trace if e.kind == "upload"]
+    assert len(uploads) > LAYERS  # layers were evicted and uploaded again in the step's passes
+
+
+def test_uploads_run_while_layers_compute(streamed_master):
+    master, _, stream, batches, _, _, _ = streamed_master
+    forward_loss(master, batches)
+    uploads = [e for e in stream.trace if e.kind == "upload"]
+    computes = [e for e in stream.trace if e.kind == "compute"]
+    assert [c.layer for c in computes] == list(range(LAYERS)) * len(batches)
+    # each compute starts after its own layer's latest upload ended ...
+    for c in computes:
+        own = [u for u in uploads if u.layer == c.layer and u.start < c.start]
+        assert own and own[-1].end <= c.start
+    # ... and the next layers' uploads run during it
+    assert any(u.start < c.end and c.start < u.end and u.layer != c.layer for u in uploads for c in computes)
+
+
+def test_a_buffer_as_large_as_the_backbone_uploads_each_layer_once():
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
+                            OptimizerConfig())
+    before = forward_loss(master, micro_batches(0))
+    stream = stream_backbone(master.peft_model, LAYERS + 2, torch.device("cpu"))
+    assert stream.buffer_blocks == LAYERS  # no slot more than there are layers
+    assert forward_loss(master, micro_batches(0)) == forward_loss(master, micro_batches(0)) == before
+    assert sorted(e.layer for e in stream.trace if e.kind == "upload") == list(range(LAYERS))
+    stream.close()
+
+
+def test_only_what_is_not_streamed_goes_to_the_device():
+    """Built in host memory, the master's layers' frozen weights never go to the device whole: streaming moves every
+    other tensor there (the meta device stands in for a GPU: the move is visible, the bytes are not spent)."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
+                            OptimizerConfig())
+    optimized = {id(p) for group in master.optimizer.param_groups for p in group["params"]}
+    stream = stream_backbone(master.peft_model, BLOCKS, torch.device("meta"))
+    streamed = {id(t) for layer in decoder_layers(master.peft_model)
+                for t in [p for p in layer.parameters() if not p.requires_grad] + list(layer.buffers())
+                if t.device.type == "cpu"}
+    assert streamed and all(s.is_meta for s in stream.slots)
+    for name, tensor in [*master.peft_model.named_parameters(), *master.peft_model.named_buffers()]:
+        in_layer = ".layers." in name and not tensor.requires_grad and "inv_freq" not in name
+        assert (id(tensor) in streamed) == in_layer and tensor.is_meta != in_layer, name
+    assert {id(p) for p in master.trainable_parameters()} == optimized  # moved in place: the optimizer's own
+    stream.close()
+
+
+def test_streaming_refuses_a_forward_with_grad(streamed_master):
+    master, _, _, batches, _, _, _ = streamed_master
+    with pytest.raises(RuntimeError, match=r"masters.streaming\) runs no-grad forwards only: a backward would need "
+                                           r"every block again"):
+        master.peft_model(**batches[0])
+
+
+@pytest.mark.parametrize("masters, training, message", [
+    ({"streaming": {"buffer_blocks": 1}}, {"method": "zo"},
+     r"^.*masters.streaming.buffer_blocks: must be greater than or equal to 2 \(got 1\)$"),
+    ({"streaming": {"buffer_blocks": 2}}, {},
+     r"^config: masters.streaming.buffer_blocks \(2\) streams the backbone for no-grad forwards only, and "
+     r"training.method first_order's backward would need every block again: set training.method: zo"),
+])
+def test_bad_streaming_settings_are_refused_in_one_line(tmp_path, masters, training, message):
+    with pytest.raises(ValueError, match=message) as err:
+        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", masters=masters, training=training))
+    assert "\n" not in str(err.value)

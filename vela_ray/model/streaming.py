@@ -1,0 +1,323 @@
+"""The master's frozen backbone streamed block by block from host memory (ZO-Offloading §4, `masters.streaming`).
+
+A zeroth-order step (`training.method: zo`) is two no-grad forward passes: a decoder layer's frozen weights are
+needed only while that layer runs, and never again for a backward. So the master keeps them in host memory (pinned
+on a GPU master) and holds on its device only a reusable buffer of `buffer_blocks` slots, each the size of the
+largest layer's frozen tensors: the device's memory for the decoder layers drops from all of them to
+`buffer_blocks` of them. The trainable LoRA tensors, the embedding, the final norm and the LM head stay resident.
+
+    stream = stream_backbone(master.peft_model, buffer_blocks=2, device=torch.device("cuda"))
+    with torch.no_grad():
+        loss = master.peft_model(**batch).loss           # every layer runs from a slot of the buffer
+    stream.peak_bytes, stream.trace                      # the most bytes the buffer held; uploads and computes
+
+How it runs. Every decoder layer (`tensor_parallel.decoder_layers`) is replaced in its ModuleList by a
+`StreamedLayer` that shares the layer's submodules and tensors (so every parameter keeps its name, peft's and the
+checkpoints'). At rest a layer's frozen tensors are views of one flat host copy of that layer (`_Block`). When
+layer i is called:
+
+  1. its upload is waited for (queued now if it was not: the first layer of the first pass);
+  2. the uploads of layers i+1 .. i+buffer_blocks-1 (wrapping around to the next pass's first layers) are queued
+     into the slots no layer of that window holds: their copies run while layer i computes;
+  3. the layer's frozen tensors are pointed at its slot and it runs; then they point at the host copy again, and
+     the slot is free once that compute is done.
+
+On a CUDA device the uploads are non-blocking copies from pinned memory on a side stream: the compute stream
+waits on the layer's upload event, and an upload into a slot waits on the event recorded after the compute that
+last read it. On the CPU the device is a stand-in: the upload is a copy from the host tensors into the slot on one
+background thread, so the overlap is as real (and as visible in `trace`) as on a GPU.
+
+Exact: an upload copies bytes, so a streamed forward equals the resident one bit for bit. Forward only: a layer
+run with grad enabled raises (backward would need every block again, which is not built), which is why
+`masters.streaming` needs `training.method: zo`. One forward at a time (ZO runs its micro-batches serially).
+Streamed are a layer's frozen parameters and its persistent buffers (a quantized backbone's weights,
+`model.quantization`); its non-persistent buffers (rotary frequencies) are small and stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Protocol
+
+import torch
+from torch import nn
+
+from vela_ray.model.tensor_parallel import decoder_layers
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64  # bytes: every tensor of a block starts at a multiple of this (any dtype's view of it is aligned)
+TRACE_EVENTS = 4096  # the latest uploads and computes a stream keeps (a long run's would grow without end)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One upload or one layer's compute, in `time.perf_counter` seconds (on CUDA: when the host issued it)."""
+
+    kind: Literal["upload", "compute"]
+    layer: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """Where one frozen tensor of a layer lives in its block's flat bytes."""
+
+    owner: nn.Module
+    name: str
+    is_param: bool
+    offset: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def view_in(self, flat: torch.Tensor) -> torch.Tensor:
+        nbytes = self.shape.numel() * self.dtype.itemsize
+        return flat[self.offset:self.offset + nbytes].view(self.dtype).view(self.shape)
+
+
+class _Block:
+    """A decoder layer's frozen tensors packed into one flat host tensor `host` [nbytes] (uint8), which they are
+    views of at rest; `point(flat)` makes them views of `flat` (a slot, or `host` again)."""
+
+    def __init__(self, layer: nn.Module, pin: bool):
+        self.tensors: list[_Tensor] = []
+        offset = 0
+        for owner, name, tensor, is_param in _frozen_tensors(layer):
+            self.tensors.append(_Tensor(owner, name, is_param, offset, tensor.dtype, tensor.shape))
+            offset += -(-tensor.numel() * tensor.dtype.itemsize // _ALIGN) * _ALIGN
+        self.nbytes = offset
+        self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+        for entry in self.tensors:
+            entry.view_in(self.host).copy_(_current(entry))
+        self.point(self.host)
+
+    def point(self, flat: torch.Tensor) -> None:
+        for entry in self.tensors:
+            view = entry.view_in(flat)
+            if entry.is_param:
+                entry.owner._parameters[entry.name].data = view
+            else:
+                entry.owner._buffers[entry.name] = view
+
+
+def _frozen_tensors(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
+    """(module, name, tensor, is_param) of every frozen parameter and persistent buffer under `layer`, once each."""
+    found, seen = [], set()
+    for module in layer.modules():
+        tensors = [(n, p, True) for n, p in module._parameters.items() if p is not None and not p.requires_grad]
+        tensors += [(n, b, False) for n, b in module._buffers.items()
+                    if b is not None and n not in module._non_persistent_buffers_set]
+        for name, tensor, is_param in tensors:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append((module, name, tensor, is_param))
+    return found
+
+
+def _current(entry: _Tensor) -> torch.Tensor:
+    table = entry.owner._parameters if entry.is_param else entry.owner._buffers
+    return table[entry.name].detach()
+
+
+class _Uploads(Protocol):
+    """How a block's bytes reach a slot, and how compute and uploads wait on each other."""
+
+    def upload(self, layer: int, block: _Block, slot: int, flat: torch.Tensor) -> None: ...
+
+    def before_compute(self, layer: int) -> None: ...  # returns once `layer`'s last upload is visible to its compute
+
+    def after_compute(self, slot: int) -> None: ...  # the compute that read `slot` is issued; a later upload waits
+
+    def close(self) -> None: ...
+
+
+class _ThreadUploads:
+    """The CPU stand-in: uploads run in order on one background thread while the caller computes."""
+
+    def __init__(self, trace: deque[TraceEvent]):
+        self.trace = trace
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vela-stream")
+        self.pending: dict[int, Future] = {}
+
+    def upload(self, layer: int, block: _Block, slot: int, flat: torch.Tensor) -> None:
+        def copy() -> None:
+            start = time.perf_counter()
+            flat[:block.nbytes].copy_(block.host)
+            self.trace.append(TraceEvent("upload", layer, start, time.perf_counter()))
+        self.pending[layer] = self.pool.submit(copy)
+
+    def before_compute(self, layer: int) -> None:
+        self.pending[layer].result()  # kept: a layer still in its slot at the next pass waits on it again, done
+
+    def after_compute(self, slot: int) -> None:
+        pass  # the compute ran on the caller's thread and is done: the slot is free
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class _CudaUploads:
+    """Non-blocking copies from pinned memory on a side stream, ordered against the compute stream by events."""
+
+    def __init__(self, device: torch.device, buffer_blocks: int, trace: deque[TraceEvent]):
+        self.device = device
+        self.trace = trace
+        self.stream = torch.cuda.Stream(device)
+        self.uploaded: dict[int, torch.cuda.Event] = {}
+        self.slot_read: list[torch.cuda.Event | None] = [None] * buffer_blocks
+
+    def upload(self, layer: int, block: _Block, slot: int, flat: torch.Tensor) -> None:
+        start = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            if self.slot_read[slot] is not None:
+                self.stream.wait_event(self.slot_read[slot])  # the slot's last reader is done before it is overwritten
+            flat[:block.nbytes].copy_(block.host, non_blocking=True)
+            self.uploaded[layer] = torch.cuda.Event()
+            self.uploaded[layer].record(self.stream)
+        self.trace.append(TraceEvent("upload", layer, start, time.perf_counter()))
+
+    def before_compute(self, layer: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.uploaded[layer])  # kept, as `_ThreadUploads`'
+
+    def after_compute(self, slot: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.slot_read[slot] = event
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+class BackboneStream:
+    """The decoder layers' frozen tensors in host memory, run through `buffer_blocks` device slots (see the module
+    docstring). `resident_bytes`: the bytes of the layers the slots hold now (uploaded or being uploaded);
+    `peak_bytes`: the most it held; `trace`: the latest `TRACE_EVENTS` uploads and computes, in the order they
+    ended."""
+
+    def __init__(self, layers: list[nn.Module], buffer_blocks: int, device: torch.device):
+        if buffer_blocks < 2:
+            raise ValueError(f"masters.streaming.buffer_blocks is {buffer_blocks}: it needs at least 2 (one block "
+                             "computing while the next uploads)")
+        self.blocks = [_Block(layer, pin=device.type == "cuda") for layer in layers]
+        self.buffer_blocks = min(buffer_blocks, len(self.blocks))
+        block_bytes = max(block.nbytes for block in self.blocks)
+        self.slots = [torch.empty(block_bytes, dtype=torch.uint8, device=device) for _ in range(self.buffer_blocks)]
+        self.trace: deque[TraceEvent] = deque(maxlen=TRACE_EVENTS)
+        self.uploads: _Uploads = (_CudaUploads(device, self.buffer_blocks, self.trace) if device.type == "cuda"
+                                  else _ThreadUploads(self.trace))
+        self.slot_of: dict[int, int] = {}  # layer -> the slot that holds it (or is receiving it)
+        self.layer_in: list[int | None] = [None] * self.buffer_blocks
+        self.resident_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Every streamed layer's frozen bytes: what the device would hold without streaming."""
+        return sum(block.nbytes for block in self.blocks)
+
+    def run(self, layer: int, forward: Callable[[], Any]) -> Any:
+        """Layer `layer`'s `forward()` with its frozen tensors in a slot, the next layers' uploads queued."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("the streamed backbone (masters.streaming) runs no-grad forwards only: a backward "
+                               "would need every block again, which is not built; run it under torch.no_grad() "
+                               "(training.method: zo does)")
+        window = [(layer + k) % len(self.blocks) for k in range(self.buffer_blocks)]
+        if layer not in self.slot_of:
+            self._load(layer, window)
+        self.uploads.before_compute(layer)
+        start = time.perf_counter()
+        for ahead in window[1:]:
+            if ahead not in self.slot_of:
+                self._load(ahead, window)
+        slot = self.slot_of[layer]
+        self.blocks[layer].point(self.slots[slot])
+        try:
+            return forward()
+        finally:
+            self.blocks[layer].point(self.blocks[layer].host)
+            self.uploads.after_compute(slot)
+            self.trace.append(TraceEvent("compute", layer, start, time.perf_counter()))
+
+    def _load(self, layer: int, window: list[int]) -> None:
+        """Queue `layer`'s upload into a slot that holds no layer of `window` (an empty one first)."""
+        slot = min((s for s, held in enumerate(self.layer_in) if held not in window),
+                   key=lambda s: self.layer_in[s] is not None)
+        evicted = self.layer_in[slot]
+        if evicted is not None:
+            del self.slot_of[evicted]
+            self.resident_bytes -= self.blocks[evicted].nbytes
+        self.slot_of[layer], self.layer_in[slot] = slot, layer
+        self.resident_bytes += self.blocks[layer].nbytes
+        self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
+        self.uploads.upload(layer, self.blocks[layer], slot, self.slots[slot])
+
+    def close(self) -> None:
+        """Wait for the uploads in flight and end the upload thread (the layers stay streamed)."""
+        self.uploads.close()
+
+
+class StreamedLayer(nn.Module):
+    """A decoder layer run through a `BackboneStream`. It shares the layer's submodules, parameters and buffers
+    (the same dicts), so every name and tensor of the model is as it was; the layer's own forward does the work."""
+
+    def __init__(self, layer: nn.Module, index: int, stream: BackboneStream):
+        super().__init__()
+        self._modules, self._parameters, self._buffers = layer._modules, layer._parameters, layer._buffers
+        self.__dict__["inner"] = layer  # not a submodule: its children are this module's already
+        self.index = index
+        self.stream = stream
+        self.training = layer.training
+
+    def forward(self, *args, **kwargs):
+        return self.stream.run(self.index, lambda: self.inner(*args, **kwargs))
+
+    def train(self, mode: bool = True) -> "StreamedLayer":
+        self.inner.train(mode)  # the layer's own flag too: some layers read `self.training`
+        return super().train(mode)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "inner":  # not set yet (a copy being built): nothing to fall back to
+                raise
+            return getattr(self.inner, name)  # the layer's plain attributes (e.g. `attention_type`)
+
+
+def stream_backbone(model: nn.Module, buffer_blocks: int, device: torch.device) -> BackboneStream:
+    """Stream `model`'s decoder layers (peft-wrapped or not, built in host memory) through `buffer_blocks` slots on
+    `device`: each layer replaced in its ModuleList by a `StreamedLayer`, its frozen tensors packed into host copies,
+    and every other tensor (LoRA, embedding, head, norms) moved to `device`. Never `model.to(device)`: the layers'
+    frozen weights would all land on the device at once, which is what streaming is for a model too big for."""
+    layers = decoder_layers(model)
+    stream = BackboneStream(list(layers), buffer_blocks, device)
+    for index, layer in enumerate(list(layers)):
+        layers[index] = StreamedLayer(layer, index, stream)
+    _move_resident(model, stream, device)
+    logger.info("backbone streamed: %d decoder layers, %.3g MB frozen in host memory, through %d device slots of "
+                "%.3g MB", len(layers), stream.frozen_bytes / 1e6, stream.buffer_blocks,
+                stream.slots[0].numel() / 1e6)
+    return stream
+
+
+def _move_resident(model: nn.Module, stream: BackboneStream, device: torch.device) -> None:
+    """Every parameter and buffer of `model` but the streamed ones onto `device` (parameters in place: the optimizer
+    holds them). A tensor is named by its owner's dict, which a `StreamedLayer` shares with its layer."""
+    streamed = {(id(entry.owner._parameters if entry.is_param else entry.owner._buffers), entry.name)
+                for block in stream.blocks for entry in block.tensors}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and (id(module._parameters), name) not in streamed:
+                moved = param.data.to(device)
+                if torch._has_compatible_shallow_copy_type(param, moved):  # CPU <-> CUDA
+                    param.data = moved
+                else:  # a device of another tensor kind (meta, XLA): the same Parameter object, swapped
+                    torch.utils.swap_tensors(param, nn.Parameter(moved, requires_grad=param.requires_grad))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and (id(module._buffers), name) not in streamed:
+                module._buffers[name] = buffer.to(device)
