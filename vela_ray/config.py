@@ -288,9 +288,10 @@ class StreamingSection(_Section):
     runs, the next layers' uploads overlapping its compute on a side stream; LoRA, the embedding and the LM head stay
     on the device. The device then holds `buffer_blocks` layers' frozen weights instead of all of them, for a backbone
     larger than its memory. Exact: the uploads copy bytes, so the losses and adapter are the unstreamed run's bit for
-    bit. Forward only, so it needs `training.method: zo` (two no-grad forwards a step); a first-order backward would
-    need every block again, which is not built. ZO runs one master process, so tensor parallelism and several masters
-    do not arise; a quantized backbone (`model.quantization`) streams its quantized blocks. The layers' frozen
+    bit. First-order training too: the forward's graph keeps no slot tensor, and the backward uploads each layer's
+    block again, the layers below it prefetched. A quantized backbone (`model.quantization`) streams its quantized
+    blocks. Not with activation checkpointing, a tensor-parallel master or FSDP2's sharded backbone (one line each,
+    before anything starts); micro-batches run one at a time through the buffer. The layers' frozen
     weights never reach the device whole: the master is built in host memory and only the rest is moved."""
 
     buffer_blocks: int | None = Field(
@@ -341,7 +342,7 @@ class MastersSection(_Section):
                            "where the masters share fast links (one node's GPUs), not across nodes")
     streaming: StreamingSection = Field(
         default_factory=StreamingSection, description="the frozen backbone streamed from host memory through a "
-                                                      "device buffer of a few layers (training.method: zo only)")
+                                                      "device buffer of a few layers")
 
     @model_validator(mode="after")
     def _migration_needs_masters(self) -> "MastersSection":
@@ -647,6 +648,8 @@ class OverlapSection(_Section):
                      lambda job: job.training.condensation.enabled),
         RunsSerially("training.method: zo", "a ZO step runs no backward to overlap",
                      lambda job: job.training.method == "zo"),
+        RunsSerially("masters.streaming.buffer_blocks", "the streamed backbone runs one forward (or backward) "
+                     "through its buffer at a time", lambda job: job.masters.streaming.on),
         RunsSerially("training.preference.objective: dpo", "its reference pass turns the master's adapters off in "
                      "the whole model (peft's disable_adapter), which another micro-batch would compute through",
                      lambda job: job.training.preference.on),
@@ -884,13 +887,22 @@ class JobConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _streaming_runs_forwards_only(self) -> "JobConfig":
-        """The streamed backbone has its blocks for the forward only (`StreamingSection`)."""
-        if self.masters.streaming.on and self.training.method != "zo":
-            raise ValueError(f"masters.streaming.buffer_blocks ({self.masters.streaming.buffer_blocks}) streams the "
-                             f"backbone for no-grad forwards only, and training.method {self.training.method}'s "
-                             "backward would need every block again: set training.method: zo, or leave "
-                             "masters.streaming.buffer_blocks unset")
+    def _streaming_combines(self) -> "JobConfig":
+        """What a streamed backbone (`StreamingSection`) cannot run with, one line each."""
+        blocks = self.masters.streaming.buffer_blocks
+        if blocks is None:
+            return self
+        for setting, on, why in (
+                ("training.activation_checkpointing", self.training.activation_checkpointing and
+                 self.training.method != "zo", "its recompute runs a layer again inside the backward, outside the "
+                 "stream that uploads the layer's block"),
+                ("cluster.master_tp above 1", self.cluster.master_tp > 1, "a tensor-parallel layer's weights are "
+                 "DTensor shards, not plain tensors a block can hold"),
+                ("masters.shard_frozen_backbone", self.masters.shard_frozen_backbone, "FSDP2 already keeps each "
+                 "layer's frozen weights sharded and gathers them per layer")):
+            if on:
+                raise ValueError(f"masters.streaming.buffer_blocks ({blocks}) and {setting} do not combine: {why}; "
+                                 f"turn one off")
         return self
 
     @model_validator(mode="after")

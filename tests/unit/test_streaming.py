@@ -33,14 +33,22 @@ def _zo_job(model_dir, out, **masters) -> dict:
                     training={"method": "zo", "zo": {"eps": 1e-2}, "optimizer": {"lr": 1e-2}})
 
 
+def _first_order_job(model_dir, out, **masters) -> dict:
+    return job_dict(model_dir, out, steps=2, masters=masters, training={"optimizer": {"lr": 1e-2}})
+
+
 @pytest.mark.job
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_a_streamed_zo_job_equals_the_resident_one_bitwise(family, tmp_path, caplog):
+@pytest.mark.parametrize("family, job, masters", [
+    ("mixtral", _zo_job, {}), ("qwen3_moe", _zo_job, {}),
+    ("mixtral", _first_order_job, {}), ("qwen3_moe", _first_order_job, {}),
+    ("mixtral", _first_order_job, {"count": 2}),  # two data-parallel masters, each streaming its own backbone
+], ids=["zo-mixtral", "zo-qwen3_moe", "sft-mixtral", "sft-qwen3_moe", "sft-2-masters"])
+def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tmp_path, caplog):
     model_dir = make_checkpoint(tmp_path / "model", family=family, num_hidden_layers=LAYERS)
-    resident = run_in_process(JobConfig.from_dict(_zo_job(model_dir, tmp_path / "resident")))
+    resident = run_in_process(JobConfig.from_dict(job(model_dir, tmp_path / "resident", **masters)))
     with caplog.at_level(logging.INFO, logger="vela_ray.model.streaming"):
-        streamed = run_in_process(JobConfig.from_dict(_zo_job(model_dir, tmp_path / "streamed",
-                                                              streaming={"buffer_blocks": BLOCKS})))
+        streamed = run_in_process(JobConfig.from_dict(job(model_dir, tmp_path / "streamed", **masters,
+                                                          streaming={"buffer_blocks": BLOCKS})))
     assert f"backbone streamed: {LAYERS} decoder layers" in caplog.text  # the job did stream
     assert streamed.losses == resident.losses and streamed.eval_loss == resident.eval_loss
     ours, theirs = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors")
@@ -150,21 +158,42 @@ def test_only_what_is_not_streamed_goes_to_the_device():
     stream.close()
 
 
-def test_streaming_refuses_a_forward_with_grad(streamed_master):
-    master, _, _, batches, _, _, _ = streamed_master
-    with pytest.raises(RuntimeError, match=r"masters.streaming\) runs no-grad forwards only: a backward would need "
-                                           r"every block again"):
-        master.peft_model(**batches[0])
+def test_a_backward_uploads_each_block_again_from_the_last_layer_and_its_gradients_are_the_resident_ones():
+    """Forward and backward through 2 slots of 4 layers: the graph keeps no slot (the buffer never holds more than
+    its 2 blocks), the backward uploads the evicted layers again, last first, and every LoRA gradient is the
+    resident model's to the bit."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
+                            OptimizerConfig())
+    batch = micro_batches(0)[0]
+
+    def gradients() -> dict[str, torch.Tensor]:
+        master.peft_model.zero_grad(set_to_none=True)
+        master.peft_model(**batch).loss.backward()
+        return {name: p.grad.clone() for name, p in master.peft_model.named_parameters() if p.requires_grad}
+
+    resident = gradients()
+    layer_bytes = [_frozen_bytes(layer) for layer in decoder_layers(master.peft_model)]
+    stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"))
+    streamed = gradients()
+    assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in resident)
+    assert stream.peak_bytes <= BLOCKS * max(nbytes + 64 * count for nbytes, count in layer_bytes)
+    uploads = [e.layer for e in stream.trace if e.kind == "upload"]
+    # the forward 0..3 (no wrap: layers 2 and 3 stay for the backward), then the backward's 1 and 0 again
+    assert uploads == [0, 1, 2, 3, 1, 0]
+    stream.close()
 
 
-@pytest.mark.parametrize("masters, training, message", [
-    ({"streaming": {"buffer_blocks": 1}}, {"method": "zo"},
+@pytest.mark.parametrize("masters, extra, message", [
+    ({"streaming": {"buffer_blocks": 1}}, {},
      r"^.*masters.streaming.buffer_blocks: must be greater than or equal to 2 \(got 1\)$"),
-    ({"streaming": {"buffer_blocks": 2}}, {},
-     r"^config: masters.streaming.buffer_blocks \(2\) streams the backbone for no-grad forwards only, and "
-     r"training.method first_order's backward would need every block again: set training.method: zo"),
+    ({"streaming": {"buffer_blocks": 2}}, {"training": {"activation_checkpointing": True}},
+     r"^config: masters.streaming.buffer_blocks \(2\) and training.activation_checkpointing do not combine: its "
+     r"recompute runs a layer again inside the backward, .*; turn one off$"),
+    ({"streaming": {"buffer_blocks": 3}}, {"cluster": {"master_tp": 2}},
+     r"^config: masters.streaming.buffer_blocks \(3\) and cluster.master_tp above 1 do not combine: .*DTensor"),
 ])
-def test_bad_streaming_settings_are_refused_in_one_line(tmp_path, masters, training, message):
+def test_bad_streaming_settings_are_refused_in_one_line(tmp_path, masters, extra, message):
     with pytest.raises(ValueError, match=message) as err:
-        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", masters=masters, training=training))
+        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", masters=masters, **extra))
     assert "\n" not in str(err.value)

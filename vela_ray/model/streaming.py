@@ -1,14 +1,14 @@
 """The master's frozen backbone streamed block by block from host memory (ZO-Offloading §4, `masters.streaming`).
 
-A zeroth-order step (`training.method: zo`) is two no-grad forward passes: a decoder layer's frozen weights are
-needed only while that layer runs, and never again for a backward. So the master keeps them in host memory (pinned
-on a GPU master) and holds on its device only a reusable buffer of `buffer_blocks` slots, each the size of the
-largest layer's frozen tensors: the device's memory for the decoder layers drops from all of them to
-`buffer_blocks` of them. The trainable LoRA tensors, the embedding, the final norm and the LM head stay resident.
+A decoder layer's frozen weights are needed only while that layer runs, forward and again backward. So the master
+keeps them in host memory (pinned on a GPU master) and holds on its device only a reusable buffer of
+`buffer_blocks` slots, each the size of the largest layer's frozen tensors: the device's memory for the decoder
+layers drops from all of them to `buffer_blocks` of them. The trainable LoRA tensors, the embedding, the final norm
+and the LM head stay resident.
 
     stream = stream_backbone(master.peft_model, buffer_blocks=2, device=torch.device("cuda"))
-    with torch.no_grad():
-        loss = master.peft_model(**batch).loss           # every layer runs from a slot of the buffer
+    loss = master.peft_model(**batch).loss               # every layer runs from a slot of the buffer
+    loss.backward()                                      # and again, uploaded once more, last layer first
     stream.peak_bytes, stream.trace                      # the most bytes the buffer held; uploads and computes
 
 How it runs. Every decoder layer (`tensor_parallel.decoder_layers`) is replaced in its ModuleList by a
@@ -17,21 +17,28 @@ checkpoints'). At rest a layer's frozen tensors are views of one flat host copy 
 layer i is called:
 
   1. its upload is waited for (queued now if it was not: the first layer of the first pass);
-  2. the uploads of layers i+1 .. i+buffer_blocks-1 (wrapping around to the next pass's first layers) are queued
-     into the slots no layer of that window holds: their copies run while layer i computes;
-  3. the layer's frozen tensors are pointed at its slot and it runs; then they point at the host copy again, and
-     the slot is free once that compute is done.
+  2. the uploads of layers i+1 .. i+buffer_blocks-1 are queued into the slots no layer of that window holds: their
+     copies run while layer i computes. A no-grad forward's window wraps around to the next pass's first layers
+     (ZO's two passes follow each other); one that keeps a graph stops at the last layer, which its backward needs
+     first;
+  3. the layer's frozen tensors are pointed at its slot and it runs; then they point at the host copy again.
+
+With grad enabled the forward runs under saved-tensor hooks: a tensor it saves that lies in the layer's slot (a
+frozen weight, or a view of one) is kept as where it lies (dtype, shape, strides, offset), not as the slot, which
+later layers overwrite; the backward asks for it again, and the layer's block is uploaded once more if it was
+evicted, the layers below it (which the backward reaches next) queued behind it. `expert_cache.DroppedWeights` does
+the same for a tiered worker's experts.
 
 On a CUDA device the uploads are non-blocking copies from pinned memory on a side stream: the compute stream
-waits on the layer's upload event, and an upload into a slot waits on the event recorded after the compute that
-last read it. On the CPU the device is a stand-in: the upload is a copy from the host tensors into the slot on one
-background thread, so the overlap is as real (and as visible in `trace`) as on a GPU.
+waits on the layer's upload event, and an upload into a slot waits for every kernel the compute stream had been
+given when the slot was chosen (those that read its previous layer). On the CPU the device is a stand-in: the
+upload is a copy from the host tensors into the slot on one background thread, so the overlap is as real (and as
+visible in `trace`) as on a GPU.
 
-Exact: an upload copies bytes, so a streamed forward equals the resident one bit for bit. Forward only: a layer
-run with grad enabled raises (backward would need every block again, which is not built), which is why
-`masters.streaming` needs `training.method: zo`. One forward at a time (ZO runs its micro-batches serially).
-Streamed are a layer's frozen parameters and its persistent buffers (a quantized backbone's weights,
-`model.quantization`); its non-persistent buffers (rotary frequencies) are small and stay.
+Exact: an upload copies bytes, so a streamed forward and backward equal the resident ones bit for bit. One pass at a
+time (micro-batches in flight run serially with it). Streamed are a layer's frozen parameters and its persistent
+buffers (a quantized backbone's weights, `model.quantization`); its non-persistent buffers (rotary frequencies)
+are small and stay.
 """
 
 from __future__ import annotations
@@ -131,8 +138,6 @@ class _Uploads(Protocol):
 
     def before_compute(self, layer: int) -> None: ...  # returns once `layer`'s last upload is visible to its compute
 
-    def after_compute(self, slot: int) -> None: ...  # the compute that read `slot` is issued; a later upload waits
-
     def close(self) -> None: ...
 
 
@@ -154,9 +159,6 @@ class _ThreadUploads:
     def before_compute(self, layer: int) -> None:
         self.pending[layer].result()  # kept: a layer still in its slot at the next pass waits on it again, done
 
-    def after_compute(self, slot: int) -> None:
-        pass  # the compute ran on the caller's thread and is done: the slot is free
-
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
@@ -164,18 +166,20 @@ class _ThreadUploads:
 class _CudaUploads:
     """Non-blocking copies from pinned memory on a side stream, ordered against the compute stream by events."""
 
-    def __init__(self, device: torch.device, buffer_blocks: int, trace: deque[TraceEvent]):
+    def __init__(self, device: torch.device, trace: deque[TraceEvent]):
         self.device = device
         self.trace = trace
         self.stream = torch.cuda.Stream(device)
         self.uploaded: dict[int, torch.cuda.Event] = {}
-        self.slot_read: list[torch.cuda.Event | None] = [None] * buffer_blocks
 
     def upload(self, layer: int, block: _Block, slot: int, flat: torch.Tensor) -> None:
         start = time.perf_counter()
+        # every kernel that reads the slot's previous layer (its forward, or its backward's) was issued before the
+        # stream chose to reuse the slot: the copy waits for what the compute stream has been given so far
+        issued = torch.cuda.Event()
+        issued.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            if self.slot_read[slot] is not None:
-                self.stream.wait_event(self.slot_read[slot])  # the slot's last reader is done before it is overwritten
+            self.stream.wait_event(issued)
             flat[:block.nbytes].copy_(block.host, non_blocking=True)
             self.uploaded[layer] = torch.cuda.Event()
             self.uploaded[layer].record(self.stream)
@@ -183,11 +187,6 @@ class _CudaUploads:
 
     def before_compute(self, layer: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.uploaded[layer])  # kept, as `_ThreadUploads`'
-
-    def after_compute(self, slot: int) -> None:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self.slot_read[slot] = event
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -208,7 +207,7 @@ class BackboneStream:
         block_bytes = max(block.nbytes for block in self.blocks)
         self.slots = [torch.empty(block_bytes, dtype=torch.uint8, device=device) for _ in range(self.buffer_blocks)]
         self.trace: deque[TraceEvent] = deque(maxlen=TRACE_EVENTS)
-        self.uploads: _Uploads = (_CudaUploads(device, self.buffer_blocks, self.trace) if device.type == "cuda"
+        self.uploads: _Uploads = (_CudaUploads(device, self.trace) if device.type == "cuda"
                                   else _ThreadUploads(self.trace))
         self.slot_of: dict[int, int] = {}  # layer -> the slot that holds it (or is receiving it)
         self.layer_in: list[int | None] = [None] * self.buffer_blocks
@@ -221,27 +220,52 @@ class BackboneStream:
         return sum(block.nbytes for block in self.blocks)
 
     def run(self, layer: int, forward: Callable[[], Any]) -> Any:
-        """Layer `layer`'s `forward()` with its frozen tensors in a slot, the next layers' uploads queued."""
-        if torch.is_grad_enabled():
-            raise RuntimeError("the streamed backbone (masters.streaming) runs no-grad forwards only: a backward "
-                               "would need every block again, which is not built; run it under torch.no_grad() "
-                               "(training.method: zo does)")
-        window = [(layer + k) % len(self.blocks) for k in range(self.buffer_blocks)]
+        """Layer `layer`'s `forward()` with its frozen tensors in a slot, the next layers' uploads queued. With grad
+        enabled the graph keeps no slot tensor: each is saved as where it lies in the block (`_pack`), and the
+        backward uploads the block again, the layers below it prefetched (`_unpack`)."""
+        grad = torch.is_grad_enabled()
+        # a no-grad forward's next layers wrap to the next pass's first (ZO's passes follow each other); one that
+        # keeps a graph stops at the last layer, whose block its backward needs first
+        window = [(layer + k) % len(self.blocks) if not grad else layer + k for k in range(self.buffer_blocks)]
+        slot = self._acquire(layer, [w for w in window if w < len(self.blocks)])
+        start = time.perf_counter()
+        self.blocks[layer].point(self.slots[slot])
+        try:
+            if not grad:
+                return forward()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(layer, slot, t), self._unpack):
+                return forward()
+        finally:
+            self.blocks[layer].point(self.blocks[layer].host)
+            self.trace.append(TraceEvent("compute", layer, start, time.perf_counter()))
+
+    def _acquire(self, layer: int, window: list[int]) -> int:
+        """The slot holding `layer` (`window[0]`) once its upload is visible to compute, the rest of `window` (the
+        layers that run next, in order) queued behind it."""
         if layer not in self.slot_of:
             self._load(layer, window)
         self.uploads.before_compute(layer)
-        start = time.perf_counter()
         for ahead in window[1:]:
             if ahead not in self.slot_of:
                 self._load(ahead, window)
-        slot = self.slot_of[layer]
-        self.blocks[layer].point(self.slots[slot])
-        try:
-            return forward()
-        finally:
-            self.blocks[layer].point(self.blocks[layer].host)
-            self.uploads.after_compute(slot)
-            self.trace.append(TraceEvent("compute", layer, start, time.perf_counter()))
+        return self.slot_of[layer]
+
+    def _pack(self, layer: int, slot: int, tensor: torch.Tensor) -> Any:
+        """A tensor the forward saves for backward: one in `layer`'s slot (a frozen weight, or a view of one) is kept
+        as where it lies, not as the slot's bytes, which the next layers overwrite."""
+        if tensor.device != self.slots[slot].device or \
+                tensor.untyped_storage().data_ptr() != self.slots[slot].untyped_storage().data_ptr():
+            return tensor
+        return layer, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        """The backward's tensor: its layer's block uploaded again if evicted (the layers below it, which the
+        backward reaches next, queued behind it), and the same view of it."""
+        if isinstance(packed, torch.Tensor):
+            return packed
+        layer, dtype, shape, stride, offset = packed
+        slot = self._acquire(layer, [layer - k for k in range(self.buffer_blocks) if layer - k >= 0])
+        return self.slots[slot].view(dtype).as_strided(shape, stride, offset)
 
     def _load(self, layer: int, window: list[int]) -> None:
         """Queue `layer`'s upload into a slot that holds no layer of `window` (an empty one first)."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -61,7 +60,6 @@ from vela_ray.training.preference import objective_loss, take_sums
 from vela_ray.training.replicas import SINGLE, Exchanger, ReplicaShare, Replicas
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
 from vela_ray.training.step import Batch, LossFn, eval_loss, master_compute_seconds, model_loss, train_step
-from vela_ray.training.zo import forward_loss
 
 logger = logging.getLogger(__name__)
 
@@ -391,12 +389,10 @@ class MasterGroup:
 
     def master_compute_s(self, micro_batch: Batch) -> float:
         """Seconds master 0 computes its share of `micro_batch`'s forward and backward, the experts stood in for
-        (`step.master_compute_seconds`; a streamed backbone's two ZO forwards, `_forwards_seconds`); the ranks that
-        compute its forwards with it run the same."""
+        (`step.master_compute_seconds`); the ranks that compute its forwards with it run the same."""
         with self._alongside("master_compute", [micro_batch]):
-            compute = master_compute_seconds if self.leader.stream is None else _forwards_seconds
-            return compute(self.leader, on_device(micro_batch, _device(self.leader)),
-                           own_share(self.config, 0, self.leader, _device(self.leader)))
+            return master_compute_seconds(self.leader, on_device(micro_batch, _device(self.leader)),
+                                          own_share(self.config, 0, self.leader, _device(self.leader)))
 
     def profile(self, batches: Sequence[Batch], blocks: list[MoeBlock], source: str = "") -> AccessProfile:
         """Master 0's routing profile over `batches` (`locality.profile_model`), computed with the same ranks."""
@@ -480,19 +476,6 @@ def master_spec(config: JobConfig) -> MasterSpec:
         overlap_shared_experts=config.training.overlap.overlaps_shared_experts(config),
         quantization=config.quantization_spec, streaming_blocks=config.masters.streaming.buffer_blocks,
     )
-
-
-def _forwards_seconds(master: MasterModel, micro_batch: Batch, loss_fn: LossFn, repeats: int = 2) -> float:
-    """A streamed master's compute of one micro-batch (`masters.streaming`, so `training.method: zo`, whose layers
-    run no backward): ZO's two no-grad forwards, the experts answered at once as `step.master_compute_seconds` has
-    them. Best of `repeats`."""
-    seconds = []
-    with master.dispatcher.answering_at_once():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            forward_loss(master, [micro_batch, micro_batch], loss_fn)
-            seconds.append(time.perf_counter() - start)
-    return min(seconds)
 
 
 def _device(master: MasterModel) -> torch.device:
