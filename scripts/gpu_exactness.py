@@ -1,12 +1,15 @@
 """The GPU battery's exactness part: vela-ray against transformers + peft on one device, in one process.
 
-Per family (debug Mixtral and debug Qwen3-MoE, built here: no hub, no data set), two checks:
+Per family (debug Mixtral and debug Qwen3-MoE, built here: no hub, no data set), three checks:
 
     fp32_job      a whole in-process job (`JobRunner` over `InProcessPool`) with the master and every
                   ExpertManager on the device (`cluster.workers_on_master = num_workers`, `master_gpus: 1`
                   on CUDA), its placement solved by the `improved` solver (the greedy start where cvxpy is
                   not installed), against plain peft on the same device over the very batches
                   (`equivalence.peft_losses`): losses equal within `--rtol` (1e-4)
+    streamed_job  the same job on the model with 4 decoder layers, the master's backbone streamed from host
+                  memory through 2 device slots (`masters.streaming`: pinned host copies, uploads on a side
+                  stream, the backward uploading the evicted layers again), against peft the same way
     bf16_factors  a bf16 model, LoRA factors and AdamW state in fp32, `--bf16-steps` (30) at lr 3e-5
                   (`equivalence.build_pair(..., device=)`): the expert factors' updates stay within the spread
                   bf16 rounding gives peft's own (`equivalence.rounding_excess`, as
@@ -43,7 +46,7 @@ import torch  # noqa: E402
 from benchmarks._harness import benchmark_device, command, parser, run, write_results  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe")
-CHECKS = ("fp32_job", "bf16_factors")
+CHECKS = ("fp32_job", "streamed_job", "bf16_factors")
 CORPUS = (ROOT / "README.md", ROOT / "deploy" / "README.md")
 VOCAB = 256
 BF16_LR = 3e-5  # the VELA paper's lr, held constant (tests/unit/test_bf16_expert_adapters.py)
@@ -69,9 +72,10 @@ def write_corpus(path: Path) -> Path:
     return path
 
 
-def build_checkpoint(family: str, corpus: Path, out: Path) -> tuple[Path, Path]:
-    """(model directory, start adapter): `family`'s debug model with a BPE tokenizer trained on `corpus`, and
-    a peft adapter with random A and B (every factor gets gradients from step 0) both sides start from."""
+def build_checkpoint(family: str, corpus: Path, out: Path, **config) -> tuple[Path, Path]:
+    """(model directory, start adapter): `family`'s debug model (`config` overriding its config) with a BPE tokenizer
+    trained on `corpus`, and a peft adapter with random A and B (every factor gets gradients from step 0) both
+    sides start from."""
     from peft import get_peft_model
 
     from vela_ray.model.adapters import full_lora_config
@@ -80,7 +84,7 @@ def build_checkpoint(family: str, corpus: Path, out: Path) -> tuple[Path, Path]:
     from vela_ray.training.tiny_model import train_tokenizer
 
     tokenizer = train_tokenizer(corpus.read_text(encoding="utf-8"), VOCAB)
-    model = debug_model(family, seed=0, vocab_size=len(tokenizer))
+    model = debug_model(family, seed=0, vocab_size=len(tokenizer), **config)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     lora = full_lora_config(model, LoraSpec(r=4, alpha=8))
@@ -92,14 +96,16 @@ def build_checkpoint(family: str, corpus: Path, out: Path) -> tuple[Path, Path]:
 
 # -- the checks -------------------------------------------------------------------------------------------
 
-def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: Path) -> dict:
+def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: Path, masters: dict | None = None,
+             **model_config) -> dict:
     """A whole job in this process, every ExpertManager on `device`, against peft on `device`."""
     from vela_ray.config import JobConfig
     from vela_ray.runtime.local import InProcessPool
     from vela_ray.runtime.runner import JobRunner
 
-    model_dir, adapter = build_checkpoint(family, write_corpus(work / "corpus.txt"), work)
+    model_dir, adapter = build_checkpoint(family, write_corpus(work / "corpus.txt"), work, **model_config)
     config = JobConfig.from_dict({
+        "masters": masters or {},
         "model": {"path": str(model_dir)},
         "data": {"kind": "text", "path": str(work / "corpus.txt"), "seq_len": 32, "limit": 200},
         "cluster": {"num_workers": 2, "workers_on_master": 2, "master_gpus": int(device.type == "cuda")},
@@ -118,6 +124,11 @@ def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: 
     if not worst <= args.rtol:
         result["error"] = f"losses {worst:.2e} off peft's (rtol {args.rtol:g})"
     return result
+
+
+def streamed_job(family: str, device: torch.device, args: argparse.Namespace, work: Path) -> dict:
+    """`fp32_job` with 4 decoder layers streamed through 2 device slots: every layer evicted and uploaded again."""
+    return fp32_job(family, device, args, work, masters={"streaming": {"buffer_blocks": 2}}, num_hidden_layers=4)
 
 
 def peft_reference(config, device: torch.device) -> tuple[list[float], dict]:
@@ -151,7 +162,8 @@ def bf16_factors(family: str, device: torch.device, args: argparse.Namespace, wo
     return result
 
 
-CHECK_FNS: dict[str, Callable[..., dict]] = {"fp32_job": fp32_job, "bf16_factors": bf16_factors}
+CHECK_FNS: dict[str, Callable[..., dict]] = {"fp32_job": fp32_job, "streamed_job": streamed_job,
+                                             "bf16_factors": bf16_factors}
 
 
 def run_check(name: str, family: str, device: torch.device, args: argparse.Namespace) -> dict:

@@ -50,10 +50,18 @@ def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tm
         streamed = run_in_process(JobConfig.from_dict(job(model_dir, tmp_path / "streamed", **masters,
                                                           streaming={"buffer_blocks": BLOCKS})))
     assert f"backbone streamed: {LAYERS} decoder layers" in caplog.text  # the job did stream
-    assert streamed.losses == resident.losses and streamed.eval_loss == resident.eval_loss
     ours, theirs = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors")
                     for run in ("streamed", "resident"))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert ours.keys() == theirs.keys()
+    if masters.get("count", 1) == 1:
+        assert streamed.losses == resident.losses and streamed.eval_loss == resident.eval_loss
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        return
+    # two masters' expert gradients reach the workers in either order: two resident runs differ as much
+    torch.testing.assert_close(streamed.losses + [streamed.eval_loss], resident.losses + [resident.eval_loss],
+                               rtol=1e-5, atol=0)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-5)
 
 
 def test_a_quantized_backbone_streams_too(tmp_path):
@@ -197,3 +205,35 @@ def test_bad_streaming_settings_are_refused_in_one_line(tmp_path, masters, extra
     with pytest.raises(ValueError, match=message) as err:
         JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", masters=masters, **extra))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_layers_stay_pinned_on_the_host_and_a_step_equals_the_resident_one():
+    """A master built in host memory and streamed onto the GPU: the layers' frozen weights are pinned host views, the
+    GPU holds the rest and 2 slots, and a forward and backward give the resident GPU model's loss and gradients."""
+    cuda = torch.device("cuda")
+
+    def master_on(streamed: bool):
+        model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+        master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts),
+                                LoraSpec(r=4, alpha=8), OptimizerConfig())
+        stream = stream_backbone(master.peft_model, BLOCKS, cuda) if streamed else master.peft_model.to(cuda)
+        return master, stream
+
+    def step(master) -> tuple[float, dict[str, torch.Tensor]]:
+        batch = {k: v.to(cuda) for k, v in micro_batches(0)[0].items()}
+        loss = master.peft_model(**batch).loss
+        loss.backward()
+        return float(loss), {n: p.grad.cpu() for n, p in master.peft_model.named_parameters() if p.requires_grad}
+
+    resident, _ = master_on(False)
+    want = step(resident)
+    streamed, stream = master_on(True)
+    layer = decoder_layers(streamed.peft_model)[0].self_attn.q_proj.base_layer.weight
+    assert layer.device.type == "cpu" and layer.is_pinned() and all(s.is_cuda for s in stream.slots)
+    assert next(streamed.peft_model.parameters()).is_cuda  # the embedding
+    got = step(streamed)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=1e-7)
+    stream.close()

@@ -108,5 +108,6 @@ def test_the_battery_s_cpu_form_runs_without_the_cluster_packages(tmp_path):
         assert exactness[family]["fp32_job"]["max_rel_diff"] <= 1e-4
         assert exactness[family]["fp32_job"]["lower_bound_s"] is None  # the greedy start: no cvxpy
         assert exactness[family]["bf16_factors"]["status"] == "ok"
+        assert exactness[family]["streamed_job"]["max_rel_diff"] <= 1e-4  # the backbone streamed through 2 slots
     assert "the same exchange over gloo on the CPU" in parts["nccl"]["reason"]
     assert parts["nccl"]["facts"]["gloo_smoke"] == {"backend": "gloo", "exact": True, "on_master_device": True}
