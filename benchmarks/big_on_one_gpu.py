@@ -1,4 +1,4 @@
-"""Benchmark: LoRA fine-tuning of a model bigger than the GPU, on one GPU, three ways side by side (issue 18).
+"""Benchmark: LoRA fine-tuning of a model bigger than the GPU, on one GPU, four ways side by side (issues 18, 50).
 
     peft_offload  transformers + peft with accelerate's CPU offload: `from_pretrained(device_map="auto",
                   max_memory={0: --gpu-memory, "cpu": ...})`, LoRA on attention and on the experts (peft's
@@ -11,6 +11,11 @@
                   as Eq. 1 decides (`vela_ray.training.tiered`)
     vela_zo       the same placement, `training.method: zo` (MeZO's ZO-SGD, `vela_ray.training.zo`): two
                   forwards per step, no backward (ZO-Offloading's setting)
+    vela_streamed vela_tiers with the backbone streamed too (`masters.streaming`, `vela_ray.model.streaming`):
+                  every decoder layer's frozen attention, norms and gate in pinned host memory, uploaded into
+                  `--buffer-blocks` reusable GPU slots as the layer runs, forward and again backward; the GPU
+                  keeps LoRA, the embedding and the head. The master is built in host memory (never on the GPU
+                  whole): a model too big for the GPU with nothing on it but the slots and the expert cache
 
 Model: Mixtral-8x7B's dimensions (mistralai/Mixtral-8x7B-v0.1's config.json: 32 layers, 8 experts top-2,
 hidden 4096, expert intermediate 14336, 32 heads / 8 KV heads, vocab 32000) with random weights, bf16;
@@ -106,7 +111,8 @@ from benchmarks.gpu_step import (  # noqa: E402
     LR, MAX_GRAD_NORM, Setup, error_line, expert_specs, random_model)
 
 RESULTS = ROOT / "benchmarks" / "results" / "big_on_one_gpu.json"
-SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
+SETUPS = ("peft_offload", "vela_tiers", "vela_zo", "vela_streamed")
+HOST_OF = {"vela_tiers": "resident", "vela_zo": "resident", "vela_streamed": "streamed"}  # which VelaHost runs it
 ZO_LR = 1e-6  # MeZO's scale of learning rates; the step's cost does not depend on it
 GIB, GB = 2.0 ** 30, 1e9
 KERNEL_WORKSPACE = 64 * 2**20  # cuBLAS's workspace on sm90 is 32 MiB per stream: the compute and upload streams
@@ -141,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GiB of GPU memory the setups may use: peft_offload's max_memory, the vela cache's sizing")
     p.add_argument("--host-memory", type=float, default=None,
                    help="GiB of host memory for peft_offload's max_memory['cpu'] (default: available - 8)")
+    p.add_argument("--buffer-blocks", type=int, default=2, help="vela_streamed: GPU slots of streamed layers")
     p.add_argument("--cache-experts", type=int, default=None,
                    help="experts the vela setups' GPU cache holds (default: what --gpu-memory leaves)")
     p.add_argument("--peft-load", choices=("auto", "from_pretrained", "dispatch"), default="auto",
@@ -271,6 +278,7 @@ class Run(Setup):
 
     info: dict = field(default_factory=dict)  # how it was built (load path, offload, fix-ups, cache)
     tiers: Callable[[], object] | None = None  # the ExpertManager's tier counters, for the vela setups
+    streamed: Callable[[], float] | None = None  # vela_streamed: the most GB its GPU slots held
     model: nn.Module | None = None  # the trained (peft) model, for tests
 
 
@@ -460,14 +468,16 @@ def cache_experts_for(args, config, dtype) -> tuple[int, dict]:
 
 
 class VelaHost:
-    """vela-ray with tiered experts in this process: built once, shared by vela_tiers and vela_zo."""
+    """vela-ray with tiered experts in this process: built once, shared by vela_tiers and vela_zo; with `streamed`
+    its backbone streamed through `--buffer-blocks` GPU slots (vela_streamed)."""
 
-    def __init__(self, config, dtype, device, args):
+    def __init__(self, config, dtype, device, args, streamed: bool = False):
         from vela_ray.model.experts import LoraSpec
         from vela_ray.model.transport import InProcessTransport
         from vela_ray.training.expert_manager import ExpertManager
         from vela_ray.training.schedule import OptimizerConfig
         from vela_ray.training.expert_workers import ExpertWorkers
+        from vela_ray.model.streaming import stream_backbone
         from vela_ray.training.master import build_master
         from vela_ray.training.tiers import ExpertTiersConfig
 
@@ -485,10 +495,18 @@ class VelaHost:
         # an actor's thread has grad on; `tiered.seconds_per_row` would need its own torch.enable_grad())
         with torch.enable_grad():
             self.manager.tiers.measured_speeds()
-        model = random_model(config, dtype, device, with_experts=False, seed=args.seed)
+        # streamed: built in host memory, as the runner builds a streamed master (the layers never on the GPU)
+        model = random_model(config, dtype, torch.device("cpu") if streamed else device, with_experts=False,
+                             seed=args.seed)
         self.master = build_master(model, table, InProcessTransport([self.manager]),
                                    LoraSpec(r=args.rank, alpha=2.0 * args.rank), OptimizerConfig(lr=LR))
-        self.master.peft_model.to(device)  # as the runner does; everything but the brokers is there already
+        self.stream = None
+        if streamed:
+            self.stream = stream_backbone(self.master.peft_model, args.buffer_blocks, device)
+            self.info.update(buffer_blocks=self.stream.buffer_blocks,
+                             streamed_layers_gb=self.stream.frozen_bytes / GB)
+        else:
+            self.master.peft_model.to(device)  # as the runner does; everything but the brokers is there already
         self.workers = ExpertWorkers.in_process([self.manager])
         self.zo_steps, self.seed = 0, args.seed
 
@@ -508,9 +526,12 @@ class VelaHost:
 
     def run(self, method: str) -> Run:
         step = self.first_order if method == "first_order" else self.zo
-        return Run(step, info={"method": method, **self.info}, tiers=lambda: self.manager.report().tiers)
+        return Run(step, info={"method": method, **self.info}, tiers=lambda: self.manager.report().tiers,
+                   streamed=(lambda: self.stream.peak_bytes / GB) if self.stream is not None else None)
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         self.__dict__.clear()
         gc.collect()
 
@@ -581,8 +602,10 @@ def run_setup(name: str, build: Callable[[], Run], args, device: torch.device, b
         peak_gpu = torch.cuda.max_memory_allocated() / GIB if cuda and error is None else None
         info = dict(run.info) if run is not None else {}
         after = run.tiers() if run is not None and run.tiers is not None and error is None else None
+        if run is not None and run.streamed is not None and error is None:
+            info["peak_buffer_gb"] = run.streamed()
         if run is not None:
-            run.close()  # the vela setups' close is a no-op: their host goes on to vela_zo (closed by main)
+            run.close()  # the vela setups' close is a no-op: their host goes on to the next (closed by main)
         del run
         gc.collect()
         if cuda:
@@ -635,6 +658,9 @@ def print_table(results: dict, summary: dict) -> None:
                   f"{fix.get('lora_factors_made_off_meta', 0)} LoRA pairs off meta, "
                   f"{fix.get('experts_hooks_moved_to_peft_wrapper', 0)} experts hooks moved"
                   + (f"; {info['note']}" if info.get("note") else ""))
+        if "peak_buffer_gb" in info:
+            print(f"  {name}: layers' frozen {info['streamed_layers_gb']:.2f} GB in host memory, streamed through "
+                  f"{info['buffer_blocks']} GPU slots that held at most {info['peak_buffer_gb']:.2f} GB")
         tiers = r.get("tiers")
         if tiers:
             per = tiers["per_step"]
@@ -683,24 +709,25 @@ def main(argv=None) -> int:
     batch = {"input_ids": input_ids, "labels": input_ids}
     host: VelaHost | None = None
 
-    def vela(method: str) -> Callable[[], Run]:
+    def vela(method: str, streamed: bool = False) -> Callable[[], Run]:
         def build() -> Run:
             nonlocal host
             if host is None:
-                host = VelaHost(config, dtype, device, args)
+                host = VelaHost(config, dtype, device, args, streamed=streamed)
             return host.run(method)
         return build
 
     builders = {"peft_offload": lambda: build_peft_offload(config, dtype, device, args),
-                "vela_tiers": vela("first_order"), "vela_zo": vela("zo")}
+                "vela_tiers": vela("first_order"), "vela_zo": vela("zo"),
+                "vela_streamed": vela("first_order", streamed=True)}
     out = args.out or (RESULTS if device.type == "cuda" else None)
     results: dict[str, dict] = {}
-    for name in [s for s in SETUPS if s in args.setups]:  # peft_offload first: it must release the host first
+    chosen = [s for s in SETUPS if s in args.setups]  # peft_offload first: it must release the host first
+    for name, after in zip(chosen, [*chosen[1:], None]):
         print(f"{name} ...", flush=True)
         results[name] = run_setup(name, builders[name], args, device, batch)
-        if name == "vela_zo" or "vela_zo" not in args.setups:
-            if host is not None:
-                host.close()
+        if host is not None and HOST_OF.get(after) != HOST_OF.get(name):  # the next setup needs another host
+            host.close()
             host = None
         if out:  # after every setup: a later crash (or timeout) keeps what ran
             write_results(out, report(argv, args, device, config, dtype, results))

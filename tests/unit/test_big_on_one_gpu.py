@@ -15,14 +15,14 @@ import torch
 from benchmarks import big_on_one_gpu as bench
 from benchmarks._harness import without_machine_paths
 
-SETUPS = ("peft_offload", "vela_tiers", "vela_zo")
+SETUPS = ("peft_offload", "vela_tiers", "vela_zo", "vela_streamed")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.job
-def test_smoke_run_trains_all_three_setups_and_reports_the_tiers(tmp_path):
+def test_smoke_run_trains_every_setup_and_reports_the_tiers_and_the_stream(tmp_path):
     out = tmp_path / "big.json"
     argv = ["--device", "cpu", "--tiny", "--warmup", "1", "--steps", "2", "--offload-dir", str(tmp_path),
             "--out", str(out)]
@@ -50,7 +50,10 @@ def test_smoke_run_trains_all_three_setups_and_reports_the_tiers(tmp_path):
     zo = runs["vela_zo"]
     assert zo["info"]["method"] == "zo"
     assert zo["tiers"]["per_step"]["rows_cpu"] == 2 * 2 * 32 * 2 * 2  # two forwards a step, no backward
-    assert set(result["ratios"]) >= {"vela_tiers/peft_offload", "vela_zo/peft_offload"}
+    streamed = runs["vela_streamed"]
+    assert streamed["losses"] == runs["vela_tiers"]["losses"]  # the same model and steps, its layers streamed
+    assert 0 < streamed["info"]["peak_buffer_gb"] <= streamed["info"]["streamed_layers_gb"]
+    assert set(result["ratios"]) >= {"vela_tiers/peft_offload", "vela_zo/peft_offload", "vela_streamed/peft_offload"}
     assert result["ratios"]["goal_met"] is None  # nothing offloaded on a CPU: not a measurement of the goal
     assert {p["paper"] for p in result["papers"]} == {"APTMoE (SC'24)", "ZO-Offloading"}
 
@@ -133,7 +136,7 @@ def test_a_failing_setup_is_recorded_and_the_next_ones_run_with_the_json_already
     monkeypatch.setattr(bench, "build_peft_offload", broken)
     monkeypatch.setattr(bench.VelaHost, "run", run_after_reading_the_json)
     argv = ["--device", "cpu", "--tiny", "--warmup", "0", "--steps", "1", "--offload-dir", str(tmp_path),
-            "--out", str(out)]
+            "--out", str(out), "--setups", "peft_offload", "vela_tiers", "vela_zo"]
     assert bench.main(argv) == 0
     assert [list(r) for r in on_disk_when_vela_ran] == [["peft_offload"], ["peft_offload", "vela_tiers"]]
     assert on_disk_when_vela_ran[0]["peft_offload"]["error"] == "RuntimeError: cudaErrorLaunchFailure"
