@@ -20,6 +20,7 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.streaming import StreamedLayer, stream_backbone
 from vela_ray.model.tensor_parallel import decoder_layers
+from vela_ray.observability.report import summary_text
 from vela_ray.training.master import build_local
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.training.zo import ZoTrainer, forward_loss
@@ -50,6 +51,10 @@ def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tm
         streamed = run_in_process(JobConfig.from_dict(job(model_dir, tmp_path / "streamed", **masters,
                                                           streaming={"buffer_blocks": BLOCKS})))
     assert f"backbone streamed: {LAYERS} decoder layers" in caplog.text  # the job did stream
+    record = streamed.streaming  # the summary says so, and what the slots held
+    assert resident.streaming is None and record.layers == LAYERS and record.buffer_blocks == BLOCKS
+    assert 0 < record.peak_bytes <= BLOCKS * record.slot_bytes < record.frozen_bytes and record.uploads > LAYERS
+    assert f"backbone streamed (masters.streaming): {LAYERS} layers'" in summary_text(streamed)
     ours, theirs = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors")
                     for run in ("streamed", "resident"))
     assert ours.keys() == theirs.keys()

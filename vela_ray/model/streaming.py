@@ -195,8 +195,8 @@ class _CudaUploads:
 class BackboneStream:
     """The decoder layers' frozen tensors in host memory, run through `buffer_blocks` device slots (see the module
     docstring). `resident_bytes`: the bytes of the layers the slots hold now (uploaded or being uploaded);
-    `peak_bytes`: the most it held; `trace`: the latest `TRACE_EVENTS` uploads and computes, in the order they
-    ended."""
+    `peak_bytes`: the most it held; `uploads`, `upload_bytes`: the blocks copied into slots so far; `trace`: the
+    latest `TRACE_EVENTS` uploads and computes, in the order they ended."""
 
     def __init__(self, layers: list[nn.Module], buffer_blocks: int, device: torch.device):
         if buffer_blocks < 2:
@@ -207,12 +207,13 @@ class BackboneStream:
         block_bytes = max(block.nbytes for block in self.blocks)
         self.slots = [torch.empty(block_bytes, dtype=torch.uint8, device=device) for _ in range(self.buffer_blocks)]
         self.trace: deque[TraceEvent] = deque(maxlen=TRACE_EVENTS)
-        self.uploads: _Uploads = (_CudaUploads(device, self.trace) if device.type == "cuda"
-                                  else _ThreadUploads(self.trace))
+        self.copier: _Uploads = (_CudaUploads(device, self.trace) if device.type == "cuda"
+                                 else _ThreadUploads(self.trace))
         self.slot_of: dict[int, int] = {}  # layer -> the slot that holds it (or is receiving it)
         self.layer_in: list[int | None] = [None] * self.buffer_blocks
         self.resident_bytes = 0
         self.peak_bytes = 0
+        self.uploads = self.upload_bytes = 0
 
     @property
     def frozen_bytes(self) -> int:
@@ -244,7 +245,7 @@ class BackboneStream:
         layers that run next, in order) queued behind it."""
         if layer not in self.slot_of:
             self._load(layer, window)
-        self.uploads.before_compute(layer)
+        self.copier.before_compute(layer)
         for ahead in window[1:]:
             if ahead not in self.slot_of:
                 self._load(ahead, window)
@@ -278,11 +279,13 @@ class BackboneStream:
         self.slot_of[layer], self.layer_in[slot] = slot, layer
         self.resident_bytes += self.blocks[layer].nbytes
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
-        self.uploads.upload(layer, self.blocks[layer], slot, self.slots[slot])
+        self.uploads += 1
+        self.upload_bytes += self.blocks[layer].nbytes
+        self.copier.upload(layer, self.blocks[layer], slot, self.slots[slot])
 
     def close(self) -> None:
         """Wait for the uploads in flight and end the upload thread (the layers stay streamed)."""
-        self.uploads.close()
+        self.copier.close()
 
 
 class StreamedLayer(nn.Module):

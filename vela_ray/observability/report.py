@@ -245,6 +245,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         *([row_format_text(s)] if s.row_format != "exact" else []),
         *([memory_text(s)] if s.bytes_per_expert else []),
         *([tiers_text(s)] if s.expert_tiers else []),
+        *([streaming_text(s)] if s.streaming else []),
         *([masters_text(s)] if len(s.master_nodes) > 1 or s.master_tp > 1 else []),
         *([f"family {s.family_check}"] if s.family_check else []),
         *data_lines(s.data),
@@ -344,6 +345,14 @@ def memory_text(s: RunSummary) -> str:
     held = (f"frozen weights held in {s.quantization} (LOSSY against the full-width model, model.quantization)"
             if s.quantization else "frozen weights at the checkpoint's width")
     return f"{s.bytes_per_expert / MiB:.2f} MiB per hosted expert with its LoRA state; {held}"
+
+
+def streaming_text(s: RunSummary) -> str:
+    """One line on master 0's streamed backbone (`masters.streaming`)."""
+    st = s.streaming
+    return (f"backbone streamed (masters.streaming): {st.layers} layers' {st.frozen_bytes / MiB:.2f} MiB of frozen "
+            f"weights in host memory, through {st.buffer_blocks} device slots that held at most "
+            f"{st.peak_bytes / MiB:.2f} MiB; {st.uploads} uploads, {st.upload_bytes / MiB:.1f} MiB")
 
 
 def tiers_text(s: RunSummary) -> str:

@@ -24,7 +24,7 @@ from vela_ray.storage import is_remote
 from vela_ray.training.worker_report import hosted_bytes_per_expert
 from vela_ray.training.preference import metric_means
 from vela_ray.training.summary import (
-    CondensationRecord, DataRecord, PlacementRecord, RunSummary, StepRecord, step_breakdown,
+    CondensationRecord, DataRecord, PlacementRecord, RunSummary, StepRecord, StreamingRecord, step_breakdown,
 )
 
 
@@ -194,6 +194,7 @@ class StepAccounting:
             run_id=None if state.identity is None else state.identity.run_id,
             condensation=CondensationRecord.of(dispatcher.condenser, self.peers_condensed),
             expert_tiers=[report.tiers for report in reports if report.tiers is not None],
+            streaming=StreamingRecord.of(live.master.stream),
             report=run_file(config.output, out_dir, "report.html"),
         )
 

@@ -309,6 +309,32 @@ class CondensationRecord(_Record):
         return sum(self.bytes_saved.values())
 
 
+class StreamingRecord(_Record):
+    """`masters.streaming`: master 0's decoder layers streamed from host memory through a few device slots
+    (`vela_ray.model.streaming`), counted over this process's part of the run."""
+
+    layers: int
+    buffer_blocks: int
+    frozen_bytes: int
+    """Every streamed layer's frozen bytes: what the device would hold without streaming."""
+    slot_bytes: int
+    """One slot: the largest layer's frozen bytes."""
+    peak_bytes: int
+    """The most the slots held at once."""
+    uploads: int
+    """Layer blocks copied from host memory into a slot (forward, prefetch, and again for backward)."""
+    upload_bytes: int
+
+    @classmethod
+    def of(cls, stream) -> StreamingRecord | None:
+        """From master 0's `streaming.BackboneStream` at the end of the run; None when it is not streamed."""
+        if stream is None:
+            return None
+        return cls(layers=len(stream.blocks), buffer_blocks=stream.buffer_blocks, frozen_bytes=stream.frozen_bytes,
+                   slot_bytes=stream.slots[0].numel(), peak_bytes=stream.peak_bytes, uploads=stream.uploads,
+                   upload_bytes=stream.upload_bytes)
+
+
 class RunSummary(_Record):
     """A finished run (see the module docstring)."""
 
@@ -384,6 +410,8 @@ class RunSummary(_Record):
     expert_tiers: list[TierCounters] = Field(default_factory=list)
     """APTMoE's CPU/device tiers per worker (`expert_tiers`): experts and rows per tier, uploads,
     predictor accuracy, measured speeds; empty when the tiers are off."""
+    streaming: StreamingRecord | None = None
+    """Master 0's streamed backbone (`masters.streaming`); None when its layers were resident."""
     paths_relative: bool = False
     """Whether the paths of the run's files (`_paths`) are relative to its dir, as `write` stores them; False in
     memory (`load` resolves them) and in a summary.json written before, whose paths are as the run named them."""
