@@ -291,13 +291,19 @@ class StreamingSection(_Section):
     bit. First-order training too: the forward's graph keeps no slot tensor, and the backward uploads each layer's
     block again, the layers below it prefetched. A quantized backbone (`model.quantization`) streams its quantized
     blocks. Not with activation checkpointing, a tensor-parallel master or FSDP2's sharded backbone (one line each,
-    before anything starts); micro-batches run one at a time through the buffer. The layers' frozen
+    before anything starts); micro-batches run one at a time through the buffer. `upload_format` moves the layers
+    in fewer bits (LOSSY). The layers' frozen
     weights never reach the device whole: the master is built in host memory and only the rest is moved."""
 
     buffer_blocks: int | None = Field(
         None, ge=2, description="decoder layers the device buffer holds at once: one computing while the next "
                                 "upload, so at least 2 (more hide slower uploads behind more compute). None: off, "
                                 "the whole backbone resident on the master's device")
+    upload_format: RowFormat = Field(
+        "exact", description="how a layer's frozen weights travel from host memory to its slot: exact, or LOSSY "
+                             "bfloat16 / float8 (e4m3, a scale per row; ZO-Offloading §5.4): the host keeps that form "
+                             "beside the exact one, an upload copies half or about a quarter of the bytes and the "
+                             "slot decodes them, so the layers compute with the rounded weights")
 
     @property
     def on(self) -> bool:
@@ -909,7 +915,8 @@ class JobConfig(_Section):
     def _row_format_that_changes_something(self) -> "JobConfig":
         row_format = self.data_plane.row_format
         for field, value in (("data_plane.row_format", row_format),
-                             ("expert_tiers.upload_format", self.expert_tiers.upload_format)):
+                             ("expert_tiers.upload_format", self.expert_tiers.upload_format),
+                             ("masters.streaming.upload_format", self.masters.streaming.upload_format)):
             if value == "bfloat16" and self.model.dtype == "bfloat16":
                 raise ValueError(f"{field}: bfloat16 with model.dtype: bfloat16 saves nothing (the tensors are "
                                  "bf16 already): use exact, or float8 for fewer bytes")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from tests.equivalence import micro_batches, scattered_placement
 from tests.fixtures import job_dict, make_checkpoint, run_in_process
 from vela_ray.config import JobConfig
+from vela_ray.model import wire
 from vela_ray.model.experts import LoraSpec
 from vela_ray.model.families import debug_model
 from vela_ray.model.streaming import StreamedLayer, stream_backbone
@@ -82,6 +83,30 @@ def _frozen_bytes(layer) -> tuple[int, int]:
     tensors = [p for p in layer.parameters() if not p.requires_grad]
     tensors += [b for name, b in layer.named_buffers() if "inv_freq" not in name]
     return sum(t.numel() * t.element_size() for t in tensors), len(tensors)
+
+
+@pytest.mark.parametrize("upload_format, ratio, rtol", [("bfloat16", 0.5, 1e-2), ("float8", 0.3, 5e-2)])
+def test_a_low_bit_upload_moves_fewer_bytes_and_computes_with_the_rounded_weights(upload_format, ratio, rtol):
+    """`masters.streaming.upload_format` (LOSSY): an upload copies the block's low-bit form (half the bytes in bf16,
+    about a quarter plus a scale per row in float8) and the slot decodes it; the loss moves by the rounding only, and
+    every layer computes with exactly `wire.decode(wire.encode(w))`."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
+                            OptimizerConfig())
+    batches = micro_batches(0)
+    exact = forward_loss(master, batches)
+    q_proj = decoder_layers(master.peft_model)[1].self_attn.q_proj.base_layer
+    original = q_proj.weight.detach().clone()
+    rounded = wire.decode(wire.encode(original, upload_format), torch.float32)
+    stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"), upload_format)
+    seen = []
+    q_proj.register_forward_pre_hook(lambda module, _: seen.append(module.weight.detach().clone()))
+    lossy = forward_loss(master, batches)
+    assert lossy != exact and lossy == pytest.approx(exact, rel=rtol)
+    assert seen and all(torch.equal(weight, rounded) for weight in seen)
+    assert torch.equal(q_proj.weight.detach(), original)  # at rest: the exact host copy
+    assert stream.upload_bytes <= ratio * stream.uploads * max(block.nbytes for block in stream.blocks)
+    stream.close()
 
 
 @pytest.fixture
@@ -205,6 +230,8 @@ def test_a_backward_uploads_each_block_again_from_the_last_layer_and_its_gradien
      r"recompute runs a layer again inside the backward, .*; turn one off$"),
     ({"streaming": {"buffer_blocks": 3}}, {"cluster": {"master_tp": 2}},
      r"^config: masters.streaming.buffer_blocks \(3\) and cluster.master_tp above 1 do not combine: .*DTensor"),
+    ({"streaming": {"buffer_blocks": 2, "upload_format": "bfloat16"}}, {"model": {"dtype": "bfloat16"}},
+     r"^config: masters.streaming.upload_format: bfloat16 with model.dtype: bfloat16 saves nothing"),
 ])
 def test_bad_streaming_settings_are_refused_in_one_line(tmp_path, masters, extra, message):
     with pytest.raises(ValueError, match=message) as err:

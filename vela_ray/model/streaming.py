@@ -44,6 +44,7 @@ are small and stay.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,7 +54,9 @@ from typing import Any, Callable, Literal, Protocol
 import torch
 from torch import nn
 
+from vela_ray.model import wire
 from vela_ray.model.tensor_parallel import decoder_layers
+from vela_ray.model.traffic import RowFormat
 
 logger = logging.getLogger(__name__)
 
@@ -89,19 +92,23 @@ class _Tensor:
 
 class _Block:
     """A decoder layer's frozen tensors packed into one flat host tensor `host` [nbytes] (uint8), which they are
-    views of at rest; `point(flat)` makes them views of `flat` (a slot, or `host` again)."""
+    views of at rest; `point(flat)` makes them views of `flat` (a slot, or `host` again). With a low-bit
+    `upload_format` (LOSSY) the host also keeps `wire` [wire_bytes], each floating tensor in that form
+    (`vela_ray.model.wire`, a scale per row of its last dimension for float8), which is what an upload copies."""
 
-    def __init__(self, layer: nn.Module, pin: bool):
+    def __init__(self, layer: nn.Module, pin: bool, upload_format: RowFormat = "exact"):
         self.tensors: list[_Tensor] = []
         offset = 0
         for owner, name, tensor, is_param in _frozen_tensors(layer):
             self.tensors.append(_Tensor(owner, name, is_param, offset, tensor.dtype, tensor.shape))
-            offset += -(-tensor.numel() * tensor.dtype.itemsize // _ALIGN) * _ALIGN
+            offset += _aligned(tensor.numel() * tensor.dtype.itemsize)
         self.nbytes = offset
         self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
         for entry in self.tensors:
             entry.view_in(self.host).copy_(_current(entry))
         self.point(self.host)
+        self.wire, self.wire_parts = _wire_form(self, upload_format, pin)
+        self.upload_bytes = self.nbytes if self.wire is None else self.wire.numel()
 
     def point(self, flat: torch.Tensor) -> None:
         for entry in self.tensors:
@@ -110,6 +117,46 @@ class _Block:
                 entry.owner._parameters[entry.name].data = view
             else:
                 entry.owner._buffers[entry.name] = view
+
+    def upload_into(self, flat: torch.Tensor, staging: torch.Tensor | None, non_blocking: bool) -> None:
+        """Fill the slot `flat` from the host: a copy of `host`, or of `wire` into `staging` decoded into the slot."""
+        if self.wire is None:
+            flat[:self.nbytes].copy_(self.host, non_blocking=non_blocking)
+            return
+        staging[:self.wire.numel()].copy_(self.wire, non_blocking=non_blocking)
+        for entry, (offset, dtype, shape) in zip(self.tensors, self.wire_parts):
+            part = staging[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+            decoded = wire.decode(part, entry.dtype) if entry.dtype.is_floating_point else part.view(entry.dtype)
+            entry.view_in(flat).copy_(decoded.view(entry.shape))
+
+
+def _wire_form(block: _Block, upload_format: RowFormat, pin: bool
+               ) -> tuple[torch.Tensor | None, list[tuple[int, torch.dtype, tuple[int, ...]]]]:
+    """(the block's tensors in `upload_format`, packed; each one's (offset, dtype, shape) in it); (None, []) for
+    exact. A floating tensor is encoded as rows of its last dimension (a 1-D one as one row); others stay as are."""
+    if upload_format == "exact":
+        return None, []
+    forms = []
+    for entry in block.tensors:
+        tensor = entry.view_in(block.host)
+        rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
+        forms.append(wire.encode(rows, upload_format) if tensor.is_floating_point() else tensor)
+    parts, offset = [], 0
+    for form in forms:
+        parts.append((offset, form.dtype, tuple(form.shape)))
+        offset += _aligned(_nbytes(form.dtype, form.shape))
+    packed = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+    for form, (start, dtype, shape) in zip(forms, parts):
+        packed[start:start + _nbytes(dtype, shape)].view(dtype).view(shape).copy_(form)
+    return packed, parts
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 def _frozen_tensors(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
@@ -134,7 +181,7 @@ def _current(entry: _Tensor) -> torch.Tensor:
 class _Uploads(Protocol):
     """How a block's bytes reach a slot, and how compute and uploads wait on each other."""
 
-    def upload(self, layer: int, block: _Block, slot: int, flat: torch.Tensor) -> None: ...
+    def upload(self, layer: int, block: _Block, flat: torch.Tensor, staging: torch.Tensor | None) -> None: ...
 
     def before_compute(self, layer: int) -> None: ...  # returns once `layer`'s last upload is visible to its compute
 
@@ -149,10 +196,10 @@ class _ThreadUploads:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vela-stream")
         self.pending: dict[int, Future] = {}
 
-    def upload(self, layer: int, block: _Block, slot: int, flat: torch.Tensor) -> None:
+    def upload(self, layer: int, block: _Block, flat: torch.Tensor, staging: torch.Tensor | None) -> None:
         def copy() -> None:
             start = time.perf_counter()
-            flat[:block.nbytes].copy_(block.host)
+            block.upload_into(flat, staging, non_blocking=False)
             self.trace.append(TraceEvent("upload", layer, start, time.perf_counter()))
         self.pending[layer] = self.pool.submit(copy)
 
@@ -172,7 +219,7 @@ class _CudaUploads:
         self.stream = torch.cuda.Stream(device)
         self.uploaded: dict[int, torch.cuda.Event] = {}
 
-    def upload(self, layer: int, block: _Block, slot: int, flat: torch.Tensor) -> None:
+    def upload(self, layer: int, block: _Block, flat: torch.Tensor, staging: torch.Tensor | None) -> None:
         start = time.perf_counter()
         # every kernel that reads the slot's previous layer (its forward, or its backward's) was issued before the
         # stream chose to reuse the slot: the copy waits for what the compute stream has been given so far
@@ -180,7 +227,7 @@ class _CudaUploads:
         issued.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(issued)
-            flat[:block.nbytes].copy_(block.host, non_blocking=True)
+            block.upload_into(flat, staging, non_blocking=True)
             self.uploaded[layer] = torch.cuda.Event()
             self.uploaded[layer].record(self.stream)
         self.trace.append(TraceEvent("upload", layer, start, time.perf_counter()))
@@ -198,14 +245,20 @@ class BackboneStream:
     `peak_bytes`: the most it held; `uploads`, `upload_bytes`: the blocks copied into slots so far; `trace`: the
     latest `TRACE_EVENTS` uploads and computes, in the order they ended."""
 
-    def __init__(self, layers: list[nn.Module], buffer_blocks: int, device: torch.device):
+    def __init__(self, layers: list[nn.Module], buffer_blocks: int, device: torch.device,
+                 upload_format: RowFormat = "exact"):
         if buffer_blocks < 2:
             raise ValueError(f"masters.streaming.buffer_blocks is {buffer_blocks}: it needs at least 2 (one block "
                              "computing while the next uploads)")
-        self.blocks = [_Block(layer, pin=device.type == "cuda") for layer in layers]
+        self.upload_format = upload_format
+        self.blocks = [_Block(layer, pin=device.type == "cuda", upload_format=upload_format) for layer in layers]
         self.buffer_blocks = min(buffer_blocks, len(self.blocks))
         block_bytes = max(block.nbytes for block in self.blocks)
         self.slots = [torch.empty(block_bytes, dtype=torch.uint8, device=device) for _ in range(self.buffer_blocks)]
+        # a low-bit upload lands in its slot's staging buffer and is decoded from there into the slot
+        wire_bytes = max(block.upload_bytes for block in self.blocks)
+        self.staging = [torch.empty(wire_bytes, dtype=torch.uint8, device=device) if upload_format != "exact"
+                        else None for _ in range(self.buffer_blocks)]
         self.trace: deque[TraceEvent] = deque(maxlen=TRACE_EVENTS)
         self.copier: _Uploads = (_CudaUploads(device, self.trace) if device.type == "cuda"
                                  else _ThreadUploads(self.trace))
@@ -280,8 +333,8 @@ class BackboneStream:
         self.resident_bytes += self.blocks[layer].nbytes
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
         self.uploads += 1
-        self.upload_bytes += self.blocks[layer].nbytes
-        self.copier.upload(layer, self.blocks[layer], slot, self.slots[slot])
+        self.upload_bytes += self.blocks[layer].upload_bytes
+        self.copier.upload(layer, self.blocks[layer], self.slots[slot], self.staging[slot])
 
     def close(self) -> None:
         """Wait for the uploads in flight and end the upload thread (the layers stay streamed)."""
@@ -316,19 +369,21 @@ class StreamedLayer(nn.Module):
             return getattr(self.inner, name)  # the layer's plain attributes (e.g. `attention_type`)
 
 
-def stream_backbone(model: nn.Module, buffer_blocks: int, device: torch.device) -> BackboneStream:
+def stream_backbone(model: nn.Module, buffer_blocks: int, device: torch.device, upload_format: RowFormat = "exact"
+                    ) -> BackboneStream:
     """Stream `model`'s decoder layers (peft-wrapped or not, built in host memory) through `buffer_blocks` slots on
     `device`: each layer replaced in its ModuleList by a `StreamedLayer`, its frozen tensors packed into host copies,
     and every other tensor (LoRA, embedding, head, norms) moved to `device`. Never `model.to(device)`: the layers'
     frozen weights would all land on the device at once, which is what streaming is for a model too big for."""
     layers = decoder_layers(model)
-    stream = BackboneStream(list(layers), buffer_blocks, device)
+    stream = BackboneStream(list(layers), buffer_blocks, device, upload_format)
     for index, layer in enumerate(list(layers)):
         layers[index] = StreamedLayer(layer, index, stream)
     _move_resident(model, stream, device)
     logger.info("backbone streamed: %d decoder layers, %.3g MB frozen in host memory, through %d device slots of "
-                "%.3g MB", len(layers), stream.frozen_bytes / 1e6, stream.buffer_blocks,
-                stream.slots[0].numel() / 1e6)
+                "%.3g MB, uploaded %s", len(layers), stream.frozen_bytes / 1e6, stream.buffer_blocks,
+                stream.slots[0].numel() / 1e6, upload_format if upload_format == "exact" else f"in {upload_format} "
+                "(LOSSY: the layers compute with the rounded weights)")
     return stream
 
 

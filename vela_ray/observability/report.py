@@ -352,7 +352,9 @@ def streaming_text(s: RunSummary) -> str:
     st = s.streaming
     return (f"backbone streamed (masters.streaming): {st.layers} layers' {st.frozen_bytes / MiB:.2f} MiB of frozen "
             f"weights in host memory, through {st.buffer_blocks} device slots that held at most "
-            f"{st.peak_bytes / MiB:.2f} MiB; {st.uploads} uploads, {st.upload_bytes / MiB:.1f} MiB")
+            f"{st.peak_bytes / MiB:.2f} MiB; {st.uploads} uploads, {st.upload_bytes / MiB:.1f} MiB"
+            + ("" if st.upload_format == "exact" else f" in {st.upload_format} (LOSSY: the layers computed with "
+                                                      "rounded weights)"))
 
 
 def tiers_text(s: RunSummary) -> str:

@@ -21,8 +21,8 @@ by `MasterGroup.start`, the others by `MasterRank.join`. The group then runs wha
   - master 0's forwards without gradients (`evaluate`, `profile`): its TP ranks, and every rank with
     `masters.shard_frozen_backbone` (each layer all-gathered from all), run the same forwards beside it;
   - the state master 0 changes other than by a step (start, resume, recovery: `load_state`, every rank taking
-    its share of the full tensors, and `load_condenser_state`), a new table after a migration (`rebind`), traffic, pids, and recovery's new
-    ranks over new workers (`restart_ranks`).
+    its share of the full tensors, and `load_condenser_state`), a new table after a migration (`rebind`), traffic,
+    pids, and recovery's new ranks over new workers (`restart_ranks`).
 
 One master is the 1 x 1 mesh: no hosted rank, nothing to sum or to tell. A pipeline axis (APTMoE's stages) is one
 more dimension of `MasterMesh`, its ranks hosted and built the same way.
@@ -475,6 +475,7 @@ def master_spec(config: JobConfig) -> MasterSpec:
         activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
         overlap_shared_experts=config.training.overlap.overlaps_shared_experts(config),
         quantization=config.quantization_spec, streaming_blocks=config.masters.streaming.buffer_blocks,
+        streaming_format=config.masters.streaming.upload_format,
     )
 
 

@@ -1,6 +1,7 @@
 """A master: the stripped model with brokers, peft-wrapped, and its optimizer (`MasterModel`), what every master
 rank is built from (`MasterSpec`), the one path that builds every rank (`build_master_rank`: skeleton -> brokers ->
-peft (`build_master`), then `shard_master` and `shard_and_read` for a tensor-parallel rank), and its LoRA + AdamW state as tensors.
+peft (`build_master`), then `shard_master` and `shard_and_read` for a tensor-parallel rank), and its LoRA + AdamW
+state as tensors.
 
 `build_local` splits an in-memory model into a master-side peft model with brokers and in-process ExpertManagers:
 the single-process form of vela-ray.
@@ -97,6 +98,7 @@ class MasterSpec:
     overlap_shared_experts: bool = True  # `training.overlap.shared_experts`, where the job allows it
     quantization: QuantizationSpec | None = None  # `model.quantization`: the backbone's frozen linears held quantized
     streaming_blocks: int | None = None  # `masters.streaming.buffer_blocks`: device slots of the streamed backbone
+    streaming_format: RowFormat = "exact"  # `masters.streaming.upload_format`: how they travel (LOSSY unless exact)
 
 
 def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
@@ -177,7 +179,7 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
     if spec.quantization is not None and spec.quantization.backbone:  # held so as read; any other layer now
         quantize_backbone(master.peft_model, spec.quantization)
     if spec.streaming_blocks is not None:  # the layers' frozen weights stay in host memory, the rest goes
-        master.stream = stream_backbone(master.peft_model, spec.streaming_blocks, spec.device)
+        master.stream = stream_backbone(master.peft_model, spec.streaming_blocks, spec.device, spec.streaming_format)
     else:
         master.peft_model.to(spec.device)
     if dp_mesh is not None:

@@ -324,6 +324,9 @@ class StreamingRecord(_Record):
     uploads: int
     """Layer blocks copied from host memory into a slot (forward, prefetch, and again for backward)."""
     upload_bytes: int
+    """What those copies moved: the blocks' bytes, or their low-bit form's."""
+    upload_format: RowFormat = "exact"
+    """`masters.streaming.upload_format`: LOSSY unless exact (`vela_ray.model.wire`)."""
 
     @classmethod
     def of(cls, stream) -> StreamingRecord | None:
@@ -332,7 +335,7 @@ class StreamingRecord(_Record):
             return None
         return cls(layers=len(stream.blocks), buffer_blocks=stream.buffer_blocks, frozen_bytes=stream.frozen_bytes,
                    slot_bytes=stream.slots[0].numel(), peak_bytes=stream.peak_bytes, uploads=stream.uploads,
-                   upload_bytes=stream.upload_bytes)
+                   upload_bytes=stream.upload_bytes, upload_format=stream.upload_format)
 
 
 class RunSummary(_Record):
