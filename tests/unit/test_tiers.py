@@ -425,7 +425,8 @@ def test_on_cuda_host_weights_are_pinned_uploads_run_on_their_own_stream_and_res
     reference = run_both_layers(make_manager(tiny_model_dir))
     tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=3), device="cuda")
     assert all(t.is_pinned() for t in tiered.tiers.host_params((0, 0)).values())
-    assert tiered.tiers.cache.stream is not None
+    cache = tiered.tiers.cache
+    assert cache.stream is not None and cache.demand_stream.priority < cache.stream.priority  # a demand goes first
     speeds = tiered.tiers.measured_speeds()
     assert speeds.has_device and speeds.upload_bytes_per_s > 0 and speeds.device_s_per_row > 0
     tiered.tiers.use_speeds(ALL_TO_DEVICE)

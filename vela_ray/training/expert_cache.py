@@ -6,8 +6,12 @@
 
 - Host weights are pinned by the caller (`vela_ray.training.tiered`), so on CUDA the copies run on a
   stream of their own and overlap the CPU's experts and the device's compute; a CUDA event per expert
-  tells the compute stream when its weights have landed. On the CPU the "device" is the CPU: the copies
-  are clones, so the same code path, counters and evictions run in tests.
+  tells the compute stream when its weights have landed. Demand-priority scheduling (APTMoE §III-D): a
+  copy the computation needs now (a miss in `fetch`: the real gate chose an expert no plan foresaw) goes
+  on a second, high-priority stream instead of queueing behind the prefetches already issued, which a
+  stream cannot re-order; the two share the link rather than the demand waiting for the whole queue. On the
+  CPU the "device" is the CPU: the copies are clones, so the same code path, counters and evictions run in
+  tests.
 - Eviction: at most `capacity` experts; room is made by evicting the least recently used expert outside
   the latest plan (`schedule`), failing that the least recently used one of the plan, never one the
   caller has in use (`fetch(..., protected=...)`). A plan never exceeds the capacity, so its own
@@ -42,7 +46,9 @@ class DeviceExpertCache:
         self.capacity = capacity
         self.device = device
         self.decode = decode
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetches, in plan order
+        # a demand's copy, ahead of the queued prefetches (the highest priority CUDA gives a stream)
+        self.demand_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._entries: OrderedDict[ExpertKey, tuple[ExpertParams, torch.cuda.Event | None]] = OrderedDict()
         self._wanted: set[ExpertKey] = set()
         self.uploads = self.upload_bytes = self.hits = self.evictions = 0
@@ -70,7 +76,7 @@ class DeviceExpertCache:
             self.hits += 1
             self._entries.move_to_end(key)
         else:
-            self._upload(key, in_use=set(protected))
+            self._upload(key, in_use=set(protected), stream=self.demand_stream)
         params, ready = self._entries[key]
         if ready is not None:
             stream = torch.cuda.current_stream(self.device)
@@ -83,18 +89,20 @@ class DeviceExpertCache:
         self._entries.clear()
         self._wanted = set()
 
-    def _upload(self, key: ExpertKey, in_use: set[ExpertKey]) -> None:
+    def _upload(self, key: ExpertKey, in_use: set[ExpertKey], stream: torch.cuda.Stream | None = None) -> None:
+        """Copy `key` in, on `stream` (None: the prefetch stream)."""
         self._make_room(in_use | {key})
         host = self.host_params(key)
-        if self.stream is None:
+        stream = stream or self.stream
+        if stream is None:
             params = self.decode(host) if self.decode else {name: t.clone() for name, t in host.items()}
             ready = None
         else:
-            with torch.cuda.stream(self.stream):  # allocated on, and copied by, the upload stream
+            with torch.cuda.stream(stream):  # allocated on, and copied by, that upload stream
                 params = {name: t.to(self.device, non_blocking=True) for name, t in host.items()}
                 params = self.decode(params) if self.decode else params
                 ready = torch.cuda.Event()
-                ready.record(self.stream)
+                ready.record(stream)
         self._entries[key] = (params, ready)
         self.uploads += 1
         self.upload_bytes += sum(t.numel() * t.element_size() for t in host.values())

@@ -210,8 +210,9 @@ def upload_order(queues: Sequence[Sequence[Hashable]], capacity: int) -> list[Ha
 
     The cache keeps these and evicts the least recently used of the others to make room
     (`vela_ray.training.expert_cache.DeviceExpertCache`), so an urgent upload never evicts a more
-    urgent expert. The paper also re-orders copies already queued on the GPU by polling an event;
-    here each request re-plans and copies already started run to completion.
+    urgent expert. The paper also re-orders copies already queued on the GPU by polling an event; here each
+    request re-plans, copies already issued run to completion, and a demand no plan foresaw (a miss) goes on a
+    high-priority stream of its own instead of waiting behind them (`DeviceExpertCache.fetch`).
     """
     order: list[Hashable] = []
     seen: set[Hashable] = set()
