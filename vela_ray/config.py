@@ -292,8 +292,8 @@ class StreamingSection(_Section):
     block again, the layers below it prefetched. A quantized backbone (`model.quantization`) streams its quantized
     blocks. Not with activation checkpointing, a tensor-parallel master or FSDP2's sharded backbone (one line each,
     before anything starts); micro-batches run one at a time through the buffer. `upload_format` moves the layers
-    in fewer bits (LOSSY). The layers' frozen
-    weights never reach the device whole: the master is built in host memory and only the rest is moved."""
+    in fewer bits (LOSSY). The layers' frozen weights never reach the device whole: the master is built in host
+    memory and only the rest is moved."""
 
     buffer_blocks: int | None = Field(
         None, ge=2, description="decoder layers the device buffer holds at once: one computing while the next "
@@ -905,7 +905,9 @@ class JobConfig(_Section):
                 ("cluster.master_tp above 1", self.cluster.master_tp > 1, "a tensor-parallel layer's weights are "
                  "DTensor shards, not plain tensors a block can hold"),
                 ("masters.shard_frozen_backbone", self.masters.shard_frozen_backbone, "FSDP2 already keeps each "
-                 "layer's frozen weights sharded and gathers them per layer")):
+                 "layer's frozen weights sharded and gathers them per layer"),
+                ("mode: expert_parallel", self.mode == "expert_parallel", "the expert-parallel baseline runs plain "
+                 "peft on every rank, its layers resident")):
             if on:
                 raise ValueError(f"masters.streaming.buffer_blocks ({blocks}) and {setting} do not combine: {why}; "
                                  f"turn one off")
