@@ -86,8 +86,7 @@ class _Tensor:
     shape: torch.Size
 
     def view_in(self, flat: torch.Tensor) -> torch.Tensor:
-        nbytes = self.shape.numel() * self.dtype.itemsize
-        return flat[self.offset:self.offset + nbytes].view(self.dtype).view(self.shape)
+        return flat[self.offset:self.offset + _nbytes(self.dtype, self.shape)].view(self.dtype).view(self.shape)
 
 
 class _Block:
@@ -178,7 +177,7 @@ def _current(entry: _Tensor) -> torch.Tensor:
     return table[entry.name].detach()
 
 
-class _Uploads(Protocol):
+class _Copier(Protocol):
     """How a block's bytes reach a slot, and how compute and uploads wait on each other."""
 
     def upload(self, layer: int, block: _Block, flat: torch.Tensor, staging: torch.Tensor | None) -> None: ...
@@ -188,7 +187,7 @@ class _Uploads(Protocol):
     def close(self) -> None: ...
 
 
-class _ThreadUploads:
+class _ThreadCopier:
     """The CPU stand-in: uploads run in order on one background thread while the caller computes."""
 
     def __init__(self, trace: deque[TraceEvent]):
@@ -210,7 +209,7 @@ class _ThreadUploads:
         self.pool.shutdown(wait=True)
 
 
-class _CudaUploads:
+class _CudaCopier:
     """Non-blocking copies from pinned memory on a side stream, ordered against the compute stream by events."""
 
     def __init__(self, device: torch.device, trace: deque[TraceEvent]):
@@ -233,7 +232,7 @@ class _CudaUploads:
         self.trace.append(TraceEvent("upload", layer, start, time.perf_counter()))
 
     def before_compute(self, layer: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.uploaded[layer])  # kept, as `_ThreadUploads`'
+        torch.cuda.current_stream(self.device).wait_event(self.uploaded[layer])  # kept, as `_ThreadCopier`'
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -260,8 +259,8 @@ class BackboneStream:
         self.staging = [torch.empty(wire_bytes, dtype=torch.uint8, device=device) if upload_format != "exact"
                         else None for _ in range(self.buffer_blocks)]
         self.trace: deque[TraceEvent] = deque(maxlen=TRACE_EVENTS)
-        self.copier: _Uploads = (_CudaUploads(device, self.trace) if device.type == "cuda"
-                                 else _ThreadUploads(self.trace))
+        self.copier: _Copier = (_CudaCopier(device, self.trace) if device.type == "cuda"
+                                else _ThreadCopier(self.trace))
         self.slot_of: dict[int, int] = {}  # layer -> the slot that holds it (or is receiving it)
         self.layer_in: list[int | None] = [None] * self.buffer_blocks
         self.resident_bytes = 0
