@@ -458,6 +458,13 @@ class ZoSection(_Section):
                                 "theta - eps*z (z ~ N(0, I), drawn per LoRA tensor) and steps along z by "
                                 "lr * (L+ - L-) / (2 eps). MeZO's default 1e-3; much smaller loses the "
                                 "difference to rounding (fp32), much larger biases it")
+    parameters: Literal["lora", "full"] = Field(
+        "lora", description="what ZO trains. lora: the LoRA adapters; full: every weight (MeZO's and "
+                            "ZO-Offloading's full-parameter setting): the frozen weights are perturbed and updated "
+                            "in place where they live (the master's backbone, streamed or not, and every "
+                            "ExpertManager's experts), in the model's dtype, the adapters too; still no gradient or "
+                            "optimizer state. Checkpoints keep the step's projected gradients, and resuming replays "
+                            "them onto the base weights (MeZO's seed trick), as `vela export --format merged` does")
 
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
@@ -911,6 +918,21 @@ class JobConfig(_Section):
             if on:
                 raise ValueError(f"masters.streaming.buffer_blocks ({blocks}) and {setting} do not combine: {why}; "
                                  f"turn one off")
+        return self
+
+    @model_validator(mode="after")
+    def _full_zo_combines(self) -> "JobConfig":
+        """What full-parameter ZO (`ZoSection.parameters: full`) cannot run with, one line each."""
+        if self.training.method != "zo" or self.training.zo.parameters != "full":
+            return self
+        for setting, on, why, fix in (
+                ("model.quantization", self.model.quantization.on, "a quantized weight cannot take eps*z: it would "
+                 "be rounded back to its format's grid", "set model.quantization.format: none"),
+                ("placement.replan.every above 0", self.placement.replan.every > 0, "an expert that moves reads "
+                 "its frozen weights from the model's checkpoint, not the trained ones", "set replan.every: 0")):
+            if on:
+                raise ValueError(f"training.zo.parameters: full and {setting} do not combine: {why}; {fix}, or use "
+                                 "zo.parameters: lora")
         return self
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ from vela_ray.model.tensor_parallel import decoder_layers
 from vela_ray.observability.report import summary_text
 from vela_ray.training.master import build_local
 from vela_ray.training.schedule import OptimizerConfig
-from vela_ray.training.zo import ZoTrainer, forward_loss
+from vela_ray.training.zo import ZoTrainer, forward_loss, perturb
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYERS, BLOCKS = 4, 2
@@ -35,16 +35,23 @@ def _zo_job(model_dir, out, **masters) -> dict:
                     training={"method": "zo", "zo": {"eps": 1e-2}, "optimizer": {"lr": 1e-2}})
 
 
+def _zo_full_job(model_dir, out, **masters) -> dict:
+    """Full-parameter ZO: the streamed layers' host copies are written between passes, so the slots (the next pass's
+    first layers, prefetched) are refilled from what was written."""
+    return job_dict(model_dir, out, steps=2, masters=masters,
+                    training={"method": "zo", "zo": {"eps": 1e-2, "parameters": "full"}, "optimizer": {"lr": 1e-4}})
+
+
 def _first_order_job(model_dir, out, **masters) -> dict:
     return job_dict(model_dir, out, steps=2, masters=masters, training={"optimizer": {"lr": 1e-2}})
 
 
 @pytest.mark.job
 @pytest.mark.parametrize("family, job, masters", [
-    ("mixtral", _zo_job, {}), ("qwen3_moe", _zo_job, {}),
+    ("mixtral", _zo_job, {}), ("qwen3_moe", _zo_job, {}), ("mixtral", _zo_full_job, {}),
     ("mixtral", _first_order_job, {}), ("qwen3_moe", _first_order_job, {}),
     ("mixtral", _first_order_job, {"count": 2}),  # two data-parallel masters, each streaming its own backbone
-], ids=["zo-mixtral", "zo-qwen3_moe", "sft-mixtral", "sft-qwen3_moe", "sft-2-masters"])
+], ids=["zo-mixtral", "zo-qwen3_moe", "zo-full-mixtral", "sft-mixtral", "sft-qwen3_moe", "sft-2-masters"])
 def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tmp_path, caplog):
     model_dir = make_checkpoint(tmp_path / "model", family=family, num_hidden_layers=LAYERS)
     resident = run_in_process(JobConfig.from_dict(job(model_dir, tmp_path / "resident", **masters)))
@@ -106,6 +113,24 @@ def test_a_low_bit_upload_moves_fewer_bytes_and_computes_with_the_rounded_weight
     assert seen and all(torch.equal(weight, rounded) for weight in seen)
     assert torch.equal(q_proj.weight.detach(), original)  # at rest: the exact host copy
     assert stream.upload_bytes <= ratio * stream.uploads * max(block.nbytes for block in stream.blocks)
+    stream.close()
+
+
+def test_a_full_parameter_zo_write_is_uploaded_in_its_low_bit_form_encoded_again():
+    """Full-parameter ZO writes a streamed layer's exact host copy; with a low-bit `upload_format` the host's wire form
+    is encoded again from it, so the next pass computes with the rounded written weights, not the old ones."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, workers = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts),
+                                  LoraSpec(r=4, alpha=8), OptimizerConfig())
+    master.stream = stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"), "bfloat16")
+    forward_loss(master, micro_batches(0))  # the slots hold layers, the next pass's first ones prefetched
+    q_proj = decoder_layers(master.peft_model)[0].self_attn.q_proj.base_layer
+    seen = []
+    q_proj.register_forward_pre_hook(lambda module, _: seen.append(module.weight.detach().clone()))
+    perturb(master, workers, [(5, 0.5)], "full")
+    written = q_proj.weight.detach().clone()
+    forward_loss(master, micro_batches(0))
+    assert seen and torch.equal(seen[0], wire.decode(wire.encode(written, "bfloat16"), torch.float32))
     stream.close()
 
 

@@ -251,6 +251,24 @@ def test_a_tiered_manager_equals_an_untiered_one(tiny_model_dir, speeds, cache_e
         assert stats.rows_device == 2 * (40 + 20 + 15)  # the three busiest experts of each layer
 
 
+def test_full_parameter_zo_writes_the_host_copies_and_the_device_cache_serves_what_was_written(tiny_model_dir):
+    """Full-parameter ZO perturbs a tiered worker's frozen weights in their host copies; the experts the device cache
+    held from the last pass are dropped, so the next pass computes with the written weights, as an untiered
+    worker does."""
+    untiered = make_manager(tiny_model_dir)
+    tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=8))
+    tiered.tiers.use_speeds(ALL_TO_DEVICE)
+    ids, rows, _ = requests(0, 128, seed=0)
+    with torch.no_grad():
+        tiered.forward_rows(0, ids, rows)  # the layer's experts now sit in the cache
+        uploads = tiered.tiers.cache.uploads
+        for manager in (untiered, tiered):
+            manager.zo_apply([(11, 0.05)], "full")
+        torch.testing.assert_close(tiered.forward_rows(0, ids, rows), untiered.forward_rows(0, ids, rows),
+                                   rtol=0, atol=1e-6)
+    assert tiered.tiers.cache.uploads > uploads  # uploaded again, from the written host copies
+
+
 def test_a_tiered_manager_without_grad_keeps_no_graph_and_answers_an_empty_request(tiny_model_dir):
     tiered = make_manager(tiny_model_dir, ExpertTiersConfig(enabled=True, cache_experts=2))
     tiered.tiers.use_speeds(ALL_TO_DEVICE)

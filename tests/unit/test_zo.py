@@ -9,6 +9,7 @@ workers that each draw their own experts' z, and the update fused into the next 
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -84,9 +85,26 @@ def reference_noise(model, seed: int) -> dict[str, torch.Tensor]:
     return z
 
 
-def mezo_reference(model, steps: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
-    """MeZO's ZO-SGD, one pass per perturbation; returns (L+, L−) per step and the final adapter."""
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+def full_reference_noise(model, seed: int) -> dict[str, torch.Tensor]:
+    """z of every floating tensor of the peft model (full-parameter ZO): the adapter's as `reference_noise`; a
+    frozen backbone tensor's by its own name; an experts module's weight stack [E, ...] from each logical
+    expert's z ("l{layer}.e{e}.{stack}"), stacked."""
+    layer_of = {b.experts_path: b.index for b in find_moe_blocks(debug_model("mixtral"))}
+    z = reference_noise(model, seed)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        module, _, stack = re.sub(r"^base_model\.model\.|\.base_layer", "", name).rpartition(".")
+        z[name] = (torch.stack([zo_noise(seed, f"l{layer_of[module]}.e{e}.{stack}", p[e]) for e in range(len(p))])
+                   if module in layer_of else zo_noise(seed, name, p))
+    return z
+
+
+def mezo_reference(model, steps: int, full: bool = False, lr: float = LR
+                   ) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    """MeZO's ZO-SGD, one pass per perturbation, on the adapter or (`full`) on every tensor; returns (L+, L−) per
+    step and the final adapter (`full`: every tensor, by peft name)."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad or full}
     model.eval()
 
     def loss(batches) -> float:
@@ -100,14 +118,17 @@ def mezo_reference(model, steps: int) -> tuple[list[tuple[float, float]], dict[s
 
     losses = []
     for step in range(steps):
-        batches, z = micro_batches(step), reference_noise(model, step_seed(SEED, step))
+        batches = micro_batches(step)
+        z = (full_reference_noise if full else reference_noise)(model, step_seed(SEED, step))
         add(z, EPS)
         plus = loss(batches)
         add(z, -2 * EPS)
         minus = loss(batches)
         add(z, EPS)
-        add(z, -LR * (plus - minus) / (2 * EPS))
+        add(z, -lr * (plus - minus) / (2 * EPS))
         losses.append((plus, minus))
+    if full:
+        return losses, {name: p.detach().clone() for name, p in params.items()}
     return losses, {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
@@ -120,11 +141,12 @@ def vela(adapter_dir: str, table):
     return master, workers
 
 
-def vela_zo(master, workers, steps: int, settle_every_step: bool = False):
-    zo = ZoTrainer(EPS, SEED)
+def vela_zo(master, workers, steps: int, settle_every_step: bool = False, parameters: str = "lora",
+            lr: float = LR):
+    zo = ZoTrainer(EPS, SEED, parameters)
     results = []
     for step in range(steps):
-        results.append(zo.step(master, workers, micro_batches(step), LR, step))
+        results.append(zo.step(master, workers, micro_batches(step), lr, step))
         if settle_every_step:
             zo.settle(master, workers)
     zo.settle(master, workers)
@@ -169,6 +191,56 @@ def test_fused_update_ends_with_the_bits_of_settling_after_every_step(adapter_di
     assert fused == plain
     a, b = exported(fused_master, fused_workers), exported(plain_master, plain_workers)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+FULL_LR = 1e-4  # every weight moves: MeZO's full-parameter learning rates are ~100x its LoRA ones
+
+
+def vela_full_state(master) -> dict[str, torch.Tensor]:
+    """Every tensor vela-ray trained, named as in the full peft model: the master's by peft name, each worker's
+    expert stacks (frozen slices and LoRA factors) put back together as peft's tensors."""
+    state = {name: p.detach().clone() for name, p in master.peft_model.named_parameters()}
+    layer_of = {b.experts_path: b.index for b in find_moe_blocks(debug_model("mixtral"))}
+    hosted = {key: tensors for manager in master.dispatcher.transport.shards
+              for key, tensors in manager.shard.weights().items()}
+    reference = reference_model_names()
+    for name, shape in reference.items():
+        module, _, stack = re.sub(r"^base_model\.model\.|\.base_layer", "", name).rpartition(".")
+        if module in layer_of and "lora_" not in name:
+            state[name] = torch.stack([hosted[(layer_of[module], e)][stack] for e in range(shape[0])])
+    return state
+
+
+def reference_model_names() -> dict[str, torch.Size]:
+    model = get_peft_model(debug_model("mixtral", seed=0), full_lora_config(debug_model("mixtral"), LORA))
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def test_full_parameter_zo_equals_mezo_on_every_weight_under_two_placements(adapter_dir):
+    """`zo.parameters: full`: the frozen weights are perturbed and stepped too, the master's backbone by peft name,
+    each worker's expert stacks expert by expert, and the run equals MeZO over every tensor of the peft model."""
+    ref_losses, ref_state = mezo_reference(reference_model(adapter_dir), STEPS, full=True, lr=FULL_LR)
+    initial = {name: p.detach().clone() for name, p in reference_model(adapter_dir).named_parameters()}
+    for table in (scattered_placement(2, 6, 3), sequential_table(2, 6, 2)):
+        master, workers = vela(adapter_dir, table)
+        results = vela_zo(master, workers, STEPS, parameters="full", lr=FULL_LR)
+        torch.testing.assert_close(torch.tensor([(r.loss_plus, r.loss_minus) for r in results]),
+                                   torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        ours, adapter = vela_full_state(master), exported(master, workers)
+        for name, value in ref_state.items():
+            if "lora_" in name and "experts" in name:  # fused expert factors: compared through the export below
+                continue
+            scale = float(value.abs().max())
+            assert float((ours[name] - value).abs().max()) <= 1e-5 * scale, name
+            assert not torch.equal(value, initial[name]), f"{name} did not train"
+        for key, value in get_peft_model_state_dict(_loaded(adapter_dir, ref_state)).items():
+            assert float((adapter[key] - value).abs().max()) <= 1e-5 * float(value.abs().max()), key
+
+
+def _loaded(adapter_dir: str, state: dict[str, torch.Tensor]):
+    model = reference_model(adapter_dir)
+    model.load_state_dict(state, strict=False)
+    return model
 
 
 def test_noise_is_a_function_of_step_seed_and_name_only():
@@ -226,5 +298,39 @@ def test_a_zo_job_reports_zo_moves_no_gradients_and_checkpoints_unperturbed_adap
 def test_zo_refuses_what_it_does_not_support(model_dir, tmp_path, section, value, message):
     job = job_dict(model_dir, tmp_path, training={"method": "zo"})
     job[section] = {**job.get(section, {}), **value}
+    with pytest.raises(ValueError, match=message):
+        JobConfig.from_dict(job)
+
+
+@pytest.mark.job
+def test_a_full_parameter_zo_job_resumes_by_replaying_its_trajectory(model_dir, tmp_path):
+    """A checkpoint keeps the adapters and the steps' (lr, projected gradient); resuming one loads the base weights
+    and replays the trajectory onto them, so the resumed run ends with the full run's losses, eval loss (which reads
+    every weight) and adapter, bit for bit."""
+    training = {"method": "zo", "zo": {"eps": 1e-2, "parameters": "full"}, "optimizer": {"lr": FULL_LR}}
+    job = job_dict(model_dir, tmp_path / "full", steps=3, checkpoint={"every": 2, "keep": 5}, training=training)
+    summary, _ = _run(job)
+    assert "3 zeroth-order (ZO-SGD, every weight) steps" in summary_text(summary).splitlines()[0]
+    saved = json.loads((tmp_path / "full" / "stepper.json").read_text())
+    assert saved["parameters"] == "full" and len(saved["trajectory"]) == 3
+    job["output"]["dir"] = str(tmp_path / "resumed")
+    job["checkpoint"]["dir"] = str(tmp_path / "full" / "checkpoints")
+    job["checkpoint"]["resume"] = str(tmp_path / "full" / "checkpoints" / "step-000002")
+    resumed, _ = _run(job)
+    assert resumed.losses == summary.losses and resumed.eval_loss == summary.eval_loss
+    assert json.loads((tmp_path / "resumed" / "stepper.json").read_text()) == saved
+    full = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    again = load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(full[k], again[k]) for k in full)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"model": {"quantization": {"format": "int8"}}}, r"parameters: full and model.quantization do not combine"),
+    ({"placement": {"replan": {"every": 2}}}, r"parameters: full and placement.replan.every above 0 do not combine"),
+])
+def test_full_parameter_zo_refuses_what_would_lose_its_weights(model_dir, tmp_path, extra, message):
+    job = job_dict(model_dir, tmp_path, training={"method": "zo", "zo": {"parameters": "full"}})
+    for section, value in extra.items():
+        job[section] = {**job.get(section, {}), **value}
     with pytest.raises(ValueError, match=message):
         JobConfig.from_dict(job)

@@ -603,6 +603,16 @@ class ExpertShard(nn.Module):
                 out[(int(layer), expert)] = {name: t[local].detach() for name, t in tensors}
         return out
 
+    def frozen_views(self) -> dict[ExpertKey, dict[str, torch.Tensor]]:
+        """Each hosted expert's floating frozen parameters, as views of its layer's stacks (writing one writes the
+        stack): what full-parameter ZO perturbs in place. Named as the experts module names them."""
+        out: dict[ExpertKey, dict[str, torch.Tensor]] = {}
+        for layer, mod in self.layers.items():
+            stacks = [(name, p) for name, p in mod.module.named_parameters(recurse=False) if p.is_floating_point()]
+            for local, expert in enumerate(mod.expert_ids):
+                out[(int(layer), expert)] = {name: p.data[local] for name, p in stacks}
+        return out
+
     def lora_parameters(self) -> Iterable[nn.Parameter]:
         return (p for p in self.parameters() if p.requires_grad)
 

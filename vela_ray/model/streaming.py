@@ -48,8 +48,9 @@ import math
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Iterator, Literal, Protocol
 
 import torch
 from torch import nn
@@ -106,6 +107,7 @@ class _Block:
         for entry in self.tensors:
             entry.view_in(self.host).copy_(_current(entry))
         self.point(self.host)
+        self.upload_format = upload_format
         self.wire, self.wire_parts = _wire_form(self, upload_format, pin)
         self.upload_bytes = self.nbytes if self.wire is None else self.wire.numel()
 
@@ -116,6 +118,15 @@ class _Block:
                 entry.owner._parameters[entry.name].data = view
             else:
                 entry.owner._buffers[entry.name] = view
+
+    def reencode(self) -> None:
+        """Encode `host` into `wire` again, in place: after the host copy was written (full-parameter ZO)."""
+        if self.wire is None:
+            return
+        for entry, (offset, dtype, shape) in zip(self.tensors, self.wire_parts):
+            if entry.dtype.is_floating_point:
+                part = self.wire[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+                part.copy_(_encoded(entry.view_in(self.host), self.upload_format))
 
     def upload_into(self, flat: torch.Tensor, staging: torch.Tensor | None, non_blocking: bool) -> None:
         """Fill the slot `flat` from the host: a copy of `host`, or of `wire` into `staging` decoded into the slot."""
@@ -135,11 +146,7 @@ def _wire_form(block: _Block, upload_format: RowFormat, pin: bool
     exact. A floating tensor is encoded as rows of its last dimension (a 1-D one as one row); others stay as are."""
     if upload_format == "exact":
         return None, []
-    forms = []
-    for entry in block.tensors:
-        tensor = entry.view_in(block.host)
-        rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
-        forms.append(wire.encode(rows, upload_format) if tensor.is_floating_point() else tensor)
+    forms = [_encoded(entry.view_in(block.host), upload_format) for entry in block.tensors]
     parts, offset = [], 0
     for form in forms:
         parts.append((offset, form.dtype, tuple(form.shape)))
@@ -148,6 +155,14 @@ def _wire_form(block: _Block, upload_format: RowFormat, pin: bool
     for form, (start, dtype, shape) in zip(forms, parts):
         packed[start:start + _nbytes(dtype, shape)].view(dtype).view(shape).copy_(form)
     return packed, parts
+
+
+def _encoded(tensor: torch.Tensor, upload_format: RowFormat) -> torch.Tensor:
+    """A floating tensor in `upload_format`, as rows of its last dimension (a 1-D one as one row); others as are."""
+    if not tensor.is_floating_point():
+        return tensor
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
+    return wire.encode(rows, upload_format)
 
 
 def _aligned(nbytes: int) -> int:
@@ -184,6 +199,8 @@ class _Copier(Protocol):
 
     def before_compute(self, layer: int) -> None: ...  # returns once `layer`'s last upload is visible to its compute
 
+    def drain(self) -> None: ...  # returns once every upload queued so far has read its host bytes
+
     def close(self) -> None: ...
 
 
@@ -204,6 +221,10 @@ class _ThreadCopier:
 
     def before_compute(self, layer: int) -> None:
         self.pending[layer].result()  # kept: a layer still in its slot at the next pass waits on it again, done
+
+    def drain(self) -> None:
+        for upload in self.pending.values():
+            upload.result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -233,6 +254,9 @@ class _CudaCopier:
 
     def before_compute(self, layer: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.uploaded[layer])  # kept, as `_ThreadCopier`'
+
+    def drain(self) -> None:
+        self.stream.synchronize()
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -334,6 +358,21 @@ class BackboneStream:
         self.uploads += 1
         self.upload_bytes += self.blocks[layer].upload_bytes
         self.copier.upload(layer, self.blocks[layer], self.slots[slot], self.staging[slot])
+
+    @contextmanager
+    def rewritten(self) -> Iterator[None]:
+        """For writing the layers' host copies (full-parameter ZO perturbs the frozen weights where they rest): the
+        uploads in flight finish reading them first, and afterwards no slot counts as holding a layer, so each is
+        uploaded again from what was written (a low-bit `upload_format`'s host form encoded again first)."""
+        self.copier.drain()
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                block.reencode()
+            self.slot_of.clear()
+            self.layer_in = [None] * self.buffer_blocks
+            self.resident_bytes = 0
 
     def close(self) -> None:
         """Wait for the uploads in flight and end the upload thread (the layers stay streamed)."""

@@ -396,7 +396,8 @@ def _headline(run: Run) -> str:
     s = run.summary
     where = f"run {run.dir}: " if run.dir is not None else ""
     mode = "expert-parallel baseline, " if s.mode == "expert_parallel" else ""
-    method = "zeroth-order (ZO-SGD) " if s.method == "zo" else ""
+    method = "" if s.method != "zo" else "zeroth-order (ZO-SGD, every weight) " if s.zo_parameters == "full" else \
+        "zeroth-order (ZO-SGD) "
     objective = "" if s.objective == "sft" else f"{s.objective} "
     return f"{where}{mode}{s.steps} {method}{objective}steps, {_loss_text(s)}{_preference_text(s)}"
 

@@ -168,7 +168,8 @@ class StepAccounting:
         history, routed = state.history, state.tokens_routed_LE
         reports = live.workers.reports()
         return RunSummary(
-            mode="vela", method=config.training.method, row_format=config.data_plane.row_format,
+            mode="vela", method=config.training.method, zo_parameters=config.training.zo.parameters,
+            row_format=config.data_plane.row_format,
             data_plane=live.hosted.transport.describe(), family_check=config.family_check,
             quantization=quantization_label(config.model.quantization),
             objective=objective_label(config.training.preference),

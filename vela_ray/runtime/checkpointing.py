@@ -67,17 +67,19 @@ class CheckpointWriter:
         every = self.config.checkpoint.every
         return step == self.config.training.steps or bool(every and step % every == 0)
 
-    def save_run(self, live: Live, step: int) -> None:
-        """Checkpoint of `step` (`save`) of what `live` holds; the adapters must be settled (ZO). With
-        `checkpoint.asynchronous` it becomes `state.last_checkpoint` at the next `settle()`."""
+    def save_run(self, live: Live, step: int, stepper: dict | None = None) -> None:
+        """Checkpoint of `step` (`save`) of what `live` holds; the adapters must be settled (ZO); `stepper`: the
+        steps' own state (`Stepper.state`, ZO's trajectory). With `checkpoint.asynchronous` it becomes
+        `state.last_checkpoint` at the next `settle()`."""
         self.settle()  # at most one in flight
         meta = {**live.backbone.checkpoint_meta(self.config.lora), "run_id": self.state.identity.run_id}
-        self.save(step, live.workers, meta, lambda copy: self._contents(live, step, copy))
+        self.save(step, live.workers, meta, lambda copy: self._contents(live, step, copy, stepper))
 
-    def _contents(self, live: Live, step: int, copy: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    def _contents(self, live: Live, step: int, copy: bool, stepper: dict | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict]:
         """What master 0 writes into the checkpoint of `step`: its LoRA, AdamW state and the torch RNGs
         (copied with `copy`: an asynchronous checkpoint writes them while training changes the originals),
-        and `trainer.json` (where the run stands, its placement, config, profile and condenser)."""
+        and `trainer.json` (where the run stands, its placement, config, profile, condenser and `stepper`)."""
         cfg, state, condenser = self.config, self.state, live.master.dispatcher.condenser
         tensors = master_state(live.master, copy=copy)
         tensors.update(checkpoint.rng_state())  # CPU, and CUDA's when this process used it
@@ -87,7 +89,7 @@ class CheckpointWriter:
             "placement": state.plan.model_dump(), "config": json.loads(cfg.model_dump_json()),
             "profile": None if state.placed_probs is None else np.asarray(state.placed_probs).tolist(),
             "access_profile": None if state.access_profile is None else state.access_profile.model_dump(mode="json"),
-            "condenser": condenser.state() if condenser is not None else None,
+            "condenser": condenser.state() if condenser is not None else None, "stepper": stepper,
             "run": state.identity.model_dump(), "records": state.records(segment_totals(live, state)),
         }
         return tensors, trainer

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from vela_ray.config import JobConfig, TrainingSection
+from vela_ray.config import JobConfig, TrainingSection, ZoSection
 from vela_ray.data.datasets import sequential_batches
 from vela_ray.model.condensation import Condenser
 from vela_ray.observability.metrics import MetricsSink
@@ -38,6 +38,14 @@ class Stepper(Protocol):
         export)."""
         ...
 
+    def state(self) -> dict | None:
+        """What a checkpoint keeps of the steps beyond the adapters and optimizer state (None: nothing)."""
+        ...
+
+    def resume(self, live: Live, saved: dict | None) -> None:
+        """Go on from a checkpoint's `state()` (None: a fresh start), its adapters loaded already."""
+        ...
+
 
 class GradientSteps:
     """First-order steps: `train_step` with the masters' gradient sum and clipping, each from torch seeded by
@@ -56,13 +64,20 @@ class GradientSteps:
     def settle(self, live: Live) -> None:
         pass
 
+    def state(self) -> dict | None:
+        return None
+
+    def resume(self, live: Live, saved: dict | None) -> None:
+        pass
+
 
 class ZoSteps:
     """`training.method: zo`: ZO-SGD steps whose update is fused into the next step's first pass until
-    `settle` applies it (`vela_ray.training.zo`)."""
+    `settle` applies it (`vela_ray.training.zo`); their trajectory (each step's lr and projected gradient) goes
+    into every checkpoint, which full-parameter ZO's frozen weights are rebuilt from on resume."""
 
-    def __init__(self, eps: float, seed: int):
-        self.trainer = ZoTrainer(eps, seed)
+    def __init__(self, zo: ZoSection, seed: int):
+        self.trainer = ZoTrainer(zo.eps, seed, zo.parameters)
 
     def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
         return self.trainer.step(live.master, live.workers, micro_batches, lr, step).loss
@@ -70,12 +85,18 @@ class ZoSteps:
     def settle(self, live: Live) -> None:
         self.trainer.settle(live.master, live.workers)
 
+    def state(self) -> dict | None:
+        return self.trainer.state()
+
+    def resume(self, live: Live, saved: dict | None) -> None:
+        self.trainer.resume(live.master, live.workers, saved)
+
 
 def stepper_for(training: TrainingSection, in_flight: int = 1) -> Stepper:
     """The steps `training.method` asks for, with their `training` settings (seed, ZO's eps, clipping), and
     `in_flight` micro-batches at once (`OverlapSection.in_flight`)."""
     if training.method == "zo":
-        return ZoSteps(training.zo.eps, training.seed)
+        return ZoSteps(training.zo, training.seed)
     return GradientSteps(training.optimizer.max_grad_norm, training.seed, in_flight)
 
 

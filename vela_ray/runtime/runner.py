@@ -109,10 +109,13 @@ class JobRunner:
                 feature.after_placement(live)
             self.placer.publish(live)
             self.state.start_step = self.checkpoints.start_state(live, resume)
+            self.stepper.resume(live, resume.trainer.get("stepper") if resume else None)
             self.state.timings_s["startup_s"] = time.perf_counter() - started  # until the first step
             self.tracking.open()
             self._train(live)
             export(live.master, live.workers, self.out_dir / "adapter")
+            if (steps_state := self.stepper.state()) is not None:  # ZO's trajectory, beside the adapter
+                checkpoint.write_json(self.out_dir / checkpoint.STEPPER_FILE, steps_state)
             self.tracking.flush()  # the steps' metrics sent: their background time goes into the summary
             summary = self.accounting.summary(live, self.pool.master_node, self.out_dir)
             summary.trackers = self.tracking.described()
@@ -230,7 +233,7 @@ class JobRunner:
         """Checkpoint of `step`, of settled adapters (a ZO step's update applied)."""
         self.checkpoints.settle()
         self.stepper.settle(live)
-        self.checkpoints.save_run(live, step)
+        self.checkpoints.save_run(live, step, self.stepper.state())
 
     def _stop_if_asked(self, live: Live, done: int) -> None:
         """Between steps: stop cleanly when asked (Ctrl-C, SIGTERM, the driver gone), with a checkpoint."""

@@ -61,6 +61,9 @@ from vela_ray.storage import Remote, is_remote, sha256_of
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+STEPPER_FILE = "stepper.json"
+"""In a run's output dir: its steps' own state at the end (`runtime.features.Stepper.state`: ZO's trajectory), as
+each checkpoint keeps it in `trainer.json`'s "stepper"; full-parameter ZO's merged export replays it."""
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _STAGING_DIR = re.compile(r"^\.step-\d{6,}\.tmp-[0-9a-f]+$")
 T = TypeVar("T")

@@ -86,6 +86,11 @@ class DeviceExpertCache:
         return params
 
     def clear(self) -> None:
+        """Drop every device copy, once the copies in flight have read their host bytes (which the caller may
+        write next: full-parameter ZO)."""
+        for stream in (self.stream, self.demand_stream):
+            if stream is not None:
+                stream.synchronize()
         self._entries.clear()
         self._wanted = set()
 

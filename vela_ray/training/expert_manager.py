@@ -62,7 +62,7 @@ from vela_ray.model.transport import HeldRows
 from vela_ray.quiet import silence_known_warnings
 from vela_ray.training.checkpoint_parts import ExpertCheckpointParts, read_part_states
 from vela_ray.training.expert_spec import ExpertManagerSpec, load_expert_weights
-from vela_ray.training.optim import ShardTrainer, ZoTerm, apply_zo_terms, grad_sq_norm
+from vela_ray.training.optim import ShardTrainer, ZoTensors, ZoTerm, apply_zo_terms, grad_sq_norm
 from vela_ray.training import checkpoint, worker_report
 from vela_ray.training.popularity import PopularityPredictor
 from vela_ray.training.rehosting import (
@@ -256,12 +256,20 @@ class ExpertManager:
             self.trainer.step(lr, clip_coef)
         return self._counters()
 
-    def zo_apply(self, terms: list[ZoTerm]) -> WorkerCounters:
+    def zo_apply(self, terms: list[ZoTerm], which: ZoTensors = "lora") -> WorkerCounters:
         """Zeroth-order training (`vela_ray.training.zo`): add each (step seed, coefficient) term's noise to
-        every hosted expert's LoRA. Each tensor's noise comes from its logical checkpoint name, so any
-        placement adds the same numbers (and copies of a replicated expert stay identical). Answers the
-        counters, as `step` does."""
-        by_name = {key: dict(self.shard.expert(*key).named_parameters()) for key in self.keys}
+        `which` tensors of every hosted expert: its LoRA, its frozen weights (full-parameter ZO), or both, in place
+        where they live (a tiered worker's host copies, its device cache dropped). Each tensor's noise comes from
+        its logical checkpoint name, so any placement adds the same numbers (and copies of a replicated expert stay
+        identical). Answers the counters, as `step` does."""
+        by_name: dict[ExpertKey, dict[str, torch.Tensor]] = {key: {} for key in self.keys}
+        if which != "frozen":
+            by_name = {key: dict(self.shard.expert(*key).named_parameters()) for key in self.keys}
+        if which != "lora":
+            if self.tiers is not None:
+                self.tiers.weights_changed()  # before the writes: the copies in flight finish reading first
+            for key, frozen in self.shard.frozen_views().items():
+                by_name[key] |= frozen
         apply_zo_terms(checkpoint.expert_part_tensors(by_name), terms)
         return self._counters()
 

@@ -11,6 +11,7 @@ import torch
 
 from vela_ray.model.experts import ExpertKey
 from vela_ray.training.tiers import TierCounters
+from vela_ray.training.optim import ZoTensors
 from vela_ray.training.worker_report import WorkerCounters, WorkerReport
 
 LoraState = dict[ExpertKey, dict[str, torch.Tensor]]
@@ -128,12 +129,13 @@ class ExpertWorkers:
         """Every worker's optimizer step; their answers are the latest `counters`."""
         self.counters = self._calls.all("step", lr, clip_coef)
 
-    def zo_apply(self, terms: list[tuple[int, float]]) -> None:
+    def zo_apply(self, terms: list[tuple[int, float]], which: ZoTensors = "lora") -> None:
         """Zeroth-order training (`vela_ray.training.zo`): every worker adds each (step seed, coefficient)
-        term's noise to its own experts' LoRA, drawing the noise itself; only the scalars travel. Their
+        term's noise to its own experts' `which` tensors (LoRA, frozen weights or both), drawing the noise itself;
+        only the scalars travel. Their
         answers are the latest `counters`: a ZO step's last fan-out comes before its second forward pass, whose
         rows and compute the next step's counters include."""
-        self.counters = self._calls.all("zo_apply", terms)
+        self.counters = self._calls.all("zo_apply", terms, which)
 
     def lora_state(self) -> LoraState:
         """All experts' adapters, keyed by logical (layer, expert)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch.nn.utils import get_total_norm
@@ -116,6 +116,9 @@ class ShardTrainer:
 
 ZoTerm = tuple[int, float]
 """(step seed, coefficient): add coefficient * z(step seed, tensor name) to a tensor."""
+ZoTensors = Literal["lora", "frozen", "full"]
+"""The tensors a ZO term goes to: the LoRA adapters, the frozen weights (a full-parameter resume's replay, whose
+adapters come from the checkpoint), or both."""
 
 
 def zo_tensor_seed(step_seed: int, name: str) -> int:

@@ -344,6 +344,8 @@ class RunSummary(_Record):
     mode: Literal["vela", "expert_parallel"] = "vela"
     method: Literal["first_order", "zo"] = "first_order"
     """`training.method`: backward + AdamW, or zeroth-order ZO-SGD (two no-grad forwards per step)."""
+    zo_parameters: Literal["lora", "full"] = "lora"
+    """`training.zo.parameters` of a ZO run: the LoRA adapters, or every weight (full-parameter)."""
     row_format: RowFormat = "exact"
     """`data_plane.row_format`: how rows travelled; LOSSY unless exact (`vela_ray.model.wire`)."""
     data_plane: str = ""

@@ -242,6 +242,12 @@ class TieredExperts:
             self._wire_params[key] = encoded
         return self._wire_params[key]
 
+    def weights_changed(self) -> None:
+        """The host copies are about to be written (full-parameter ZO): drop every device copy and low-bit form made
+        from them (the copies in flight done reading first), so the next uploads carry what was written."""
+        self.cache.clear()
+        self._wire_params.clear()
+
     def _decode_upload(self, params: ExpertParams) -> ExpertParams:
         dtypes = self._host_dtypes
         return {name: wire.decode(t, dtypes[name]) if dtypes[name].is_floating_point else t

@@ -1,4 +1,4 @@
-"""Zeroth-order training: MeZO's ZO-SGD on the LoRA adapters, over vela-ray (ZO-Offloading §4-5).
+"""Zeroth-order training: MeZO's ZO-SGD on the LoRA adapters or on every weight, over vela-ray (ZO-Offloading §4-5).
 
 `training.method: zo`. A step is two forward passes, at θ+εz and θ−εz, under torch.no_grad:
 no backward, no activations kept for one, and the brokers move rows out and outputs back only
@@ -13,6 +13,14 @@ model), each ExpertManager its experts' LoRA (logical names "l{layer}.e{expert}.
 checkpoints). So any placement, worker count or device adds the same numbers, and all that
 travels per pass is a few (step seed, coefficient) pairs (`ExpertWorkers.zo_apply`). Both kinds of
 tensor are fp32 in a bf16 model (peft's rule, `experts.adapter_dtype`), so ±εz is not lost to rounding.
+
+Full-parameter (`zo.parameters: full`, MeZO's and ZO-Offloading's setting): the frozen weights are perturbed and
+updated too, in place wherever they live, by the same rule: the master every floating parameter of its peft model
+(the embedding, attention, routers, norms and head, by peft name; a backbone streamed from host memory
+(`masters.streaming`) has its host copies changed and its device slots refilled, `BackboneStream.rewritten`), each
+ExpertManager its experts' weight stacks, expert by expert ("l{layer}.e{expert}.{stack}"; a tiered worker's host
+copies, its device cache dropped). Still no gradient and no optimizer state: only seeds and scalars travel. In the
+model's own dtype, as MeZO does (a bf16 weight takes a bf16 εz).
 
 Fused update (§5.3): after the minus pass the parameters are θ−εz. Restoring them (+εz) and
 stepping (−lr·g·z) would cost two more passes over every tensor; `ZoTrainer` keeps both pending
@@ -31,13 +39,15 @@ from first-order AdamW: it needs many more steps; AdamW's settings and max_grad_
 
 from __future__ import annotations
 
+import re
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from vela_ray.training.optim import ZoTerm, apply_zo_terms, zo_tensor_seed
+from vela_ray.training.optim import ZoTensors, ZoTerm, apply_zo_terms, zo_tensor_seed
 from vela_ray.training.expert_workers import ExpertWorkers
 from vela_ray.training.master import MasterModel
 from vela_ray.training.step import Batch, LossFn, model_loss
@@ -63,15 +73,52 @@ def step_seed(seed: int, step: int) -> int:
     return zo_tensor_seed(seed, f"step {step}")
 
 
-def master_tensors(master: MasterModel) -> dict[str, nn.Parameter]:
-    """The master's trainable LoRA tensors by peft parameter name (the full peft model's names too)."""
-    return {name: p for name, p in master.peft_model.named_parameters() if p.requires_grad}
+ZoParameters = Literal["lora", "full"]
 
 
-def perturb(master: MasterModel, workers: ExpertWorkers, terms: Sequence[ZoTerm]) -> None:
-    """Every owner applies `terms` to its own tensors: the master here, each worker on its side."""
-    apply_zo_terms(master_tensors(master), terms)
-    workers.zo_apply(list(terms))
+def master_tensors(master: MasterModel, which: ZoTensors = "lora") -> dict[str, nn.Parameter]:
+    """The tensors the master perturbs, by peft parameter name (the full peft model's names too): its trainable LoRA
+    tensors, its other floating parameters (the frozen weights), or both."""
+    return {name: p for name, p in master.peft_model.named_parameters()
+            if p.is_floating_point() and (which == "full" or p.requires_grad == (which == "lora"))}
+
+
+def perturb(master: MasterModel, workers: ExpertWorkers, terms: Sequence[ZoTerm], which: ZoTensors = "lora") -> None:
+    """Every owner applies `terms` to its own tensors: the master here, each worker on its side. A streamed
+    backbone's host copies change only with the frozen weights, and then its device slots are refilled."""
+    writes_frozen = which != "lora" and master.stream is not None
+    with master.stream.rewritten() if writes_frozen else nullcontext():
+        apply_zo_terms(master_tensors(master, which), terms)
+    workers.zo_apply(list(terms), which)
+
+
+def full_model_frozen_tensors(peft_model: nn.Module, experts_paths: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """The frozen floating tensors of a whole model (plain transformers + peft, experts inside) by the names vela-ray's
+    owners give them in full-parameter ZO, so replaying a trajectory on it (`replayed_terms`) rebuilds what a run
+    trained: a backbone tensor by its peft name (the master's), an expert stack slice by slice as
+    "l{layer}.e{expert}.{stack}" (the ExpertManagers'). `experts_paths`: each experts module's path in the model
+    without peft (`MoeBlock.experts_path`) to its MoE layer index."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in peft_model.named_parameters():
+        if param.requires_grad or not param.is_floating_point():
+            continue
+        module, _, stack = re.sub(r"^base_model\.model\.|\.base_layer", "", name).rpartition(".")
+        if module in experts_paths:
+            out.update({f"l{experts_paths[module]}.e{e}.{stack}": param.data[e] for e in range(param.shape[0])})
+        else:
+            out[name] = param.data
+    return out
+
+
+def replayed_terms(seed: int, eps: float, trajectory: Sequence[tuple[float, float]]) -> list[ZoTerm]:
+    """Every term steps 0.. len(trajectory)-1 added to a tensor, in order: each step's +εz, −2εz, the restore +εz and
+    the update −lr·g·z, from its (lr, projected gradient). Applied to the base weights they give the trained ones
+    bit for bit: `apply_zo_terms` adds one term at a time, and the fused passes only group the same adds."""
+    terms: list[ZoTerm] = []
+    for step, (lr, grad) in enumerate(trajectory):
+        z = step_seed(seed, step)
+        terms += [(z, eps), (z, -2 * eps), (z, eps), (z, -lr * grad)]
+    return terms
 
 
 @torch.no_grad()
@@ -90,28 +137,47 @@ class ZoTrainer:
     """ZO-SGD steps with the update fused into the next step's first pass (see the module docstring).
 
     `pending`: terms every owner still has to apply to reach θ_{t+1} (the last step's restore and
-    update); empty right after `settle`, and at the start."""
+    update); empty right after `settle`, and at the start. `parameters`: `lora`, or `full` for every weight."""
 
-    def __init__(self, eps: float, seed: int = 0):
+    def __init__(self, eps: float, seed: int = 0, parameters: ZoParameters = "lora"):
         self.eps = eps
         self.seed = seed
+        self.parameters = parameters
         self.pending: tuple[ZoTerm, ...] = ()
+        self.trajectory: list[tuple[float, float]] = []  # (lr, projected gradient) of steps 0, 1, ...
 
     def step(self, master: MasterModel, workers: ExpertWorkers, micro_batches: Sequence[Batch], lr: float,
              step: int, *, loss_fn: LossFn = model_loss) -> ZoStepResult:
         """Step `step` (0-based; it picks z) at learning rate `lr`; leaves the parameters at θ−εz."""
-        seed, eps = step_seed(self.seed, step), self.eps
-        perturb(master, workers, (*self.pending, (seed, eps)))  # last step's restore + update, then +εz
+        seed, eps, which = step_seed(self.seed, step), self.eps, self.parameters
+        perturb(master, workers, (*self.pending, (seed, eps)), which)  # last step's restore + update, then +εz
         self.pending = ()
         plus = forward_loss(master, micro_batches, loss_fn)
-        perturb(master, workers, ((seed, -2 * eps),))
+        perturb(master, workers, ((seed, -2 * eps),), which)
         minus = forward_loss(master, micro_batches, loss_fn)
         grad = (plus - minus) / (2 * eps)
         self.pending = ((seed, eps), (seed, -lr * grad))
+        del self.trajectory[step:]  # a step run again (recovery) replaces its entry
+        self.trajectory.append((lr, grad))
         return ZoStepResult(plus, minus, grad)
 
     def settle(self, master: MasterModel, workers: ExpertWorkers) -> None:
         """Apply the pending restore and update alone: the parameters become θ_{t+1}, unperturbed."""
         if self.pending:
-            perturb(master, workers, self.pending)
+            perturb(master, workers, self.pending, self.parameters)
             self.pending = ()
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (settled): the trajectory, which full-parameter ZO's frozen weights are rebuilt
+        from (`resume`; `vela export --format merged`), and the settings that read it."""
+        return {"parameters": self.parameters, "seed": self.seed, "eps": self.eps,
+                "trajectory": [list(entry) for entry in self.trajectory]}
+
+    def resume(self, master: MasterModel, workers: ExpertWorkers, saved: dict | None) -> None:
+        """Go on from a checkpoint's `state()` (None: a fresh start). Its adapters are loaded already; with `full`
+        the frozen weights, loaded from the model's checkpoint, are brought to the checkpoint's step by replaying
+        its trajectory (MeZO's seed trick: one pass over them per replayed term)."""
+        self.pending = ()
+        self.trajectory = [] if saved is None else [(float(lr), float(g)) for lr, g in saved["trajectory"]]
+        if self.parameters == "full" and self.trajectory:
+            perturb(master, workers, replayed_terms(self.seed, self.eps, self.trajectory), "frozen")
