@@ -291,7 +291,8 @@ class StreamingSection(_Section):
     bit. First-order training too: the forward's graph keeps no slot tensor, and the backward uploads each layer's
     block again, the layers below it prefetched. A quantized backbone (`model.quantization`) streams its quantized
     blocks. Not with activation checkpointing, a tensor-parallel master or FSDP2's sharded backbone (one line each,
-    before anything starts); micro-batches run one at a time through the buffer. `upload_format` moves the layers
+    before anything starts). Micro-batches in flight (`training.overlap`) pass the buffer in step, GPipe's schedule: a
+    block is uploaded once per wave of them instead of once each. `upload_format` moves the layers
     in fewer bits (LOSSY). The layers' frozen weights never reach the device whole: the master is built in host
     memory and only the rest is moved."""
 
@@ -661,8 +662,6 @@ class OverlapSection(_Section):
                      lambda job: job.training.condensation.enabled),
         RunsSerially("training.method: zo", "a ZO step runs no backward to overlap",
                      lambda job: job.training.method == "zo"),
-        RunsSerially("masters.streaming.buffer_blocks", "the streamed backbone runs one forward (or backward) "
-                     "through its buffer at a time", lambda job: job.masters.streaming.on),
         RunsSerially("training.preference.objective: dpo", "its reference pass turns the master's adapters off in "
                      "the whole model (peft's disable_adapter), which another micro-batch would compute through",
                      lambda job: job.training.preference.on),

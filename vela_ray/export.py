@@ -15,6 +15,11 @@ Formats (`FORMATS`):
   one rank and one lora_alpha / r, each module's own scale baked into its B (rank and alpha patterns, rsLoRA),
   and with its targets as a list of module names (`vela_ray.model.merging.serving_adapter`).
 
+A run of full-parameter ZO (`training.zo.parameters: full`) trained every weight, not only its adapter: `merged`
+first rebuilds its base weights by replaying the run's trajectory (`stepper.json`, or a checkpoint's `trainer.json`)
+onto the base checkpoint loaded in the run's `model.dtype` (`_replayed_base`, MeZO's seed trick), then merges the
+adapter into those, written in that dtype and transformers' own layout; `peft` and `per-expert` are refused.
+
 Where vLLM cannot take an export as trained, one warning line names the export it can take
 (`_warn_for_vllm`): it refuses `modules_to_save` (a trained router: --format merged), and applies one
 lora_alpha / r to every module (a peft export with rank/alpha patterns: --format per-expert or merged).
@@ -32,6 +37,7 @@ Nothing at `out` is touched until the export is whole: it is written into a sibl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -75,6 +81,8 @@ class Trained:
     lora: dict  # the run's `lora` config section (rank, alpha, targets, ...)
     trust_remote_code: bool = False
     quantization: dict | None = None  # the run's `model.quantization` section
+    dtype: str = "float32"  # the run's `model.dtype`
+    full_zo: dict | None = None  # full-parameter ZO's state (seed, eps, trajectory): the base weights moved too
 
 
 @dataclass(frozen=True)
@@ -92,31 +100,44 @@ def locate(path: str | Path, model_dir: str | Path | None = None) -> Trained:
         raise ValueError(f"{path} does not exist; give a run's output.dir or one of its checkpoints (step-*)")
     if (path / checkpoint.MANIFEST).is_file() or path.name.startswith("step-"):
         checkpoint.verify(path)  # sizes and sha256: a corrupt checkpoint is refused here, by name
-        config = json.loads((path / "trainer.json").read_text())["config"]
-        return _trained(config, model_dir, None, path)
+        trainer = json.loads((path / "trainer.json").read_text())
+        return _trained(trainer["config"], model_dir, None, path, trainer.get("stepper"))
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is neither a vela-ray run dir (no config.json) nor a checkpoint (no manifest.json)")
     config = json.loads((path / "config.json").read_text())
     if not {"model", "lora"} <= set(config):
         raise ValueError(f"{path} is not a vela-ray run dir (its config.json is no job config: a model dir?)")
     if (path / "adapter" / ADAPTER_FILE).is_file():
-        return _trained(config, model_dir, path / "adapter", None)
+        stepper = path / checkpoint.STEPPER_FILE
+        return _trained(config, model_dir, path / "adapter", None,
+                        json.loads(stepper.read_text()) if stepper.is_file() else None, stepper)
     root = Path(config.get("checkpoint", {}).get("dir") or path / "checkpoints")
     newest = checkpoint.latest(root)
     if newest is None:
         raise ValueError(f"{path}: the run has no adapter and no valid checkpoint under {root}; nothing to export")
     checkpoint.verify(newest)
     logger.info("%s has no adapter (interrupted run?): exporting its newest checkpoint %s", path, newest)
-    return _trained(config, model_dir, None, newest)
+    return _trained(config, model_dir, None, newest, json.loads((newest / "trainer.json").read_text()).get("stepper"))
 
 
-def _trained(config: dict, model_dir, adapter_dir: Path | None, ckpt: Path | None) -> Trained:
+def _trained(config: dict, model_dir, adapter_dir: Path | None, ckpt: Path | None, stepper: dict | None = None,
+             stepper_file: Path | None = None) -> Trained:
+    """`stepper`: the run's steps' state (`checkpoint.STEPPER_FILE` beside a run's adapter, a checkpoint's
+    `trainer.json` "stepper"); a full-parameter ZO run without it is refused: its base weights cannot be rebuilt."""
     model = Path(model_dir or config["model"]["path"])
     if not (model / "config.json").is_file():
         raise ValueError(f"the base model {model} is not a model directory (no config.json); give it with --model")
     trust_remote_code = bool(config["model"].get("trust_remote_code", False))
+    training = config.get("training") or {}
+    full = training.get("method") == "zo" and (training.get("zo") or {}).get("parameters") == "full"
+    if full and (stepper or {}).get("parameters") != "full":
+        where = stepper_file or ckpt / "trainer.json"
+        raise ValueError(f"{where}: no trajectory of the run's steps, which trained every weight "
+                         "(training.zo.parameters: full) and which its weights are rebuilt from; export one of its "
+                         "checkpoints (step-*)")
     return Trained(model, adapter_dir, ckpt, dict(config["lora"]), trust_remote_code,
-                   config["model"].get("quantization"))
+                   config["model"].get("quantization"), config["model"].get("dtype", "float32"),
+                   stepper if full else None)
 
 
 @contextmanager
@@ -253,6 +274,9 @@ def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | 
         raise ValueError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     path, out = Path(path), Path(out)
     trained = locate(path, model_dir)
+    if trained.full_zo is not None and fmt != "merged":
+        raise ValueError(f"{path}: the run trained every weight (training.zo.parameters: full), so its adapter alone "
+                         f"is not the trained model and --format {fmt} cannot hold it; use --format merged")
     check_out_apart(out, path, trained, fmt)
     check_out_dir(out, force)
     if trained.trust_remote_code:  # the model's own code, as the run read it
@@ -266,8 +290,66 @@ def export_run(path: str | Path, fmt: str, out: str | Path, *, model_dir: str | 
                 shutil.copytree(adapter_dir, staging, dirs_exist_ok=True)
             return Exported(out, fmt, source)
         if fmt == "merged":
-            return _export_merged(adapter_dir, trained.model_dir, out, source, _quantized(trained))
+            if trained.full_zo is None:
+                return _export_merged(adapter_dir, trained.model_dir, out, source, _quantized(trained))
+            with _replayed_base(trained, adapter_dir, out) as (base_dir, note):
+                return dataclasses.replace(_export_merged(adapter_dir, base_dir, out, source), note=note)
         return _export_per_expert(adapter_dir, trained.model_dir, out, source)
+
+
+@contextmanager
+def _replayed_base(trained: Trained, adapter_dir: Path, out: Path) -> Iterator[tuple[Path, str]]:
+    """(model dir, note): the base weights a full-parameter ZO run (`trained.full_zo`) trained, in a temporary
+    hidden sibling of `out` (the same filesystem; deleted on the way out). The base checkpoint is loaded in the
+    run's `model.dtype` (a checkpoint shipped quantized: its dequantized copy), wrapped with the run's adapter (a
+    backbone tensor's noise is seeded by its peft name), the trajectory replayed onto its frozen tensors
+    (`zo.replayed_terms`: the run's very adds), the LoRA wrappers taken off without merging, and `save_pretrained`
+    in that dtype; the base dir's other files (tokenizer, ...) copied beside. The whole model is held in memory."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from vela_ray.model.dtypes import torch_dtype
+    from vela_ray.model.modeling import find_moe_blocks
+    from vela_ray.model.shipped import shipped_format, write_dequantized
+    from vela_ray.training.optim import apply_zo_terms
+    from vela_ray.training.zo import full_model_frozen_tensors, replayed_terms
+
+    state, dtype, base = trained.full_zo, torch_dtype(trained.dtype), trained.model_dir
+    shipped = shipped_format(base)
+    if shipped is None:
+        plan_merge(adapter_dir, base)  # a family the merge cannot take is refused before the model is read
+    width = torch.empty((), dtype=dtype).element_size()
+    weights = width * sum(p.numel() for p in meta_model(base, trained.trust_remote_code).parameters())
+    check_disk(out, (3 if shipped else 2) * weights)  # the replayed base (a dequantized copy) and the merged model
+    out = Path(os.path.abspath(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.replayed-", dir=out.parent) as tmp:
+        replayed = Path(tmp) / "model"
+        if shipped is not None:
+            base = write_dequantized(base, Path(tmp) / "dequantized", dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype,
+                                                     trust_remote_code=trained.trust_remote_code)
+        experts_paths = {block.experts_path: block.index for block in find_moe_blocks(model)}
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)  # frozen: the base's
+        apply_zo_terms(full_model_frozen_tensors(peft_model, experts_paths),
+                       replayed_terms(state["seed"], state["eps"], state["trajectory"]))
+        peft_model.unload().save_pretrained(str(replayed))
+        del model, peft_model
+        if shipped is not None:
+            shutil.rmtree(base)
+        for file in checkpoint_files(trained.model_dir):
+            if not (replayed / file.name).exists() and not _weights_file(file.name):
+                shutil.copyfile(file, replayed / file.name)
+        steps = len(state["trajectory"])
+        yield replayed, (f"full-parameter ZO: the base weights rebuilt from the run's {steps} steps (its trajectory "
+                         f"replayed), the adapter merged into them; written in {trained.dtype} (model.dtype), "
+                         "transformers' layout")
+
+
+def _weights_file(name: str) -> bool:
+    """Whether a file of a model dir holds (or indexes) its weights."""
+    return name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))
 
 
 def _quantized(trained: Trained):

@@ -8,6 +8,7 @@ runs here; the tiny models get 4 decoder layers so that a buffer of 2 slots must
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from vela_ray.model.tensor_parallel import decoder_layers
 from vela_ray.observability.report import summary_text
 from vela_ray.training.master import build_local
 from vela_ray.training.schedule import OptimizerConfig
+from vela_ray.training.step import forward_backward
 from vela_ray.training.zo import ZoTrainer, forward_loss, perturb
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -74,6 +76,26 @@ def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tm
     torch.testing.assert_close(streamed.losses + [streamed.eval_loss], resident.losses + [resident.eval_loss],
                                rtol=1e-5, atol=0)
     for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.job
+def test_a_streamed_job_with_micro_batches_in_flight_equals_the_serial_resident_one(tmp_path):
+    model_dir = make_checkpoint(tmp_path / "model", num_hidden_layers=LAYERS)
+    training = {"optimizer": {"lr": 1e-2}, "batch_size": 4, "micro_batch_size": 1}
+    serial = run_in_process(JobConfig.from_dict(job_dict(model_dir, tmp_path / "serial", steps=2,
+                                                         training=training)))
+    streamed = {"streaming": {"buffer_blocks": BLOCKS}}
+    one_by_one = run_in_process(JobConfig.from_dict(job_dict(model_dir, tmp_path / "one_by_one", steps=2,
+                                                             masters=streamed, training=training)))
+    waves = run_in_process(JobConfig.from_dict(job_dict(
+        model_dir, tmp_path / "waves", steps=2, masters=streamed,
+        training={**training, "overlap": {"micro_batches_in_flight": 4}})))
+    # the steps' 4 micro-batches pass each block together (the profile's and eval's forwards upload as before)
+    assert waves.streaming.uploads + 2 * 12 == one_by_one.streaming.uploads, (waves.streaming, one_by_one.streaming)
+    torch.testing.assert_close(waves.losses + [waves.eval_loss], serial.losses + [serial.eval_loss], rtol=1e-5, atol=0)
+    ours, theirs = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors") for run in ("waves", "serial"))
+    for key, value in theirs.items():  # AdamW's first steps divide by the gradients' size: rel ~1e-7 shows as ~1e-6
         torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-5)
 
 
@@ -200,6 +222,52 @@ def test_a_buffer_as_large_as_the_backbone_uploads_each_layer_once():
     assert forward_loss(master, micro_batches(0)) == forward_loss(master, micro_batches(0)) == before
     assert sorted(e.layer for e in stream.trace if e.kind == "upload") == list(range(LAYERS))
     stream.close()
+
+
+def _grads_and_uploads(in_flight: int, count: int = 4, fail: int | None = None):
+    """LoRA gradients, summed loss and the uploads of one forward/backward of `count` micro-batches through 2 slots of
+    4 layers (`forward_backward`), `in_flight` at once; micro-batch `fail` raises in its forward."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
+                            OptimizerConfig())
+    master.stream = stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"))
+    batches = micro_batches(0, count=count)
+
+    def loss_fn(model, batch):
+        if fail is not None and batch is batches[fail]:
+            raise RuntimeError("micro-batch failed")
+        if batch is batches[0]:
+            time.sleep(0.2)  # the first micro-batch starts last: the others must wait for it at layer 1
+        return model(**batch).loss
+
+    try:
+        loss = forward_backward(master.peft_model, batches, loss_fn, in_flight, stream=stream)
+        grads = {name: p.grad.clone() for name, p in master.peft_model.named_parameters() if p.requires_grad}
+        return grads, loss, stream.uploads
+    finally:
+        stream.close()
+
+
+def test_micro_batches_in_flight_pass_the_layers_in_step_and_upload_each_block_once_per_wave():
+    """GPipe's schedule through the buffer (`training.overlap.micro_batches_in_flight` with `masters.streaming`): 4
+    micro-batches on 4 threads enter a layer only once all have entered the one before, and one backward runs over
+    their losses, so the step uploads each block about once per pass instead of once per micro-batch; the gradients
+    are the serial step's (summed in another order)."""
+    serial_grads, serial_loss, serial_uploads = _grads_and_uploads(1)
+    grads, loss, uploads = _grads_and_uploads(4)
+    assert loss == pytest.approx(serial_loss, rel=1e-6)
+    for name, value in serial_grads.items():
+        torch.testing.assert_close(grads[name], value, rtol=1e-5, atol=1e-7)
+    # in step: the 4 layers forward + 2 again for the backward, as one micro-batch alone; serial: 6 for the first, 4
+    # for each later one (its forward finds the last backward's 2 layers in the slots)
+    assert uploads == LAYERS + 2 and serial_uploads == LAYERS + 2 + 3 * 4, (uploads, serial_uploads)
+    two_waves = _grads_and_uploads(2)[2]  # 2 in flight: two waves of 2
+    assert uploads < two_waves < serial_uploads
+
+
+def test_a_failing_micro_batch_in_flight_stops_the_step_without_leaving_the_others_waiting():
+    with pytest.raises(RuntimeError, match="micro-batch failed"):
+        _grads_and_uploads(4, fail=2)
 
 
 def test_only_what_is_not_streamed_goes_to_the_device():

@@ -35,16 +35,21 @@ given when the slot was chosen (those that read its previous layer). On the CPU 
 upload is a copy from the host tensors into the slot on one background thread, so the overlap is as real (and as
 visible in `trace`) as on a GPU.
 
-Exact: an upload copies bytes, so a streamed forward and backward equal the resident ones bit for bit. One pass at a
-time (micro-batches in flight run serially with it). Streamed are a layer's frozen parameters and its persistent
-buffers (a quantized backbone's weights, `model.quantization`); its non-persistent buffers (rotary frequencies)
-are small and stay.
+Micro-batches in flight (`training.overlap`) pass the buffer in step, GPipe's schedule as Mobius and APTMoE run it
+(`layer_major`, `training.step._through_the_buffer`): a wave of them on threads of their own, each entering layer i
+only once all of them entered layer i-1, so a block is uploaded once per wave rather than once per micro-batch; the
+threads share the slot of a layer they compute, which is never reused under them; then one backward over the wave.
+
+Exact: an upload copies bytes, so a streamed forward and backward equal the resident ones bit for bit. Streamed are
+a layer's frozen parameters and its persistent buffers (a quantized backbone's weights, `model.quantization`); its
+non-persistent buffers (rotary frequencies) are small and stay.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -199,6 +204,8 @@ class _Copier(Protocol):
 
     def before_compute(self, layer: int) -> None: ...  # returns once `layer`'s last upload is visible to its compute
 
+    def after_compute(self, layer: int) -> None: ...  # a caller's compute of `layer` is issued: a reuse waits for it
+
     def drain(self) -> None: ...  # returns once every upload queued so far has read its host bytes
 
     def close(self) -> None: ...
@@ -222,6 +229,9 @@ class _ThreadCopier:
     def before_compute(self, layer: int) -> None:
         self.pending[layer].result()  # kept: a layer still in its slot at the next pass waits on it again, done
 
+    def after_compute(self, layer: int) -> None:
+        pass  # the CPU computed it already
+
     def drain(self) -> None:
         for upload in self.pending.values():
             upload.result()
@@ -238,15 +248,20 @@ class _CudaCopier:
         self.trace = trace
         self.stream = torch.cuda.Stream(device)
         self.uploaded: dict[int, torch.cuda.Event] = {}
+        self.computed: list[torch.cuda.Event] = []  # micro-batches in flight: each thread's last layer's kernels
 
     def upload(self, layer: int, block: _Block, flat: torch.Tensor, staging: torch.Tensor | None) -> None:
         start = time.perf_counter()
         # every kernel that reads the slot's previous layer (its forward, or its backward's) was issued before the
-        # stream chose to reuse the slot: the copy waits for what the compute stream has been given so far
+        # stream chose to reuse the slot: the copy waits for what the compute stream has been given so far, and for
+        # what other threads' streams were given (micro-batches in flight, `after_compute`)
         issued = torch.cuda.Event()
         issued.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(issued)
+            for event in self.computed:
+                self.stream.wait_event(event)
+            self.computed.clear()
             block.upload_into(flat, staging, non_blocking=True)
             self.uploaded[layer] = torch.cuda.Event()
             self.uploaded[layer].record(self.stream)
@@ -254,6 +269,11 @@ class _CudaCopier:
 
     def before_compute(self, layer: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.uploaded[layer])  # kept, as `_ThreadCopier`'
+
+    def after_compute(self, layer: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.computed.append(event)
 
     def drain(self) -> None:
         self.stream.synchronize()
@@ -290,37 +310,75 @@ class BackboneStream:
         self.resident_bytes = 0
         self.peak_bytes = 0
         self.uploads = self.upload_bytes = 0
+        # micro-batches in flight (`layer_major`): one lock over the slots, the threads computing each layer (whose
+        # slot is never reused under them), and the wave's gate
+        self.lock = threading.Condition()
+        self.computing: dict[int, int] = {}
+        self.wave: _Wave | None = None
 
     @property
     def frozen_bytes(self) -> int:
         """Every streamed layer's frozen bytes: what the device would hold without streaming."""
         return sum(block.nbytes for block in self.blocks)
 
+    @contextmanager
+    def layer_major(self, micro_batches: int) -> Iterator[None]:
+        """`micro_batches` forwards, each on a thread of its own, pass the layers in step (GPipe's schedule through the
+        buffer): one enters layer i only once all of them have entered layer i-1, so each block is uploaded once for
+        all of them, not once each. Every one of them must run (or the others wait for it)."""
+        with self.lock:
+            self.wave = _Wave(micro_batches)
+        try:
+            yield
+        finally:
+            self.end_wave()
+
+    def end_wave(self) -> None:
+        """No gate from now on: the wave ended, or one of its micro-batches failed (the others must not wait for it)."""
+        with self.lock:
+            self.wave = None
+            self.lock.notify_all()
+
     def run(self, layer: int, forward: Callable[[], Any]) -> Any:
         """Layer `layer`'s `forward()` with its frozen tensors in a slot, the next layers' uploads queued. With grad
         enabled the graph keeps no slot tensor: each is saved as where it lies in the block (`_pack`), and the
-        backward uploads the block again, the layers below it prefetched (`_unpack`)."""
+        backward uploads the block again, the layers below it prefetched (`_unpack`). Threads of a `layer_major` wave
+        share the slot of the layer they compute; it points the layer at its slot while any of them computes it."""
         grad = torch.is_grad_enabled()
         # a no-grad forward's next layers wrap to the next pass's first (ZO's passes follow each other); one that
         # keeps a graph stops at the last layer, whose block its backward needs first
         window = [(layer + k) % len(self.blocks) if not grad else layer + k for k in range(self.buffer_blocks)]
-        slot = self._acquire(layer, [w for w in window if w < len(self.blocks)])
+        with self.lock:
+            if self.wave is not None:
+                self.lock.wait_for(lambda: self.wave is None or self.wave.may_enter(layer))
+                if self.wave is not None:
+                    self.wave.enter(layer)
+                    self.lock.notify_all()
+            slot = self._acquire(layer, [w for w in window if w < len(self.blocks)])
+            if not self.computing.get(layer):
+                self.blocks[layer].point(self.slots[slot])
+            self.computing[layer] = self.computing.get(layer, 0) + 1
         start = time.perf_counter()
-        self.blocks[layer].point(self.slots[slot])
         try:
             if not grad:
                 return forward()
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(layer, slot, t), self._unpack):
                 return forward()
         finally:
-            self.blocks[layer].point(self.blocks[layer].host)
+            self.copier.after_compute(layer)
+            with self.lock:
+                self.computing[layer] -= 1
+                if not self.computing[layer]:
+                    self.blocks[layer].point(self.blocks[layer].host)
+                self.lock.notify_all()
             self.trace.append(TraceEvent("compute", layer, start, time.perf_counter()))
 
     def _acquire(self, layer: int, window: list[int]) -> int:
         """The slot holding `layer` (`window[0]`) once its upload is visible to compute, the rest of `window` (the
-        layers that run next, in order) queued behind it."""
-        if layer not in self.slot_of:
-            self._load(layer, window)
+        layers that run next, in order) queued behind it where a slot is free of them. Called holding `lock`; waits
+        (releasing it) while every slot holds a layer some thread computes."""
+        while layer not in self.slot_of and not self._load(layer, window):
+            self.lock.wait()
         self.copier.before_compute(layer)
         for ahead in window[1:]:
             if ahead not in self.slot_of:
@@ -341,13 +399,17 @@ class BackboneStream:
         if isinstance(packed, torch.Tensor):
             return packed
         layer, dtype, shape, stride, offset = packed
-        slot = self._acquire(layer, [layer - k for k in range(self.buffer_blocks) if layer - k >= 0])
+        with self.lock:
+            slot = self._acquire(layer, [layer - k for k in range(self.buffer_blocks) if layer - k >= 0])
         return self.slots[slot].view(dtype).as_strided(shape, stride, offset)
 
-    def _load(self, layer: int, window: list[int]) -> None:
-        """Queue `layer`'s upload into a slot that holds no layer of `window` (an empty one first)."""
-        slot = min((s for s, held in enumerate(self.layer_in) if held not in window),
-                   key=lambda s: self.layer_in[s] is not None)
+    def _load(self, layer: int, window: list[int]) -> bool:
+        """Queue `layer`'s upload into a slot that holds no layer of `window` and none a thread computes (an empty one
+        first); False if there is no such slot."""
+        free = [s for s, held in enumerate(self.layer_in) if held not in window and not self.computing.get(held)]
+        if not free:
+            return False
+        slot = min(free, key=lambda s: self.layer_in[s] is not None)
         evicted = self.layer_in[slot]
         if evicted is not None:
             del self.slot_of[evicted]
@@ -358,6 +420,7 @@ class BackboneStream:
         self.uploads += 1
         self.upload_bytes += self.blocks[layer].upload_bytes
         self.copier.upload(layer, self.blocks[layer], self.slots[slot], self.staging[slot])
+        return True
 
     @contextmanager
     def rewritten(self) -> Iterator[None]:
@@ -377,6 +440,20 @@ class BackboneStream:
     def close(self) -> None:
         """Wait for the uploads in flight and end the upload thread (the layers stay streamed)."""
         self.copier.close()
+
+
+class _Wave:
+    """The micro-batches of one `BackboneStream.layer_major` wave: how many entered each layer so far."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entered: dict[int, int] = {}
+
+    def may_enter(self, layer: int) -> bool:
+        return layer == 0 or self.entered.get(layer - 1, 0) >= self.size
+
+    def enter(self, layer: int) -> None:
+        self.entered[layer] = self.entered.get(layer, 0) + 1
 
 
 class StreamedLayer(nn.Module):

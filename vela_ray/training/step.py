@@ -23,6 +23,7 @@ from torch import nn
 
 from vela_ray.model import tensor_parallel
 from vela_ray.model.activity import MasterActivity
+from vela_ray.model.streaming import BackboneStream
 from vela_ray.training.optim import apply_step, clip_coefficient, grad_sq_norm
 from vela_ray.training.expert_workers import ExpertWorkers
 from vela_ray.training.master import MasterModel
@@ -46,7 +47,8 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def forward_backward(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn = model_loss,
-                     in_flight: int = 1, activity: MasterActivity | None = None) -> float:
+                     in_flight: int = 1, activity: MasterActivity | None = None,
+                     stream: BackboneStream | None = None) -> float:
     """Forward and backward of every micro-batch, each loss scaled by 1/len(micro_batches); their summed loss.
 
     `in_flight` > 1 (`training.overlap`): that many micro-batches at once, each driven by a thread of its own (on
@@ -56,10 +58,13 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: 
     autograd already orders each micro-batch's graph, and its engine accumulates into the shared LoRA gradients
     under a lock, in whichever order the backward passes end (a sum in another order: rel ~1e-7).
     `activity`: the master's (its dispatcher's), told of each micro-batch running, to count the seconds in which
-    all of them wait on the experts.
+    all of them wait on the experts. `stream`: the master's streamed backbone (`masters.streaming`), whose layers
+    the micro-batches in flight pass in step (`_through_the_buffer`).
     """
     scale = len(micro_batches)
     running = contextlib.nullcontext if activity is None else activity.running
+    if stream is not None and in_flight > 1 and scale > 1:
+        return _through_the_buffer(model, micro_batches, loss_fn, in_flight, running, stream)
 
     def one(batch: Batch) -> float:
         with running():
@@ -76,6 +81,37 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: 
     with ThreadPoolExecutor(min(in_flight, scale), thread_name_prefix="vela-micro-batch") as pool:
         losses = list(pool.map(lambda batch: _on_own_stream(device, one, batch), micro_batches))
     return sum(losses)
+
+
+def _through_the_buffer(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, in_flight: int,
+                        running: Callable[[], contextlib.AbstractContextManager], stream: BackboneStream) -> float:
+    """GPipe's schedule through a streamed backbone's buffer (APTMoE's and Mobius's, on one device): waves of
+    `in_flight` micro-batches, each wave's forwards on threads of their own passing the layers in step
+    (`BackboneStream.layer_major`), so a block is uploaded once per wave instead of once per micro-batch; then one
+    backward over the wave's losses, which autograd runs last layer first across the micro-batches (its ready queue
+    takes the latest-made node first), so the backward too uploads each block about once. A micro-batch's rows at
+    the experts still leave the layer to the others. The wave's activations are all kept until its backward
+    (GPipe's memory): `in_flight` bounds them. Gradients are summed in another order than the serial step's
+    (rel ~1e-7)."""
+    scale, total = len(micro_batches), 0.0
+    device = next(model.parameters()).device
+
+    def forward(batch: Batch) -> torch.Tensor:
+        try:
+            with running():
+                return loss_fn(model, batch) / scale
+        except BaseException:
+            stream.end_wave()  # the others must not wait at the next layer for this one
+            raise
+
+    for start in range(0, scale, in_flight):
+        wave = micro_batches[start:start + in_flight]
+        with stream.layer_major(len(wave)), ThreadPoolExecutor(len(wave), thread_name_prefix="vela-wave") as pool:
+            losses = list(pool.map(lambda batch: _on_own_stream(device, forward, batch), wave))
+        with running():
+            torch.autograd.backward(losses)
+        total += sum(float(loss.detach()) for loss in losses)
+    return total
 
 
 def master_compute_seconds(master: MasterModel, micro_batch: Batch, loss_fn: LossFn = model_loss,
@@ -141,7 +177,7 @@ def train_step(
     model.train()
     if master.tp is not None and master.tp.draws_dropout:
         tensor_parallel.agree_on_rng(master.tp)  # the group's ranks draw the dropout masks one master would
-    total_loss = forward_backward(model, micro_batches, loss_fn, in_flight, master.dispatcher.activity)
+    total_loss = forward_backward(model, micro_batches, loss_fn, in_flight, master.dispatcher.activity, master.stream)
     params = master.trainable_parameters()
     replicas.sync_grads(params)
     if master.tp is None:
