@@ -306,9 +306,23 @@ class StreamingSection(_Section):
                              "beside the exact one, an upload copies half or about a quarter of the bytes and the "
                              "slot decodes them, so the layers compute with the rounded weights")
 
+    activation_budget_bytes: int | None = Field(
+        None, ge=0, description="bytes of activations the streamed layers save for backward that stay on the device; "
+                                "beyond, each is offloaded to host memory (pinned on a GPU) and brought back when the "
+                                "backward needs it: exact, and what lets micro-batches in flight (GPipe's waves) keep "
+                                "their activations. None: all stay on the device; 0: all go to host memory")
+
     @property
     def on(self) -> bool:
         return self.buffer_blocks is not None
+
+    @property
+    def settings(self):
+        """`vela_ray.model.streaming.StreamSettings` of this section, None when off."""
+        from vela_ray.model.streaming import StreamSettings
+
+        return None if self.buffer_blocks is None else StreamSettings(self.buffer_blocks, self.upload_format,
+                                                                       self.activation_budget_bytes)
 
 
 class MastersSection(_Section):

@@ -81,6 +81,8 @@ def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tm
 
 @pytest.mark.job
 def test_a_streamed_job_with_micro_batches_in_flight_equals_the_serial_resident_one(tmp_path):
+    """Four micro-batches in flight through 2 slots, their activations beyond 16 KiB offloaded: the serial resident
+    run's numbers (to the order of the gradients' sum), each block uploaded once per wave."""
     model_dir = make_checkpoint(tmp_path / "model", num_hidden_layers=LAYERS)
     training = {"optimizer": {"lr": 1e-2}, "batch_size": 4, "micro_batch_size": 1}
     serial = run_in_process(JobConfig.from_dict(job_dict(model_dir, tmp_path / "serial", steps=2,
@@ -88,11 +90,15 @@ def test_a_streamed_job_with_micro_batches_in_flight_equals_the_serial_resident_
     streamed = {"streaming": {"buffer_blocks": BLOCKS}}
     one_by_one = run_in_process(JobConfig.from_dict(job_dict(model_dir, tmp_path / "one_by_one", steps=2,
                                                              masters=streamed, training=training)))
+    budget = 16 * 1024  # bytes: most of the wave's activations go to host memory
     waves = run_in_process(JobConfig.from_dict(job_dict(
-        model_dir, tmp_path / "waves", steps=2, masters=streamed,
+        model_dir, tmp_path / "waves", steps=2,
+        masters={"streaming": {"buffer_blocks": BLOCKS, "activation_budget_bytes": budget}},
         training={**training, "overlap": {"micro_batches_in_flight": 4}})))
     # the steps' 4 micro-batches pass each block together (the profile's and eval's forwards upload as before)
     assert waves.streaming.uploads + 2 * 12 == one_by_one.streaming.uploads, (waves.streaming, one_by_one.streaming)
+    assert 0 < waves.streaming.peak_activation_bytes <= budget < waves.streaming.offloaded_bytes
+    assert "MiB offloaded to host memory" in summary_text(waves)
     torch.testing.assert_close(waves.losses + [waves.eval_loss], serial.losses + [serial.eval_loss], rtol=1e-5, atol=0)
     ours, theirs = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors") for run in ("waves", "serial"))
     for key, value in theirs.items():  # AdamW's first steps divide by the gradients' size: rel ~1e-7 shows as ~1e-6
@@ -268,6 +274,31 @@ def test_micro_batches_in_flight_pass_the_layers_in_step_and_upload_each_block_o
 def test_a_failing_micro_batch_in_flight_stops_the_step_without_leaving_the_others_waiting():
     with pytest.raises(RuntimeError, match="micro-batch failed"):
         _grads_and_uploads(4, fail=2)
+
+
+def _streamed_gradients(activation_budget: int | None):
+    """LoRA gradients of one micro-batch's forward/backward through 2 slots of 4 layers, and the stream."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
+                            OptimizerConfig())
+    stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"), activation_budget=activation_budget)
+    master.peft_model(**micro_batches(0)[0]).loss.backward()
+    stream.close()
+    return {name: p.grad for name, p in master.peft_model.named_parameters() if p.requires_grad}, stream
+
+
+def test_saved_activations_beyond_the_budget_go_to_host_memory_and_the_gradients_are_the_same_bits():
+    """`masters.streaming.activation_budget_bytes`: the streamed layers' saved activations stay on the device up to the
+    budget, the rest is copied to host memory and back for the backward; the gradients do not change by a bit, and
+    the count drops back to 0 once the backward freed the graph."""
+    reference, unbounded = _streamed_gradients(10**12)
+    everything = unbounded.peak_activation_bytes
+    assert everything > 0 and unbounded.offloaded_bytes == 0
+    for budget in (everything // 4, 0):
+        grads, stream = _streamed_gradients(budget)
+        assert all(torch.equal(grads[name], value) for name, value in reference.items())
+        assert stream.peak_activation_bytes <= budget and stream.activation_bytes == 0
+        assert stream.offloaded_bytes >= everything - budget and stream.offloads > 0
 
 
 def test_only_what_is_not_streamed_goes_to_the_device():

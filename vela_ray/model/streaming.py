@@ -51,6 +51,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -68,6 +69,15 @@ logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes: every tensor of a block starts at a multiple of this (any dtype's view of it is aligned)
 TRACE_EVENTS = 4096  # the latest uploads and computes a stream keeps (a long run's would grow without end)
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """`masters.streaming` as a master is built with it (`stream_backbone`'s arguments)."""
+
+    buffer_blocks: int
+    upload_format: RowFormat = "exact"
+    activation_budget: int | None = None  # bytes of saved activations kept on the device; None: all of them
 
 
 @dataclass(frozen=True)
@@ -289,7 +299,7 @@ class BackboneStream:
     latest `TRACE_EVENTS` uploads and computes, in the order they ended."""
 
     def __init__(self, layers: list[nn.Module], buffer_blocks: int, device: torch.device,
-                 upload_format: RowFormat = "exact"):
+                 upload_format: RowFormat = "exact", activation_budget: int | None = None):
         if buffer_blocks < 2:
             raise ValueError(f"masters.streaming.buffer_blocks is {buffer_blocks}: it needs at least 2 (one block "
                              "computing while the next uploads)")
@@ -315,6 +325,11 @@ class BackboneStream:
         self.lock = threading.Condition()
         self.computing: dict[int, int] = {}
         self.wave: _Wave | None = None
+        # activations the layers save for backward (`activation_budget`): the bytes the graphs hold on the device now
+        # and at most, and those offloaded to host memory
+        self.activation_budget = activation_budget
+        self.activation_bytes = self.peak_activation_bytes = 0
+        self.offloads = self.offloaded_bytes = 0
 
     @property
     def frozen_bytes(self) -> int:
@@ -355,10 +370,10 @@ class BackboneStream:
                     self.wave.enter(layer)
                     self.lock.notify_all()
             slot = self._acquire(layer, [w for w in window if w < len(self.blocks)])
+            start = time.perf_counter()
             if not self.computing.get(layer):
                 self.blocks[layer].point(self.slots[slot])
             self.computing[layer] = self.computing.get(layer, 0) + 1
-        start = time.perf_counter()
         try:
             if not grad:
                 return forward()
@@ -387,17 +402,50 @@ class BackboneStream:
 
     def _pack(self, layer: int, slot: int, tensor: torch.Tensor) -> Any:
         """A tensor the forward saves for backward: one in `layer`'s slot (a frozen weight, or a view of one) is kept
-        as where it lies, not as the slot's bytes, which the next layers overwrite."""
+        as where it lies, not as the slot's bytes, which the next layers overwrite. With an `activation_budget`, an
+        activation is kept on the device while the graphs hold fewer bytes than it, else offloaded (`_activation`)."""
         if tensor.device != self.slots[slot].device or \
                 tensor.untyped_storage().data_ptr() != self.slots[slot].untyped_storage().data_ptr():
-            return tensor
+            return tensor if self.activation_budget is None else self._activation(tensor)
         return layer, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+
+    def _activation(self, tensor: torch.Tensor) -> Any:
+        """A saved activation: kept on the device (counted while a graph holds it) if the budget has room, else copied
+        to host memory (pinned on CUDA, on the compute stream, so the backward's copy back is ordered after it) and
+        brought back when the backward asks for it. A parameter (LoRA's, which the graph saves as is) stays, and so
+        does a view (of a parameter, or of a tensor something else holds): its copy would not free its storage, and
+        kernels given the copy instead of the view round differently."""
+        if tensor._base is not None or (tensor.is_leaf and tensor.requires_grad):
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        with self.lock:
+            kept = self.activation_bytes + nbytes <= self.activation_budget
+            if kept:
+                self.activation_bytes += nbytes
+                self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+            else:
+                self.offloads += 1
+                self.offloaded_bytes += nbytes
+        if kept:
+            return _OnDevice(tensor, self._released)
+        # its strides kept (a dense tensor's; what a kernel reads them in decides its rounding), back on the device too
+        host = torch.empty_like(tensor, device="cpu", pin_memory=tensor.device.type == "cuda")
+        host.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        return _OnHost(host, tensor.device)
+
+    def _released(self, nbytes: int) -> None:
+        with self.lock:
+            self.activation_bytes -= nbytes
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         """The backward's tensor: its layer's block uploaded again if evicted (the layers below it, which the
-        backward reaches next, queued behind it), and the same view of it."""
+        backward reaches next, queued behind it), and the same view of it; an activation as it was kept."""
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _OnDevice):
+            return packed.tensor
+        if isinstance(packed, _OnHost):
+            return packed.host.to(packed.device, non_blocking=packed.device.type == "cuda")
         layer, dtype, shape, stride, offset = packed
         with self.lock:
             slot = self._acquire(layer, [layer - k for k in range(self.buffer_blocks) if layer - k >= 0])
@@ -442,6 +490,22 @@ class BackboneStream:
         self.copier.close()
 
 
+class _OnDevice:
+    """A saved activation kept on the device, counted against the budget while the graph holds it."""
+
+    def __init__(self, tensor: torch.Tensor, released: Callable[[int], None]):
+        self.tensor = tensor
+        weakref.finalize(self, released, tensor.numel() * tensor.element_size())
+
+
+@dataclass(frozen=True)
+class _OnHost:
+    """A saved activation offloaded to host memory, and the device it goes back to."""
+
+    host: torch.Tensor
+    device: torch.device
+
+
 class _Wave:
     """The micro-batches of one `BackboneStream.layer_major` wave: how many entered each layer so far."""
 
@@ -484,14 +548,14 @@ class StreamedLayer(nn.Module):
             return getattr(self.inner, name)  # the layer's plain attributes (e.g. `attention_type`)
 
 
-def stream_backbone(model: nn.Module, buffer_blocks: int, device: torch.device, upload_format: RowFormat = "exact"
-                    ) -> BackboneStream:
+def stream_backbone(model: nn.Module, buffer_blocks: int, device: torch.device, upload_format: RowFormat = "exact",
+                    activation_budget: int | None = None) -> BackboneStream:
     """Stream `model`'s decoder layers (peft-wrapped or not, built in host memory) through `buffer_blocks` slots on
     `device`: each layer replaced in its ModuleList by a `StreamedLayer`, its frozen tensors packed into host copies,
     and every other tensor (LoRA, embedding, head, norms) moved to `device`. Never `model.to(device)`: the layers'
     frozen weights would all land on the device at once, which is what streaming is for a model too big for."""
     layers = decoder_layers(model)
-    stream = BackboneStream(list(layers), buffer_blocks, device, upload_format)
+    stream = BackboneStream(list(layers), buffer_blocks, device, upload_format, activation_budget)
     for index, layer in enumerate(list(layers)):
         layers[index] = StreamedLayer(layer, index, stream)
     _move_resident(model, stream, device)

@@ -354,7 +354,10 @@ def streaming_text(s: RunSummary) -> str:
             f"weights in host memory, through {st.buffer_blocks} device slots that held at most "
             f"{st.peak_bytes / MiB:.2f} MiB; {st.uploads} uploads, {st.upload_bytes / MiB:.1f} MiB"
             + ("" if st.upload_format == "exact" else f" in {st.upload_format} (LOSSY: the layers computed with "
-                                                      "rounded weights)"))
+                                                      "rounded weights)")
+            + ("" if st.activation_budget is None else f"; saved activations on the device peaked at "
+               f"{st.peak_activation_bytes / MiB:.2f} MiB (budget {st.activation_budget / MiB:.2f} MiB), "
+               f"{st.offloaded_bytes / MiB:.2f} MiB offloaded to host memory"))
 
 
 def tiers_text(s: RunSummary) -> str:

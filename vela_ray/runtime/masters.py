@@ -474,8 +474,7 @@ def master_spec(config: JobConfig) -> MasterSpec:
         device=master_device(bool(config.cluster.master_gpus)),
         activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
         overlap_shared_experts=config.training.overlap.overlaps_shared_experts(config),
-        quantization=config.quantization_spec, streaming_blocks=config.masters.streaming.buffer_blocks,
-        streaming_format=config.masters.streaming.upload_format,
+        quantization=config.quantization_spec, streaming=config.masters.streaming.settings,
     )
 
 

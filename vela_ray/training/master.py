@@ -28,7 +28,7 @@ from vela_ray.model.experts import LoraSpec
 from vela_ray.model.modeling import attach_brokers, enable_activation_checkpointing, expert_weights, find_moe_blocks
 from vela_ray.model import tensor_parallel
 from vela_ray.model.quantized_model import QuantizationSpec, quantize_as_read, quantize_backbone
-from vela_ray.model.streaming import BackboneStream, stream_backbone
+from vela_ray.model.streaming import BackboneStream, StreamSettings, stream_backbone
 from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelPlan
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.expert_workers import ExpertWorkers
@@ -97,8 +97,7 @@ class MasterSpec:
     activation_checkpointing: bool = False
     overlap_shared_experts: bool = True  # `training.overlap.shared_experts`, where the job allows it
     quantization: QuantizationSpec | None = None  # `model.quantization`: the backbone's frozen linears held quantized
-    streaming_blocks: int | None = None  # `masters.streaming.buffer_blocks`: device slots of the streamed backbone
-    streaming_format: RowFormat = "exact"  # `masters.streaming.upload_format`: how they travel (LOSSY unless exact)
+    streaming: StreamSettings | None = None  # `masters.streaming`: the backbone streamed from host memory, or resident
 
 
 def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
@@ -165,7 +164,7 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
     `transport` by `expert_to_worker` [L, E] and peft LoRA (same seed, so the same LoRA draws as one master's), then
     sharded over the TP `mesh` if any and filled, each tensor read once per `node` group (`shard_and_read`), moved to
     `spec.device`, and its frozen backbone sharded over the data-parallel `dp_mesh` with FSDP2 if given, or streamed
-    from host memory (`spec.streaming_blocks`, `vela_ray.model.streaming`). Returns it and what it read, received
+    from host memory (`spec.streaming`, `vela_ray.model.streaming`). Returns it and what it read, received
     and sent (None: it read nothing here)."""
     with _BUILDING:  # the build seeds the process's RNG and draws from it: ranks hosted as threads take turns
         model = seeded_backbone(spec, read=False) if model is None else model
@@ -178,8 +177,10 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
         stats = shard_and_read(master, spec, mesh, node, holds_backbone=read)
     if spec.quantization is not None and spec.quantization.backbone:  # held so as read; any other layer now
         quantize_backbone(master.peft_model, spec.quantization)
-    if spec.streaming_blocks is not None:  # the layers' frozen weights stay in host memory, the rest goes
-        master.stream = stream_backbone(master.peft_model, spec.streaming_blocks, spec.device, spec.streaming_format)
+    if spec.streaming is not None:  # the layers' frozen weights stay in host memory, the rest goes
+        streaming = spec.streaming
+        master.stream = stream_backbone(master.peft_model, streaming.buffer_blocks, spec.device,
+                                        streaming.upload_format, streaming.activation_budget)
     else:
         master.peft_model.to(spec.device)
     if dp_mesh is not None:

@@ -327,6 +327,12 @@ class StreamingRecord(_Record):
     """What those copies moved: the blocks' bytes, or their low-bit form's."""
     upload_format: RowFormat = "exact"
     """`masters.streaming.upload_format`: LOSSY unless exact (`vela_ray.model.wire`)."""
+    activation_budget: int | None = None
+    """`masters.streaming.activation_budget_bytes`: saved activations kept on the device (None: all)."""
+    peak_activation_bytes: int = 0
+    """With a budget: the most bytes of saved activations the graphs held on the device at once."""
+    offloaded_bytes: int = 0
+    """With a budget: the saved activations offloaded to host memory, and brought back for the backward."""
 
     @classmethod
     def of(cls, stream) -> StreamingRecord | None:
@@ -335,7 +341,9 @@ class StreamingRecord(_Record):
             return None
         return cls(layers=len(stream.blocks), buffer_blocks=stream.buffer_blocks, frozen_bytes=stream.frozen_bytes,
                    slot_bytes=stream.slots[0].numel(), peak_bytes=stream.peak_bytes, uploads=stream.uploads,
-                   upload_bytes=stream.upload_bytes, upload_format=stream.upload_format)
+                   upload_bytes=stream.upload_bytes, upload_format=stream.upload_format,
+                   activation_budget=stream.activation_budget, peak_activation_bytes=stream.peak_activation_bytes,
+                   offloaded_bytes=stream.offloaded_bytes)
 
 
 class RunSummary(_Record):
