@@ -674,8 +674,9 @@ class OverlapSection(_Section):
                      "micro-batch order", lambda job: job.lora.lora_dropout > 0),
         RunsSerially("training.condensation.enabled", "the condenser's adaptive state follows the calls in order",
                      lambda job: job.training.condensation.enabled),
-        RunsSerially("training.method: zo", "a ZO step runs no backward to overlap",
-                     lambda job: job.training.method == "zo"),
+        RunsSerially("training.method: zo without masters.streaming", "a ZO step runs no backward to overlap (with "
+                     "a streamed backbone its micro-batches pass the buffer in step)",
+                     lambda job: job.training.method == "zo" and not job.masters.streaming.on),
         RunsSerially("training.preference.objective: dpo", "its reference pass turns the master's adapters off in "
                      "the whole model (peft's disable_adapter), which another micro-batch would compute through",
                      lambda job: job.training.preference.on),

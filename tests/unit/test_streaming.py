@@ -51,9 +51,10 @@ def _first_order_job(model_dir, out, **masters) -> dict:
 @pytest.mark.job
 @pytest.mark.parametrize("family, job, masters", [
     ("mixtral", _zo_job, {}), ("qwen3_moe", _zo_job, {}), ("mixtral", _zo_full_job, {}),
-    ("mixtral", _first_order_job, {}), ("qwen3_moe", _first_order_job, {}),
+    ("mixtral", _first_order_job, {}), ("qwen3_moe", _first_order_job, {}), ("deepseek_v3", _first_order_job, {}),
     ("mixtral", _first_order_job, {"count": 2}),  # two data-parallel masters, each streaming its own backbone
-], ids=["zo-mixtral", "zo-qwen3_moe", "zo-full-mixtral", "sft-mixtral", "sft-qwen3_moe", "sft-2-masters"])
+], ids=["zo-mixtral", "zo-qwen3_moe", "zo-full-mixtral", "sft-mixtral", "sft-qwen3_moe", "sft-deepseek_v3",
+        "sft-2-masters"])
 def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tmp_path, caplog):
     model_dir = make_checkpoint(tmp_path / "model", family=family, num_hidden_layers=LAYERS)
     resident = run_in_process(JobConfig.from_dict(job(model_dir, tmp_path / "resident", **masters)))
@@ -269,6 +270,26 @@ def test_micro_batches_in_flight_pass_the_layers_in_step_and_upload_each_block_o
     assert uploads == LAYERS + 2 and serial_uploads == LAYERS + 2 + 3 * 4, (uploads, serial_uploads)
     two_waves = _grads_and_uploads(2)[2]  # 2 in flight: two waves of 2
     assert uploads < two_waves < serial_uploads
+
+
+def _zo_steps(in_flight: int):
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, workers = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts),
+                                  LoraSpec(r=4, alpha=8), OptimizerConfig())
+    master.stream = stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"))
+    zo = ZoTrainer(1e-2, 0, "lora", in_flight)
+    results = [zo.step(master, workers, micro_batches(step, count=4), 1e-2, step) for step in range(2)]
+    stream.close()
+    return results, stream.uploads
+
+
+def test_zo_micro_batches_in_flight_pass_the_buffer_in_step_with_the_same_bits():
+    """A ZO step's two passes over 4 micro-batches, all 4 in flight: each no-grad pass uploads each block once
+    instead of once per micro-batch, and the losses (summed in micro-batch order) are the serial ones to the bit."""
+    serial, serial_uploads = _zo_steps(1)
+    waves, uploads = _zo_steps(4)
+    assert waves == serial
+    assert 3 * uploads <= serial_uploads, (uploads, serial_uploads)
 
 
 def test_a_failing_micro_batch_in_flight_stops_the_step_without_leaving_the_others_waiting():

@@ -76,8 +76,8 @@ class ZoSteps:
     `settle` applies it (`vela_ray.training.zo`); their trajectory (each step's lr and projected gradient) goes
     into every checkpoint, which full-parameter ZO's frozen weights are rebuilt from on resume."""
 
-    def __init__(self, zo: ZoSection, seed: int):
-        self.trainer = ZoTrainer(zo.eps, seed, zo.parameters)
+    def __init__(self, zo: ZoSection, seed: int, in_flight: int = 1):
+        self.trainer = ZoTrainer(zo.eps, seed, zo.parameters, in_flight)
 
     def step(self, live: Live, micro_batches: Sequence[Batch], lr: float, step: int, loss_fn: LossFn) -> float:
         return self.trainer.step(live.master, live.workers, micro_batches, lr, step).loss
@@ -96,7 +96,7 @@ def stepper_for(training: TrainingSection, in_flight: int = 1) -> Stepper:
     """The steps `training.method` asks for, with their `training` settings (seed, ZO's eps, clipping), and
     `in_flight` micro-batches at once (`OverlapSection.in_flight`)."""
     if training.method == "zo":
-        return ZoSteps(training.zo, training.seed)
+        return ZoSteps(training.zo, training.seed, in_flight)
     return GradientSteps(training.optimizer.max_grad_norm, training.seed, in_flight)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -86,32 +86,47 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: 
 def _through_the_buffer(model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, in_flight: int,
                         running: Callable[[], contextlib.AbstractContextManager], stream: BackboneStream) -> float:
     """GPipe's schedule through a streamed backbone's buffer (APTMoE's and Mobius's, on one device): waves of
-    `in_flight` micro-batches, each wave's forwards on threads of their own passing the layers in step
-    (`BackboneStream.layer_major`), so a block is uploaded once per wave instead of once per micro-batch; then one
-    backward over the wave's losses, which autograd runs last layer first across the micro-batches (its ready queue
-    takes the latest-made node first), so the backward too uploads each block about once. A micro-batch's rows at
-    the experts still leave the layer to the others. The wave's activations are all kept until its backward
-    (GPipe's memory): `in_flight` bounds them. Gradients are summed in another order than the serial step's
-    (rel ~1e-7)."""
+    `in_flight` micro-batches whose forwards pass the layers in step (`layer_major_waves`), so a block is uploaded
+    once per wave instead of once per micro-batch; then one backward over the wave's losses, which autograd runs last
+    layer first across the micro-batches (its ready queue takes the latest-made node first), so the backward too
+    uploads each block about once. A micro-batch's rows at the experts still leave the layer to the others. The
+    wave's activations are all kept until its backward (GPipe's memory): `in_flight` bounds them. Gradients are
+    summed in another order than the serial step's (rel ~1e-7)."""
     scale, total = len(micro_batches), 0.0
-    device = next(model.parameters()).device
 
     def forward(batch: Batch) -> torch.Tensor:
-        try:
-            with running():
-                return loss_fn(model, batch) / scale
-        except BaseException:
-            stream.end_wave()  # the others must not wait at the next layer for this one
-            raise
+        with running():
+            return loss_fn(model, batch) / scale
 
-    for start in range(0, scale, in_flight):
-        wave = micro_batches[start:start + in_flight]
-        with stream.layer_major(len(wave)), ThreadPoolExecutor(len(wave), thread_name_prefix="vela-wave") as pool:
-            losses = list(pool.map(lambda batch: _on_own_stream(device, forward, batch), wave))
+    for losses in layer_major_waves(model, stream, micro_batches, in_flight, forward):
         with running():
             torch.autograd.backward(losses)
         total += sum(float(loss.detach()) for loss in losses)
     return total
+
+
+def layer_major_waves(model: nn.Module, stream: BackboneStream, micro_batches: Sequence[Batch], in_flight: int,
+                      forward: Callable[[Batch], torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Each wave's `forward(batch)` results, in micro-batch order: waves of `in_flight` micro-batches, each one's
+    forward on a thread of its own (its own CUDA stream on a GPU), the wave passing the streamed layers in step
+    (`BackboneStream.layer_major`). The caller's grad mode holds in the threads. A failing forward ends the wave's
+    gate, so the others do not wait for it at the next layer, and its error is raised."""
+    device = next(model.parameters()).device
+    grad = torch.is_grad_enabled()
+
+    def guarded(batch: Batch) -> torch.Tensor:
+        try:
+            with torch.set_grad_enabled(grad):
+                return _on_own_stream(device, forward, batch)
+        except BaseException:
+            stream.end_wave()
+            raise
+
+    for start in range(0, len(micro_batches), in_flight):
+        wave = micro_batches[start:start + in_flight]
+        with stream.layer_major(len(wave)), ThreadPoolExecutor(len(wave), thread_name_prefix="vela-wave") as pool:
+            results = list(pool.map(guarded, wave))
+        yield results
 
 
 def master_compute_seconds(master: MasterModel, micro_batch: Batch, loss_fn: LossFn = model_loss,

@@ -50,7 +50,7 @@ from torch import nn
 from vela_ray.training.optim import ZoTensors, ZoTerm, apply_zo_terms, zo_tensor_seed
 from vela_ray.training.expert_workers import ExpertWorkers
 from vela_ray.training.master import MasterModel
-from vela_ray.training.step import Batch, LossFn, model_loss
+from vela_ray.training.step import Batch, LossFn, layer_major_waves, model_loss
 
 
 @dataclass(frozen=True)
@@ -122,15 +122,22 @@ def replayed_terms(seed: int, eps: float, trajectory: Sequence[tuple[float, floa
 
 
 @torch.no_grad()
-def forward_loss(master: MasterModel, micro_batches: Sequence[Batch], loss_fn: LossFn = model_loss) -> float:
+def forward_loss(master: MasterModel, micro_batches: Sequence[Batch], loss_fn: LossFn = model_loss,
+                 in_flight: int = 1) -> float:
     """Mean loss over the micro-batches, as `train_step` sums it, with no graph anywhere.
 
     Eval mode, as MeZO runs its forwards: both passes must see the same function (no dropout, no
     sampled router jitter), or their difference is not a directional derivative. Under no_grad the
-    brokers save nothing and send no key, so the workers keep no graph either."""
+    brokers save nothing and send no key, so the workers keep no graph either. A streamed backbone with
+    `in_flight` > 1 runs the micro-batches in waves passing its buffer in step (`step.layer_major_waves`): each
+    block uploaded once per wave, the same losses summed in the same order, so the same bits."""
     model = master.peft_model
     model.eval()
-    return sum(float(loss_fn(model, batch) / len(micro_batches)) for batch in micro_batches)
+    if master.stream is None or in_flight == 1 or len(micro_batches) == 1:
+        return sum(float(loss_fn(model, batch) / len(micro_batches)) for batch in micro_batches)
+    losses = [loss for wave in layer_major_waves(model, master.stream, micro_batches, in_flight,
+                                                 lambda batch: loss_fn(model, batch)) for loss in wave]
+    return sum(float(loss / len(micro_batches)) for loss in losses)
 
 
 class ZoTrainer:
@@ -139,10 +146,11 @@ class ZoTrainer:
     `pending`: terms every owner still has to apply to reach θ_{t+1} (the last step's restore and
     update); empty right after `settle`, and at the start. `parameters`: `lora`, or `full` for every weight."""
 
-    def __init__(self, eps: float, seed: int = 0, parameters: ZoParameters = "lora"):
+    def __init__(self, eps: float, seed: int = 0, parameters: ZoParameters = "lora", in_flight: int = 1):
         self.eps = eps
         self.seed = seed
         self.parameters = parameters
+        self.in_flight = in_flight  # micro-batches at once through a streamed backbone (`forward_loss`)
         self.pending: tuple[ZoTerm, ...] = ()
         self.trajectory: list[tuple[float, float]] = []  # (lr, projected gradient) of steps 0, 1, ...
 
@@ -152,9 +160,9 @@ class ZoTrainer:
         seed, eps, which = step_seed(self.seed, step), self.eps, self.parameters
         perturb(master, workers, (*self.pending, (seed, eps)), which)  # last step's restore + update, then +εz
         self.pending = ()
-        plus = forward_loss(master, micro_batches, loss_fn)
+        plus = forward_loss(master, micro_batches, loss_fn, self.in_flight)
         perturb(master, workers, ((seed, -2 * eps),), which)
-        minus = forward_loss(master, micro_batches, loss_fn)
+        minus = forward_loss(master, micro_batches, loss_fn, self.in_flight)
         grad = (plus - minus) / (2 * eps)
         self.pending = ((seed, eps), (seed, -lr * grad))
         del self.trajectory[step:]  # a step run again (recovery) replaces its entry
