@@ -9,7 +9,8 @@ Per family (debug Mixtral and debug Qwen3-MoE, built here: no hub, no data set),
                   (`equivalence.peft_losses`): losses equal within `--rtol` (1e-4)
     streamed_job  the same job on the model with 4 decoder layers, the master's backbone streamed from host
                   memory through 2 device slots (`masters.streaming`: pinned host copies, uploads on a side
-                  stream, the backward uploading the evicted layers again), against peft the same way
+                  stream, the backward uploading the evicted layers again), its 2 micro-batches in flight passing
+                  the slots in step, activations beyond 64 KiB offloaded, against peft the same way
     bf16_factors  a bf16 model, LoRA factors and AdamW state in fp32, `--bf16-steps` (30) at lr 3e-5
                   (`equivalence.build_pair(..., device=)`): the expert factors' updates stay within the spread
                   bf16 rounding gives peft's own (`equivalence.rounding_excess`, as
@@ -97,7 +98,7 @@ def build_checkpoint(family: str, corpus: Path, out: Path, **config) -> tuple[Pa
 # -- the checks -------------------------------------------------------------------------------------------
 
 def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: Path, masters: dict | None = None,
-             **model_config) -> dict:
+             overlap: dict | None = None, **model_config) -> dict:
     """A whole job in this process, every ExpertManager on `device`, against peft on `device`."""
     from vela_ray.config import JobConfig
     from vela_ray.runtime.local import InProcessPool
@@ -112,7 +113,7 @@ def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: 
         "lora": {"r": 4, "alpha": 8, "init_adapter": str(adapter)},
         "placement": {"solver": "improved", "profile": "measure", "profile_batches": 2},
         "training": {"steps": args.steps, "batch_size": 4, "micro_batch_size": 2,
-                     "optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}},
+                     "optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}, "overlap": overlap or {}},
         "output": {"dir": str(work / "run")},
     })
     config.preflight()
@@ -127,8 +128,10 @@ def fp32_job(family: str, device: torch.device, args: argparse.Namespace, work: 
 
 
 def streamed_job(family: str, device: torch.device, args: argparse.Namespace, work: Path) -> dict:
-    """`fp32_job` with 4 decoder layers streamed through 2 device slots: every layer evicted and uploaded again."""
-    return fp32_job(family, device, args, work, masters={"streaming": {"buffer_blocks": 2}}, num_hidden_layers=4)
+    """`fp32_job` with 4 decoder layers streamed through 2 device slots: every layer evicted and uploaded again; the
+    step's 2 micro-batches in flight, passing the slots in step, their activations beyond 64 KiB in host memory."""
+    return fp32_job(family, device, args, work, num_hidden_layers=4, overlap={"micro_batches_in_flight": 2},
+                    masters={"streaming": {"buffer_blocks": 2, "activation_budget_bytes": 64 * 1024}})
 
 
 def peft_reference(config, device: torch.device) -> tuple[list[float], dict]:

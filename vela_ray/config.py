@@ -311,6 +311,10 @@ class StreamingSection(_Section):
                                 "beyond, each is offloaded to host memory (pinned on a GPU) and brought back when the "
                                 "backward needs it: exact, and what lets micro-batches in flight (GPipe's waves) keep "
                                 "their activations. None: all stay on the device; 0: all go to host memory")
+    prefetch: bool = Field(
+        True, description="queue the next layers' uploads while a layer computes (Mobius's and APTMoE's prefetch); "
+                          "false: each layer is uploaded when it runs, its compute waiting for the copy (APTMoE's "
+                          "'GPipe with naive offload' baseline)")
 
     @property
     def on(self) -> bool:
@@ -322,7 +326,7 @@ class StreamingSection(_Section):
         from vela_ray.model.streaming import StreamSettings
 
         return None if self.buffer_blocks is None else StreamSettings(self.buffer_blocks, self.upload_format,
-                                                                       self.activation_budget_bytes)
+                                                                       self.activation_budget_bytes, self.prefetch)
 
 
 class MastersSection(_Section):

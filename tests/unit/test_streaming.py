@@ -219,6 +219,22 @@ def test_uploads_run_while_layers_compute(streamed_master):
     assert any(u.start < c.end and c.start < u.end and u.layer != c.layer for u in uploads for c in computes)
 
 
+def test_without_prefetch_each_layer_waits_for_its_own_upload_and_none_overlaps_a_compute():
+    """`masters.streaming.prefetch: false`, APTMoE's "GPipe with naive offload" baseline: a layer is uploaded when it
+    runs, so no copy overlaps any compute, and the losses are the prefetching stream's."""
+    model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+    master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
+                            OptimizerConfig())
+    before = forward_loss(master, micro_batches(0))
+    stream = stream_backbone(master.peft_model, BLOCKS, torch.device("cpu"), prefetch=False)
+    assert forward_loss(master, micro_batches(0)) == before
+    uploads = [e for e in stream.trace if e.kind == "upload"]
+    computes = [e for e in stream.trace if e.kind == "compute"]
+    assert [c.layer for c in computes] == list(range(LAYERS)) * 2 and len(uploads) > LAYERS
+    assert not any(u.start < c.end and c.start < u.end for u in uploads for c in computes)
+    stream.close()
+
+
 def test_a_buffer_as_large_as_the_backbone_uploads_each_layer_once():
     model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
     master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts), LoraSpec(r=4, alpha=8),
@@ -417,3 +433,35 @@ def test_on_cuda_the_layers_stay_pinned_on_the_host_and_a_step_equals_the_reside
     for name, grad in want[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=1e-7)
     stream.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_micro_batches_in_flight_with_offloaded_activations_give_the_serial_resident_gradients():
+    """The CUDA paths of waves and offload: 4 micro-batches on their own streams passing 2 slots in step (each
+    upload waiting for every stream's last kernels on the slot it reuses), their activations beyond 16 KiB in pinned
+    host memory; the gradients are the resident GPU model's serial ones, each block uploaded once per pass."""
+    cuda = torch.device("cuda")
+
+    def master_on(streamed: bool):
+        model = debug_model("mixtral", seed=0, num_hidden_layers=LAYERS)
+        master, _ = build_local(model, scattered_placement(LAYERS, model.config.num_local_experts),
+                                LoraSpec(r=4, alpha=8), OptimizerConfig())
+        if streamed:
+            master.stream = stream_backbone(master.peft_model, BLOCKS, cuda, activation_budget=16 * 1024)
+        else:
+            master.peft_model.to(cuda)
+        return master
+
+    def grads(master, in_flight: int) -> dict[str, torch.Tensor]:
+        batches = [{k: v.to(cuda) for k, v in b.items()} for b in micro_batches(0, count=4)]
+        forward_backward(master.peft_model, batches, in_flight=in_flight, stream=master.stream)
+        torch.cuda.synchronize()
+        return {n: p.grad.cpu() for n, p in master.peft_model.named_parameters() if p.requires_grad}
+
+    want = grads(master_on(False), 1)
+    streamed = master_on(True)
+    got = grads(streamed, 4)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6)
+    assert streamed.stream.uploads == LAYERS + 2 and streamed.stream.offloaded_bytes > 0
+    streamed.stream.close()

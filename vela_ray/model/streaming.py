@@ -78,6 +78,7 @@ class StreamSettings:
     buffer_blocks: int
     upload_format: RowFormat = "exact"
     activation_budget: int | None = None  # bytes of saved activations kept on the device; None: all of them
+    prefetch: bool = True  # queue the next layers' uploads while a layer computes; False: each when it runs
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,7 @@ class BackboneStream:
     latest `TRACE_EVENTS` uploads and computes, in the order they ended."""
 
     def __init__(self, layers: list[nn.Module], buffer_blocks: int, device: torch.device,
-                 upload_format: RowFormat = "exact", activation_budget: int | None = None):
+                 upload_format: RowFormat = "exact", activation_budget: int | None = None, prefetch: bool = True):
         if buffer_blocks < 2:
             raise ValueError(f"masters.streaming.buffer_blocks is {buffer_blocks}: it needs at least 2 (one block "
                              "computing while the next uploads)")
@@ -328,6 +329,7 @@ class BackboneStream:
         # activations the layers save for backward (`activation_budget`): the bytes the graphs hold on the device now
         # and at most, and those offloaded to host memory
         self.activation_budget = activation_budget
+        self.ahead = self.buffer_blocks if prefetch else 1  # layers a window holds: the running one and those queued
         self.activation_bytes = self.peak_activation_bytes = 0
         self.offloads = self.offloaded_bytes = 0
 
@@ -362,7 +364,7 @@ class BackboneStream:
         grad = torch.is_grad_enabled()
         # a no-grad forward's next layers wrap to the next pass's first (ZO's passes follow each other); one that
         # keeps a graph stops at the last layer, whose block its backward needs first
-        window = [(layer + k) % len(self.blocks) if not grad else layer + k for k in range(self.buffer_blocks)]
+        window = [(layer + k) % len(self.blocks) if not grad else layer + k for k in range(self.ahead)]
         with self.lock:
             if self.wave is not None:
                 self.lock.wait_for(lambda: self.wave is None or self.wave.may_enter(layer))
@@ -448,7 +450,7 @@ class BackboneStream:
             return packed.host.to(packed.device, non_blocking=packed.device.type == "cuda")
         layer, dtype, shape, stride, offset = packed
         with self.lock:
-            slot = self._acquire(layer, [layer - k for k in range(self.buffer_blocks) if layer - k >= 0])
+            slot = self._acquire(layer, [layer - k for k in range(self.ahead) if layer - k >= 0])
         return self.slots[slot].view(dtype).as_strided(shape, stride, offset)
 
     def _load(self, layer: int, window: list[int]) -> bool:
@@ -549,13 +551,13 @@ class StreamedLayer(nn.Module):
 
 
 def stream_backbone(model: nn.Module, buffer_blocks: int, device: torch.device, upload_format: RowFormat = "exact",
-                    activation_budget: int | None = None) -> BackboneStream:
+                    activation_budget: int | None = None, prefetch: bool = True) -> BackboneStream:
     """Stream `model`'s decoder layers (peft-wrapped or not, built in host memory) through `buffer_blocks` slots on
     `device`: each layer replaced in its ModuleList by a `StreamedLayer`, its frozen tensors packed into host copies,
     and every other tensor (LoRA, embedding, head, norms) moved to `device`. Never `model.to(device)`: the layers'
     frozen weights would all land on the device at once, which is what streaming is for a model too big for."""
     layers = decoder_layers(model)
-    stream = BackboneStream(list(layers), buffer_blocks, device, upload_format, activation_budget)
+    stream = BackboneStream(list(layers), buffer_blocks, device, upload_format, activation_budget, prefetch)
     for index, layer in enumerate(list(layers)):
         layers[index] = StreamedLayer(layer, index, stream)
     _move_resident(model, stream, device)

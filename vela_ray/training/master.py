@@ -180,7 +180,7 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
     if spec.streaming is not None:  # the layers' frozen weights stay in host memory, the rest goes
         streaming = spec.streaming
         master.stream = stream_backbone(master.peft_model, streaming.buffer_blocks, spec.device,
-                                        streaming.upload_format, streaming.activation_budget)
+                                        streaming.upload_format, streaming.activation_budget, streaming.prefetch)
     else:
         master.peft_model.to(spec.device)
     if dp_mesh is not None:
