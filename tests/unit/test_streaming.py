@@ -81,10 +81,11 @@ def test_a_streamed_job_equals_the_resident_one_bitwise(family, job, masters, tm
 
 
 @pytest.mark.job
-def test_a_streamed_job_with_micro_batches_in_flight_equals_the_serial_resident_one(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_streamed_job_with_micro_batches_in_flight_equals_the_serial_resident_one(family, tmp_path):
     """Four micro-batches in flight through 2 slots, their activations beyond 16 KiB offloaded: the serial resident
     run's numbers (to the order of the gradients' sum), each block uploaded once per wave."""
-    model_dir = make_checkpoint(tmp_path / "model", num_hidden_layers=LAYERS)
+    model_dir = make_checkpoint(tmp_path / "model", family=family, num_hidden_layers=LAYERS)
     training = {"optimizer": {"lr": 1e-2}, "batch_size": 4, "micro_batch_size": 1}
     serial = run_in_process(JobConfig.from_dict(job_dict(model_dir, tmp_path / "serial", steps=2,
                                                          training=training)))
