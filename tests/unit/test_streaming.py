@@ -438,9 +438,9 @@ def test_on_cuda_the_layers_stay_pinned_on_the_host_and_a_step_equals_the_reside
 
 @pytest.mark.gpu
 def test_on_cuda_micro_batches_in_flight_with_offloaded_activations_give_the_serial_resident_gradients():
-    """The CUDA paths of waves and offload: 4 micro-batches on their own streams passing 2 slots in step (each
-    upload waiting for every stream's last kernels on the slot it reuses), their activations beyond 16 KiB in pinned
-    host memory; the gradients are the resident GPU model's serial ones, each block uploaded once per pass."""
+    """The CUDA paths of waves and offload: 4 micro-batches on 4 threads passing 2 slots in step (on the one compute
+    stream, which orders a slot's reuse after its readers), their activations beyond 16 KiB in pinned host memory; the
+    gradients are the resident GPU model's serial ones, each block uploaded once per pass."""
     cuda = torch.device("cuda")
 
     def master_on(streamed: bool):

@@ -215,8 +215,6 @@ class _Copier(Protocol):
 
     def before_compute(self, layer: int) -> None: ...  # returns once `layer`'s last upload is visible to its compute
 
-    def after_compute(self, layer: int) -> None: ...  # a caller's compute of `layer` is issued: a reuse waits for it
-
     def drain(self) -> None: ...  # returns once every upload queued so far has read its host bytes
 
     def close(self) -> None: ...
@@ -240,9 +238,6 @@ class _ThreadCopier:
     def before_compute(self, layer: int) -> None:
         self.pending[layer].result()  # kept: a layer still in its slot at the next pass waits on it again, done
 
-    def after_compute(self, layer: int) -> None:
-        pass  # the CPU computed it already
-
     def drain(self) -> None:
         for upload in self.pending.values():
             upload.result()
@@ -259,20 +254,16 @@ class _CudaCopier:
         self.trace = trace
         self.stream = torch.cuda.Stream(device)
         self.uploaded: dict[int, torch.cuda.Event] = {}
-        self.computed: list[torch.cuda.Event] = []  # micro-batches in flight: each thread's last layer's kernels
 
     def upload(self, layer: int, block: _Block, flat: torch.Tensor, staging: torch.Tensor | None) -> None:
         start = time.perf_counter()
         # every kernel that reads the slot's previous layer (its forward, or its backward's) was issued before the
-        # stream chose to reuse the slot: the copy waits for what the compute stream has been given so far, and for
-        # what other threads' streams were given (micro-batches in flight, `after_compute`)
+        # stream chose to reuse the slot: the copy waits for what the compute stream has been given so far (one
+        # compute stream, micro-batches in flight too: `training.step.layer_major_waves`)
         issued = torch.cuda.Event()
         issued.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(issued)
-            for event in self.computed:
-                self.stream.wait_event(event)
-            self.computed.clear()
             block.upload_into(flat, staging, non_blocking=True)
             self.uploaded[layer] = torch.cuda.Event()
             self.uploaded[layer].record(self.stream)
@@ -280,11 +271,6 @@ class _CudaCopier:
 
     def before_compute(self, layer: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.uploaded[layer])  # kept, as `_ThreadCopier`'
-
-    def after_compute(self, layer: int) -> None:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self.computed.append(event)
 
     def drain(self) -> None:
         self.stream.synchronize()
@@ -382,7 +368,6 @@ class BackboneStream:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(layer, slot, t), self._unpack):
                 return forward()
         finally:
-            self.copier.after_compute(layer)
             with self.lock:
                 self.computing[layer] -= 1
                 if not self.computing[layer]:

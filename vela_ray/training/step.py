@@ -98,26 +98,27 @@ def _through_the_buffer(model: nn.Module, micro_batches: Sequence[Batch], loss_f
         with running():
             return loss_fn(model, batch) / scale
 
-    for losses in layer_major_waves(model, stream, micro_batches, in_flight, forward):
+    for losses in layer_major_waves(stream, micro_batches, in_flight, forward):
         with running():
             torch.autograd.backward(losses)
         total += sum(float(loss.detach()) for loss in losses)
     return total
 
 
-def layer_major_waves(model: nn.Module, stream: BackboneStream, micro_batches: Sequence[Batch], in_flight: int,
+def layer_major_waves(stream: BackboneStream, micro_batches: Sequence[Batch], in_flight: int,
                       forward: Callable[[Batch], torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     """Each wave's `forward(batch)` results, in micro-batch order: waves of `in_flight` micro-batches, each one's
-    forward on a thread of its own (its own CUDA stream on a GPU), the wave passing the streamed layers in step
-    (`BackboneStream.layer_major`). The caller's grad mode holds in the threads. A failing forward ends the wave's
-    gate, so the others do not wait for it at the next layer, and its error is raised."""
-    device = next(model.parameters()).device
+    forward on a thread of its own, the wave passing the streamed layers in step (`BackboneStream.layer_major`).
+    On a GPU all of them on the one compute stream: a slot's reuse waits for every kernel that read it by that
+    stream's order (micro-batches' own streams would each need an event per slot); what overlaps is a micro-batch's
+    wait for its rows with the others' compute. The caller's grad mode holds in the threads. A failing forward ends
+    the wave's gate, so the others do not wait for it at the next layer, and its error is raised."""
     grad = torch.is_grad_enabled()
 
     def guarded(batch: Batch) -> torch.Tensor:
         try:
             with torch.set_grad_enabled(grad):
-                return _on_own_stream(device, forward, batch)
+                return forward(batch)
         except BaseException:
             stream.end_wave()
             raise

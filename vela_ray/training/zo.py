@@ -135,7 +135,7 @@ def forward_loss(master: MasterModel, micro_batches: Sequence[Batch], loss_fn: L
     model.eval()
     if master.stream is None or in_flight == 1 or len(micro_batches) == 1:
         return sum(float(loss_fn(model, batch) / len(micro_batches)) for batch in micro_batches)
-    losses = [loss for wave in layer_major_waves(model, master.stream, micro_batches, in_flight,
+    losses = [loss for wave in layer_major_waves(master.stream, micro_batches, in_flight,
                                                  lambda batch: loss_fn(model, batch)) for loss in wave]
     return sum(float(loss / len(micro_batches)) for loss in losses)
 
