@@ -334,3 +334,28 @@ def test_full_parameter_zo_refuses_what_would_lose_its_weights(model_dir, tmp_pa
         job[section] = {**job.get(section, {}), **value}
     with pytest.raises(ValueError, match=message):
         JobConfig.from_dict(job)
+
+
+def test_a_replay_holds_one_step_noise_at_a_time(monkeypatch):
+    """Resuming full-parameter ZO replays every step's terms in one pass: each seed's noise is drawn once and dropped
+    after its last term, so a tensor never holds more than one step's noise beside it (not thousands)."""
+    import weakref
+
+    from vela_ray.training import optim
+    from vela_ray.training.zo import replayed_terms
+
+    alive, most, draws = [], [0], [0]
+    drawn = optim.zo_noise
+
+    def counted(seed, name, like):
+        noise = drawn(seed, name, like)
+        alive[:] = [ref for ref in alive if ref() is not None]
+        most[0] = max(most[0], len(alive))  # noises still held when a new one is drawn
+        alive.append(weakref.ref(noise))
+        draws[0] += 1
+        return noise
+
+    monkeypatch.setattr(optim, "zo_noise", counted)
+    tensor = torch.zeros(4, 4)
+    optim.apply_zo_terms({"w": tensor}, replayed_terms(0, 1e-3, [(1e-2, 0.5)] * 5))
+    assert draws[0] == 5 and most[0] == 0  # one draw per step, none kept past its step

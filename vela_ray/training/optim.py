@@ -145,10 +145,13 @@ def apply_zo_terms(named: Mapping[str, torch.Tensor], terms: Sequence[ZoTerm]) -
     One add per term, not one add of the summed coefficients, so a fused pass (restore, update and
     next perturbation together) rounds exactly as MeZO's separate passes do, and a run that settles
     between steps (for a checkpoint) keeps the same bits as one that never does."""
+    last_use = {seed: index for index, (seed, _) in enumerate(terms)}  # a seed's noise is dropped after its last term
     with torch.no_grad():
         for name, tensor in named.items():
             noise: dict[int, torch.Tensor] = {}
-            for seed, coefficient in terms:
+            for index, (seed, coefficient) in enumerate(terms):
                 if seed not in noise:
                     noise[seed] = zo_noise(seed, name, tensor)
                 tensor.add_(noise[seed], alpha=coefficient)
+                if last_use[seed] == index:  # a replay's thousands of steps hold one noise at a time, not all
+                    del noise[seed]
