@@ -184,7 +184,7 @@ class ZoTrainer:
     def resume(self, master: MasterModel, workers: ExpertWorkers, saved: dict | None) -> None:
         """Go on from a checkpoint's `state()` (None: a fresh start). Its adapters are loaded already; with `full`
         the frozen weights, loaded from the model's checkpoint, are brought to the checkpoint's step by replaying
-        its trajectory (MeZO's seed trick: one pass over them per replayed term)."""
+        its trajectory (MeZO's seed trick: each step's noise drawn once per tensor, its four adds made)."""
         self.pending = ()
         self.trajectory = [] if saved is None else [(float(lr), float(g)) for lr, g in saved["trajectory"]]
         if self.parameters == "full" and self.trajectory:
