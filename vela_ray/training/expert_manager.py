@@ -262,9 +262,8 @@ class ExpertManager:
         where they live (a tiered worker's host copies, its device cache dropped). Each tensor's noise comes from
         its logical checkpoint name, so any placement adds the same numbers (and copies of a replicated expert stay
         identical). Answers the counters, as `step` does."""
-        by_name: dict[ExpertKey, dict[str, torch.Tensor]] = {key: {} for key in self.keys}
-        if which != "frozen":
-            by_name = {key: dict(self.shard.expert(*key).named_parameters()) for key in self.keys}
+        by_name = {key: dict(self.shard.expert(*key).named_parameters()) if which != "frozen" else {}
+                   for key in self.keys}
         if which != "lora":
             if self.tiers is not None:
                 self.tiers.weights_changed()  # before the writes: the copies in flight finish reading first

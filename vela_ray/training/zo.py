@@ -165,8 +165,7 @@ class ZoTrainer:
         minus = forward_loss(master, micro_batches, loss_fn, self.in_flight)
         grad = (plus - minus) / (2 * eps)
         self.pending = ((seed, eps), (seed, -lr * grad))
-        del self.trajectory[step:]  # a step run again (recovery) replaces its entry
-        self.trajectory.append((lr, grad))
+        self.trajectory.append((lr, grad))  # step `step` is entry `step`: a resume restores the ones before it
         return ZoStepResult(plus, minus, grad)
 
     def settle(self, master: MasterModel, workers: ExpertWorkers) -> None:
