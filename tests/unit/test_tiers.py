@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 
 import pytest
 import torch
@@ -169,6 +170,56 @@ def test_the_cache_evicts_the_least_recently_used_expert_outside_the_plan_and_ne
         cache.fetch((1, 1), protected=[(0, 0), (0, 2), (1, 0)])
     with pytest.raises(ValueError, match="at least one expert"):
         DeviceExpertCache(_fake_host, capacity=0, device=torch.device("cpu"))
+
+
+class _GatedHost:
+    """`host_params` whose copy of `held` waits for `release`: the feeder is held mid-copy while the test re-plans."""
+
+    def __init__(self, held):
+        self.held, self.release, self.reading = held, threading.Event(), threading.Event()
+
+    def __call__(self, key):
+        if key == self.held:
+            self.reading.set()
+            assert self.release.wait(10), "the test never released the held copy"
+        return _fake_host(key)
+
+
+def test_queued_copies_follow_the_latest_plan_and_a_demand_jumps_the_queue(device="cpu"):
+    host = _GatedHost(held=(0, 0))
+    cache = DeviceExpertCache(host, capacity=4, device=torch.device(device), copies_in_flight=1)
+    cache.schedule([(0, 0), (0, 1), (0, 2), (0, 3)])
+    assert host.reading.wait(10)  # the feeder is copying (0, 0); the other three wait in the host queue
+    cache.schedule([(0, 3), (0, 2), (1, 5)])  # re-planned: (0, 1) is never copied, (0, 3) goes first
+    demand = cache.fetch((1, 5))  # the real gate needs (1, 5) now: copied at once, ahead of the queue
+    assert torch.equal(demand["w"].cpu(), torch.full((2, 2), 5.0))
+    host.release.set()
+    cache.drain()
+    assert list(cache.order) == [(0, 0), (1, 5), (0, 3), (0, 2)]
+    assert cache.copies_dropped == 1 and cache.demand_jumps == 1 and cache.uploads == 4
+    assert sorted(cache.keys()) == [(0, 0), (0, 2), (0, 3), (1, 5)]
+    assert all(torch.equal(cache.fetch(key)["w"].cpu(), _fake_host(key)["w"]) for key in cache.keys())
+    cache.clear()
+    assert cache.keys() == [] and cache._feeder is None
+
+
+def test_a_fetch_waits_for_the_copy_the_feeder_is_making_and_a_failed_copy_ends_the_feeder():
+    host = _GatedHost(held=(0, 1))
+    cache = DeviceExpertCache(host, capacity=2, device=torch.device("cpu"), copies_in_flight=1)
+    cache.schedule([(0, 1)])
+    assert host.reading.wait(10)
+    threading.Timer(0.05, host.release.set).start()
+    assert torch.equal(cache.fetch((0, 1))["w"], torch.ones(2, 2))  # waited for the feeder's copy: not made twice
+    assert cache.uploads == 1 and cache.hits == 1 and cache.demand_jumps == 0
+
+    def broken(key):
+        raise OSError("host memory unreadable")
+    failing = DeviceExpertCache(broken, capacity=2, device=torch.device("cpu"), copies_in_flight=1)
+    failing.schedule([(0, 0), (0, 1)])
+    failing.drain()  # the feeder logged its failure and ended, its queue dropped: nothing hangs
+    assert failing.keys() == [] and failing._feeder is None
+    with pytest.raises(OSError, match="unreadable"):  # the computation's own fetch raises the cause
+        failing.fetch((0, 1))
 
 
 def test_expert_tiers_are_a_job_setting_off_by_default(tmp_path):
@@ -436,6 +487,11 @@ def test_a_tiered_job_equals_peft_and_reports_its_tiers(tmp_path, monkeypatch):
 
 
 # --- the CUDA path -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_queued_copies_follow_the_latest_plan_and_a_demand_jumps_the_queue():
+    test_queued_copies_follow_the_latest_plan_and_a_demand_jumps_the_queue(device="cuda")
 
 
 @pytest.mark.gpu

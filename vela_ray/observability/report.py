@@ -368,6 +368,9 @@ def tiers_text(s: RunSummary) -> str:
     share = device_share(total)
     parts = ["no expert rows computed" if share is None else f"{share:.0%} of expert rows on device",
              f"{total.uploads} uploads ({human_bytes(total.upload_bytes)})"]
+    if total.copies_dropped or total.demand_jumps:  # the host queue re-ordered (CUDA)
+        parts.append(f"{total.copies_dropped} queued copies dropped by a later plan, "
+                     f"{total.demand_jumps} demands ahead of the queue")
     if total.predicted_overlap is not None:
         parts.append(f"predictor accuracy {total.predicted_overlap:.2f}")
     return "expert tiers: " + ", ".join(parts)

@@ -13,7 +13,8 @@ Stages of one forward request (one MoE layer of one micro-batch):
   2. each expert's tier from its rows, the cache's residents and the measured `TierSpeeds` (Eq. 1);
   3. the next layer's demand forecast (`popularity.PopularityPredictor` on these rows) and the cache
      plan (`tiers.upload_order`): this layer's device experts, the next layer's predicted device experts,
-     historically popular ones; copies start on the upload stream;
+     historically popular ones; the copies queue in that order (on CUDA a few at a time on the
+     upload stream; the plan re-orders what an earlier one queued);
   4. the CPU experts computed by the host shard while the copies run (the paper's overlap; the device
      part comes second, so its uploads have the CPU's time to land);
   5. the device experts, one by one, each a `LayerExperts` over views of the cache's own tensors that
@@ -30,8 +31,8 @@ the weights' dtype, in each call, and gradients flow back through the copy, so o
 tensors steps every expert wherever it computed, and results equal an untiered worker's (tests check
 forward, input and LoRA gradients to 1e-6 in fp32, bit for bit in bf16).
 
-Left out (see the task's report): the paper's pipeline-stage loading of attention and gate blocks (the
-master holds them here), re-ordering copies already queued on the GPU, and offloading activations.
+Left out (see the task's report): the paper's pipeline-stage loading of attention and gate blocks here (the
+master streams its own: `vela_ray.model.streaming`), and offloading the experts' activations.
 
 Legend: R = rows of the request, D = hidden size, E = hosted experts of the layer.
 """
@@ -83,7 +84,8 @@ class TieredExperts:
         self._wire_params: dict[ExpertKey, ExpertParams] = {}  # low-bit uploads: each expert encoded once
         self._host_dtypes: dict[str, torch.dtype] = {}
         self.cache = DeviceExpertCache(self.upload_params, config.cache_experts, self.device,
-                                       decode=None if self.upload_format == "exact" else self._decode_upload)
+                                       decode=None if self.upload_format == "exact" else self._decode_upload,
+                                       copies_in_flight=config.copies_in_flight if self.device.type == "cuda" else None)
         self.speeds: TierSpeeds | None = previous.speeds if previous else None
         self.predictor: PopularityPredictor | None = previous.predictor if previous else None
         self.counters = previous.stats() if previous else TierCounters(worker=worker)  # the old cache's counts in
@@ -293,7 +295,9 @@ class TieredExperts:
         c, cache = self.counters, self.cache
         return c.model_copy(update=dict(uploads=c.uploads + cache.uploads, cache_hits=c.cache_hits + cache.hits,
                                         upload_bytes=c.upload_bytes + cache.upload_bytes,
-                                        evictions=c.evictions + cache.evictions, speeds=self.speeds))
+                                        evictions=c.evictions + cache.evictions,
+                                        copies_dropped=c.copies_dropped + cache.copies_dropped,
+                                        demand_jumps=c.demand_jumps + cache.demand_jumps, speeds=self.speeds))
 
 
 def _busiest_first(experts: list[int], rows_E: list[int], on_device_E: list[bool]) -> list[int]:

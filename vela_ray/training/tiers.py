@@ -46,6 +46,11 @@ class ExpertTiersConfig(BaseModel):
         "exact", description="how frozen expert weights travel from host to device cache: exact, or LOSSY "
                              "bfloat16 / float8 (e4m3, a scale per row; ZO-Offloading §5.4): fewer upload bytes, and "
                              "device experts compute with the rounded weights while CPU experts keep the exact ones")
+    copies_in_flight: int = Field(
+        2, ge=1, description="prefetch copies handed to the device's copy stream at once; the rest of a plan waits in "
+                             "a host queue that each new plan re-orders and a demand jumps (APTMoE's demand-priority "
+                             "scheduling); two keep the link busy between copies. CUDA only: on the CPU the cache's "
+                             "copies are made as they are planned")
 
 
 class TierSpeeds(BaseModel):
@@ -210,9 +215,9 @@ def upload_order(queues: Sequence[Sequence[Hashable]], capacity: int) -> list[Ha
 
     The cache keeps these and evicts the least recently used of the others to make room
     (`vela_ray.training.expert_cache.DeviceExpertCache`), so an urgent upload never evicts a more
-    urgent expert. The paper also re-orders copies already queued on the GPU by polling an event; here each
-    request re-plans, copies already issued run to completion, and a demand no plan foresaw (a miss) goes on a
-    high-priority stream of its own instead of waiting behind them (`DeviceExpertCache.fetch`).
+    urgent expert. As the paper does, copies wait in a host queue that each request's plan re-orders, a few
+    at a time on the link (`ExpertTiersConfig.copies_in_flight`), and a demand no plan foresaw jumps the queue
+    onto a high-priority stream (`DeviceExpertCache.schedule`, `fetch`).
     """
     order: list[Hashable] = []
     seen: set[Hashable] = set()
@@ -259,6 +264,10 @@ class TierCounters(BaseModel):
     cache_hits: int = 0
     """Device experts found already resident when a computation needed them."""
     evictions: int = 0
+    copies_dropped: int = 0
+    """Queued copies a later plan no longer wanted, dropped before they were made (CUDA's host queue)."""
+    demand_jumps: int = 0
+    """Queued copies a computation needed before their turn, made at once on the high-priority stream."""
     dropped_weights: int = 0
     """Frozen weights the forward graphs did not keep on the device (re-read from the cache in backward)."""
     predictions: int = 0
