@@ -2,7 +2,10 @@
 
 import os
 import re
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +38,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_finish(session):
+    """A run of Ray's tests and the unit tests (CI's) builds the tiny pre-trained model in the background, one thread at
+    the lowest CPU priority, while the Ray tests (collected first) leave cores idle; its first user among the unit tests
+    waits for it if need be (`tiny_model_path` never builds what a live process is building). Otherwise that user
+    would build it alone, ~2.5 min of CI on 2 cores."""
+    from vela_ray.training.tiny_model import tiny_model_path
+
+    parts = {item.path.relative_to(TESTS).parts[0] for item in session.items if TESTS in item.path.parents}
+    if not {"ray", "unit"} <= parts:
+        return
+    try:
+        tiny_model_path(build=False)
+        return  # built already
+    except ValueError:
+        pass
+    session.config.tiny_model_build = subprocess.Popen(
+        [str(Path(sys.executable).parent / "vela"), "build-tiny-model", "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+
+
+def pytest_sessionfinish(session):
+    build = getattr(session.config, "tiny_model_build", None)
+    if build is not None and build.poll() is None:  # the run ended first: its staging dir goes at the next build
+        build.kill()
+        build.wait()
 
 
 # A skip of a `gpu` test that VELA_REQUIRE_GPU=1 still allows: the machine has a GPU, only fewer than the test needs.

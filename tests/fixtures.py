@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import weakref
 from pathlib import Path
 
@@ -298,3 +299,16 @@ class LiveBytes(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(storage, self._freed, ptr, storage.nbytes())
         return out
+
+
+def side_by_side(commands: list[list[str]], timeout: float = 600, **popen) -> list[str]:
+    """Each command's stdout, the commands run at once: independent processes (each measuring its own memory, or
+    starting a Ray of its own) need not wait for each other, and a fresh process spends seconds importing on one core.
+    A command that fails raises `subprocess.CalledProcessError` with its output."""
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                 for command in commands]
+    outputs = [process.communicate(timeout=timeout) for process in processes]
+    for command, process, (out, err) in zip(commands, processes, outputs):
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, command, out, err)
+    return [out for out, _ in outputs]

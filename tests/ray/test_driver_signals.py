@@ -19,6 +19,7 @@ import ray
 
 from tests.fixtures import job_dict, make_checkpoint, write_job
 from tests.ray.head import BIN_DIR
+from vela_ray import api
 from vela_ray.training import checkpoint
 
 STARTUP_TIMEOUT_S = 300  # a 2-core CI machine starts Ray workers slowly
@@ -77,10 +78,21 @@ def _all_gone(pids: list[int], timeout_s: float = 120) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize("sig,reason", [(signal.SIGINT, "interrupted (Ctrl-C)"),
-                                        (signal.SIGTERM, "terminated (SIGTERM)")], ids=["ctrl-c", "sigterm"])
-def test_a_signal_stops_after_the_step_with_a_checkpoint_and_prints_the_resume_command(
-        ray_session, model_dir, tmp_path, sig, reason):
+def test_ctrl_c_and_sigterm_are_each_a_stop_request_and_the_previous_handlers_come_back():
+    """The driver's handler: each signal names its reason and counts (the second one kills the run); what
+    follows the request is the same for both, so one whole run below carries it (Ctrl-C's)."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with api._stop_requests() as request:
+        signal.raise_signal(signal.SIGTERM)  # handled before it returns
+        assert (request.reason, request.count) == ("terminated (SIGTERM)", 1)
+        signal.raise_signal(signal.SIGINT)
+        assert (request.reason, request.count) == ("interrupted (Ctrl-C)", 2)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_prints_the_resume_command(ray_session, model_dir,
+                                                                                      tmp_path):
+    sig, reason = signal.SIGINT, "interrupted (Ctrl-C)"
     run = Training(model_dir, tmp_path / "out")
     processes = run.wait_for_a_checkpoint()
     run.proc.send_signal(sig)

@@ -8,12 +8,11 @@ session fixture's CPU-only one.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.fixtures import job_dict, make_checkpoint
+from tests.fixtures import job_dict, make_checkpoint, side_by_side
 from vela_ray.config import JobConfig
 from vela_ray.preflight import master_gpus
 
@@ -58,14 +57,17 @@ api.MASTER_SCHEDULE_TIMEOUT_S = 3.0
 """
 
 
-def _run(job: dict, setup: str, teardown: str = "pass") -> dict:
-    """The error `VelaJob(job).run()` raises in a fresh process after `setup` started its Ray."""
-    script = _RUN.format(setup=setup, teardown=teardown)
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(job)], capture_output=True, text=True,
-                            timeout=240)
-    lines = [line for line in result.stdout.splitlines() if line.startswith(("ERROR ", "NO ERROR"))]
-    assert lines and lines[0].startswith("ERROR "), result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(lines[0].removeprefix("ERROR "))
+def _errors(scenarios: list[tuple[dict, str, str]]) -> list[dict]:
+    """The error `VelaJob(job).run()` raises in a fresh process after `setup` started its Ray, for each
+    (job, setup, teardown); the scenarios run side by side, each process with a Ray of its own."""
+    outputs = side_by_side([[sys.executable, "-c", _RUN.format(setup=setup, teardown=teardown), json.dumps(job)]
+                            for job, setup, teardown in scenarios], timeout=240)
+    errors = []
+    for out in outputs:
+        lines = [line for line in out.splitlines() if line.startswith(("ERROR ", "NO ERROR"))]
+        assert lines and lines[0].startswith("ERROR "), out[-2000:]
+        errors.append(json.loads(lines[0].removeprefix("ERROR ")))
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +88,22 @@ def test_a_gpu_on_another_node_is_not_counted_for_the_master(tmp_path):
         master_gpus(explicit, cluster, {"CPU": 2.0}, "head")
 
 
-def test_a_master_asking_for_a_gpu_its_node_lacks_is_refused_before_it_starts(model_dir, tmp_path):
+def test_a_master_asking_for_a_gpu_its_node_lacks_is_refused_before_it_starts_and_one_never_scheduled_at_the_deadline(
+        model_dir, tmp_path):
+    """Two clusters, side by side: the driver's node has no GPU (another has one), or has one another actor holds."""
     job = job_dict(model_dir, tmp_path / "out", steps=1, cluster={"num_workers": 2, "master_gpus": 1})
-    error = _run(job, _GPU_ON_ANOTHER_NODE, teardown="cluster.shutdown()")
-    assert error["type"] == "ValueError"
-    assert "\n" not in error["message"]
-    assert "pinned to the driver's node" in error["message"] and "which has 0 GPUs and 2 CPUs" in error["message"]
-    assert "set cluster.master_gpus: 0" in error["message"]
+    busy = {**job, "output": {**job["output"], "dir": str(tmp_path / "out-busy")}}
+    refused, late = _errors([(job, _GPU_ON_ANOTHER_NODE, "cluster.shutdown()"), (busy, _GPU_BUSY, "pass")])
 
+    assert refused["type"] == "ValueError"
+    assert "\n" not in refused["message"]
+    assert "pinned to the driver's node" in refused["message"] and "which has 0 GPUs and 2 CPUs" in refused["message"]
+    assert "set cluster.master_gpus: 0" in refused["message"]
 
-def test_a_master_never_scheduled_fails_at_the_deadline_in_one_line(model_dir, tmp_path):
-    job = job_dict(model_dir, tmp_path / "out", steps=1, cluster={"num_workers": 2, "master_gpus": 1})
-    error = _run(job, _GPU_BUSY)
-    assert error["type"] == "ClusterError"
-    assert "\n" not in error["message"]
-    assert error["message"].startswith("the MasterActor was not scheduled within 3 s: it is pinned to the "
-                                       "driver's node ")
-    assert "which has 1 GPUs and 2 CPUs, and asks for 1 GPU and 0 CPUs" in error["message"]
-    assert "run the driver on a node with a free GPU, or set cluster.master_gpus: 0" in error["message"]
-    assert 3.0 <= error["seconds"] < 30.0  # the deadline, not Ray's forever
+    assert late["type"] == "ClusterError"
+    assert "\n" not in late["message"]
+    assert late["message"].startswith("the MasterActor was not scheduled within 3 s: it is pinned to the "
+                                      "driver's node ")
+    assert "which has 1 GPUs and 2 CPUs, and asks for 1 GPU and 0 CPUs" in late["message"]
+    assert "run the driver on a node with a free GPU, or set cluster.master_gpus: 0" in late["message"]
+    assert 3.0 <= late["seconds"] < 30.0  # the deadline, not Ray's forever

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import save_file
 
 from vela_ray.model.broker import ExpertDispatcher
 from vela_ray.model.experts import ExpertShard, LoraSpec
-from tests.fixtures import KNOWN_FAILURES, REFUSED
+from tests.fixtures import KNOWN_FAILURES, REFUSED, side_by_side
 from vela_ray.model.families import debug_model, moe_families
 from vela_ray.model.loading import checkpoint_prototypes, load_backbone, moe_layout, read_experts
 from vela_ray.model.modeling import attach_brokers, expert_weights, find_moe_blocks
@@ -188,11 +187,9 @@ def test_backbone_load_holds_less_memory_than_a_full_load_by_at_least_the_expert
                            num_attention_heads=4, num_key_value_heads=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     expert_mib = 4 * 16 * 3 * 256 * 1024 * 4 / 2**20  # layers x experts x 3 matrices x D x I x fp32 = 192 MiB
-    growth = {}
-    for mode in ("backbone", "full"):
-        out = subprocess.run([sys.executable, "-c", _RSS_GROWTH, str(tmp_path), mode],
-                             capture_output=True, text=True, check=True)
-        growth[mode] = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
+    modes = ("backbone", "full")
+    outs = side_by_side([[sys.executable, "-c", _RSS_GROWTH, str(tmp_path), mode] for mode in modes])
+    growth = {mode: json.loads(out.strip().splitlines()[-1])["growth_mib"] for mode, out in zip(modes, outs)}
     print(f"RSS growth MiB: backbone {growth['backbone']:.0f}, full {growth['full']:.0f}, experts {expert_mib:.0f}")
     assert growth["full"] - growth["backbone"] >= 0.9 * expert_mib
     assert growth["backbone"] < 0.5 * expert_mib  # imports and the small backbone only

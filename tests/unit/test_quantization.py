@@ -16,6 +16,7 @@ from peft import PeftModel, get_peft_model_state_dict
 from tests.equivalence import micro_batches, reference_adapter_state, run_both
 from tests.fixtures import (
     init_adapter, job_dict, make_checkpoint, peft_job, reference_losses, run_equal_to_peft, run_in_process,
+    side_by_side,
 )
 from vela_ray.config import JobConfig
 from vela_ray.export import export_run
@@ -375,7 +376,6 @@ def test_a_shipped_checkpoint_loads_without_a_full_width_copy(tmp_path, family):
     """A worker reading DeepSeek-V3's FP8 or gpt-oss's MXFP4 experts holds at most 1.15x their shipped bytes at any
     moment while loading (anonymous memory, in a fresh process; the pages read stay the kernel's cache);
     dequantizing them to bf16 on the way (`format: none`) needs over twice that."""
-    import subprocess
     import sys
 
     name = SHIPPED[family][0]
@@ -385,12 +385,8 @@ def test_a_shipped_checkpoint_loads_without_a_full_width_copy(tmp_path, family):
     full = make_checkpoint(tmp_path / "full", family=family, **widths)
     shipped = write_shipped(full, tmp_path / name, name)
 
-    def load(fmt):
-        out = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(shipped), fmt], capture_output=True, text=True,
-                             check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    held, dequantized = load(name), load("none")
+    held, dequantized = (json.loads(out.strip().splitlines()[-1]) for out in side_by_side(
+        [[sys.executable, "-c", _LOAD_PEAK, str(shipped), fmt] for fmt in (name, "none")]))
     weights = held["experts"] * 3 * 1024 * 1024  # each expert: 3 [1024, 1024] matrices
     stacks = FORMATS[name].nbytes((1024, 1024)) * 3 * held["experts"]  # their parts, shipped
     assert stacks <= held["held"] <= stacks + held["experts"] * 3 * 1024 * 4  # (gpt-oss's fp32 biases beside them)
@@ -433,18 +429,13 @@ def test_a_master_holds_its_backbone_quantized_as_it_reads_it(tmp_path):
     """A lone master quantizes each linear layer as soon as it has read it: its peak while loading is the quantized
     backbone and a tensor or two at full width, well under the full-width backbone's (fp32 attention of four
     [2048, 2048] projections in each of 4 layers here: 268 MB; in NF4 38 MB)."""
-    import subprocess
     import sys
 
     model_dir = make_checkpoint(tmp_path / "model", hidden_size=2048, num_attention_heads=8, num_key_value_heads=8,
                                 num_hidden_layers=4, intermediate_size=64)
 
-    def load(fmt):
-        out = subprocess.run([sys.executable, "-c", _MASTER_PEAK, str(model_dir), fmt], capture_output=True,
-                             text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    full, nf4 = load("none"), load("nf4")
+    full, nf4 = (json.loads(out.strip().splitlines()[-1]) for out in side_by_side(
+        [[sys.executable, "-c", _MASTER_PEAK, str(model_dir), fmt] for fmt in ("none", "nf4")]))
     assert full["quantized"] == 0 and nf4["quantized"] == 16
     attention = 4 * 4 * 2048 * 2048 * 4
     assert full["peak"] >= attention, full

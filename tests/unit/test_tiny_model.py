@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +88,36 @@ def test_a_failed_build_leaves_no_model_and_stale_staging_is_removed(tmp_path, m
     with pytest.raises(RuntimeError, match="killed"):
         tiny_model_path(config)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_build_under_way_in_another_process_is_awaited_not_repeated(tmp_path, monkeypatch):
+    """A second caller waits for the live builder's model (a second run, or the tests' background build); if that
+    builder dies unfinished, the caller builds it itself."""
+    monkeypatch.setenv("VELA_CACHE_DIR", str(tmp_path))
+    config = TinyModelConfig(**{**VERY_SMALL, "seed": 9})
+    target = tmp_path / f"tiny-mixtral-{config.digest()}"
+
+    def built_here(config, out_dir, **kwargs):
+        raise RuntimeError("built here")
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", built_here)
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / f".{target.name}.building-{builder.pid}-abc").mkdir()
+
+        def finish():  # what the other builder does last: its model renamed into place
+            time.sleep(0.3)
+            target.mkdir()
+            (target / BUILD_INFO).write_text("{}")
+        threading.Thread(target=finish).start()
+        assert tiny_model_path(config) == target  # waited for it: `built_here` never ran
+    finally:
+        builder.kill()
+        builder.wait()
+    shutil.rmtree(target)
+    with pytest.raises(RuntimeError, match="built here"):  # its builder gone unfinished: built by the caller
+        tiny_model_path(config)
+    assert not list(tmp_path.glob(".*building*"))  # the dead builder's staging removed too
 
 
 def test_tiny_model_config_checks_its_shapes():

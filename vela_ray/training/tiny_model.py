@@ -4,12 +4,12 @@ The locality study and tests need a *pre-trained* MoE model: routing of a random
 model carries no locality. `build_tiny_model` trains a byte-level BPE tokenizer
 on a corpus (WikiText-2 by default, its tokenisation undone), pre-trains a small
 `MixtralForCausalLM` (load-balancing aux loss on, AdamW, warmup + cosine) for a
-bounded number of steps, showing its progress (`vela_ray.progress`), and saves model and tokenizer so that `AutoModelForCausalLM.from_pretrained`
-and `AutoTokenizer.from_pretrained` load them. `tiny_model_path(config)` caches
-the result under ``cache_dir()/tiny-mixtral-<hash of the build settings>`` and
-builds only if missing (into a temporary directory renamed into place, so a
-killed build never leaves a half model). ``vela build-tiny-model`` does the same
-from the command line. Usage::
+bounded number of steps, showing its progress (`vela_ray.progress`), and saves model and tokenizer so
+that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load them.
+`tiny_model_path(config)` caches the result under ``cache_dir()/tiny-mixtral-<hash of the build settings>``
+and builds only if missing (into a temporary directory renamed into place, so a killed build never leaves a
+half model; a build another live process has under way is waited for, not repeated).
+``vela build-tiny-model`` does the same from the command line. Usage::
 
     model_dir = tiny_model_path()            # default build: ~2 min on 2 idle cores, ~4 on 1
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -325,13 +325,36 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead_staging(target: Path) -> None:
-    """Delete staging directories of `target` left by builds whose process is gone (killed builds)."""
+def _builders(target: Path) -> dict[int, Path]:
+    """Builds of `target` under way: {their process id: their staging directory}."""
+    found = {}
     for staging in target.parent.glob(f".{target.name}.building-*"):
         pid = staging.name.rsplit(".building-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit():
+            found[int(pid)] = staging
+    return found
+
+
+def _remove_dead_staging(target: Path) -> None:
+    """Delete staging directories of `target` left by builds whose process is gone (killed builds)."""
+    for pid, staging in _builders(target).items():
+        if not _process_alive(pid):
             log.info("removing %s left by an interrupted build", staging)
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _await_other_builds(target: Path, poll_s: float = 1.0) -> None:
+    """Wait while another live process builds `target` (a second run, or the test session's background build):
+    the same minutes of CPU spent twice would only slow both. Returns when it is built or no builder is left."""
+    waited = False
+    while not (target / BUILD_INFO).is_file():
+        others = [pid for pid in _builders(target) if pid != os.getpid() and _process_alive(pid)]
+        if not others:
+            return
+        if not waited:
+            log.info("waiting for process %d, which is building %s", others[0], target)
+            waited = True
+        time.sleep(poll_s)
 
 
 def tiny_model_path(config: TinyModelConfig | None = None, build: bool = True,
@@ -343,6 +366,9 @@ def tiny_model_path(config: TinyModelConfig | None = None, build: bool = True,
         return target
     if not build:
         raise ValueError(f"tiny model {target} is not built; run `vela build-tiny-model`")
+    _await_other_builds(target)
+    if (target / BUILD_INFO).is_file():
+        return target
     _remove_dead_staging(target)
     log.info("building the tiny pre-trained model (once; later runs load it from %s)", target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-{os.getpid()}-", dir=target.parent))
