@@ -195,7 +195,7 @@ def test_queued_copies_follow_the_latest_plan_and_a_demand_jumps_the_queue(devic
     assert torch.equal(demand["w"].cpu(), torch.full((2, 2), 5.0))
     host.release.set()
     cache.drain()
-    assert list(cache.order) == [(0, 0), (1, 5), (0, 3), (0, 2)]
+    assert list(cache.copy_log) == [(0, 0), (1, 5), (0, 3), (0, 2)]
     assert cache.copies_dropped == 1 and cache.demand_jumps == 1 and cache.uploads == 4
     assert sorted(cache.keys()) == [(0, 0), (0, 2), (0, 3), (1, 5)]
     assert all(torch.equal(cache.fetch(key)["w"].cpu(), _fake_host(key)["w"]) for key in cache.keys())

@@ -73,7 +73,7 @@ class DeviceExpertCache:
         self.uploads = self.upload_bytes = self.hits = self.evictions = 0
         self.copies_dropped = 0  # queued copies a later plan dropped before they were made: bytes never moved
         self.demand_jumps = 0  # queued copies a computation needed first: made at once, ahead of the queue
-        self.order: deque[ExpertKey] = deque(maxlen=256)  # the latest copies, in the order they were handed over
+        self.copy_log: deque[ExpertKey] = deque(maxlen=256)  # the latest copies, in the order they were handed over
 
     def resident(self, key: ExpertKey) -> bool:
         return key in self._entries
@@ -184,7 +184,7 @@ class DeviceExpertCache:
                     key = self._queued.pop(0)
                     self._make_room({key})
                     self._copying.add(key)
-                    self.order.append(key)
+                    self.copy_log.append(key)
                     return key
                 oldest = self._issued[0]
             oldest.synchronize()
@@ -194,7 +194,7 @@ class DeviceExpertCache:
     def _upload(self, key: ExpertKey, in_use: set[ExpertKey], stream: torch.cuda.Stream | None = None) -> None:
         """Copy `key` in now, on `stream` (None: the prefetch stream); the caller holds the lock."""
         self._make_room(in_use | {key})
-        self.order.append(key)
+        self.copy_log.append(key)
         self._land(key, *self._copy(key, stream or self.stream))
 
     def _copy(self, key: ExpertKey, stream: torch.cuda.Stream | None
