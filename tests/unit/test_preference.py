@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -228,7 +229,7 @@ def test_dpo_on_llama_factorys_dpo_en_demo_raises_the_reward_accuracy(tmp_path):
     assert accuracies[0] == 0.0  # step 1: policy = reference, no pair is ahead yet
     assert sum(accuracies[-4:]) / 4 >= 0.75, accuracies
     assert summary.history[-1].eval_preference["rewards/accuracies"] >= 0.75, summary.history[-1].eval_preference
-    assert summary.history[-1].preference["rewards/margins"] > 0
+    assert np.mean([record.preference["rewards/margins"] for record in summary.history[-4:]]) > 0  # one batch may dip
 
 
 @pytest.mark.job
@@ -295,7 +296,9 @@ def test_kto_on_llama_factorys_kto_en_demo_raises_the_reward_margin(tmp_path):
     summary = run_in_process(JobConfig.from_dict(job))
     margins = [record.preference["rewards/margins"] for record in summary.history]
     assert margins[0] == 0.0
-    assert min(margins[-4:]) > 0, margins
+    # each step's margin is its own batch's (one may dip below 0: -0.014 once among 0.3-0.5), so the last steps' mean
+    # against the first steps': 0.34-0.45 against -0.005-0.009 on the tiny model built on one or two threads
+    assert np.mean(margins[-4:]) > np.mean(margins[:4]) + 0.1 and np.mean(margins[-4:]) > 0.1, margins
     assert summary.history[-1].eval_preference["rewards/margins"] > 0, summary.history[-1].eval_preference
 
 
