@@ -203,6 +203,21 @@ def test_queued_copies_follow_the_latest_plan_and_a_demand_jumps_the_queue(devic
     assert cache.keys() == [] and cache._feeder is None
 
 
+def test_every_plan_is_copied_whole_whenever_it_comes_while_the_feeder_runs_or_ends():
+    """A plan made while the feeder is finishing (its queue just found empty) must get a feeder: after each plan,
+    once the cache has drained, all of it is resident."""
+    rng = random.Random(0)
+    cache = DeviceExpertCache(_fake_host, capacity=4, device=torch.device("cpu"), copies_in_flight=1)
+    for _ in range(300):
+        plan = rng.sample([(layer, e) for layer in range(3) for e in range(4)], k=rng.randint(1, 4))
+        cache.schedule(plan)
+        if rng.random() < 0.3:
+            cache.drain()
+            assert set(plan) <= set(cache.keys()), (plan, cache.keys())
+    cache.drain()
+    assert set(plan) <= set(cache.keys()) and cache._feeder is None
+
+
 def test_a_fetch_waits_for_the_copy_the_feeder_is_making_and_a_failed_copy_ends_the_feeder():
     host = _GatedHost(held=(0, 1))
     cache = DeviceExpertCache(host, capacity=2, device=torch.device("cpu"), copies_in_flight=1)

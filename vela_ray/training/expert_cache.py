@@ -168,7 +168,8 @@ class DeviceExpertCache:
                 self._queued = []
         finally:
             with self._lock:
-                self._feeder = None
+                if self._feeder is threading.current_thread():  # ended by a failure: no feeder now
+                    self._feeder = None
                 self._lock.notify_all()
 
     def _next_queued(self) -> ExpertKey | None:
@@ -178,7 +179,9 @@ class DeviceExpertCache:
             with self._lock:
                 while self._issued and self._issued[0].query():
                     self._issued.popleft()
-                if not self._queued:
+                if not self._queued:  # ends under the lock: a plan made after this starts a feeder of its own
+                    self._feeder = None
+                    self._lock.notify_all()
                     return None
                 if len(self._issued) < self.copies_in_flight:
                     key = self._queued.pop(0)
