@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -53,9 +53,9 @@ RANK_FAILURE_GRACE_S = 5.0
 class MasterRankActor(MasterRank):
     """`MasterRank` as a Ray actor: warnings silenced in its process, its node as Ray sees it."""
 
-    def __init__(self, config: JobConfig, m: int, t: int, node: str):
+    def __init__(self, config: JobConfig, m: int, t: int, node: str, stage: int = 0):
         silence_known_warnings()
-        super().__init__(config, m, t, node)
+        super().__init__(config, m, t, node, stage)
 
 
 @dataclass
@@ -82,22 +82,28 @@ class ProcessRendezvous:
     dp: list[Rendezvous]  # by TP index
     tp: list[Rendezvous]  # by master
     nodes: dict[tuple[int, int], NodeRendezvous]
+    stages: list[Rendezvous] = field(default_factory=list)  # by master (pipeline stages: one TP rank each)
 
-    def join(self, m: int, t: int, device: torch.device) -> RankGroups:
-        """Rank (m, t)'s groups (`join_groups`) and its node group (`join_node`)."""
+    def join(self, m: int, t: int, device: torch.device, stage: int = 0) -> RankGroups:
+        """Rank (m, t, stage)'s groups (`join_groups`), its node group (`join_node`) and its master's stages' gloo
+        group (`ProcessGroupReplicas`: the hidden states and their gradients cross it, `training.pipeline`)."""
         def client(address: Rendezvous, kind: str) -> dist.Store:
             return make_store(*address, group_size(self.mesh, kind), is_master=False, timeout_s=GROUP_TIMEOUT_S)
         stores = ({"world": client(self.world, "world")} if self.world else
                   {**({"dp": client(self.dp[t], "dp")} if self.dp else {}),
                    **({"tp": client(self.tp[m], "tp")} if self.tp else {})})
         replicas, tp_mesh, dp_mesh = join_groups(self.mesh, m, t, stores, device)
-        return RankGroups(replicas, tp_mesh, dp_mesh, join_node(self.nodes.get((m, t))))
+        stages = None
+        if self.stages:
+            stages = ProcessGroupReplicas(make_group(client(self.stages[m], "stages"), stage, self.mesh.pp,
+                                                     GROUP_TIMEOUT_S, ray.util.get_node_ip_address()))
+        return RankGroups(replicas, tp_mesh, dp_mesh, join_node(self.nodes.get((m, t))), stages)
 
 
 def group_size(mesh: MasterMesh, kind: str) -> int:
     """Ranks of a group `kind`: "world" (every master process, the (dp, tp) mesh), "dp" (the data-parallel masters'
-    ranks of one TP index) or "tp" (one master's ranks)."""
-    return {"world": mesh.size, "dp": mesh.dp, "tp": mesh.tp}[kind]
+    ranks of one TP index), "tp" (one master's ranks) or "stages" (one master's pipeline stages)."""
+    return {"world": mesh.size, "dp": mesh.dp, "tp": mesh.tp, "stages": mesh.pp}[kind]
 
 
 def join_groups(mesh: MasterMesh, rank: int, tp_rank: int, stores: dict[str, dist.Store], device: torch.device
@@ -165,8 +171,8 @@ def spawn_rank_actors(config: JobConfig, mesh: MasterMesh, nodes: list[str]) -> 
             num_cpus=0, num_gpus=config.cluster.master_gpus or 0, max_restarts=0, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[m], soft=False),
             **({"runtime_env": {"env_vars": env}} if env else {}),
-        ).remote(config, m, t, nodes[m])
-        for m, t in mesh.ranks()[1:]
+        ).remote(config, m, t, nodes[m], s)
+        for m, t, s in mesh.ranks()[1:]
     ]
 
 
@@ -195,18 +201,19 @@ class RayRanks:
         world = listen("world") if cfg.masters.shard_frozen_backbone else None
         dp = [listen("dp") for _ in range(self.mesh.tp)] if world is None and self.mesh.dp > 1 else []
         tp = [listen("tp") for _ in range(self.mesh.dp)] if world is None and self.mesh.tp > 1 else []
+        stages = [listen("stages") for _ in range(self.mesh.dp)] if self.mesh.pp > 1 else []
         by_node: dict[str, list[tuple[int, int]]] = {}
-        for m, t in self.mesh.ranks():
+        for m, t, _ in self.mesh.ranks():
             by_node.setdefault(self.nodes[m], []).append((m, t))
         node_groups = {}
         for ranks in by_node.values():  # issue 51: one group per node hosting several master processes
-            if len(ranks) > 1:
+            if len(ranks) > 1 and self.mesh.pp == 1:  # a pipeline's stages read their own layers each
                 store = listen("node", len(ranks))
                 node_groups.update({rank: ((address, store.port), member, len(ranks))
                                     for member, rank in enumerate(ranks)})
         where = lambda store: (address, store.port)  # noqa: E731
-        return ProcessRendezvous(self.mesh, where(world) if world else None, [where(s) for s in dp], [where(s) for s in tp],
-                                 node_groups)
+        return ProcessRendezvous(self.mesh, where(world) if world else None, [where(s) for s in dp],
+                                 [where(s) for s in tp], node_groups, [where(s) for s in stages])
 
     def rows(self) -> RayRows:
         return self._rows

@@ -368,6 +368,12 @@ class MastersSection(_Section):
     streaming: StreamingSection = Field(
         default_factory=StreamingSection, description="the frozen backbone streamed from host memory through a "
                                                       "device buffer of a few layers")
+    pipeline_stages: int = Field(
+        1, ge=1, description="the master's decoder layers cut into this many contiguous stages, one master process "
+                             "(and device) each on master 0's node, run as GPipe's pipeline over the micro-batches "
+                             "(APTMoE's, `training.pipeline`): a backbone too big for one device is spread over the "
+                             "node's. Exact; each stage is one more master process to the ExpertManagers. 1: the "
+                             "whole backbone on one master")
 
     @model_validator(mode="after")
     def _migration_needs_masters(self) -> "MastersSection":
@@ -684,6 +690,9 @@ class OverlapSection(_Section):
         RunsSerially("training.preference.objective: dpo", "its reference pass turns the master's adapters off in "
                      "the whole model (peft's disable_adapter), which another micro-batch would compute through",
                      lambda job: job.training.preference.on),
+        RunsSerially("masters.pipeline_stages above 1", "the stages keep micro-batches in flight already, one per "
+                     "stage, in ticks every stage walks in one order (GPipe)",
+                     lambda job: job.masters.pipeline_stages > 1),
     )
     shared_experts_serial_with: ClassVar[tuple[RunsSerially, ...]] = (
         RunsSerially("cluster.master_tp above 1", "a tensor-parallel shared expert's collectives would run while the "
@@ -896,7 +905,7 @@ class JobConfig(_Section):
     def master_processes(self) -> int:
         """Master processes sending rows to the workers: masters.count data-parallel masters of cluster.master_tp
         tensor-parallel ranks each (`runtime.masters.MasterMesh`)."""
-        return self.masters.count * self.cluster.master_tp
+        return self.masters.count * self.cluster.master_tp * self.masters.pipeline_stages
 
     @model_validator(mode="after")
     def _objective_reads_its_data(self) -> "JobConfig":
@@ -936,6 +945,33 @@ class JobConfig(_Section):
             if on:
                 raise ValueError(f"masters.streaming.buffer_blocks ({blocks}) and {setting} do not combine: {why}; "
                                  f"turn one off")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_combines(self) -> "JobConfig":
+        """What a pipelined master (`MastersSection.pipeline_stages`) cannot run with, one line each."""
+        stages = self.masters.pipeline_stages
+        if stages == 1:
+            return self
+        for setting, on, why in (
+                ("masters.count above 1", self.masters.count > 1, "a pipeline of data-parallel masters is not "
+                 "built: one master's layers are cut into stages"),
+                ("cluster.master_tp above 1", self.cluster.master_tp > 1, "a stage of tensor-parallel ranks is not "
+                 "built"),
+                ("masters.streaming", self.masters.streaming.on, "a stage streaming its own layers is not built"),
+                ("training.method: zo", self.training.method == "zo", "ZO's two perturbed forwards are not "
+                 "scheduled through the stages"),
+                ("a preference objective", self.training.preference.on, "its reference pass and its metric sums "
+                 "are not carried through the stages"),
+                ("training.condensation.enabled", self.training.condensation.enabled, "each stage's condenser "
+                 "would follow a loss only the last stage computes"),
+                ("lora.lora_dropout above 0", self.lora.lora_dropout > 0, "each stage process draws dropout masks "
+                 "from its own generator, not in one master's layer order"),
+                ("mode: expert_parallel", self.mode == "expert_parallel", "the expert-parallel baseline runs plain "
+                 "peft on every rank")):
+            if on:
+                raise ValueError(f"masters.pipeline_stages ({stages}) and {setting} do not combine: {why}; turn one "
+                                 "off")
         return self
 
     @model_validator(mode="after")

@@ -45,8 +45,11 @@ def _adapter(summary) -> dict[str, torch.Tensor]:
 
 def test_the_mesh_numbers_master_zero_first_then_each_masters_ranks():
     mesh = MasterMesh(dp=2, tp=3)
-    assert mesh.ranks()[:4] == [(0, 0), (0, 1), (0, 2), (1, 0)]
-    assert [mesh.flat(m, t) for m, t in mesh.ranks()] == list(range(6))
+    assert mesh.ranks()[:4] == [(0, 0, 0), (0, 1, 0), (0, 2, 0), (1, 0, 0)]
+    assert [mesh.flat(m, t, s) for m, t, s in mesh.ranks()] == list(range(6))
+    stages = MasterMesh(dp=2, pp=2)  # a master's pipeline stages follow each other, as its TP ranks do
+    assert stages.ranks() == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+    assert [stages.flat(m, t, s) for m, t, s in stages.ranks()] == list(range(4))
 
 
 @pytest.mark.job

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import numpy as np
 import torch
@@ -304,6 +304,18 @@ class RoutingRecorder:
             self.confidence_sum_L[layer] += confidence_T.double().sum()
         return hook
 
+    def counts(self) -> dict[str, Any]:
+        """What it recorded, as `add` takes it: a pipeline stage's counts of its own layers, which stage 0 adds to
+        its own (`runtime.masters.stage_profile`)."""
+        return {"counts_LE": self.counts_LE, "tokens_L": self.tokens_L, "confidence_hist_LC": self.confidence_hist_LC,
+                "confidence_sum_L": self.confidence_sum_L, "record_confidence": self.record_confidence}
+
+    def add(self, counts: dict[str, Any]) -> None:
+        """Another recorder's `counts` of the same blocks added to this one's."""
+        for name in ("counts_LE", "tokens_L", "confidence_hist_LC", "confidence_sum_L"):
+            getattr(self, name).add_(counts[name])
+        self.record_confidence = self.record_confidence and counts["record_confidence"]
+
     def profile(self, source: str = "") -> AccessProfile:
         """The counts recorded so far as an `AccessProfile`."""
         tokens = int(self.tokens_L[0])
@@ -341,6 +353,14 @@ def profile_model(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], 
     return recorder.profile(source)
 
 
+def profile_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """A profile forward's arguments: the token ids and the positions of packed rows, else the mask."""
+    positions = batch.get("position_ids")
+    inputs = {"position_ids": positions} if positions is not None else {"attention_mask": batch.get("attention_mask")}
+    return {"input_ids": batch["input_ids"].to(device), "use_cache": False,
+            **{k: None if v is None else v.to(device) for k, v in inputs.items()}}
+
+
 def profile_forwards(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], progress: bool = False,
                      on_batch=None) -> None:
     """The forwards of `profile_model` (eval mode, no gradients; the mode restored), each batch's mask handed to
@@ -353,12 +373,9 @@ def profile_forwards(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]
         # in place later, which a tensor made under inference mode refuses
         with torch.no_grad():
             for batch in tqdm(batches, desc="profile", unit="batch", disable=not progress):
-                attention_mask, positions = batch.get("attention_mask"), batch.get("position_ids")
                 if on_batch is not None:
-                    on_batch(attention_mask)
-                inputs = {"position_ids": positions} if positions is not None else {"attention_mask": attention_mask}
-                model(input_ids=batch["input_ids"].to(device), use_cache=False,
-                      **{k: None if v is None else v.to(device) for k, v in inputs.items()})
+                    on_batch(batch.get("attention_mask"))
+                model(**profile_inputs(batch, device))
     finally:
         model.train(was_training)
 

@@ -130,18 +130,21 @@ class ThreadRendezvous:
         self.dp = [ThreadGroup(mesh.dp) for _ in range(mesh.tp)] if mesh.dp > 1 else []
         self.tp = [make_store("127.0.0.1", 0, mesh.tp, is_master=True, timeout_s=GROUP_TIMEOUT_S)
                    for _ in range(mesh.dp)] if mesh.tp > 1 else []
+        self.stages = [ThreadGroup(mesh.pp) for _ in range(mesh.dp * mesh.tp)] if mesh.pp > 1 else []
 
-    def join(self, m: int, t: int, device) -> RankGroups:
+    def join(self, m: int, t: int, device, stage: int = 0) -> RankGroups:
         tp = None
         if self.tp:
             store = make_store(self.tp[m].host, self.tp[m].port, self.mesh.tp, is_master=False,
                                timeout_s=GROUP_TIMEOUT_S)
             tp = make_group(store, t, self.mesh.tp, GROUP_TIMEOUT_S)
-        return RankGroups(replicas=self.dp[t].member(m) if self.dp else SINGLE, tp=tp)
+        return RankGroups(replicas=self.dp[t].member(m) if self.dp else SINGLE, tp=tp,
+                          stages=self.stages[m * self.mesh.tp + t].member(stage) if self.stages else None)
 
     def abort(self) -> None:
-        """Release every thread waiting in a data-parallel sum (one rank failed): they raise BrokenBarrierError."""
-        for group in self.dp:
+        """Release every thread waiting in a data-parallel sum or a stages' exchange (one rank failed): they raise
+        BrokenBarrierError."""
+        for group in (*self.dp, *self.stages):
             group.abort()
 
 
@@ -167,8 +170,8 @@ class ThreadRanks:
         self.mesh = mesh
         self._rows = rows
         hosted = mesh.ranks()[1:]
-        self.ranks = [MasterRank(config, m, t, nodes[m]) for m, t in hosted]
-        self.threads = [ThreadPoolExecutor(1, thread_name_prefix=f"vela-master-{m}-{t}") for m, t in hosted]
+        self.ranks = [MasterRank(config, m, t, nodes[m], s) for m, t, s in hosted]
+        self.threads = [ThreadPoolExecutor(1, thread_name_prefix=f"vela-master-{m}-{t}-{s}") for m, t, s in hosted]
         self._rendezvous: ThreadRendezvous | None = None
 
     def rendezvous(self) -> ThreadRendezvous:

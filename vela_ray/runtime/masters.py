@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from vela_ray.config import CondensationSection, JobConfig, MastersSection
 from vela_ray.data.datasets import on_device
-from vela_ray.data.locality import AccessProfile, profile_forwards, profile_model
+from vela_ray.data.locality import AccessProfile, RoutingRecorder, profile_forwards, profile_inputs, profile_model
+from vela_ray.model.adapters import backbone_state_of
 from vela_ray.model.condensation import Condenser, CondenserCounts
 from vela_ray.model.modeling import MoeBlock
 from vela_ray.model.traffic import TrafficSnapshot
@@ -68,46 +69,50 @@ Wait = Callable[[], list[dict]]  # blocks until every hosted rank's step is done
 
 @dataclass(frozen=True)
 class MasterMesh:
-    """The masters' mesh: `dp` data-parallel masters of `tp` tensor-parallel ranks each, rank (m, t) flat at
-    m * tp + t (its place among the workers' masters: the residue class of the forwards it saves)."""
+    """The masters' mesh: `dp` data-parallel masters of `pp` pipeline stages (`masters.pipeline_stages`) of `tp`
+    tensor-parallel ranks each, rank (m, t, s) flat at (m * pp + s) * tp + t (its place among the workers' masters:
+    the residue class of the forwards it saves)."""
 
     dp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @classmethod
     def of(cls, config: JobConfig) -> MasterMesh:
-        return cls(config.masters.count, config.cluster.master_tp)
+        return cls(config.masters.count, config.cluster.master_tp, config.masters.pipeline_stages)
 
     @property
     def size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
-    def ranks(self) -> list[tuple[int, int]]:
-        """Every rank (m, t), master 0's first."""
-        return [(m, t) for m in range(self.dp) for t in range(self.tp)]
+    def ranks(self) -> list[tuple[int, int, int]]:
+        """Every rank (m, t, s), master 0's first."""
+        return [(m, t, s) for m in range(self.dp) for s in range(self.pp) for t in range(self.tp)]
 
-    def flat(self, m: int, t: int) -> int:
-        return m * self.tp + t
+    def flat(self, m: int, t: int, s: int = 0) -> int:
+        return (m * self.pp + s) * self.tp + t
 
 
 @dataclass
 class RankGroups:
     """What one rank joined: its member of the data-parallel masters' group, its master's TP group (a 1-D mesh or
     a process group; None without TP), the data-parallel mesh FSDP2 shards the frozen backbone over (None without
-    `masters.shard_frozen_backbone`), and its node group, whose first member reads each backbone tensor once for the
-    node (None: alone on its node)."""
+    `masters.shard_frozen_backbone`), its node group, whose first member reads each backbone tensor once for the
+    node (None: alone on its node), and its member of its master's pipeline stages' group (an `Exchanger`; None
+    without `masters.pipeline_stages`)."""
 
     replicas: Any = SINGLE
     tp: Any = None
     dp_mesh: Any = None
     node: Any = None
+    stages: Any = None
 
 
 class Rendezvous(Protocol):
     """Where the ranks of one mesh meet (made by the pool's `RankHosts.rendezvous`): every rank, master 0 too,
     joins its groups through it, all at once (each join blocks until its groups are complete)."""
 
-    def join(self, m: int, t: int, device: torch.device) -> RankGroups: ...
+    def join(self, m: int, t: int, device: torch.device, stage: int = 0) -> RankGroups: ...
 
 
 class RowsTo(Protocol):
@@ -156,12 +161,12 @@ class RankHosts(Protocol):
 
 
 class MasterRank:
-    """Rank (`m`, `t`) of the masters' mesh other than master 0, on `node`: a backbone replica (or shard) with
-    brokers to the shared workers. Its methods are what `MasterGroup` starts on it; the pool hosts it (a Ray actor,
-    or a thread of this process)."""
+    """Rank (`m`, `t`, `stage`) of the masters' mesh other than master 0, on `node`: a backbone replica (or shard,
+    or pipeline stage) with brokers to the shared workers. Its methods are what `MasterGroup` starts on it; the pool
+    hosts it (a Ray actor, or a thread of this process)."""
 
-    def __init__(self, config: JobConfig, m: int, t: int, node: str):
-        self.config, self.m, self.t, self.node = config, m, t, node
+    def __init__(self, config: JobConfig, m: int, t: int, node: str, stage: int = 0):
+        self.config, self.m, self.t, self.node, self.stage = config, m, t, node, stage
         self.mesh = MasterMesh.of(config)
         self.spec = master_spec(config)  # its device: the GPU Ray gave it with cluster.master_gpus: 1
         self.master: MasterModel | None = None
@@ -178,13 +183,14 @@ class MasterRank:
              ) -> None:
         """Join its groups, then build its master over `table` (`build_master_rank`), sharded over its TP group,
         reading its shards once per node group, and over the data-parallel mesh with FSDP2 if it has one."""
-        groups = rendezvous.join(self.m, self.t, self.spec.device)
+        groups = rendezvous.join(self.m, self.t, self.spec.device, self.stage)
         self.replicas = groups.replicas
+        flat = self.mesh.flat(self.m, self.t, self.stage)
         self.master, _ = build_master_rank(
-            self.spec, master_table(np.asarray(table), self.m),
-            rows.transport(self.mesh.flat(self.m, self.t), self.node, self.spec.device), groups.tp,
-            rank=self.mesh.flat(self.m, self.t), node=groups.node, dp_mesh=groups.dp_mesh,
-            condenser=condenser_for(self.config.training.condensation))
+            self.spec, master_table(np.asarray(table), self.m), rows.transport(flat, self.node, self.spec.device),
+            groups.tp, rank=flat, node=groups.node, dp_mesh=groups.dp_mesh,
+            condenser=condenser_for(self.config.training.condensation),
+            stage=(self.stage, groups.stages) if self.mesh.pp > 1 else None)
         self.migration = sequence_migration(self.config.masters, self.m, self.master, NodeMap.of(nodes, worker_nodes))
         self.loss_fn = master_loss(self.config, self.m, self.master, self.migration, self.replicas,
                                    self.spec.device)
@@ -209,17 +215,24 @@ class MasterRank:
         """Master 0's evaluation, computed with it (`MasterGroup.evaluate`)."""
         return eval_loss(self.master, [on_device(b, self.spec.device) for b in batches], loss_fn=self.eval_loss_fn)
 
-    def profile(self, batches: list[Batch]) -> None:
-        """Master 0's routing profile's forwards, computed with it (`MasterGroup.profile`)."""
+    def profile(self, batches: list[Batch]) -> dict[str, torch.Tensor] | None:
+        """Master 0's routing profile's forwards, computed with it (`MasterGroup.profile`); a pipeline stage's
+        counts of its own layers (`stage_profile`), which master 0 adds to its own."""
+        if self.master.stage is not None:
+            return stage_profile(self.master, batches).counts()
         profile_forwards(self.master.peft_model, batches)
+        return None
 
     def master_compute(self, batches: list[Batch]) -> float:
         """Master 0's timed micro-batch, computed with it (`MasterGroup.master_compute_s`)."""
         return master_compute_seconds(self.master, on_device(batches[0], self.spec.device),
                                       own_share(self.config, self.m, self.master, self.spec.device))
 
-    def shard_state(self, copy: bool) -> dict[str, torch.Tensor]:
-        """This rank's shards of the backbone LoRA and AdamW state (master 0 merges its TP group's)."""
+    def shard_state(self, copy: bool, adapter: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's shards of the backbone LoRA and AdamW state (master 0 merges its TP group's, and its
+        pipeline stages'); `adapter`: its LoRA as peft's adapter state (a pipeline stage's layers, for export)."""
+        if adapter:
+            return {k: v.detach().cpu() for k, v in backbone_state_of(self.master.peft_model).items()}
         return shard_state(self.master, copy)
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -283,7 +296,8 @@ class MasterGroup:
             groups = rendezvous.join(0, 0, spec.device) if rendezvous else RankGroups()
             leader, _ = build_master_rank(spec, master_table(table), transport, groups.tp, node=groups.node,
                                           dp_mesh=groups.dp_mesh, model=model, read=config.cluster.master_tp == 1,
-                                          latency=latency, condenser=condenser)
+                                          latency=latency, condenser=condenser,
+                                          stage=(0, groups.stages) if mesh.pp > 1 else None)
             if hosts:
                 hosts.wait(joins)
         except BaseException:
@@ -296,7 +310,10 @@ class MasterGroup:
         group._eval_loss = whole_batch_loss(config, leader, _device(leader))
         if mesh.tp > 1:
             leader.tp_states = group._follower_states
-        logger.info("%d data-parallel master(s) of %d tensor-parallel rank(s) on nodes %s", mesh.dp, mesh.tp, nodes)
+        if mesh.pp > 1:
+            leader.stage_states = group._stage_states
+        logger.info("%d data-parallel master(s) of %d pipeline stage(s) of %d tensor-parallel rank(s) on nodes %s",
+                    mesh.dp, mesh.pp, mesh.tp, nodes)
         return group
 
     @property
@@ -335,6 +352,8 @@ class MasterGroup:
             groups = rendezvous.join(0, 0, device)
             if groups.node is not None:  # the new ranks on its node read the backbone from it, as at the start
                 shard_and_read(self.leader, master_spec(self.config), None, groups.node, holds_backbone=True)
+            if self.leader.stage is not None:  # its stages are the new ranks
+                self.leader.stage.group = groups.stages
         self.replicas = groups.replicas
         self.hosts.wait(joins)
         self.migration = self._leader_migration()
@@ -367,7 +386,7 @@ class MasterGroup:
             return lambda: []
         host = [{k: v.cpu() for k, v in m.items()} for m in micro_batches]
         pending = self._steps = self.hosts.call("train_step", host, lr, max_grad_norm)
-        self.hosts.watch(self.replicas, pending)
+        self.hosts.watch(self.leader.stage.group if self.leader.stage is not None else self.replicas, pending)
         return lambda: self.hosts.wait(pending)
 
     def abort(self, cause: BaseException, pending: Pending | None = None) -> None:
@@ -397,24 +416,33 @@ class MasterGroup:
     def profile(self, batches: Sequence[Batch], blocks: list[MoeBlock], source: str = "") -> AccessProfile:
         """Master 0's routing profile over `batches` (`locality.profile_model`), computed with the same ranks."""
         batches = list(batches)
-        with self._alongside("profile", batches):
-            return profile_model(self.leader.peft_model, batches, blocks=blocks, source=source)
+        with self._alongside("profile", batches) as stages:
+            if self.leader.stage is None:
+                return profile_model(self.leader.peft_model, batches, blocks=blocks, source=source)
+            recorder = stage_profile(self.leader, batches)
+        for counts in stages:  # each stage's counts of its own layers
+            recorder.add(counts)
+        if int(recorder.tokens_L[0]) == 0:
+            raise ValueError(f"no tokens profiled for {source!r}: the batches were empty or fully padded")
+        return recorder.profile(source)
 
     @contextlib.contextmanager
-    def _alongside(self, method: str, batches: Sequence[Batch]) -> Iterator[None]:
-        """The ranks that compute master 0's forwards with it (its TP ranks; every rank when FSDP2 shards the
-        frozen backbone over the masters) run `method` on the same `batches` while master 0 runs its own."""
+    def _alongside(self, method: str, batches: Sequence[Batch]) -> Iterator[list]:
+        """The ranks that compute master 0's forwards with it (its TP ranks, its pipeline stages; every rank when
+        FSDP2 shards the frozen backbone over the masters) run `method` on the same `batches` while master 0 runs
+        its own; the list it yields holds their results once the block has ended."""
         mirrors = self._mirrors()
         pending = self.hosts.call(method, [{k: v.cpu() for k, v in b.items()} for b in batches],
                                   ranks=mirrors) if mirrors else []
+        results: list = []
         try:
-            yield
+            yield results
         except BaseException as err:
             if pending:
                 self.abort(err, pending)
             raise
         if pending:
-            self.hosts.wait(pending)
+            results.extend(self.hosts.wait(pending))
 
     def _mirrors(self) -> list[int]:
         if self.hosts is None:
@@ -422,11 +450,16 @@ class MasterGroup:
         hosted = self.mesh.ranks()[1:]
         if self.config.masters.shard_frozen_backbone:
             return list(range(len(hosted)))
-        return [i for i, (m, _) in enumerate(hosted) if m == 0]
+        return [i for i, (m, _, _) in enumerate(hosted) if m == 0]
 
     def _follower_states(self, copy: bool) -> list[dict[str, torch.Tensor]]:
         """Master 0's other TP ranks' shards (`master.master_state` merges them), in rank order."""
         return self.hosts.wait(self.hosts.call("shard_state", copy, ranks=list(range(self.mesh.tp - 1))))
+
+    def _stage_states(self, copy: bool, adapter: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Master 0's other pipeline stages' tensors (`master.master_state` adds them to its own), or their adapter
+        states (`adapter_io.export`)."""
+        return self.hosts.wait(self.hosts.call("shard_state", copy, adapter, ranks=list(range(self.mesh.pp - 1))))
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Master 0's state (`master.master_state`: full tensors) into every hosted rank, each taking its share."""
@@ -470,16 +503,37 @@ def master_spec(config: JobConfig) -> MasterSpec:
     return MasterSpec(
         model_dir=config.model.path, dtype=config.torch_dtype, lora=config.lora_spec, optim=config.training.optimizer,
         seed=config.training.seed, trust_remote_code=config.model.trust_remote_code,
-        num_masters=config.masters.count * config.cluster.master_tp, row_format=config.data_plane.row_format,
+        num_masters=config.master_processes, row_format=config.data_plane.row_format,
         device=master_device(bool(config.cluster.master_gpus)),
         activation_checkpointing=config.training.activation_checkpointing and config.training.method != "zo",
         overlap_shared_experts=config.training.overlap.overlaps_shared_experts(config),
         quantization=config.quantization_spec, streaming=config.masters.streaming.settings,
+        pipeline_stages=config.masters.pipeline_stages,
     )
 
 
 def _device(master: MasterModel) -> torch.device:
     return next(master.peft_model.parameters()).device
+
+
+def stage_profile(master: MasterModel, batches: Sequence[Batch]) -> RoutingRecorder:
+    """A pipeline stage's part of the routing profile (`locality.profile_model`'s forwards, through the stages):
+    a recorder over every MoE block of the model, of which only the stage's own run here."""
+    model, stage, device = master.peft_model, master.stage, _device(master)
+    recorder = RoutingRecorder.for_model(model, stage.blocks)
+
+    def forward(batch: Batch) -> None:
+        recorder.set_attention_mask(batch.get("attention_mask"))
+        model(**profile_inputs(batch, device))
+
+    was_training = model.training
+    model.eval()
+    try:
+        with recorder, torch.no_grad():
+            stage.forwards(list(batches), forward)
+    finally:
+        model.train(was_training)
+    return recorder
 
 
 def peer_nodes(worker_nodes: Sequence[str], master_node: str, num_peers: int) -> list[str]:

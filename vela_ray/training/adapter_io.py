@@ -9,20 +9,23 @@ import torch
 
 from vela_ray.model.adapters import backbone_state_of, export_adapter
 from vela_ray.training.expert_workers import ExpertWorkers
-from vela_ray.training.master import MasterModel, load_master_state, master_state
+from vela_ray.training.master import MasterModel, load_master_state, master_state, parameters_of
 
 
 
 
 def export(master: MasterModel, workers: ExpertWorkers, out_dir) -> None:
     """Write the standard peft adapter of the original model (see vela_ray.model.adapters); a tensor-parallel
-    master's LoRA gathered whole."""
+    master's LoRA gathered whole, a pipeline's from every stage (`MasterModel.stage_states`)."""
     full = None
     if master.tp is not None:
-        names = {n for n, p in master.peft_model.named_parameters() if p.requires_grad}
-        full = {k: v for k, v in master_state(master).items() if k in names}
-    export_adapter(out_dir, master.peft_model.base_model.model.config, master.full_lora_config,
-                   backbone_state_of(master.peft_model, full), workers.lora_state())
+        full = parameters_of(master_state(master))
+    backbone = backbone_state_of(master.peft_model, full)
+    if master.stage is not None:  # each stage's LoRA layers are its model's: peft reads them stage by stage
+        for state in master.stage_states(False, adapter=True):
+            backbone.update(state)
+    export_adapter(out_dir, master.peft_model.base_model.model.config, master.full_lora_config, backbone,
+                   workers.lora_state())
 
 
 def import_adapter(master: MasterModel, workers: "ExpertWorkers", adapter_dir) -> dict[str, torch.Tensor]:
@@ -51,7 +54,8 @@ def _with_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], 
     "<module>.lora_A.<adapter>.weight": no conversion is needed.
     """
     adapter = master.peft_model.active_adapter
-    names = [n for n, p in master.peft_model.named_parameters() if p.requires_grad]
+    full = master_state(master)
+    names = list(parameters_of(full))  # a pipeline's: every stage's
     by_key = {re.sub(rf"\.(lora_[AB])\.{adapter}\.weight$", r".\1.weight", n): n for n in names}
     # modules_to_save (the router trained in full): peft saves "<module>.<name>" of its trained copy, buffers too
     # (DeepSeek's e_score_correction_bias)
@@ -65,7 +69,6 @@ def _with_backbone_adapter(master: MasterModel, state: dict[str, torch.Tensor], 
     if missing:
         raise ValueError(f"{adapter_dir}: adapter lacks {missing[:3]} ({len(missing)} in all) of this model's "
                          "backbone LoRA layers")
-    full = master_state(master)
     with torch.no_grad():
         for key, value in state.items():
             name = by_key[key]

@@ -33,6 +33,7 @@ from vela_ray.model.tensor_parallel import TensorParallelConfig, TensorParallelP
 from vela_ray.training.expert_manager import ExpertManager, ExpertManagerSpec
 from vela_ray.training.expert_workers import ExpertWorkers
 from vela_ray.training.optim import make_adamw
+from vela_ray.training.pipeline import PipelineStage, keep_stage
 from vela_ray.training.schedule import OptimizerConfig
 from vela_ray.model.transport import InProcessTransport, Transport
 from vela_ray.model.traffic import RowFormat
@@ -64,9 +65,24 @@ class MasterModel:
     `master_state` gives the full tensors (set by the runtime that started the ranks)."""
     stream: BackboneStream | None = None
     """The decoder layers' frozen weights streamed from host memory (`masters.streaming`), None when resident."""
+    stage: PipelineStage | None = None
+    """This master's stage of the pipeline (`masters.pipeline_stages`, `training.pipeline`), None without one."""
+    stage_states: Callable[..., list[dict[str, torch.Tensor]]] | None = None
+    """On stage 0: the other stages' `shard_state`s (copied or not), so that `master_state` holds every layer's, or
+    with `adapter=True` their peft adapter states (`adapters.backbone_state_of`) for export (set by the runtime that
+    started the stages)."""
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
+
+    def keep_stage(self, index: int, count: int, group, blocks) -> PipelineStage:
+        """Make this master (built whole, before any step) stage `index` of `count` of a pipeline over `group`
+        (`pipeline.keep_stage`), its optimizer over the parameters of its own layers."""
+        if self.optimizer.state or len(self.optimizer.param_groups) != 1:
+            raise RuntimeError("keep_stage takes a master before its first step (one param group, no state)")
+        self.stage = keep_stage(self.peft_model, index, count, group, blocks)
+        self.optimizer.param_groups[0]["params"] = self.trainable_parameters()
+        return self.stage
 
 
 def master_device(wants_gpu: bool) -> torch.device:
@@ -98,6 +114,7 @@ class MasterSpec:
     overlap_shared_experts: bool = True  # `training.overlap.shared_experts`, where the job allows it
     quantization: QuantizationSpec | None = None  # `model.quantization`: the backbone's frozen linears held quantized
     streaming: StreamSettings | None = None  # `masters.streaming`: the backbone streamed from host memory, or resident
+    pipeline_stages: int = 1  # `masters.pipeline_stages`: each master rank holds one stage's decoder layers
 
 
 def seeded_backbone(spec: MasterSpec, read: bool = True) -> nn.Module:
@@ -158,20 +175,25 @@ def shard_master(master: MasterModel, group, config: TensorParallelConfig | None
 
 def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, mesh=None, *, rank: int = 0,
                       node=None, dp_mesh=None, model: nn.Module | None = None, read: bool = False, latency=None,
-                      condenser=None) -> tuple[MasterModel, "ReadStats | None"]:
+                      condenser=None, stage: tuple[int, object] | None = None
+                      ) -> tuple[MasterModel, "ReadStats | None"]:
     """Every master rank, master 0 included (`runtime.masters`), built one way: `model` (None: the backbone's
     unread skeleton, `seeded_backbone(read=False)`; `read`: it holds the whole backbone already) with brokers over
     `transport` by `expert_to_worker` [L, E] and peft LoRA (same seed, so the same LoRA draws as one master's), then
     sharded over the TP `mesh` if any and filled, each tensor read once per `node` group (`shard_and_read`), moved to
     `spec.device`, and its frozen backbone sharded over the data-parallel `dp_mesh` with FSDP2 if given, or streamed
-    from host memory (`spec.streaming`, `vela_ray.model.streaming`). Returns it and what it read, received
-    and sent (None: it read nothing here)."""
+    from host memory (`spec.streaming`, `vela_ray.model.streaming`). `stage`: (its index, the stages' group) with
+    `spec.pipeline_stages` above 1: it keeps that stage's layers before anything is read (`MasterModel.keep_stage`).
+    Returns it and what it read, received and sent (None: it read nothing here)."""
     with _BUILDING:  # the build seeds the process's RNG and draws from it: ranks hosted as threads take turns
         model = seeded_backbone(spec, read=False) if model is None else model
+        blocks = find_moe_blocks(model) if stage is not None else []
         master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,
                               num_masters=spec.num_masters, row_format=spec.row_format, latency=latency,
                               condenser=condenser, activation_checkpointing=spec.activation_checkpointing,
                               overlap_shared_experts=spec.overlap_shared_experts)
+    if stage is not None:
+        master.keep_stage(stage[0], spec.pipeline_stages, stage[1], blocks)
     stats = None
     if mesh is not None or node is not None or not read:
         stats = shard_and_read(master, spec, mesh, node, holds_backbone=read)
@@ -270,6 +292,10 @@ def master_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Ten
     A tensor-parallel master's are the full tensors, merged from its group's shards (what a single master
     holds), so a checkpoint resumes at any `cluster.master_tp`."""
     local = shard_state(master, copy)
+    if master.stage is not None and master.stage.count > 1:
+        if master.stage_states is None:
+            raise RuntimeError("master_state of a pipeline stage is stage 0's to take")
+        return {k: v for state in (local, *master.stage_states(copy)) for k, v in state.items()}
     if master.tp is None or master.tp.size == 1:
         return local
     if master.tp_states is None:
@@ -277,8 +303,15 @@ def master_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Ten
     return tensor_parallel.merge_shards([local, *master.tp_states(copy)], master.tp)
 
 
+def parameters_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters of a `master_state`, its optimizer's slots ("<parameter>.<slot>") left out: every stage's of
+    a pipeline, which stage 0's model does not hold."""
+    return {k: v for k, v in state.items() if k.rsplit(".", 1)[0] not in state}
+
+
 def shard_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Tensor]:
-    """`master_state` of this process's parameters only: a tensor-parallel rank's shards."""
+    """`master_state` of this process's parameters only: a tensor-parallel rank's shards, a pipeline stage's
+    layers."""
     tensors = {}
     for name, param in master.peft_model.named_parameters():
         if not param.requires_grad:
@@ -290,8 +323,8 @@ def shard_state(master: MasterModel, copy: bool = False) -> dict[str, torch.Tens
 
 
 def load_master_state(master: MasterModel, tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of `master_state` (a tensor-parallel rank takes its share); ValueError if the checkpoint lacks a
-    trainable parameter."""
+    """Inverse of `master_state` (a tensor-parallel rank takes its share, a pipeline stage its layers'); ValueError
+    if the checkpoint lacks a trainable parameter."""
     params = {n: p for n, p in master.peft_model.named_parameters() if p.requires_grad}
     if master.tp is not None and set(params) <= set(tensors):
         tensors = tensor_parallel.shard_of(tensors, master.tp)

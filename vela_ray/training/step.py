@@ -153,7 +153,10 @@ def master_compute_seconds(master: MasterModel, micro_batch: Batch, loss_fn: Los
         with master.dispatcher.answering_at_once():
             for _ in range(repeats):
                 start = time.perf_counter()
-                loss_fn(model, micro_batch).backward()
+                if master.stage is not None:  # every stage's part, one after another: the pipeline's latency
+                    master.stage.forward_backward(model, [micro_batch], loss_fn)
+                else:
+                    loss_fn(model, micro_batch).backward()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 seconds.append(time.perf_counter() - start)
@@ -193,10 +196,16 @@ def train_step(
     model.train()
     if master.tp is not None and master.tp.draws_dropout:
         tensor_parallel.agree_on_rng(master.tp)  # the group's ranks draw the dropout masks one master would
-    total_loss = forward_backward(model, micro_batches, loss_fn, in_flight, master.dispatcher.activity, master.stream)
+    if master.stage is not None:  # the backward of every stage has ended when stage 0's has (`pipeline`)
+        total_loss = master.stage.forward_backward(model, micro_batches, loss_fn)
+    else:
+        total_loss = forward_backward(model, micro_batches, loss_fn, in_flight, master.dispatcher.activity,
+                                      master.stream)
     params = master.trainable_parameters()
     replicas.sync_grads(params)
-    if master.tp is None:
+    if master.stage is not None:
+        total_sq = master.stage.group.sum(grad_sq_norm(params) + workers.grad_sq_norm())
+    elif master.tp is None:
         total_sq = grad_sq_norm(params) + replicas.sum(workers.grad_sq_norm())
     else:  # the group's backward has ended (a barrier) before its first rank reads the workers' norm
         own_sq = tensor_parallel.grad_sq_norm(model, master.tp)
@@ -214,5 +223,8 @@ def eval_loss(master: MasterModel, batches: Sequence[Batch], *, loss_fn: LossFn 
     """Mean over `batches` of each batch's loss (summed over `replicas`' shares, as in `train_step`)."""
     model = master.peft_model
     model.eval()
+    if master.stage is not None:
+        return master.stage.group.sum(sum(float(loss) for loss in master.stage.forwards(
+            batches, lambda batch: loss_fn(model, batch))[2])) / max(1, len(batches))
     local = sum(float(loss_fn(model, b)) for b in batches)
     return replicas.sum(local) / max(1, len(batches))
