@@ -53,6 +53,7 @@ def segment_totals(live: Live, state: RunState) -> EarlierSegments:
         bytes_by_tier=added([t.bytes_by_tier() for t in traffics]),
         bytes_by_worker=np.sum([t.bytes_by_worker() for t in traffics], axis=0).tolist(),
         sent_by_worker=np.sum([t.bytes_by_worker(("dispatch", "grad_dispatch")) for t in traffics], axis=0).tolist(),
+        bytes_by_master=[t.total_bytes() for t in traffics],
         train_s=0.0 if state.train_started is None else time.perf_counter() - state.train_started)
 
 
@@ -179,11 +180,13 @@ class StepAccounting:
             median_step_time_s=float(np.median([h.step_time_s for h in history])) if history else 0.0,
             history=history, step_breakdown_s=step_breakdown(history, state.timings_s.get("worker_compute_s", [])),
             traffic_bytes_by_tier=totals.bytes_by_tier, traffic_bytes_by_worker=totals.bytes_by_worker,
-            sent_bytes_by_worker=totals.sent_by_worker, worker_received_bytes=state.received_bytes,
+            sent_bytes_by_worker=totals.sent_by_worker, traffic_bytes_by_master=totals.bytes_by_master,
+            worker_received_bytes=state.received_bytes,
             tokens_routed=[] if routed is None else routed.astype(int).tolist(),
             worker_tiers=list(dispatcher.traffic().worker_tiers), worker_nodes=live.hosted.node_ids,
             master_node=master_node,
             master_nodes=live.masters.nodes, master_tp=config.cluster.master_tp,
+            pipeline_stages=config.masters.pipeline_stages,
             allreduce_bytes_per_step=history[-1].allreduce_bytes if live.masters.num_masters > 1 and history else None,
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),

@@ -20,7 +20,7 @@ from vela_ray.data.datasets import sequential_batches
 from vela_ray.model.condensation import Condenser
 from vela_ray.observability.metrics import MetricsSink
 from vela_ray.runtime.state import Live
-from vela_ray.training.popularity import PopularityPredictor, routing_pairs
+from vela_ray.training.popularity import PopularityPredictor
 from vela_ray.training.step import Batch, LossFn, step_seed, train_step
 from vela_ray.training.summary import StepRecord
 from vela_ray.training.zo import ZoTrainer
@@ -145,7 +145,7 @@ class ExpertTiers(RunFeature):
             return
         batches = sequential_batches(backbone.train_set, self.batch_size, max_batches=self.profile_batches,
                                      token_mask=True)
-        pairs = routing_pairs(live.master.peft_model, batches, backbone.blocks)
+        pairs = live.masters.routing_pairs(batches, backbone.blocks)
         predictor = PopularityPredictor.from_model(backbone.model, backbone.blocks)
         predictor.fit(pairs)
         logger.info("popularity predictor: top-k overlap per layer on its fitting batches %s",

@@ -57,6 +57,7 @@ from vela_ray.training.expert_workers import STEPPED_ELSEWHERE
 from vela_ray.training.master import (
     MasterModel, MasterSpec, build_master_rank, load_master_state, master_device, shard_and_read, shard_state,
 )
+from vela_ray.training.popularity import Calls, RoutingPairs, pairs_of, routing_calls, routing_pairs
 from vela_ray.training.preference import objective_loss, take_sums
 from vela_ray.training.replicas import SINGLE, Exchanger, ReplicaShare, Replicas
 from vela_ray.training.sequence_migration import NodeMap, SequenceMigration, SequenceMoveStats
@@ -222,6 +223,14 @@ class MasterRank:
             return stage_profile(self.master, batches).counts()
         profile_forwards(self.master.peft_model, batches)
         return None
+
+    def routing_calls(self, batches: list[Batch]) -> Calls | None:
+        """Master 0's routing pairs' forwards, computed with it (`MasterGroup.routing_pairs`); a pipeline stage's
+        experts calls of its own layers, which master 0 adds to its own."""
+        if self.master.stage is None:
+            profile_forwards(self.master.peft_model, batches)
+            return None
+        return routing_calls(self.master.peft_model, batches, self.master.stage.blocks, self.master.stage.forwards)
 
     def master_compute(self, batches: list[Batch]) -> float:
         """Master 0's timed micro-batch, computed with it (`MasterGroup.master_compute_s`)."""
@@ -425,6 +434,19 @@ class MasterGroup:
         if int(recorder.tokens_L[0]) == 0:
             raise ValueError(f"no tokens profiled for {source!r}: the batches were empty or fully padded")
         return recorder.profile(source)
+
+    def routing_pairs(self, batches: Sequence[Batch], blocks: list[MoeBlock]) -> RoutingPairs:
+        """The popularity predictor's fitting data (`popularity.routing_pairs`) over `batches`, computed with the
+        ranks that compute master 0's forwards; a pipeline's from every stage's own layers."""
+        batches = list(batches)
+        with self._alongside("routing_calls", batches) as stages:
+            if self.leader.stage is None:
+                return routing_pairs(self.leader.peft_model, batches, blocks)
+            calls = routing_calls(self.leader.peft_model, batches, self.leader.stage.blocks,
+                                  self.leader.stage.forwards)
+        for other in stages:
+            calls.update({layer: made for layer, made in other.items() if made})
+        return pairs_of(calls, blocks)
 
     @contextlib.contextmanager
     def _alongside(self, method: str, batches: Sequence[Batch]) -> Iterator[list]:

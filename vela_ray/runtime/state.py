@@ -151,11 +151,13 @@ class EarlierSegments(BaseModel):
     bytes_by_tier: dict[str, int] = Field(default_factory=dict)
     bytes_by_worker: list[int] = Field(default_factory=list)
     sent_by_worker: list[int] = Field(default_factory=list)
+    bytes_by_master: list[int] = Field(default_factory=list)
     train_s: float = 0.0
 
     def plus(self, segment: EarlierSegments) -> EarlierSegments:
         """Both together. Per worker only where the worker count is the same (a resume with another count
-        re-places the experts: worker n is another worker then, and the newer segment's counts stand)."""
+        re-places the experts: worker n is another worker then, and the newer segment's counts stand); per master
+        process likewise."""
         def per_worker(mine: list[int], theirs: list[int]) -> list[int]:
             return [a + b for a, b in zip(mine, theirs)] if len(mine) == len(theirs) else list(theirs)
         tiers = dict(self.bytes_by_tier)
@@ -164,6 +166,7 @@ class EarlierSegments(BaseModel):
         return EarlierSegments(bytes_by_tier=tiers, bytes_by_worker=per_worker(self.bytes_by_worker,
                                                                                  segment.bytes_by_worker),
                                sent_by_worker=per_worker(self.sent_by_worker, segment.sent_by_worker),
+                               bytes_by_master=per_worker(self.bytes_by_master, segment.bytes_by_master),
                                train_s=self.train_s + segment.train_s)
 
 

@@ -21,12 +21,12 @@ Legend: T = tokens, D = hidden size, E = experts per layer, K = top-k, R = rows.
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from vela_ray.data.locality import router_of
+from vela_ray.data.locality import profile_inputs, router_of
 from vela_ray.model.modeling import MoeBlock, find_moe_blocks, top_k_of
 
 RoutingPairs = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -149,7 +149,6 @@ def demand_overlap(predicted_E: torch.Tensor, real_E: torch.Tensor) -> float | N
     return float(torch.minimum(predicted / predicted.sum(), real / real.sum()).sum())
 
 
-@torch.no_grad()
 def routing_pairs(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]],
                   blocks: list[MoeBlock] | None = None) -> RoutingPairs:
     """Run `batches` through `model` in eval mode and pair each MoE layer's router input with the experts
@@ -157,27 +156,51 @@ def routing_pairs(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     `vela_ray.data.locality.profile_model` takes them (packed rows: `position_ids`, the mask only counts
     tokens). Works through brokers too; pass `blocks` (found before any surgery) for a wrapped model."""
     blocks = blocks if blocks is not None else find_moe_blocks(model)
+    return pairs_of(routing_calls(model, batches, blocks), blocks)
+
+
+Calls = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]  # by MoE layer: each forward's (rows, chosen experts)
+
+
+@torch.no_grad()
+def routing_calls(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], blocks: list[MoeBlock],
+                  run: Callable[[list, Callable], object] | None = None) -> Calls:
+    """What `routing_pairs` pairs: each MoE layer's experts calls over `batches` (the real tokens'). `run(batches,
+    forward)`: how the forwards run (a pipeline stage's through the stages, `PipelineStage.forwards`, each
+    recording its own layers'); None: one after another."""
     if any(b.layout.call != "routed" for b in blocks):
         raise ValueError("the popularity predictor needs routed experts calls (experts(rows, index, weights)); "
                          f"{blocks[0].layout.experts_class} is called on rows grouped by expert")
-    calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {b.index: [] for b in blocks}
+    calls: Calls = {b.index: [] for b in blocks}
     handles = [b.block.experts.register_forward_pre_hook(_record(calls[b.index]), with_kwargs=True) for b in blocks]
     device, was_training = next(model.parameters()).device, model.training
+
+    def forward(batch: dict[str, torch.Tensor]) -> None:
+        made = {layer: len(layer_calls) for layer, layer_calls in calls.items()}
+        model(**profile_inputs(batch, device))
+        mask = batch.get("attention_mask")
+        if mask is not None:  # this batch's calls: keep the real tokens
+            keep_T = mask.reshape(-1).bool().cpu()
+            for layer, layer_calls in calls.items():
+                if len(layer_calls) > made[layer]:
+                    layer_calls[-1] = tuple(t[keep_T] for t in layer_calls[-1])
+
     model.eval()
     try:
-        for batch in batches:
-            mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-            inputs = {"position_ids": positions} if positions is not None else {"attention_mask": mask}
-            model(input_ids=batch["input_ids"].to(device), use_cache=False,
-                  **{k: None if v is None else v.to(device) for k, v in inputs.items()})
-            if mask is not None:  # this batch's calls: keep the real tokens
-                keep_T = mask.reshape(-1).bool().cpu()
-                for layer_calls in calls.values():
-                    layer_calls[-1] = tuple(t[keep_T] for t in layer_calls[-1])
+        if run is None:
+            for batch in batches:
+                forward(batch)
+        else:
+            run(list(batches), forward)
     finally:
         model.train(was_training)
         for handle in handles:
             handle.remove()
+    return calls
+
+
+def pairs_of(calls: Calls, blocks: list[MoeBlock]) -> RoutingPairs:
+    """Each MoE layer after the first: (the layer before's router inputs, this layer's chosen experts)."""
     layers = [b.index for b in blocks]
     return {nxt: (torch.cat([rows for rows, _ in calls[prev]]), torch.cat([index for _, index in calls[nxt]]))
             for prev, nxt in zip(layers, layers[1:])}

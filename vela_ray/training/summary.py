@@ -392,6 +392,11 @@ class RunSummary(_Record):
     every master's, each binned by its own link tier to the worker."""
     master_tp: int = 1
     """Tensor-parallel ranks of each master (`cluster.master_tp`), all on its node."""
+    pipeline_stages: int = 1
+    """Pipeline stages of each master (`masters.pipeline_stages`), all on its node."""
+    traffic_bytes_by_master: list[int] = Field(default_factory=list)
+    """Each master process's expert traffic (all passes), in mesh order (`MasterMesh.ranks`, master 0's first): a
+    pipeline stage's is its own layers' rows."""
     placement: PlacementRecord
     links: list[LinkRecord] = Field(default_factory=list)
     # startup_s (from the run's start to its first step), placement_s, train_s, checkpoint_stall_s (per

@@ -1,0 +1,184 @@
+"""The master cut into pipeline stages (`masters.pipeline_stages`, `training.pipeline`): GPipe's ticks over the
+stages' group move hidden states and their gradients, never change them. Stages as threads of one process
+(`runtime.local.ThreadRanks`) train equal to one master and to single-process transformers + peft; the Ray form is
+tests/ray/test_pipeline_job.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+
+from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_losses, run_in_process
+from vela_ray.config import JobConfig
+from vela_ray.model.families import debug_model
+from vela_ray.model.modeling import find_moe_blocks
+from vela_ray.training.pipeline import OutsideStage, keep_stage, stage_layers
+from vela_ray.training.replicas import ThreadGroup
+
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def test_stages_hold_contiguous_layers_as_even_as_they_divide():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert stage_layers(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    with pytest.raises(ValueError, match="masters.pipeline_stages \\(5\\) must be between 1 and the model's 4"):
+        stage_layers(4, 5)
+
+
+def _lora_model(family: str, layers: int = 4, **config):
+    torch.manual_seed(0)
+    model = debug_model(family, seed=0, vocab_size=300, num_hidden_layers=layers, **config)
+    model.config.use_cache = False
+    targets = ["o_proj", "q_b_proj"] if family == "deepseek_v3" else ["q_proj", "v_proj", "o_proj"]
+    return get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+
+
+def _run_stages(models, micro_batches, count: int) -> tuple[list[float], list]:
+    group = ThreadGroup(count)
+    stages = [keep_stage(models[s], s, count, group.member(s), find_moe_blocks(models[s])) for s in range(count)]
+    with ThreadPoolExecutor(count) as pool:
+        losses = list(pool.map(lambda s: stages[s].forward_backward(models[s], micro_batches,
+                                                                    lambda m, b: m(**b).loss), range(count)))
+    return losses, stages
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("count", [2, 4])
+def test_stages_give_one_models_loss_and_every_lora_gradient(family, count):
+    """The whole model's forward on every stage (its masks, positions, rotary embeddings), cut at the stage's
+    boundaries: every stage returns the serial loss, and each LoRA gradient is on the one stage holding its layer,
+    equal to the serial one (summed last micro-batch first: rel ~1e-7)."""
+    model = _lora_model(family)
+    generator = torch.Generator().manual_seed(1)
+    micro_batches = [{"input_ids": torch.randint(0, 300, (2, 8), generator=generator),
+                      "labels": torch.randint(0, 300, (2, 8), generator=generator)} for _ in range(3)]
+    serial = copy.deepcopy(model)
+    total = 0.0
+    for batch in micro_batches:
+        loss = serial(**batch).loss / len(micro_batches)
+        loss.backward()
+        total += float(loss.detach())
+    models = [copy.deepcopy(model) for _ in range(count)]
+    losses, stages = _run_stages(models, micro_batches, count)
+    assert losses == pytest.approx([total] * count, rel=1e-6)
+    expected = {n: p.grad for n, p in serial.named_parameters() if p.requires_grad}
+    seen = set()
+    for stage, staged in zip(stages, models):
+        kept = [i for i, layer in enumerate(staged.base_model.model.model.layers) if not isinstance(layer, OutsideStage)]
+        assert kept == list(stage.layers)
+        for name, param in staged.named_parameters():
+            if param.requires_grad:
+                torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-7)
+                seen.add(name)
+    assert seen == set(expected)  # every LoRA tensor on exactly one stage (the names are unique across them)
+
+
+def test_a_model_whose_loss_adds_the_router_aux_loss_is_refused_naming_the_setting():
+    model = _lora_model("mixtral", output_router_logits=True)
+    with pytest.raises(ValueError, match="router aux loss.*output_router_logits.*pipeline_stages: 1"):
+        keep_stage(model, 0, 2, ThreadGroup(2).member(0), [])
+
+
+def test_lora_outside_the_decoder_layers_is_refused_naming_the_module():
+    torch.manual_seed(0)
+    model = get_peft_model(debug_model("mixtral", seed=0, vocab_size=300, num_hidden_layers=4),
+                           LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="lm_head.*trained outside the decoder layers"):
+        keep_stage(model, 0, 2, ThreadGroup(2).member(0), [])
+
+
+# --- whole jobs, stages as threads ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+    for family in FAMILIES:
+        made[family] = make_checkpoint(root / family / "model", family, num_hidden_layers=4)
+        init_adapter(made[family], root / family / "adapter")
+    return made
+
+
+def _config(model: Path, out: Path, stages: int, steps: int = 3, **sections) -> JobConfig:
+    training = {"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}, "batch_size": 4,
+                "micro_batch_size": 2, "eval_every": 2, **sections.pop("training", {})}
+    return JobConfig.from_dict(job_dict(model, out, steps=steps, training=training,
+                                        masters={"pipeline_stages": stages},
+                                        data_plane={"transport": "object_ref"},
+                                        lora={"r": 4, "alpha": 8, "init_adapter": str(model.parent / "adapter")},
+                                        **sections))
+
+
+def _adapter(summary) -> dict[str, torch.Tensor]:
+    return load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("family,stages,sections", [
+    ("mixtral", 2, {}),
+    ("mixtral", 4, {"training": {"activation_checkpointing": True}}),
+    ("qwen3_moe", 2, {"expert_tiers": {"enabled": True, "cache_experts": 3}}),
+    ("deepseek_v3", 4, {}),
+], ids=["mixtral-2", "mixtral-4-checkpointing", "qwen3_moe-2-tiers", "deepseek_v3-4"])
+def test_a_pipelined_job_trains_equal_to_one_master_and_to_peft(models, tmp_path, family, stages, sections):
+    """Losses, evaluations, the routing profile the placement was solved for, the bytes every worker saw and the
+    exported adapter: the stages' job is one master's (the adapter to the rounding of gradients summed in reverse
+    micro-batch order), and its losses peft's."""
+    one = run_in_process(_config(models[family], tmp_path / "one", 1, **copy.deepcopy(sections)))
+    config = _config(models[family], tmp_path / "pp", stages, **copy.deepcopy(sections))
+    piped = run_in_process(config)
+    ref_losses, ref_state = reference_losses(config)
+    torch.testing.assert_close(torch.tensor(piped.losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(piped.losses), torch.tensor(one.losses), rtol=1e-6, atol=0)
+    evals = [[h.eval_loss for h in s.history if h.eval_loss is not None] for s in (one, piped)]
+    torch.testing.assert_close(torch.tensor(evals[1]), torch.tensor(evals[0]), rtol=1e-6, atol=0)
+    profiles = [json.loads((Path(s.adapter_dir).parent / "profile.json").read_text())["counts"] for s in (one, piped)]
+    assert profiles[1] == profiles[0]
+    assert piped.traffic_bytes_by_worker == one.traffic_bytes_by_worker
+    # the stages sent their own layers' rows (DeepSeek-V3's first layer is dense), together what one master sent
+    assert len(piped.traffic_bytes_by_master) == stages and sorted(piped.traffic_bytes_by_master)[-2] > 0
+    assert sum(piped.traffic_bytes_by_master) == sum(one.traffic_bytes_by_master)
+    exported, alone = _adapter(piped), _adapter(one)
+    assert exported.keys() == alone.keys() == ref_state.keys()
+    for key, value in alone.items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 4)])
+def test_a_run_saved_with_some_stages_resumes_with_others(models, tmp_path, saved, resumed):
+    """A checkpoint holds every stage's tensors by name (stage 0 gathers them): a run saved at step 2 by `saved`
+    stages resumes on `resumed` and steps on as the saved run did."""
+    run = run_in_process(_config(models["mixtral"], tmp_path / "saved", saved, checkpoint={"every": 2}))
+    job = _config(models["mixtral"], tmp_path / "resumed", resumed).model_dump(mode="json")
+    job["checkpoint"]["resume"] = str(tmp_path / "saved" / "checkpoints" / "step-000002")
+    again = run_in_process(JobConfig.from_dict(job))
+    assert [r.step for r in again.resumes] == [2]
+    torch.testing.assert_close(torch.tensor(again.losses), torch.tensor(run.losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("setting,match", [
+    ({"masters": {"pipeline_stages": 2, "count": 2}}, "masters.count above 1"),
+    ({"masters": {"pipeline_stages": 2}, "cluster": {"master_tp": 2}}, "cluster.master_tp above 1"),
+    ({"masters": {"pipeline_stages": 2, "streaming": {"buffer_blocks": 2}}}, "masters.streaming"),
+    ({"masters": {"pipeline_stages": 2}, "lora": {"lora_dropout": 0.1, "expert_stacks": []}}, "lora.lora_dropout"),
+])
+def test_what_a_pipeline_cannot_run_with_is_refused_in_one_line(tmp_path, setting, match):
+    with pytest.raises(ValueError, match=f"masters.pipeline_stages \\(2\\) and {match}.*turn one off"):
+        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", **setting))
+
+
+def test_a_pipeline_runs_its_micro_batches_without_the_overlap_threads_saying_why(tmp_path):
+    config = JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", masters={"pipeline_stages": 2},
+                                          training={"overlap": {"micro_batches_in_flight": 2}}))
+    assert config.training.overlap.in_flight(config) == 1
+    assert config.master_processes == 2
