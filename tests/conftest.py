@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,31 +44,65 @@ def pytest_collection_modifyitems(config, items):
 TESTS = Path(__file__).parent
 
 
+class Background:
+    """Commands run one after another at the lowest CPU priority on a thread of the test session, each's
+    `CompletedProcess` a future: one-time work CI's Ray tests leave idle cores for (`pytest_collection_finish`)."""
+
+    def __init__(self):
+        self._runner = ThreadPoolExecutor(1, thread_name_prefix="vela-tests-background")
+        self._running: subprocess.Popen | None = None
+        self._stopped = False
+
+    def submit(self, command: list[str], **popen) -> Future:
+        return self._runner.submit(self._run, command, popen)
+
+    def _run(self, command: list[str], popen: dict) -> subprocess.CompletedProcess:
+        if self._stopped:
+            raise RuntimeError("the test session ended first")
+        self._running = subprocess.Popen(command, preexec_fn=lambda: os.nice(19), text=True, **popen)
+        stdout, stderr = self._running.communicate()
+        return subprocess.CompletedProcess(command, self._running.returncode, stdout, stderr)
+
+    def stop(self) -> None:
+        """Kill what runs (a tiny model build's staging dir goes at the next build), start nothing more."""
+        self._stopped = True
+        if self._running is not None and self._running.poll() is None:
+            self._running.kill()
+        self._runner.shutdown(wait=True, cancel_futures=True)
+
+
 def pytest_collection_finish(session):
-    """A run of Ray's tests and the unit tests (CI's) builds the tiny pre-trained model in the background, one thread at
-    the lowest CPU priority, while the Ray tests (collected first) leave cores idle; its first user among the unit tests
-    waits for it if need be (`tiny_model_path` never builds what a live process is building). Otherwise that user
-    would build it alone, ~2.5 min of CI on 2 cores."""
+    """A run of Ray's tests and the unit tests (CI's) does two one-time jobs in the background, one thread at the
+    lowest CPU priority, while the Ray tests (collected first) leave cores idle: it builds the tiny pre-trained model,
+    whose first user among the unit tests waits for it if need be (`tiny_model_path` never builds what a live
+    process is building), then runs the GPU battery's CPU form, whose test takes its result
+    (`test_training_core_alone`). Otherwise each would run on the critical path, ~2.5 min and ~45 s of CI on 2
+    cores."""
     from vela_ray.training.tiny_model import tiny_model_path
 
     parts = {item.path.relative_to(TESTS).parts[0] for item in session.items if TESTS in item.path.parents}
     if not {"ray", "unit"} <= parts:
         return
+    background = session.config.background = Background()
     try:
         tiny_model_path(build=False)
-        return  # built already
-    except ValueError:
-        pass
-    session.config.tiny_model_build = subprocess.Popen(
-        [str(Path(sys.executable).parent / "vela"), "build-tiny-model", "--threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+    except ValueError:  # not built yet
+        background.submit([str(Path(sys.executable).parent / "vela"), "build-tiny-model", "--threads", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if any(item.name == BATTERY_TEST for item in session.items):
+        from tests.unit.test_training_core_alone import battery_run
+
+        command, popen, out = battery_run(Path(tempfile.mkdtemp(prefix="vela-tests-battery-")))
+        session.config.battery_cpu_form = (background.submit(command, **popen), out)
+
+
+BATTERY_TEST = "test_the_battery_s_cpu_form_runs_without_the_cluster_packages"
 
 
 def pytest_sessionfinish(session):
-    build = getattr(session.config, "tiny_model_build", None)
-    if build is not None and build.poll() is None:  # the run ended first: its staging dir goes at the next build
-        build.kill()
-        build.wait()
+    background = getattr(session.config, "background", None)
+    if background is not None:
+        background.stop()
 
 
 # A skip of a `gpu` test that VELA_REQUIRE_GPU=1 still allows: the machine has a GPU, only fewer than the test needs.
