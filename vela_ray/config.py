@@ -738,9 +738,10 @@ class OverlapSection(_Section):
 
 class TrainingSection(_Section):
     refusals = (
-        Refusal("training.method: zo and several master processes (masters.count or cluster.master_tp above 1)",
-                "one master draws the backbone's perturbation", "use masters.count: 1 and cluster.master_tp: 1, or "
-                "training.method: first_order", lambda job: job.training.method == "zo" and job.master_processes > 1),
+        Refusal("training.method: zo and several master processes (masters.count, cluster.master_tp or "
+                "masters.pipeline_stages above 1)", "one master draws the backbone's perturbation",
+                "use masters.count: 1, cluster.master_tp: 1 and masters.pipeline_stages: 1, or training.method: "
+                "first_order", lambda job: job.training.method == "zo" and job.master_processes > 1),
         Refusal("training.method: zo and training.condensation.enabled",
                 "condensation condenses only forwards that keep a graph, so it would do nothing",
                 "turn condensation off", lambda job: job.training.method == "zo" and job.training.condensation.enabled),
@@ -958,9 +959,6 @@ class JobConfig(_Section):
                  "built: one master's layers are cut into stages"),
                 ("cluster.master_tp above 1", self.cluster.master_tp > 1, "a stage of tensor-parallel ranks is not "
                  "built"),
-                ("masters.streaming", self.masters.streaming.on, "a stage streaming its own layers is not built"),
-                ("training.method: zo", self.training.method == "zo", "ZO's two perturbed forwards are not "
-                 "scheduled through the stages"),
                 ("a preference objective", self.training.preference.on, "its reference pass and its metric sums "
                  "are not carried through the stages"),
                 ("training.condensation.enabled", self.training.condensation.enabled, "each stage's condenser "

@@ -1,6 +1,7 @@
 """A pipelined master through Ray (`masters.pipeline_stages`): master 0 holds the first decoder layers, a MasterRank
-actor on its node the rest; the hidden states and their gradients cross the stages' gloo group (NCCL-free: host
-memory), and each stage sends its own layers' rows over a collective data plane of its own.
+actor on its node the rest, each streaming its 3 layers' frozen weights through 2 slots (`masters.streaming`); the
+hidden states and their gradients cross the stages' gloo group (host memory), and each stage sends its own layers'
+rows over a collective data plane of its own.
 
 Against single-process transformers + peft and the same job with one master in one process: equal losses, eval
 losses, exported adapter, the bytes every worker saw, and the checkpoint (stage 0 gathers every stage's tensors).
@@ -23,12 +24,13 @@ STEPS, EVERY = 4, 2
 
 
 def test_a_pipelined_master_trains_equal_to_peft_and_to_one_master(ray_session, tmp_path):
-    model_dir = make_checkpoint(tmp_path / "model", "mixtral", num_hidden_layers=4)
+    model_dir = make_checkpoint(tmp_path / "model", "mixtral", num_hidden_layers=6)
     lora = {"r": 4, "alpha": 8, "init_adapter": str(init_adapter(model_dir, tmp_path / "init"))}
 
     def job(stages: int, transport: str) -> dict:
         return job_dict(model_dir, tmp_path / f"pp{stages}", steps=STEPS, lora=lora,
-                        masters={"pipeline_stages": stages}, data_plane={"transport": transport},
+                        masters={"pipeline_stages": stages, "streaming": {"buffer_blocks": 2} if stages > 1 else {}},
+                        data_plane={"transport": transport},
                         checkpoint={"every": EVERY, "keep": 10},
                         training={"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1},
                                   "eval_every": EVERY})
@@ -48,6 +50,7 @@ def test_a_pipelined_master_trains_equal_to_peft_and_to_one_master(ray_session, 
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-6)
     assert piped.traffic_bytes_by_worker == one.traffic_bytes_by_worker
     assert len(piped.traffic_bytes_by_master) == 2 and min(piped.traffic_bytes_by_master) > 0
+    assert piped.pipeline_stages == 2 and piped.streaming.layers == 3 and piped.streaming.uploads > 3 * STEPS
     # the checkpoint holds every stage's LoRA and AdamW tensors, as one master's does
     saved = [read_tensors(Path(s.checkpoint) / "backbone.safetensors") for s in (one, piped)]
     assert saved[1].keys() == saved[0].keys()

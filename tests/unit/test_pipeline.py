@@ -102,9 +102,9 @@ def test_lora_outside_the_decoder_layers_is_refused_naming_the_module():
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     made = {}
-    for family in FAMILIES:
-        made[family] = make_checkpoint(root / family / "model", family, num_hidden_layers=4)
-        init_adapter(made[family], root / family / "adapter")
+    for name, family, layers in [*((f, f, 4) for f in FAMILIES), ("mixtral_6", "mixtral", 6)]:
+        made[name] = make_checkpoint(root / name / "model", family, num_hidden_layers=layers)
+        init_adapter(made[name], root / name / "adapter")
     return made
 
 
@@ -112,7 +112,7 @@ def _config(model: Path, out: Path, stages: int, steps: int = 3, **sections) -> 
     training = {"optimizer": {"lr": 5e-3, "max_grad_norm": 0.5, "warmup_steps": 1}, "batch_size": 4,
                 "micro_batch_size": 2, "eval_every": 2, **sections.pop("training", {})}
     return JobConfig.from_dict(job_dict(model, out, steps=steps, training=training,
-                                        masters={"pipeline_stages": stages},
+                                        masters={"pipeline_stages": stages, **sections.pop("masters", {})},
                                         data_plane={"transport": "object_ref"},
                                         lora={"r": 4, "alpha": 8, "init_adapter": str(model.parent / "adapter")},
                                         **sections))
@@ -128,10 +128,12 @@ def _adapter(summary) -> dict[str, torch.Tensor]:
     ("mixtral", 4, {"training": {"activation_checkpointing": True}}),
     ("qwen3_moe", 2, {"expert_tiers": {"enabled": True, "cache_experts": 3}}),
     ("deepseek_v3", 4, {}),
-], ids=["mixtral-2", "mixtral-4-checkpointing", "qwen3_moe-2-tiers", "deepseek_v3-4"])
+    ("mixtral_6", 2, {"masters": {"streaming": {"buffer_blocks": 2}}}),
+], ids=["mixtral-2", "mixtral-4-checkpointing", "qwen3_moe-2-tiers", "deepseek_v3-4", "mixtral_6-2-streamed"])
 def test_a_pipelined_job_trains_equal_to_one_master_and_to_peft(models, tmp_path, family, stages, sections):
     """Losses, evaluations, the routing profile the placement was solved for, the bytes every worker saw and the
-    exported adapter: the stages' job is one master's (the adapter to the rounding of gradients summed in reverse
+    exported adapter, with activation checkpointing, tiers or each stage's layers streamed from host memory: the
+    stages' job is one master's (the adapter to the rounding of gradients summed in reverse
     micro-batch order), and its losses peft's."""
     one = run_in_process(_config(models[family], tmp_path / "one", 1, **copy.deepcopy(sections)))
     config = _config(models[family], tmp_path / "pp", stages, **copy.deepcopy(sections))
@@ -147,6 +149,8 @@ def test_a_pipelined_job_trains_equal_to_one_master_and_to_peft(models, tmp_path
     # the stages sent their own layers' rows (DeepSeek-V3's first layer is dense), together what one master sent
     assert len(piped.traffic_bytes_by_master) == stages and sorted(piped.traffic_bytes_by_master)[-2] > 0
     assert sum(piped.traffic_bytes_by_master) == sum(one.traffic_bytes_by_master)
+    if piped.streaming is not None:  # each stage streams its own 3 layers through 2 slots, evicting
+        assert piped.streaming.layers == 3 and piped.streaming.uploads > 3 * piped.steps
     exported, alone = _adapter(piped), _adapter(one)
     assert exported.keys() == alone.keys() == ref_state.keys()
     for key, value in alone.items():
@@ -169,12 +173,17 @@ def test_a_run_saved_with_some_stages_resumes_with_others(models, tmp_path, save
 @pytest.mark.parametrize("setting,match", [
     ({"masters": {"pipeline_stages": 2, "count": 2}}, "masters.count above 1"),
     ({"masters": {"pipeline_stages": 2}, "cluster": {"master_tp": 2}}, "cluster.master_tp above 1"),
-    ({"masters": {"pipeline_stages": 2, "streaming": {"buffer_blocks": 2}}}, "masters.streaming"),
     ({"masters": {"pipeline_stages": 2}, "lora": {"lora_dropout": 0.1, "expert_stacks": []}}, "lora.lora_dropout"),
 ])
 def test_what_a_pipeline_cannot_run_with_is_refused_in_one_line(tmp_path, setting, match):
     with pytest.raises(ValueError, match=f"masters.pipeline_stages \\(2\\) and {match}.*turn one off"):
         JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", **setting))
+
+
+def test_zo_refuses_a_pipeline_as_it_refuses_any_second_master_process(tmp_path):
+    with pytest.raises(ValueError, match="training.method: zo and several master processes .*pipeline_stages"):
+        JobConfig.from_dict(job_dict(tmp_path, tmp_path / "out", masters={"pipeline_stages": 2},
+                                     training={"method": "zo"}))
 
 
 def test_a_pipeline_runs_its_micro_batches_without_the_overlap_threads_saying_why(tmp_path):

@@ -223,7 +223,10 @@ class Placer:
         seconds = live.masters.master_compute_s(first)
         logger.info("the master computes %.3g s per micro-batch (%d a step, %d in flight)", seconds,
                     cfg.grad_accumulation, self.in_flight)
-        return TrainingStep(master_compute_s=cfg.grad_accumulation * seconds, micro_batches=cfg.grad_accumulation,
+        # a pipeline's micro-batch passes its S stages in `seconds`; GPipe's step runs M of them in M + S - 1 stage
+        # times (stages as even as the layers divide); the round trips are still predicted as one master's
+        stages, micro = self.config.masters.pipeline_stages, cfg.grad_accumulation
+        return TrainingStep(master_compute_s=seconds * (micro + stages - 1) / stages, micro_batches=micro,
                             in_flight=self.in_flight)
 
     def _profile(self, live: Live, resume: ResumePoint | None) -> np.ndarray | None:
