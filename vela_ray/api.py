@@ -89,7 +89,8 @@ class VelaJob:
         try:
             check_cluster_resources(self.config.cluster, ray.cluster_resources())
             node_name, node = _driver_node()
-            gpus = master_gpus(self.config.cluster, ray.cluster_resources(), node, node_name)
+            gpus = master_gpus(self.config.cluster, ray.cluster_resources(), node, node_name,
+                               self.config.masters.pipeline_stages)
             self.config = self.config.model_copy(update={"cluster": self.config.cluster.model_copy(
                 update={"master_gpus": gpus})})
             StartupInterrupts.check()  # ... or during Ray's start

@@ -80,6 +80,7 @@ def preflight(config: JobConfig) -> Preflight:
     check_profile_file(config.placement, config.model.path, model)
     check_lora_options(config.lora, config.model)
     check_master_tp(config)
+    check_pipeline(config)
     check_init_adapter(config.lora, config.model)
     check_packing(config.data, config.model)
     train_rows = check_data(config)
@@ -299,6 +300,20 @@ def check_master_tp(config: JobConfig) -> None:
                               tp)
     except ValueError as err:
         raise ValueError(f"cluster.master_tp: {tp} cannot split this model: {first_line(err)}") from None
+
+
+def check_pipeline(config: JobConfig) -> None:
+    """With `masters.pipeline_stages` > 1, every stage holds a layer and the loss is one the last stage computes
+    alone (`pipeline.check_stages`)."""
+    if config.masters.pipeline_stages == 1:
+        return
+    from transformers import AutoConfig
+
+    from vela_ray.training.pipeline import check_stages
+
+    text_config = AutoConfig.from_pretrained(str(config.model.path),
+                                             trust_remote_code=config.model.trust_remote_code).get_text_config()
+    check_stages(text_config, config.masters.pipeline_stages)
 
 
 def check_init_adapter(lora: LoraSection, model: ModelSection) -> None:
@@ -531,22 +546,23 @@ def check_cluster_resources(cluster: ClusterSection, available: dict[str, float]
 
 
 def master_gpus(cluster: ClusterSection, available: dict[str, float], node: dict[str, float] | None = None,
-                node_name: str = "the driver's node") -> int:
+                node_name: str = "the driver's node", stages: int = 1) -> int:
     """The master's GPU count: `cluster.master_gpus`, or 1 when a GPU the workers leave free is on `node`.
 
     `node` is the resources of the driver's node, where the master is pinned: a GPU elsewhere in the
     cluster is no use to it, and asking for one the node lacks leaves the actor pending forever. None
-    counts the cluster only. Call after `check_cluster_resources`; ValueError if an explicit 1 does not
-    fit. Pure: no Ray.
+    counts the cluster only. `stages`: `masters.pipeline_stages`, each of `cluster.master_tp` ranks. Call after
+    `check_cluster_resources`; ValueError if an explicit 1 does not fit. Pure: no Ray.
     """
-    ranks = cluster.master_tp  # a tensor-parallel master: a GPU per rank, all on the master's node
+    ranks = cluster.master_tp * stages  # a GPU per rank and stage, all on the master's node
     worker_gpus = cluster.num_worker_actors * cluster.num_gpus_per_worker
     spare = float(available.get("GPU", 0.0)) - worker_gpus
     node_gpus = float(node.get("GPU", 0.0)) if node is not None else spare
     if cluster.master_gpus is None:
         return 1 if min(spare, node_gpus) >= ranks else 0
     wanted = cluster.master_gpus * ranks
-    asks = f"cluster.master_gpus {cluster.master_gpus}" + (f" x cluster.master_tp {ranks}" if ranks > 1 else "")
+    asks = (f"cluster.master_gpus {cluster.master_gpus}" + (f" x cluster.master_tp {cluster.master_tp}"
+            if cluster.master_tp > 1 else "") + (f" x masters.pipeline_stages {stages}" if stages > 1 else ""))
     if wanted > spare:
         raise ValueError(f"{asks} needs {f'{wanted} GPUs' if wanted > 1 else 'a GPU'} beyond the workers' "
                          f"{worker_gpus}, but the Ray cluster has {float(available.get('GPU', 0.0)):g}; "

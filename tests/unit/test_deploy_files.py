@@ -139,7 +139,8 @@ def _assert_nodes_hold(job: JobConfig, nodes: list[Node]) -> None:
     cluster = job.cluster
     check_cluster_resources(cluster, totals)
     free = [dict(n) for n in nodes]
-    free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(cluster, totals) * cluster.master_tp  # a GPU per rank
+    stages = job.masters.pipeline_stages  # a GPU per rank of each stage
+    free[0]["GPU"] = free[0].get("GPU", 0.0) - master_gpus(cluster, totals, stages=stages) * cluster.master_tp * stages
     per_node = cluster.workers_per_node or cluster.num_workers
     placed = [0] * len(nodes)
     for worker in range(cluster.num_worker_actors):  # the others live in the master's process

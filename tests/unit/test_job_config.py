@@ -250,6 +250,10 @@ def test_the_master_gets_a_gpu_the_workers_leave_free(tmp_path):
     assert master_gpus(cluster(num_gpus_per_worker=1), {"CPU": 8, "GPU": 2}) == 0
     assert master_gpus(cluster(num_gpus_per_worker=1), {"CPU": 8, "GPU": 3}) == 1
     assert master_gpus(cluster(master_gpus=0), {"CPU": 8, "GPU": 3}) == 0
+    assert master_gpus(cluster(), {"CPU": 8, "GPU": 1}, stages=2) == 0  # two stages, a GPU each, or none
+    assert master_gpus(cluster(), {"CPU": 8, "GPU": 2}, stages=2) == 1
+    with pytest.raises(ValueError, match="cluster.master_gpus 1 x masters.pipeline_stages 2 needs 2 GPUs"):
+        master_gpus(cluster(master_gpus=1), {"CPU": 8, "GPU": 1}, stages=2)
     with pytest.raises(ValueError, match=r"cluster\.master_gpus 1 needs a GPU beyond the workers' 2, but the Ray "
                                          r"cluster has 2; set cluster\.master_gpus: 0"):
         master_gpus(cluster(num_gpus_per_worker=1, master_gpus=1), {"CPU": 8, "GPU": 2})

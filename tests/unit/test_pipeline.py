@@ -191,3 +191,14 @@ def test_a_pipeline_runs_its_micro_batches_without_the_overlap_threads_saying_wh
                                           training={"overlap": {"micro_batches_in_flight": 2}}))
     assert config.training.overlap.in_flight(config) == 1
     assert config.master_processes == 2
+
+
+def test_the_preflight_refuses_more_stages_than_layers_and_an_aux_loss_before_anything_starts(models, tmp_path):
+    from vela_ray.preflight import preflight
+
+    with pytest.raises(ValueError, match="masters.pipeline_stages \\(5\\) must be between 1 and the model's 4"):
+        preflight(_config(models["mixtral"], tmp_path / "five", 5))
+    aux = make_checkpoint(tmp_path / "aux", "mixtral", num_hidden_layers=4, output_router_logits=True)
+    with pytest.raises(ValueError, match="router aux loss"):
+        preflight(JobConfig.from_dict(job_dict(aux, tmp_path / "aux-out", masters={"pipeline_stages": 2})))
+    assert preflight(_config(models["mixtral"], tmp_path / "four", 4)).config.masters.pipeline_stages == 4

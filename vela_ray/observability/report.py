@@ -246,7 +246,7 @@ def summary_text(source: RunSummary | str | Path) -> str:
         *([memory_text(s)] if s.bytes_per_expert else []),
         *([tiers_text(s)] if s.expert_tiers else []),
         *([streaming_text(s)] if s.streaming else []),
-        *([masters_text(s)] if len(s.master_nodes) > 1 or s.master_tp > 1 else []),
+        *([masters_text(s)] if len(s.master_nodes) > 1 or s.master_tp > 1 or s.pipeline_stages > 1 else []),
         *([f"family {s.family_check}"] if s.family_check else []),
         *data_lines(s.data),
     ]
@@ -304,9 +304,13 @@ def data_lines(d: DataRecord | None) -> list[str]:
 
 
 def masters_text(s: RunSummary) -> str:
-    """One line on data-parallel masters (and each one's tensor-parallel ranks) and the expert copies they use."""
+    """One line on data-parallel masters (each one's tensor-parallel ranks or pipeline stages) and the expert copies
+    they use."""
     nodes = len(set(s.master_nodes))
     ranks = f", each over {s.master_tp} tensor-parallel ranks of its node" if s.master_tp > 1 else ""
+    if s.pipeline_stages > 1:
+        ranks += (f", each cut into {s.pipeline_stages} pipeline stages on its node (expert traffic by stage: "
+                  + ", ".join(f"{b / 1e6:.2f}" for b in s.traffic_bytes_by_master) + " MB)")
     copies = 0
     if s.placement.routes is not None:
         copies = int(experts_per_worker(len(s.worker_nodes), np.asarray(s.placement.routes)).sum()
@@ -589,7 +593,8 @@ def overview(run: Run) -> str:
     facts.update({f"{tier} traffic": f"{nbytes / MiB:.1f} MiB" for tier, nbytes in s.traffic_bytes_by_tier.items()})
     cards = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{v}</div></div>'
                     for k, v in facts.items())
-    masters = (f'<p class="masters">{html.escape(masters_text(s))}</p>' if len(s.master_nodes) > 1 or s.master_tp > 1
+    masters = (f'<p class="masters">{html.escape(masters_text(s))}</p>'
+               if len(s.master_nodes) > 1 or s.master_tp > 1 or s.pipeline_stages > 1
                else "")
     tiers = f'<p class="tiers">{html.escape(tiers_text(s))}</p>' if s.expert_tiers else ""
     rows = f'<p class="condensation">{html.escape(row_format_text(s))}</p>' if s.row_format != "exact" else ""

@@ -1,4 +1,4 @@
-"""The masters as one group: every master rank of a job on one (data-parallel x tensor-parallel) mesh.
+"""The masters as one group: every master rank of a job on one (data-parallel x pipeline x tensor-parallel) mesh.
 
 `masters.count` = D data-parallel masters, each of `cluster.master_tp` = T tensor-parallel ranks: D*T ranks
 (`MasterMesh`), rank (m, t) on master m's node. Rank (0, 0), master 0, is the runner's own (`MasterGroup.leader`,
@@ -24,8 +24,11 @@ by `MasterGroup.start`, the others by `MasterRank.join`. The group then runs wha
     its share of the full tensors, and `load_condenser_state`), a new table after a migration (`rebind`), traffic,
     pids, and recovery's new ranks over new workers (`restart_ranks`).
 
-One master is the 1 x 1 mesh: no hosted rank, nothing to sum or to tell. A pipeline axis (APTMoE's stages) is one
-more dimension of `MasterMesh`, its ranks hosted and built the same way.
+With `masters.pipeline_stages` = S a master's backbone is cut into S stages (`training.pipeline`), one rank
+each on its node, GPipe's schedule over the stages' group (`RankGroups.stages`); every stage is built the one way,
+then keeps its own layers; master 0 (stage 0) gathers the stages' state, profile and routing pairs. Stages combine
+with one data-parallel master of one TP rank (`JobConfig._pipeline_combines`). One master is the 1 x 1 x 1 mesh:
+no hosted rank, nothing to sum or to tell.
 
     masters = MasterGroup.start(config, pool, hosted, table, backbone.model)
     done = masters.start_step(micro_batches, lr, max_grad_norm)   # then master 0's own train_step

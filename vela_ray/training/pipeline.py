@@ -70,6 +70,17 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
     return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def check_stages(text_config, count: int) -> None:
+    """ValueError, in one line, where `count` stages cannot hold the model of `text_config` (its text config) exactly:
+    fewer layers than stages, or a loss that adds the router aux loss (the preflight's check, and each stage's)."""
+    stage_layers(text_config.num_hidden_layers, count)
+    if getattr(text_config, "output_router_logits", False) and getattr(text_config, "router_aux_loss_coef", 0.0):
+        raise ValueError("masters.pipeline_stages: this model's loss adds the router aux loss (its config's "
+                         "output_router_logits), a product of two means over every layer's routing, which no stage "
+                         "can compute alone: set output_router_logits false in its config.json, or "
+                         "masters.pipeline_stages: 1")
+
+
 class OutsideStage(nn.Module):
     """A decoder layer another stage holds: nothing, its input passed on."""
 
@@ -225,11 +236,7 @@ def keep_stage(model: nn.Module, index: int, count: int, group: Exchanger, block
     caller gives its optimizer the parameters left (`MasterModel.keep_stage`)."""
     layers = decoder_layers(model)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0.0):
-        raise ValueError("masters.pipeline_stages: this model's loss adds the router aux loss (its config's "
-                         "output_router_logits), a product of two means over every layer's routing, which no stage "
-                         "can compute alone: set output_router_logits false in its config.json, or "
-                         "masters.pipeline_stages: 1")
+    check_stages(text, count)
     in_layers = {id(p) for p in layers.parameters()}
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_layers]
     if outside:

@@ -31,8 +31,8 @@ the weights' dtype, in each call, and gradients flow back through the copy, so o
 tensors steps every expert wherever it computed, and results equal an untiered worker's (tests check
 forward, input and LoRA gradients to 1e-6 in fp32, bit for bit in bf16).
 
-Left out (see the task's report): the paper's pipeline-stage loading of attention and gate blocks here (the
-master streams its own: `vela_ray.model.streaming`), and offloading the experts' activations.
+Left out: offloading the experts' activations. The paper's pipeline stages and their loading of attention and gate
+blocks are the master's (`masters.pipeline_stages`, `vela_ray.training.pipeline`; `vela_ray.model.streaming`).
 
 Legend: R = rows of the request, D = hidden size, E = hosted experts of the layer.
 """
