@@ -72,7 +72,8 @@ def test_stages_give_one_models_loss_and_every_lora_gradient(family, count):
     expected = {n: p.grad for n, p in serial.named_parameters() if p.requires_grad}
     seen = set()
     for stage, staged in zip(stages, models):
-        kept = [i for i, layer in enumerate(staged.base_model.model.model.layers) if not isinstance(layer, OutsideStage)]
+        layers = staged.base_model.model.model.layers
+        kept = [i for i, layer in enumerate(layers) if not isinstance(layer, OutsideStage)]
         assert kept == list(stage.layers)
         for name, param in staged.named_parameters():
             if param.requires_grad:

@@ -540,8 +540,9 @@ def stream_backbone(model: nn.Module, buffer_blocks: int, device: torch.device, 
     """Stream `model`'s decoder layers (peft-wrapped or not, built in host memory) through `buffer_blocks` slots on
     `device`: each layer replaced in its ModuleList by a `StreamedLayer`, its frozen tensors packed into host copies,
     and every other tensor (LoRA, embedding, head, norms) moved to `device`. A layer with no frozen tensor (another
-    pipeline stage's, `training.pipeline.OutsideStage`) is left as it is: the stream holds the others, in order. Never `model.to(device)`: the layers'
-    frozen weights would all land on the device at once, which is what streaming is for a model too big for."""
+    pipeline stage's, `training.pipeline.OutsideStage`) is left as it is: the stream holds the others, in order.
+    Never `model.to(device)`: the layers' frozen weights would all land on the device at once, which is what
+    streaming is for a model too big for."""
     layers = decoder_layers(model)
     held = [i for i, layer in enumerate(layers) if _frozen_tensors(layer)]  # a pipeline stage's own layers
     stream = BackboneStream([layers[i] for i in held], buffer_blocks, device, upload_format, activation_budget,

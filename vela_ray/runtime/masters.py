@@ -365,7 +365,7 @@ class MasterGroup:
             if groups.node is not None:  # the new ranks on its node read the backbone from it, as at the start
                 shard_and_read(self.leader, master_spec(self.config), None, groups.node, holds_backbone=True)
             if self.leader.stage is not None:  # its stages are the new ranks
-                self.leader.stage.group = groups.stages
+                self.leader.stage.rejoin(groups.stages)
         self.replicas = groups.replicas
         self.hosts.wait(joins)
         self.migration = self._leader_migration()

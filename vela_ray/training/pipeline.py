@@ -149,6 +149,10 @@ class PipelineStage:
     def last(self) -> bool:
         return self.index == self.count - 1
 
+    def rejoin(self, group: Exchanger) -> None:
+        """The stages' group after a recovery started the other stages again (`MasterGroup.restart_ranks`)."""
+        self.group = group
+
     def take_input(self) -> torch.Tensor:
         if self._input is None:
             raise RuntimeError(f"pipeline stage {self.index} ran its first layer with no hidden state from stage "
