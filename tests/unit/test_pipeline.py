@@ -203,3 +203,37 @@ def test_the_preflight_refuses_more_stages_than_layers_and_an_aux_loss_before_an
     with pytest.raises(ValueError, match="router aux loss"):
         preflight(JobConfig.from_dict(job_dict(aux, tmp_path / "aux-out", masters={"pipeline_stages": 2})))
     assert preflight(_config(models["mixtral"], tmp_path / "four", 4)).config.masters.pipeline_stages == 4
+
+
+def test_a_stage_reads_only_its_own_layers_and_what_every_stage_runs(models):
+    """A stage built on the unread skeleton (every stage but master 0) keeps its layers before reading, so it reads
+    its own layers' backbone tensors and the embedding, final norm and head, nothing of the other stages' layers;
+    the stages together read the backbone once plus those shared tensors once per stage past the first."""
+    from safetensors import safe_open
+
+    from vela_ray.model.experts import LoraSpec
+    from vela_ray.model.transport import InProcessTransport
+    from vela_ray.training.master import MasterSpec, build_master_rank
+    from vela_ray.training.schedule import OptimizerConfig
+
+    model_dir = models["mixtral_6"]
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    dtype_bytes = 4
+    backbone = {n: dtype_bytes * int(torch.tensor(shape).prod()) for n, shape in sizes.items()
+                if ".experts." not in n}
+    layer_of = {n: int(n.split("layers.")[1].split(".")[0]) if "layers." in n else None for n in backbone}
+    spec = MasterSpec(model_dir=model_dir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=8), optim=OptimizerConfig(),
+                      num_masters=3, pipeline_stages=3)
+    group = ThreadGroup(3)
+    read = []
+    for index in range(3):
+        master, stats = build_master_rank(spec, [[0] * 6] * 6, InProcessTransport([None]),  # no row travels here
+                                          stage=(index, group.member(index)))
+        own = master.stage.layers
+        assert own == range(2 * index, 2 * index + 2)
+        expected = sum(b for n, b in backbone.items() if layer_of[n] is None or layer_of[n] in own)
+        assert stats.bytes_read == expected
+        read.append(stats.bytes_read)
+    shared = sum(b for n, b in backbone.items() if layer_of[n] is None)
+    assert sum(read) == sum(backbone.values()) + 2 * shared
