@@ -19,6 +19,7 @@ from tests.fixtures import init_adapter, job_dict, make_checkpoint, reference_lo
 from vela_ray.config import JobConfig
 from vela_ray.model.families import debug_model
 from vela_ray.model.modeling import find_moe_blocks
+from vela_ray.observability.report import summary_text
 from vela_ray.training.pipeline import OutsideStage, keep_stage, stage_layers
 from vela_ray.training.replicas import ThreadGroup
 
@@ -119,6 +120,19 @@ def _config(model: Path, out: Path, stages: int, steps: int = 3, **sections) -> 
                                         **sections))
 
 
+def _stage_bytes(model_dir: Path, stages: int) -> list[int]:
+    """Each stage's share of the checkpoint's backbone bytes (fp32, experts left out): its own layers' tensors and
+    those outside the layers (embedding, final norm, head), which every stage holds."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        sizes = {n: 4 * int(torch.tensor(f.get_slice(n).get_shape()).prod()) for n in f.keys() if ".experts." not in n}
+    layer = {n: int(n.split("layers.")[1].split(".")[0]) if "layers." in n else None for n in sizes}
+    num_layers = 1 + max(i for i in layer.values() if i is not None)
+    return [sum(b for n, b in sizes.items() if layer[n] is None or layer[n] in own)
+            for own in stage_layers(num_layers, stages)]
+
+
 def _adapter(summary) -> dict[str, torch.Tensor]:
     return load_file(Path(summary.adapter_dir) / "adapter_model.safetensors")
 
@@ -150,6 +164,11 @@ def test_a_pipelined_job_trains_equal_to_one_master_and_to_peft(models, tmp_path
     # the stages sent their own layers' rows (DeepSeek-V3's first layer is dense), together what one master sent
     assert len(piped.traffic_bytes_by_master) == stages and sorted(piped.traffic_bytes_by_master)[-2] > 0
     assert sum(piped.traffic_bytes_by_master) == sum(one.traffic_bytes_by_master)
+    # each stage holds its own layers' frozen tensors and the embedding, norm and head (and a few rotary buffers)
+    for run, count in ((one, 1), (piped, stages)):
+        for held, expected in zip(run.stage_bytes, _stage_bytes(models[family], count), strict=True):
+            assert 0 <= held - expected <= 1024, (held, expected)
+    assert "pipeline stages on its node (frozen backbone by stage" in summary_text(Path(piped.adapter_dir).parent)
     if piped.streaming is not None:  # each stage streams its own 3 layers through 2 slots, evicting
         assert piped.streaming.layers == 3 and piped.streaming.uploads > 3 * piped.steps
     exported, alone = _adapter(piped), _adapter(one)

@@ -309,7 +309,8 @@ def masters_text(s: RunSummary) -> str:
     nodes = len(set(s.master_nodes))
     ranks = f", each over {s.master_tp} tensor-parallel ranks of its node" if s.master_tp > 1 else ""
     if s.pipeline_stages > 1:
-        ranks += (f", each cut into {s.pipeline_stages} pipeline stages on its node (expert traffic by stage: "
+        ranks += (f", each cut into {s.pipeline_stages} pipeline stages on its node (frozen backbone by stage: "
+                  + ", ".join(f"{b / 1e6:.2f}" for b in s.stage_bytes or []) + " MB; expert traffic by stage: "
                   + ", ".join(f"{b / 1e6:.2f}" for b in s.traffic_bytes_by_master) + " MB)")
     copies = 0
     if s.placement.routes is not None:

@@ -186,7 +186,7 @@ class StepAccounting:
             worker_tiers=list(dispatcher.traffic().worker_tiers), worker_nodes=live.hosted.node_ids,
             master_node=master_node,
             master_nodes=live.masters.nodes, master_tp=config.cluster.master_tp,
-            pipeline_stages=config.masters.pipeline_stages,
+            pipeline_stages=config.masters.pipeline_stages, stage_bytes=live.masters.stage_bytes(),
             allreduce_bytes_per_step=history[-1].allreduce_bytes if live.masters.num_masters > 1 and history else None,
             sequence_moves=None if live.migration is None else added([h.sequence_moves or {} for h in history]),
             placement=PlacementRecord.of(state.plan, state.problem, config.placement.cost_model),

@@ -250,6 +250,9 @@ class MasterRank:
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_master_state(self.master, tensors)
 
+    def frozen_bytes(self) -> int:
+        return frozen_bytes(self.master)
+
     def load_condenser_state(self, state: dict | None) -> None:
         if self.master.dispatcher.condenser is not None:
             self.master.dispatcher.condenser.load_state(state)
@@ -497,6 +500,14 @@ class MasterGroup:
         if self.hosts is not None:
             self.hosts.wait(self.hosts.call("load_condenser_state", state))
 
+    def stage_bytes(self) -> list[int]:
+        """Master 0's frozen backbone bytes (`frozen_bytes`) by pipeline stage, stage 0's first (one entry without
+        stages)."""
+        if self.mesh.pp == 1:
+            return [frozen_bytes(self.leader)]
+        return [frozen_bytes(self.leader), *self.hosts.wait(self.hosts.call("frozen_bytes",
+                                                                             ranks=list(range(self.mesh.pp - 1))))]
+
     def rebind(self, table) -> None:
         """Every hosted rank's brokers to a new table, or to its master's routes (after a migration)."""
         if self.hosts is not None:
@@ -539,6 +550,15 @@ def master_spec(config: JobConfig) -> MasterSpec:
 
 def _device(master: MasterModel) -> torch.device:
     return next(master.peft_model.parameters()).device
+
+
+def frozen_bytes(master: MasterModel) -> int:
+    """The bytes of a master's frozen backbone tensors (its parameters without gradients and its buffers), where
+    they rest: on its device, or in host memory when streamed. A pipeline stage's: its layers', the embedding, norm
+    and head."""
+    model = master.peft_model
+    tensors = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def stage_profile(master: MasterModel, batches: Sequence[Batch]) -> RoutingRecorder:

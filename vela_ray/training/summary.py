@@ -394,6 +394,9 @@ class RunSummary(_Record):
     """Tensor-parallel ranks of each master (`cluster.master_tp`), all on its node."""
     pipeline_stages: int = 1
     """Pipeline stages of each master (`masters.pipeline_stages`), all on its node."""
+    stage_bytes: list[int] = Field(default_factory=list)
+    """Master 0's frozen backbone bytes by pipeline stage (its layers', the embedding, norm and head; on its device,
+    or in host memory when streamed), stage 0's first: one entry without stages."""
     traffic_bytes_by_master: list[int] = Field(default_factory=list)
     """Each master process's expert traffic (all passes), in mesh order (`MasterMesh.ranks`, master 0's first): a
     pipeline stage's is its own layers' rows."""
