@@ -9,6 +9,7 @@ the single-process form of vela-ray.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -185,7 +186,11 @@ def build_master_rank(spec: MasterSpec, expert_to_worker, transport: Transport, 
     from host memory (`spec.streaming`, `vela_ray.model.streaming`). `stage`: (its index, the stages' group) with
     `spec.pipeline_stages` above 1: it keeps that stage's layers before anything is read (`MasterModel.keep_stage`).
     Returns it and what it read, received and sent (None: it read nothing here)."""
-    with _BUILDING:  # the build seeds the process's RNG and draws from it: ranks hosted as threads take turns
+    # the build seeds the process's RNG and draws from it: ranks hosted as threads take turns, and one building its
+    # own skeleton leaves the RNG as it found it, so master 0's draws (on the backbone the runner seeded and read) are
+    # one master's whenever its turn comes
+    own_seed = torch.random.fork_rng(devices=[]) if model is None else contextlib.nullcontext()
+    with _BUILDING, own_seed:
         model = seeded_backbone(spec, read=False) if model is None else model
         blocks = find_moe_blocks(model) if stage is not None else []
         master = build_master(model, expert_to_worker, transport, spec.lora, spec.optim, master=rank,

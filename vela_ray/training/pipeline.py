@@ -18,14 +18,14 @@ computes, for every family, with nothing written per family.
 The schedule is GPipe's, in lockstep ticks (`PipelineStage.forward_backward`): at forward tick k stage s runs
 micro-batch k - s, then every stage takes part in one exchange over the stages' group (`replicas.Exchanger`: a
 `ThreadGroup` of threads, or a gloo group of the stage processes), each sending its output to the next stage; the
-backward runs the same ticks last micro-batch first, each stage sending the gradient of its input to the stage
-before. GPipe, not 1F1B: every micro-batch's activations are kept until the backward (1F1B would keep S of them), in
-exchange for a schedule whose ticks every stage walks in one order, and whose gradients sum in the serial step's
-micro-batch order. The experts of every stage's MoE layers are served by the ExpertManagers as one master's are:
+backward runs the same ticks back, first micro-batch first, each stage sending the gradient of its input to the
+stage before. GPipe, not 1F1B: every micro-batch's activations are kept until the backward (1F1B would keep S of
+them), in exchange for a schedule whose ticks every stage walks in one order, and whose gradients sum in the serial
+step's micro-batch order (any backward order runs when every graph is kept). The experts of every stage's MoE layers are served by the ExpertManagers as one master's are:
 each stage is one more master process to them.
 
-Exact: the hidden states and their gradients are moved, not changed. The LoRA gradients of a layer are computed on
-the stage that holds it alone; the global gradient norm is the stages' squared norms summed (with the workers',
+Exact: the hidden states and their gradients are moved, not changed, so every LoRA gradient is one master's, bit
+for bit. The LoRA gradients of a layer are computed on the stage that holds it alone; the global gradient norm is the stages' squared norms summed (with the workers',
 which master 0 reads once every backward has ended: stage 0's backward is the schedule's last).
 
     stage = keep_stage(master, index=1, count=2, group=group, blocks=blocks)
@@ -203,20 +203,21 @@ class PipelineStage:
 
     def backwards(self, outputs: list[Any], inputs: list[torch.Tensor | None], micro_batches: Sequence[Batch]
                   ) -> None:
-        """GPipe's backward ticks, last micro-batch first: the last stage's from its losses, the others' from the
-        gradient of their output the stage after sent; each sends the gradient of its input to the stage before.
+        """GPipe's backward ticks, first micro-batch first (every micro-batch's graph is kept, so any order runs;
+        this one sums each gradient in the serial step's order): the last stage's from its losses, the others' from
+        the gradient of their output the stage after sent; each sends the gradient of its input to the stage before.
         A micro-batch's graph is let go once its backward ran."""
         count, here = len(outputs), self.index
         arrived: dict[int, torch.Tensor] = {}
         for tick in range(count + self.count - 1):
-            i = count - 1 - (tick - (self.count - 1 - here))  # the stage after runs i - 1 at this tick
+            i = tick - (self.count - 1 - here)  # the stage after runs i + 1 at this tick
             outgoing = {}
             if 0 <= i < count:
                 torch.autograd.backward(outputs[i], None if self.last else arrived.pop(i))
                 if not self.first:
                     outgoing = {here - 1: inputs[i].grad}
                 outputs[i] = inputs[i] = None
-            coming = i - 1
+            coming = i + 1
             incoming = {here + 1: self._shape(micro_batches[coming])} if not self.last and 0 <= coming < count \
                 else {}
             arrived.update({coming: t for t in self.group.exchange(outgoing, incoming).values()})
