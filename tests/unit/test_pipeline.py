@@ -272,3 +272,14 @@ def test_without_a_start_adapter_every_stage_draws_one_masters_lora(models, tmp_
     assert one.keys() == piped.keys()
     for key, value in one.items():
         assert torch.equal(piped[key], value), key
+
+
+@pytest.mark.job
+def test_the_benchmark_s_stages_hold_their_share_of_the_layers_and_train_as_one_master(tmp_path):
+    """`benchmarks/pipeline_stages.py` at toy size."""
+    from benchmarks import pipeline_stages
+
+    payload = pipeline_stages.main(["--out", str(tmp_path / "stages.json"), "--layers", "4", "--hidden", "64",
+                                    "--stages", "1", "2", "--steps", "2", "--seq", "16", "--micro-batches", "2"])
+    two = payload["setups"]["stages_2"]
+    assert two["losses_equal_first"] and two["largest_stage_layers_vs_first"] == pytest.approx(0.5, abs=1e-3)
