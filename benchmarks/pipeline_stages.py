@@ -6,8 +6,9 @@ placement) run with 1 (one master), 2 and 4 stages (`--stages`), each stage a th
 model (`runtime.local.ThreadRanks`; through Ray each is a process). Reported per setup: the frozen backbone bytes
 each stage holds (`summary.json`'s `stage_bytes`: its layers, and the embedding, norm and head every stage keeps),
 the largest stage's share of one master's (and of its decoder layers' bytes alone: the embedding and head, a
-large share of so small a model, stay on every stage), each stage's expert traffic, the median step seconds and its ratio to one
-master's, and the losses (every setup's equal one master's: the stages move hidden states, never change them).
+large share of so small a model, stay on every stage), each stage's expert traffic, the median step seconds and
+its ratio to one master's, and the losses (every setup's equal one master's: the stages move hidden states, never
+change them).
 
 What the figures leave out: the step times are a CPU stand-in's (the stages share this machine's cores with each
 other and with the workers, and cross their group by a thread barrier, not PCIe or NVLink), so they say what the

@@ -21,12 +21,13 @@ micro-batch k - s, then every stage takes part in one exchange over the stages' 
 backward runs the same ticks back, first micro-batch first, each stage sending the gradient of its input to the
 stage before. GPipe, not 1F1B: every micro-batch's activations are kept until the backward (1F1B would keep S of
 them), in exchange for a schedule whose ticks every stage walks in one order, and whose gradients sum in the serial
-step's micro-batch order (any backward order runs when every graph is kept). The experts of every stage's MoE layers are served by the ExpertManagers as one master's are:
-each stage is one more master process to them.
+step's micro-batch order (any backward order runs when every graph is kept). The experts of every stage's MoE
+layers are served by the ExpertManagers as one master's are: each stage is one more master process to them.
 
 Exact: the hidden states and their gradients are moved, not changed, so every LoRA gradient is one master's, bit
-for bit. The LoRA gradients of a layer are computed on the stage that holds it alone; the global gradient norm is the stages' squared norms summed (with the workers',
-which master 0 reads once every backward has ended: stage 0's backward is the schedule's last).
+for bit, computed on the one stage that holds its layer. The global gradient norm is the stages' squared norms
+summed (with the workers', which master 0 reads once every backward has ended: stage 0's backward is the schedule's
+last).
 
     stage = keep_stage(master, index=1, count=2, group=group, blocks=blocks)
     loss = stage.forward_backward(master.peft_model, micro_batches, model_loss)   # every stage, at once
@@ -167,6 +168,11 @@ class PipelineStage:
         try:
             result = forward(batch)
         except StageOutput as out:
+            shape, dtype = self._shape(batch)
+            if out.hidden.shape != shape or out.hidden.dtype != dtype:  # the next stage reads what it expects
+                raise RuntimeError(f"pipeline stage {self.index}'s last layer gave {out.hidden.dtype} "
+                                   f"{tuple(out.hidden.shape)}, not the {dtype} {shape} the next stage "
+                                   "receives") from None
             return out.hidden
         finally:
             self._input = None
