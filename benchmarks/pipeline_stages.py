@@ -21,6 +21,7 @@ change it.
 
 from __future__ import annotations
 
+import math
 import shutil
 import statistics
 import sys
@@ -90,15 +91,7 @@ def shared_bytes(model_dir: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        return sum(4 * _numel(f.get_slice(n).get_shape())
-                   for n in f.keys() if "layers." not in n)
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+        return sum(4 * math.prod(f.get_slice(n).get_shape()) for n in f.keys() if "layers." not in n)
 
 
 def run_setup(model_dir: Path, out: Path, stages: int, args) -> dict:

@@ -362,20 +362,29 @@ def profile_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict
 
 
 def profile_forwards(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], progress: bool = False,
-                     on_batch=None) -> None:
+                     on_batch=None, run=None) -> None:
     """The forwards of `profile_model` (eval mode, no gradients; the mode restored), each batch's mask handed to
-    `on_batch` first: what a rank that shares the model's layers with the profiling one runs beside it."""
+    `on_batch` first: what a rank that shares the model's layers with the profiling one runs beside it. `run(batches,
+    forward)`: how the forwards run (a pipeline stage's through the stages, `PipelineStage.forwards`); None: one
+    after another."""
     device = next(model.parameters()).device
+
+    def forward(batch: dict[str, torch.Tensor]) -> None:
+        if on_batch is not None:
+            on_batch(batch.get("attention_mask"))
+        model(**profile_inputs(batch, device))
+
     was_training = model.training
     model.eval()
     try:
         # no_grad, not inference_mode: FSDP2 (`masters.shard_frozen_backbone`) all-gathers into buffers it updates
         # in place later, which a tensor made under inference mode refuses
         with torch.no_grad():
-            for batch in tqdm(batches, desc="profile", unit="batch", disable=not progress):
-                if on_batch is not None:
-                    on_batch(batch.get("attention_mask"))
-                model(**profile_inputs(batch, device))
+            if run is not None:
+                run(list(batches), forward)
+            else:
+                for batch in tqdm(batches, desc="profile", unit="batch", disable=not progress):
+                    forward(batch)
     finally:
         model.train(was_training)
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from vela_ray.config import CondensationSection, JobConfig, MastersSection
 from vela_ray.data.datasets import on_device
-from vela_ray.data.locality import AccessProfile, RoutingRecorder, profile_forwards, profile_inputs, profile_model
+from vela_ray.data.locality import AccessProfile, RoutingRecorder, profile_forwards, profile_model
 from vela_ray.model.adapters import backbone_state_of
 from vela_ray.model.condensation import Condenser, CondenserCounts
 from vela_ray.model.modeling import MoeBlock
@@ -503,10 +503,8 @@ class MasterGroup:
     def stage_bytes(self) -> list[int]:
         """Master 0's frozen backbone bytes (`frozen_bytes`) by pipeline stage, stage 0's first (one entry without
         stages)."""
-        if self.mesh.pp == 1:
-            return [frozen_bytes(self.leader)]
-        return [frozen_bytes(self.leader), *self.hosts.wait(self.hosts.call("frozen_bytes",
-                                                                             ranks=list(range(self.mesh.pp - 1))))]
+        stages = self.hosts.call("frozen_bytes", ranks=list(range(self.mesh.pp - 1))) if self.mesh.pp > 1 else []
+        return [frozen_bytes(self.leader), *(self.hosts.wait(stages) if stages else [])]
 
     def rebind(self, table) -> None:
         """Every hosted rank's brokers to a new table, or to its master's routes (after a migration)."""
@@ -564,20 +562,9 @@ def frozen_bytes(master: MasterModel) -> int:
 def stage_profile(master: MasterModel, batches: Sequence[Batch]) -> RoutingRecorder:
     """A pipeline stage's part of the routing profile (`locality.profile_model`'s forwards, through the stages):
     a recorder over every MoE block of the model, of which only the stage's own run here."""
-    model, stage, device = master.peft_model, master.stage, _device(master)
-    recorder = RoutingRecorder.for_model(model, stage.blocks)
-
-    def forward(batch: Batch) -> None:
-        recorder.set_attention_mask(batch.get("attention_mask"))
-        model(**profile_inputs(batch, device))
-
-    was_training = model.training
-    model.eval()
-    try:
-        with recorder, torch.no_grad():
-            stage.forwards(list(batches), forward)
-    finally:
-        model.train(was_training)
+    recorder = RoutingRecorder.for_model(master.peft_model, master.stage.blocks)
+    with recorder:
+        profile_forwards(master.peft_model, batches, on_batch=recorder.set_attention_mask, run=master.stage.forwards)
     return recorder
 
 
